@@ -1,0 +1,62 @@
+"""FP8 blockwise (1xB activations, BxB weights; the DeepSeek / TE recipe).
+
+Per block ``d = max(a, eps) / Q`` (all-zero blocks never give 0 or NaN); with ``pow2``,
+``d = 2^ceil(log2 d)`` computed exactly from the fp32 bits (a subnormal ``d`` becomes ``2^-126``);
+``c = cast_rne(clamp(x / d, -Q, Q))``; the stored scale is ``d``; ``x_hat = c * d``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import block_amax, from_blocks, to_blocks
+from .fp8 import cast_fp8
+from .spec import FLOAT_FORMATS
+
+_EXP_MASK = 0x7F800000
+_MANT_MASK = 0x007FFFFF
+_MIN_NORMAL_BITS = 0x00800000
+
+
+def pow2_ceil(d: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= ``d`` for positive fp32 ``d``, from the bits (NaN/Inf kept)."""
+    bits = d.view(torch.int32)
+    exp = bits & _EXP_MASK
+    up = torch.where((bits & _MANT_MASK) != 0, exp + _MIN_NORMAL_BITS, exp)
+    up = torch.where(exp == 0, torch.full_like(bits, _MIN_NORMAL_BITS), up)
+    out = up.view(torch.float32)
+    return torch.where(torch.isfinite(d), out, d)
+
+
+def blockwise_scale(amax: torch.Tensor, element: tuple[int, int], eps: float, pow2: bool) -> torch.Tensor:
+    """Dequantization scale ``d`` of each block from its amax."""
+    q = FLOAT_FORMATS[tuple(element)][0]
+    d = torch.maximum(amax.float(), torch.tensor(eps, dtype=torch.float32, device=amax.device)) / q
+    return pow2_ceil(d) if pow2 else d
+
+
+def fp8_blockwise_quantize(
+    x: torch.Tensor,
+    block: tuple[int, ...],
+    element: tuple[int, int] = (4, 3),
+    eps: float = 1e-10,
+    pow2: bool = False,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 codes (shape of ``x``) and fp32 scales ``d`` (one per block); ``amax`` static or None."""
+    a = block_amax(x, block) if amax is None else amax.float()
+    d = blockwise_scale(a, element, eps, pow2)
+    xb = to_blocks(x.float(), block)
+    codes = cast_fp8(xb / d.unsqueeze(-1), element)
+    return from_blocks(codes, block, x.shape), d
+
+
+def fp8_blockwise_dequantize(codes: torch.Tensor, d: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    cb = to_blocks(codes.float(), block)
+    return from_blocks(cb * d.unsqueeze(-1), block, codes.shape)
+
+
+def fp8_blockwise_fake_quant(x: torch.Tensor, block: tuple[int, ...], element: tuple[int, int] = (4, 3), eps: float = 1e-10, pow2: bool = False, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 fake-quantized ``x``."""
+    codes, d = fp8_blockwise_quantize(x, block, element, eps, pow2, amax)
+    return fp8_blockwise_dequantize(codes, d, block)

@@ -1,0 +1,51 @@
+"""Integer formats: signed (narrow or full range) and unsigned, per tensor / channel / block.
+
+``Q = 2^(b-1)-1`` (signed) or ``2^b-1`` (unsigned); ``scale = Q / a``;
+``q = clamp(round_half_even(x * scale), min, Q)``; ``x_hat = q / scale``; groups with ``a <= 2^-24``
+give zeros. NaN in ``a`` or ``x`` propagates as NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import TINY_AMAX
+
+
+def int_range(num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[float, float]:
+    """(min, max) integer code."""
+    if unsigned:
+        return 0.0, float(2**num_bits - 1)
+    q = float(2 ** (num_bits - 1) - 1)
+    return (-q if narrow_range else -q - 1.0), q
+
+
+def int_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """fp32 quantization scale ``Q / a`` (inf where ``a == 0``)."""
+    return qmax / amax.float()
+
+
+def int_codes(x: torch.Tensor, amax: torch.Tensor, num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 integer-valued codes of ``x`` (NaN kept) and the scale; ``amax`` broadcasts against ``x``."""
+    lo, hi = int_range(num_bits, unsigned, narrow_range)
+    amax = amax.float()
+    scale = int_scale(amax, hi)
+    q = torch.clamp(torch.round(x.float() * scale), lo, hi)
+    q = torch.where(amax <= TINY_AMAX, torch.zeros_like(q), q)
+    return q, scale
+
+
+def int_dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() / scale
+
+
+def int_fake_quant(x: torch.Tensor, amax: torch.Tensor, num_bits: int, unsigned: bool = False, narrow_range: bool = True) -> torch.Tensor:
+    """fp32 fake-quantized ``x``."""
+    q, scale = int_codes(x, amax, num_bits, unsigned, narrow_range)
+    return int_dequant(q, scale)
+
+
+def code_dtype(num_bits: int, unsigned: bool) -> torch.dtype:
+    if num_bits > 8:
+        return torch.int32
+    return torch.uint8 if unsigned else torch.int8

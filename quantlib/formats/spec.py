@@ -1,0 +1,74 @@
+"""Typed description of a number format: what every backend needs to know to quantize a tensor."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Kind(str, enum.Enum):
+    """The family of a format; each family has one module in ``quantlib.formats``."""
+
+    INT = "int"  # per tensor / channel / static or dynamic block, scale = Q / amax
+    FP8 = "fp8"  # per tensor / channel, scale = Q / amax (amax <= 2^-24 -> 1)
+    FP8_BLOCK = "fp8_block"  # 1xB or BxB blocks, dequant scale d = max(amax, eps) / Q
+    MX = "mx"  # OCP microscaling: E8M0 shared exponent over 32 elements
+    NVFP4 = "nvfp4"  # E2M1 elements, E4M3 block scale over 16 elements, fp32 global scale
+
+
+class Rounding(str, enum.Enum):
+    """How the E8M0 shared exponent of an MX block is chosen from the block amax ``a``.
+
+    RCEIL: ``e = ceil(log2(a / Q))`` computed exactly from the fp32 bits of ``a / Q`` (TE / cuBLAS);
+        no element saturates.
+    FLOOR: ``e = floor(log2(a)) - emax`` (OCP MX spec); the largest elements may saturate at ``Q``.
+    Both clamp ``e`` to [-127, 127]; ``a == 0`` (or subnormal) gives byte 0, NaN/Inf give byte 0xFF.
+    """
+
+    RCEIL = "rceil"
+    FLOOR = "floor"
+
+
+#: Largest magnitude and E8M0 ``emax`` of each element format, keyed by (exponent, mantissa) bits.
+FLOAT_FORMATS: dict[tuple[int, int], tuple[float, int]] = {
+    (4, 3): (448.0, 8),
+    (5, 2): (57344.0, 15),
+    (2, 1): (6.0, 2),
+}
+
+#: Amax at or below this quantizes a whole group to zero (INT) or gives scale 1 (FP8, NVFP4).
+TINY_AMAX = 2.0**-24
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """Everything the numerics need; built from a QuantizerAttributeConfig by ``config.py``.
+
+    ``block`` is None (per tensor / per channel through the amax shape), ``(B,)`` for blocks of B along
+    the last dim, or ``(BM, BK)`` for 2-D blocks over the last two dims. ``dynamic`` block formats
+    compute their block amax from the tensor on every call.
+    """
+
+    kind: Kind
+    num_bits: int = 8  # INT bits; for floats the element bits are in ``element``
+    element: tuple[int, int] | None = None  # (E, M) of float elements
+    unsigned: bool = False
+    narrow_range: bool = True
+    block: tuple[int, ...] | None = None
+    dynamic: bool = False
+    eps: float = 1e-10
+    pow2: bool = False
+    rounding: Rounding = Rounding.RCEIL
+
+    @property
+    def qmax(self) -> float:
+        """Largest representable magnitude ``Q``."""
+        if self.kind == Kind.INT:
+            return float(2**self.num_bits - 1) if self.unsigned else float(2 ** (self.num_bits - 1) - 1)
+        assert self.element is not None
+        return FLOAT_FORMATS[self.element][0]
+
+    @property
+    def emax(self) -> int:
+        assert self.element is not None
+        return FLOAT_FORMATS[self.element][1]
