@@ -1,0 +1,84 @@
+"""Fast, bit-exact kernels of every format; every function takes ``backend="auto" | "reference" |
+"cpu" | "triton" | "cuda"`` and returns exactly what the torch reference (:mod:`quantlib.formats`)
+returns.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..formats import FormatSpec, Rounding
+from ..formats.fp8_blockwise import fp8_blockwise_dequantize
+from ..formats.mx import mx_dequantize
+from ..formats.nvfp4 import nvfp4_dequantize
+from . import ops
+from .backends import BACKENDS, resolve
+
+
+def _spec_of(attrs) -> FormatSpec:
+    return attrs if isinstance(attrs, FormatSpec) else attrs.format_spec()
+
+
+def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+    """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward."""
+    return ops.fake_quant(x, _spec_of(attrs), amax, backend)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, ...], backend: str = "auto") -> torch.Tensor:
+    """fp32 amax per block: ``block`` is ``(B,)``/``(1, B)`` along the last dim or ``(BM, BK)``."""
+    ops._check_float_input(x, "block_amax")
+    return ops._block_amax(x, list(_norm_block(block)), backend)
+
+
+def _norm_block(block: tuple[int, ...]) -> tuple[int, ...]:
+    block = tuple(int(b) for b in block)
+    return block[1:] if len(block) == 2 and block[0] == 1 else block
+
+
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes (shape of ``x``) and fp32 dequant scales per block, ``block`` = (1, B) or (BM, BK)."""
+    ops._check_float_input(x, "fp8_blockwise_cast")
+    if eps <= 0:
+        raise ValueError(f"fp8_blockwise_cast: eps must be > 0, got {eps}")
+    return ops._fp8_blockwise_cast(x, list(_norm_block(block)), float(eps), bool(pow2), backend)
+
+
+def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil", backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """MX element codes (float8_e4m3fn, or uint8 two E2M1 per byte) and uint8 E8M0 exponents."""
+    ops._check_float_input(x, "mx_cast")
+    if elem not in ("e4m3", "e2m1"):
+        raise ValueError(f"mx_cast: elem must be 'e4m3' or 'e2m1', got {elem!r}")
+    if block != 32:
+        raise ValueError(f"mx_cast: MX blocks are 32 elements, got block={block}")
+    return ops._mx_cast(x, elem, block, Rounding(rounding).value, backend)
+
+
+def nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed E2M1 codes (uint8), float8_e4m3fn block scales (16 elements) and fp32 global scale."""
+    ops._check_float_input(x, "nvfp4_cast")
+    if global_amax is not None:
+        global_amax = global_amax.float().reshape(())
+    return ops._nvfp4_cast(x, global_amax, backend)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_scale: Optional[torch.Tensor] = None, block: Union[int, tuple[int, ...]] = None, n: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of each cast: ``fmt`` is "fp8_blockwise" (``block``), "mxfp8", "mxfp4" or "nvfp4"
+    (``global_scale``); ``n`` is the original last-dim size of packed FP4 codes."""
+    if fmt == "fp8_blockwise":
+        if block is None:
+            raise ValueError("dequantize('fp8_blockwise') needs block=")
+        out = fp8_blockwise_dequantize(codes, scales, _norm_block(block))
+    elif fmt in ("mxfp8", "mxfp4"):
+        out = mx_dequantize(codes, scales, "e4m3" if fmt == "mxfp8" else "e2m1", 32, n)
+    elif fmt == "nvfp4":
+        if global_scale is None:
+            raise ValueError("dequantize('nvfp4') needs global_scale=")
+        out = nvfp4_dequantize(codes, scales, global_scale, n if n is not None else codes.shape[-1] * 2)
+    else:
+        raise ValueError(f"dequantize: fmt must be 'fp8_blockwise', 'mxfp8', 'mxfp4' or 'nvfp4', got {fmt!r}")
+    return out.to(dtype)
+
+
+__all__ = ["BACKENDS", "block_amax", "dequantize", "fake_quant", "fp8_blockwise_cast", "mx_cast", "nvfp4_cast", "resolve"]

@@ -1,0 +1,166 @@
+"""``torch.library`` custom ops that the rest of quantlib calls (fake kernels keep compiled graphs whole).
+
+A :class:`~quantlib.formats.FormatSpec` travels through the op schema as primitive arguments; each op
+resolves its backend (see :mod:`quantlib.kernels.backends`) and calls that backend's implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import FormatSpec, Kind, Rounding, blocked_shape
+from ..formats.blocks import from_blocks, to_blocks
+from .backends import implementation, resolve
+
+# --------------------------------------------------------------------------- spec <-> op arguments
+
+
+def spec_args(spec: FormatSpec) -> tuple:
+    """Primitive op arguments of ``spec`` (see :func:`spec_from_args`)."""
+    return (
+        spec.kind.value,
+        spec.num_bits,
+        list(spec.element or ()),
+        spec.unsigned,
+        spec.narrow_range,
+        list(spec.block or ()),
+        spec.dynamic,
+        float(spec.eps),
+        spec.pow2,
+        Rounding(spec.rounding).value,
+    )
+
+
+def spec_from_args(kind: str, num_bits: int, element: list[int], unsigned: bool, narrow_range: bool, block: list[int], dynamic: bool, eps: float, pow2: bool, rounding: str) -> FormatSpec:
+    return FormatSpec(
+        kind=Kind(kind),
+        num_bits=num_bits,
+        element=tuple(element) if element else None,
+        unsigned=unsigned,
+        narrow_range=narrow_range,
+        block=tuple(block) if block else None,
+        dynamic=dynamic,
+        eps=eps,
+        pow2=pow2,
+        rounding=Rounding(rounding),
+    )
+
+
+# --------------------------------------------------------------------------- fake quant (+ STE)
+
+
+@torch.library.custom_op("quantlib::fake_quant", mutates_args=())
+def _fake_quant(
+    x: torch.Tensor,
+    amax: Optional[torch.Tensor],
+    kind: str,
+    num_bits: int,
+    element: list[int],
+    unsigned: bool,
+    narrow_range: bool,
+    block: list[int],
+    dynamic: bool,
+    eps: float,
+    pow2: bool,
+    rounding: str,
+    backend: str,
+) -> torch.Tensor:
+    spec = spec_from_args(kind, num_bits, element, unsigned, narrow_range, block, dynamic, eps, pow2, rounding)
+    return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax)
+
+
+@_fake_quant.register_fake
+def _(x, amax, *args):
+    return torch.empty_like(x)
+
+
+def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Where the straight-through gradient passes (``|x| <= amax``), or None where it passes everywhere."""
+    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
+        return None
+    mag = x.detach().abs().float()
+    if spec.block is not None and spec.kind != Kind.NVFP4:
+        inside = to_blocks(mag, spec.block) <= amax.float().unsqueeze(-1)
+        return from_blocks(inside, spec.block, x.shape)
+    return mag <= amax.float()
+
+
+def _setup_context(ctx, inputs, output):
+    x, amax = inputs[0], inputs[1]
+    spec = spec_from_args(*inputs[2:12])
+    mask = ste_mask(x, spec, amax)
+    ctx.has_mask = mask is not None
+    if mask is not None:
+        ctx.save_for_backward(mask)
+
+
+def _backward(ctx, grad):
+    if ctx.has_mask:
+        (mask,) = ctx.saved_tensors
+        grad = grad * mask.to(grad.dtype)
+    return (grad,) + (None,) * 12
+
+
+_fake_quant.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+    """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator."""
+    return _fake_quant(x, amax, *spec_args(spec), backend)
+
+
+# --------------------------------------------------------------------------- real quantization
+
+
+def _check_float_input(x: torch.Tensor, op: str) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: input must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+@torch.library.custom_op("quantlib::block_amax", mutates_args=())
+def _block_amax(x: torch.Tensor, block: list[int], backend: str) -> torch.Tensor:
+    return implementation("block_amax", resolve(backend, x.device))(x, tuple(block))
+
+
+@_block_amax.register_fake
+def _(x, block, backend):
+    return x.new_empty(blocked_shape(x.shape, tuple(block)), dtype=torch.float32)
+
+
+@torch.library.custom_op("quantlib::fp8_blockwise_cast", mutates_args=())
+def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, tuple(block), eps, pow2)
+
+
+@_fp8_blockwise_cast.register_fake
+def _(x, block, eps, pow2, backend):
+    return torch.empty_like(x, dtype=torch.float8_e4m3fn), x.new_empty(blocked_shape(x.shape, tuple(block)), dtype=torch.float32)
+
+
+@torch.library.custom_op("quantlib::mx_cast", mutates_args=())
+def _mx_cast(x: torch.Tensor, elem: str, block: int, rounding: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return implementation("mx_cast", resolve(backend, x.device))(x, elem, block, Rounding(rounding))
+
+
+@_mx_cast.register_fake
+def _(x, elem, block, rounding, backend):
+    scales = x.new_empty(blocked_shape(x.shape, (block,)), dtype=torch.uint8)
+    if elem == "e2m1":
+        return x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8), scales
+    return torch.empty_like(x, dtype=torch.float8_e4m3fn), scales
+
+
+@torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())
+def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax)
+
+
+@_nvfp4_cast.register_fake
+def _(x, global_amax, backend):
+    return (
+        x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8),
+        x.new_empty(blocked_shape(x.shape, (16,)), dtype=torch.float8_e4m3fn),
+        x.new_empty((), dtype=torch.float32),
+    )

@@ -1,0 +1,57 @@
+"""Build of quantlib: the pure-Python package plus the optional compiled extension ``quantlib._C``.
+
+The C++ CPU kernels (csrc/cpu) are always built; the CUDA kernels (csrc/cuda) when the installed torch
+has CUDA and nvcc is found. Install with ``pip install --no-build-isolation .`` so the build uses the
+torch already installed (an isolated build would fetch another torch).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+
+def extensions():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:  # metadata-only builds (e.g. sdist) need no torch
+        return [], {}
+    cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/*.cpp"))
+    if not cpu_sources:
+        return [], {}
+    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    kwargs = dict(name="quantlib._C", extra_link_args=["-fopenmp"])
+    if use_cuda:
+        ext = cpp_extension.CUDAExtension(
+            sources=cpu_sources + cuda_sources,
+            extra_compile_args={"cxx": cxx + ["-DQUANTLIB_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17", "-DQUANTLIB_WITH_CUDA", "--fmad=false"]},
+            **kwargs,
+        )
+    else:
+        ext = cpp_extension.CppExtension(sources=cpu_sources, extra_compile_args=cxx, **kwargs)
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(no_python_abi_suffix=False)}
+
+
+ext_modules, cmdclass = extensions()
+
+setup(
+    name="quantlib",
+    version="0.1.0",
+    description="Quantization of PyTorch models (PTQ and QAT), ModelOpt-compatible configs, exact numerics",
+    long_description=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["quantlib", "quantlib.*"]),
+    install_requires=["torch>=2.4,<=2.14.1", "numpy", "tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-xdist", "hypothesis", "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+        "megatron": ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.16.1; python_version >= '3.12'", "psutil"],
+        "transformers": ["transformers"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["quantlib=quantlib.__main__:main"]},
+)
