@@ -1,7 +1,7 @@
 """FP8 blockwise (1xB activations, BxB weights; the DeepSeek / TE recipe).
 
 Per block ``d = max(a, eps) / Q`` (all-zero blocks never give 0 or NaN); with ``pow2``,
-``d = 2^ceil(log2 d)`` computed exactly from the fp32 bits (a subnormal ``d`` becomes ``2^-126``);
+``d = 2^ceil(log2 d)`` computed exactly from the fp32 bits (also for a subnormal ``d``);
 ``c = cast_rne(clamp(x / d, -Q, Q))``; the stored scale is ``d``; ``x_hat = c * d``.
 """
 
@@ -16,15 +16,22 @@ from .spec import FLOAT_FORMATS
 _EXP_MASK = 0x7F800000
 _MANT_MASK = 0x007FFFFF
 _MIN_NORMAL_BITS = 0x00800000
+_MIN_NORMAL = 2.0**-126
 
 
 def pow2_ceil(d: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= ``d`` for positive fp32 ``d``, from the bits (NaN/Inf kept)."""
-    bits = d.view(torch.int32)
+    """Smallest fp32 power of two >= ``d`` for ``d >= 0``, from the bits (NaN/Inf kept, 0 -> 2^-149).
+
+    A subnormal ``d`` is first scaled by ``2^126`` (exact, the result is normal), rounded up from its
+    bits, and scaled back by ``2^-126`` (exact: powers of two down to ``2^-149`` are representable).
+    """
+    sub = d < _MIN_NORMAL
+    v = torch.where(sub, d * 2.0**126, d)
+    bits = v.view(torch.int32)
     exp = bits & _EXP_MASK
-    up = torch.where((bits & _MANT_MASK) != 0, exp + _MIN_NORMAL_BITS, exp)
-    up = torch.where(exp == 0, torch.full_like(bits, _MIN_NORMAL_BITS), up)
-    out = up.view(torch.float32)
+    up = torch.where((bits & _MANT_MASK) != 0, exp + _MIN_NORMAL_BITS, exp).view(torch.float32)
+    out = torch.where(sub, up * 2.0**-126, up)
+    out = torch.where(d == 0, torch.full_like(d, 2.0**-149), out)
     return torch.where(torch.isfinite(d), out, d)
 
 

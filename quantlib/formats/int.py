@@ -2,7 +2,8 @@
 
 ``Q = 2^(b-1)-1`` (signed) or ``2^b-1`` (unsigned); ``scale = Q / a``;
 ``q = clamp(round_half_even(x * scale), min, Q)``; ``x_hat = q / scale``; groups with ``a <= 2^-24``
-give zeros. NaN in ``a`` or ``x`` propagates as NaN.
+give zeros. An integer code cannot hold NaN: a NaN code is stored as 0 and a group whose ``a`` or ``x``
+holds NaN gets a NaN scale, so the whole group dequantizes to NaN (never to a silently finite value).
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ def int_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 
 def int_codes(x: torch.Tensor, amax: torch.Tensor, num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 integer-valued codes of ``x`` (NaN kept) and the scale; ``amax`` broadcasts against ``x``."""
+    """fp32 integer-valued codes of ``x`` (never NaN) and the scale; ``amax`` broadcasts against ``x``.
+
+    The group of one scale entry is the set of elements of ``x`` it broadcasts over; NaN in it makes
+    that entry NaN.
+    """
     lo, hi = int_range(num_bits, unsigned, narrow_range)
-    amax = amax.float()
+    amax, xf = amax.float(), x.float()
     scale = int_scale(amax, hi)
-    q = torch.clamp(torch.round(x.float() * scale), lo, hi)
-    q = torch.where(amax <= TINY_AMAX, torch.zeros_like(q), q)
+    q = torch.clamp(torch.round(xf * scale), lo, hi)
+    q = torch.where((amax <= TINY_AMAX) | torch.isnan(q), torch.zeros_like(q), q)
+    nan_group = torch.isnan(xf).expand(q.shape).sum_to_size(scale.shape) > 0
+    scale = torch.where(nan_group, torch.full_like(scale, float("nan")), scale)
     return q, scale
 
 

@@ -1,0 +1,413 @@
+"""Quantizer attribute configs, the wildcard config schema (ModelOpt's dict and list forms) and presets.
+
+A :class:`QuantizerAttributeConfig` is validated when it is built and resolves to one typed
+:class:`~quantlib.formats.FormatSpec`; nothing downstream recognises a format from dict fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
+from .kernels.backends import BACKENDS
+
+# Keys ModelOpt documents that carry no meaning for fake quantization here: accepted, ignored.
+_IGNORED_ATTR_KEYS = frozenset({"effective_bits", "trt_high_precision_dtype"})
+_BLOCK_META_KEYS = frozenset({"type", "scale_bits", "scale_block_sizes"})
+
+
+class ConfigError(ValueError):
+    """An invalid quantization config; the message names the key and the value."""
+
+
+def _as_bits(value: Any, key: str = "num_bits") -> Union[int, tuple[int, int]]:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be an int or an (E, M) pair, got {value!r}")
+    if isinstance(value, int):
+        if not 1 <= value <= 16:
+            raise ConfigError(f"{key}={value}: integer formats take 1..16 bits")
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return (int(value[0]), int(value[1]))
+    raise ConfigError(f"{key} must be an int or an (E, M) pair, got {value!r}")
+
+
+def _as_axis(value: Any) -> Optional[tuple[int, ...]]:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ConfigError(f"axis must be None, an int or a tuple of ints, got {value!r}")
+
+
+@dataclass
+class QuantizerAttributeConfig:
+    """What one quantizer does, in ModelOpt's vocabulary (plus ``eps``, ``pow2_scale``, ``rounding``,
+    ``backend``). Invalid values and impossible combinations raise :class:`ConfigError` here."""
+
+    enable: bool = True
+    num_bits: Union[int, tuple[int, int]] = 8
+    axis: Optional[Union[int, tuple[int, ...]]] = None
+    block_sizes: Optional[dict] = None
+    unsigned: bool = False
+    narrow_range: bool = True
+    fake_quant: bool = True
+    calibrator: str = "max"
+    learn_amax: bool = False
+    eps: float = 1e-10  # FP8 blockwise: floor of the block amax
+    pow2_scale: bool = False  # FP8 blockwise: round scales up to powers of two
+    rounding: str = "rceil"  # MX: E8M0 exponent rule, see formats.Rounding
+    backend: str = "auto"  # kernels backend
+
+    def __post_init__(self) -> None:
+        self.num_bits = _as_bits(self.num_bits)
+        self.axis = _as_axis(self.axis)
+        for key in ("enable", "unsigned", "narrow_range", "fake_quant", "learn_amax", "pow2_scale"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
+        if not self.fake_quant:
+            raise ConfigError("fake_quant=False (real quantized GEMMs) is not supported: use fake_quant=True and export codes with quantlib.kernels")
+        if self.learn_amax:
+            raise ConfigError("learn_amax=True is not supported")
+        if self.calibrator != "max":
+            raise ConfigError(f"calibrator={self.calibrator!r}: only 'max' is available")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        try:
+            self.rounding = Rounding(self.rounding).value
+        except ValueError:
+            raise ConfigError(f"rounding={self.rounding!r}: expected 'rceil' or 'floor'") from None
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
+            raise ConfigError(f"eps must be a positive float, got {self.eps!r}")
+        self.eps = float(self.eps)
+        if self.block_sizes is not None:
+            self.block_sizes = dict(self.block_sizes)
+        self._spec = self._build_spec()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantizerAttributeConfig":
+        """Build from a config dict, rejecting unknown keys by name."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a quantizer attribute config must be a dict, got {d!r}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for k, v in d.items():
+            if k in _IGNORED_ATTR_KEYS:
+                continue
+            if k not in known:
+                raise ConfigError(f"unknown quantizer attribute {k!r} (value {v!r}); known: {sorted(known)}")
+            kwargs[k] = v
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """Plain, ``torch.load(weights_only=True)``-safe dict of the fields."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+
+    def format_spec(self) -> FormatSpec:
+        """The typed format this config means."""
+        return self._spec
+
+    @property
+    def is_dynamic(self) -> bool:
+        """True where no calibrated amax is used at all (MX, dynamic blocks, per-token)."""
+        return self._spec.dynamic and self._spec.kind != Kind.NVFP4
+
+    # ------------------------------------------------------------------ validation -> FormatSpec
+    def _parse_blocks(self) -> tuple[Optional[tuple[int, ...]], bool, Optional[tuple[int, int]], bool]:
+        """(block, dynamic, scale_bits, per_token) from ``block_sizes``."""
+        bs = self.block_sizes
+        if bs is None:
+            return None, False, None, False
+        for k in bs:
+            if k not in _BLOCK_META_KEYS and not (isinstance(k, int) and not isinstance(k, bool)):
+                raise ConfigError(f"block_sizes: unknown key {k!r} (value {bs[k]!r})")
+        kind = bs.get("type", "static")
+        if kind not in ("static", "dynamic"):
+            raise ConfigError(f"block_sizes['type']={kind!r}: expected 'static' or 'dynamic'")
+        scale_bits = bs.get("scale_bits")
+        if scale_bits is not None:
+            scale_bits = _as_bits(scale_bits, "block_sizes['scale_bits']")
+            if scale_bits not in ((4, 3), (8, 0)):
+                raise ConfigError(f"block_sizes['scale_bits']={scale_bits}: expected (4, 3) or (8, 0)")
+        if bs.get("scale_block_sizes") is not None:
+            raise ConfigError(f"block_sizes['scale_block_sizes']={bs['scale_block_sizes']!r}: double quantization of scales is not supported")
+        dims = {k: v for k, v in bs.items() if k not in _BLOCK_META_KEYS}
+        if any(k >= 0 for k in dims):
+            raise ConfigError(f"block_sizes axes must be negative (-1, -2), got {sorted(dims)}")
+        if set(dims) == {-1} and dims[-1] is None:
+            if kind != "dynamic" or scale_bits is not None:
+                raise ConfigError("block_sizes {-1: None} (one scale per row) needs 'type': 'dynamic' and no scale_bits")
+            return None, True, None, True
+        for k, v in dims.items():
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"block_sizes[{k}]={v!r}: block sizes must be positive ints")
+        if set(dims) == {-1}:
+            block: tuple[int, ...] = (dims[-1],)
+        elif set(dims) == {-1, -2}:
+            block = (dims[-2], dims[-1])
+        else:
+            raise ConfigError(f"block_sizes must block axis -1 or axes -2 and -1, got axes {sorted(dims)}")
+        return block, kind == "dynamic", scale_bits, False
+
+    def _build_spec(self) -> FormatSpec:
+        block, dynamic, scale_bits, per_token = self._parse_blocks()
+        if block is not None and self.axis is not None:
+            raise ConfigError(f"axis={self.axis} together with block_sizes={self.block_sizes}: a quantizer is either per channel or per block")
+        if per_token and self.axis is not None:
+            raise ConfigError(f"axis={self.axis} together with per-row dynamic block_sizes {{-1: None}}")
+        common = dict(eps=self.eps, pow2=self.pow2_scale, rounding=Rounding(self.rounding))
+        if isinstance(self.num_bits, int):
+            if scale_bits is not None:
+                raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to float elements")
+            return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block, dynamic=dynamic, **common)
+        element = self.num_bits
+        if element not in FLOAT_FORMATS:
+            raise ConfigError(f"num_bits={element}: float formats are (4, 3), (5, 2) and (2, 1)")
+        if self.unsigned:
+            raise ConfigError(f"unsigned=True with float num_bits={element}")
+        if scale_bits == (8, 0):
+            if block != (32,) or not dynamic:
+                raise ConfigError(f"MX format (scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
+            if element == (5, 2):
+                raise ConfigError("MX with E5M2 elements is not supported: use num_bits (4, 3) or (2, 1)")
+            return FormatSpec(Kind.MX, element=element, block=block, dynamic=True, **common)
+        if element == (2, 1):
+            if scale_bits != (4, 3) or block != (16,) or not dynamic:
+                raise ConfigError(f"FP4 E2M1 needs NVFP4 blocks {{-1: 16, 'type': 'dynamic', 'scale_bits': (4, 3)}} or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
+            return FormatSpec(Kind.NVFP4, element=element, block=block, dynamic=True, **common)
+        if scale_bits is not None:
+            raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements (NVFP4)")
+        if block is None:
+            return FormatSpec(Kind.FP8, element=element, dynamic=per_token, **common)
+        return FormatSpec(Kind.FP8_BLOCK, element=element, block=block, dynamic=dynamic, **common)
+
+
+def make_attribute_config(cfg: Union[dict, "QuantizerAttributeConfig"]) -> QuantizerAttributeConfig:
+    return cfg if isinstance(cfg, QuantizerAttributeConfig) else QuantizerAttributeConfig.from_dict(cfg)
+
+
+# ---------------------------------------------------------------------------------- QuantizeConfig
+
+
+@dataclass
+class QuantCfgEntry:
+    """One rule: quantizers matching ``pattern`` (inside modules of class ``module_class``, if set) get
+    ``attrs`` (one config, or a list: a SequentialQuantizer) and/or ``enable``."""
+
+    pattern: str
+    attrs: Optional[Union[QuantizerAttributeConfig, list[QuantizerAttributeConfig]]] = None
+    enable: Optional[bool] = None
+    module_class: Optional[str] = None
+
+    def matches(self, name: str, module_class_names: tuple[str, ...] = ()) -> bool:
+        if self.module_class is not None and self.module_class not in module_class_names:
+            return False
+        leaf = name.rsplit(".", 1)[-1]
+        return fnmatch.fnmatchcase(name, self.pattern) or (self.module_class is not None and fnmatch.fnmatchcase(leaf, self.pattern))
+
+    def to_dict(self) -> dict:
+        attrs = self.attrs
+        if isinstance(attrs, list):
+            attrs = [a.to_dict() for a in attrs]
+        elif attrs is not None:
+            attrs = attrs.to_dict()
+        return {"quantizer_name": self.pattern, "cfg": attrs, "enable": self.enable, "module_class": self.module_class}
+
+
+EXPERT_INPUT_POLICIES = ("error", "max_of_peers", "skip")
+
+
+@dataclass
+class QuantizeConfig:
+    """A whole quantization recipe: ordered rules (later win) and the calibration algorithm."""
+
+    quant_cfg: list[QuantCfgEntry] = field(default_factory=list)
+    algorithm: Union[str, dict, None] = "max"
+    expert_input_policy: str = "max_of_peers"
+    sync_expert_weight_amax: bool = False
+
+    def __post_init__(self) -> None:
+        method = self.algorithm_name
+        if method not in ("max", None):
+            raise ConfigError(f"algorithm={self.algorithm!r}: available algorithms are 'max' and None")
+        if self.expert_input_policy not in EXPERT_INPUT_POLICIES:
+            raise ConfigError(f"expert_input_policy={self.expert_input_policy!r}: expected one of {EXPERT_INPUT_POLICIES}")
+
+    @property
+    def algorithm_name(self) -> Optional[str]:
+        if isinstance(self.algorithm, dict):
+            if "method" not in self.algorithm:
+                raise ConfigError(f"algorithm dict needs a 'method' key, got {self.algorithm!r}")
+            return self.algorithm["method"]
+        return self.algorithm
+
+    @classmethod
+    def from_any(cls, cfg: Union[dict, "QuantizeConfig"]) -> "QuantizeConfig":
+        """Parse a ModelOpt-style config: ``{"quant_cfg": dict-form or list-form, "algorithm": ...}``."""
+        if isinstance(cfg, QuantizeConfig):
+            return cfg
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"a quantize config must be a dict, got {type(cfg).__name__}")
+        known = {"quant_cfg", "algorithm", "expert_input_policy", "sync_expert_weight_amax"}
+        for k in cfg:
+            if k not in known:
+                raise ConfigError(f"unknown quantize config key {k!r}; known: {sorted(known)}")
+        if "quant_cfg" not in cfg:
+            raise ConfigError("a quantize config needs a 'quant_cfg' key")
+        raw = cfg["quant_cfg"]
+        entries = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
+        return cls(entries, cfg.get("algorithm", "max"), cfg.get("expert_input_policy", "max_of_peers"), bool(cfg.get("sync_expert_weight_amax", False)))
+
+    def to_dict(self) -> dict:
+        """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads."""
+        return {
+            "quant_cfg": [e.to_dict() for e in self.quant_cfg],
+            "algorithm": copy.deepcopy(self.algorithm),
+            "expert_input_policy": self.expert_input_policy,
+            "sync_expert_weight_amax": self.sync_expert_weight_amax,
+        }
+
+    def resolve(self, name: str, module_class_names: tuple[str, ...] = ()) -> tuple[Any, Optional[bool]]:
+        """(attrs or None, enable or None) for quantizer ``name``: the last rule that sets each wins."""
+        attrs, enable = None, None
+        for e in self.quant_cfg:
+            if e.matches(name, module_class_names):
+                if e.attrs is not None:
+                    attrs = e.attrs
+                    enable = None  # a new attribute config brings its own 'enable'
+                if e.enable is not None:
+                    enable = e.enable
+        return attrs, enable
+
+
+def _entry_from_value(pattern: str, value: Any, module_class: Optional[str] = None) -> QuantCfgEntry:
+    """Dict-form value: {"enable": b} toggles; any other attribute replaces the whole config."""
+    where = f"quant_cfg[{pattern!r}]"
+    if isinstance(value, (list, tuple)):
+        try:
+            return QuantCfgEntry(pattern, [make_attribute_config(v) for v in value], None, module_class)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a dict or a list of dicts, got {value!r}")
+    if set(value) <= {"enable"}:
+        enable = value.get("enable")
+        if enable is not None and not isinstance(enable, bool):
+            raise ConfigError(f"{where}['enable'] must be a bool, got {enable!r}")
+        return QuantCfgEntry(pattern, None, enable, module_class)
+    try:
+        return QuantCfgEntry(pattern, make_attribute_config(value), None, module_class)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _parse_dict_form(raw: Any) -> list[QuantCfgEntry]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"quant_cfg must be a dict or a list, got {type(raw).__name__}")
+    first, rest = [], []
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"quant_cfg keys must be strings, got {key!r}")
+        if key == "default":  # ModelOpt's dict-form releases apply "default" before every pattern
+            first.append(_entry_from_value("*", value))
+        elif key.startswith("nn.") and isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+            rest.extend(_entry_from_value(p, v, key[3:]) for p, v in value.items())
+        else:
+            rest.append(_entry_from_value(key, value))
+    return first + rest
+
+
+def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
+    entries = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or "quantizer_name" not in item:
+            raise ConfigError(f"quant_cfg[{i}] must be a dict with a 'quantizer_name', got {item!r}")
+        unknown = set(item) - {"quantizer_name", "cfg", "enable", "module_class", "parent_class"}
+        if unknown:
+            raise ConfigError(f"quant_cfg[{i}]: unknown keys {sorted(unknown)}")
+        pattern, cfg, enable = item["quantizer_name"], item.get("cfg"), item.get("enable")
+        module_class = item.get("module_class", item.get("parent_class"))
+        if isinstance(module_class, str) and module_class.startswith("nn."):
+            module_class = module_class[3:]
+        if enable is not None and not isinstance(enable, bool):
+            raise ConfigError(f"quant_cfg[{i}] ({pattern!r}): 'enable' must be a bool, got {enable!r}")
+        try:
+            attrs = None
+            if isinstance(cfg, (list, tuple)):
+                attrs = [make_attribute_config(c) for c in cfg]
+            elif cfg is not None:
+                attrs = make_attribute_config(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"quant_cfg[{i}] ({pattern!r}): {exc}") from None
+        entries.append(QuantCfgEntry(pattern, attrs, enable, module_class))
+    return entries
+
+
+# ---------------------------------------------------------------------------------- presets
+# Plain dicts in ModelOpt's dict form, with ModelOpt's names and meanings: copy and edit them freely.
+
+_DEFAULT_DISABLED: dict = {
+    "nn.BatchNorm1d": {"*": {"enable": False}},
+    "nn.BatchNorm2d": {"*": {"enable": False}},
+    "nn.BatchNorm3d": {"*": {"enable": False}},
+    "nn.LeakyReLU": {"*": {"enable": False}},
+    "*lm_head*": {"enable": False},
+    "*proj_out.*": {"enable": False},
+    "*block_sparse_moe.gate*": {"enable": False},
+    "*router*": {"enable": False},
+    "*mlp.gate.*": {"enable": False},
+    "*mlp.shared_expert_gate.*": {"enable": False},
+    "*output_layer*": {"enable": False},
+    "output.*": {"enable": False},
+    "default": {"enable": False},
+}
+
+
+def _preset(weight: Any, inp: Any = None, algorithm: Any = "max") -> dict:
+    quant_cfg: dict = {"*weight_quantizer": weight}
+    quant_cfg["*input_quantizer"] = inp if inp is not None else {"enable": False}
+    quant_cfg.update(copy.deepcopy(_DEFAULT_DISABLED))
+    return {"quant_cfg": quant_cfg, "algorithm": algorithm}
+
+
+_NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}, "axis": None, "enable": True}
+_MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}, "enable": True}
+_MXFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}, "enable": True}
+
+INT8_DEFAULT_CFG = _preset({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None})
+INT8_WEIGHT_ONLY_CFG = _preset({"num_bits": 8, "axis": 0})
+FP8_DEFAULT_CFG = _preset({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None})
+FP8_PER_CHANNEL_PER_TOKEN_CFG = _preset({"num_bits": (4, 3), "axis": 0}, {"num_bits": (4, 3), "block_sizes": {-1: None, "type": "dynamic"}})
+FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = _preset({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "enable": True})
+FP8_BLOCKWISE_CFG = _preset({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "enable": True}, {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}, "enable": True})
+INT4_BLOCKWISE_WEIGHT_ONLY_CFG = _preset({"num_bits": 4, "block_sizes": {-1: 128}, "enable": True})
+NVFP4_DEFAULT_CFG = _preset(dict(_NVFP4, effective_bits=4.5), dict(_NVFP4))
+MXFP8_DEFAULT_CFG = _preset(dict(_MXFP8), dict(_MXFP8))
+MXFP4_DEFAULT_CFG = _preset(dict(_MXFP4), dict(_MXFP4))
+# ModelOpt calibrates this recipe with AWQ; quantlib has no AWQ yet, so it uses max calibration.
+W4A8_AWQ_BETA_CFG = _preset(
+    [{"num_bits": 4, "block_sizes": {-1: 128, "type": "static"}, "enable": True}, {"num_bits": (4, 3), "axis": None, "enable": True}],
+    {"num_bits": (4, 3), "axis": None, "enable": True},
+)
+
+PRESETS: dict[str, dict] = {
+    name: globals()[name]
+    for name in (
+        "INT8_DEFAULT_CFG",
+        "INT8_WEIGHT_ONLY_CFG",
+        "FP8_DEFAULT_CFG",
+        "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+        "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
+        "FP8_BLOCKWISE_CFG",
+        "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+        "NVFP4_DEFAULT_CFG",
+        "MXFP8_DEFAULT_CFG",
+        "MXFP4_DEFAULT_CFG",
+        "W4A8_AWQ_BETA_CFG",
+    )
+}

@@ -1,0 +1,226 @@
+"""The Triton kernels: one per data layout, specialised by constexpr ``OP`` and ``KIND``.
+
+- :func:`block1d_kernel`: blocks of ``B`` along the last dim of a ``[R, C]`` view; a program owns
+  ``ROWS`` rows and ``NBT`` blocks (a ``[ROWS, NBT, BP]`` tile, ``BP = next_pow2(B)``).
+- :func:`block2d_kernel`: ``BM x BK`` blocks over the last two dims of a ``[L, M, K]`` view; a program
+  owns one block.
+- :func:`rowwise_kernel`: INT / FP8 with a static amax broadcast over ``[R, C]``, or a dynamic amax
+  per row.
+- :func:`absmax_kernel`: partial amax bits of a flat tensor (NVFP4's dynamic global amax).
+
+``OP``: 0 block amax, 1 fake quant, 2 real quantization (codes + scales). ``KIND``: 0 INT, 1 FP8
+blockwise, 2 MX, 3 NVFP4, 4 FP8 per tensor / channel. Every load of ``x`` happens once; outputs are
+written once (one pass over device memory, the dynamic-NVFP4 global amax excepted).
+"""
+
+import triton
+import triton.language as tl
+
+from ._numerics import (
+    abs_bits,
+    bits_to_f32,
+    e2m1_code,
+    e2m1_value,
+    e8m0_byte,
+    e8m0_inverse,
+    e8m0_value,
+    fp8_block_round,
+    fp8_block_scale,
+    fp8_byte,
+    fp8_fake,
+    int_fake,
+    load_f32,
+    nvfp4_s2,
+    nvfp4_sb8,
+    round_fp8,
+    store_out,
+)
+
+@triton.jit
+def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr):
+    """Fake-quantized fp32 values of ``x`` whose block amax ``a`` is broadcast to its shape."""
+    if KIND == 0:
+        return int_fake(x, a, lo, hi)
+    elif KIND == 1:
+        d = fp8_block_scale(a, eps, QMAX, POW2)
+        return fp8_block_round(x, d, QMAX, FP8E, POW2) * d
+    elif KIND == 2:
+        byte = e8m0_byte(a, QMAX, EMAX, FLOOR)
+        y = x * e8m0_inverse(byte)
+        y = tl.where(y < -QMAX, -QMAX, tl.where(y > QMAX, QMAX, y))
+        if E2M1:
+            v = e2m1_value(e2m1_code(y))
+        else:
+            v = round_fp8(y, 0)
+        return v * e8m0_value(byte)
+    else:
+        s2 = nvfp4_s2(tl.load(g_ptr))
+        p = nvfp4_sb8(a, s2) * s2
+        return e2m1_value(e2m1_code(tl.math.div_rn(x, p))) * p
+
+
+@triton.jit
+def block1d_kernel(
+    x_ptr, out_ptr, scale_ptr, amax_ptr, g_ptr, s2_ptr,
+    R, C, NB, OUTC, lo, hi, eps,
+    OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
+    B: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
+    IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
+    QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
+    r3 = rows[:, None, None]
+    b3 = blks[None, :, None]
+    j3 = tl.arange(0, BP)[None, None, :]
+    col = b3 * B + j3
+    mask = (r3 < R) & (col < C)
+    if BP != B:
+        mask = mask & (j3 < B)
+    offs = r3.to(tl.int64) * C + col
+    x = load_f32(x_ptr, offs, mask, IN_DT)
+
+    r2 = rows[:, None]
+    b2 = blks[None, :]
+    mask2 = (r2 < R) & (b2 < NB)
+    offs2 = r2.to(tl.int64) * NB + b2
+    if STATIC:
+        a = tl.load(amax_ptr + offs2, mask=mask2, other=1.0)
+    else:
+        a = bits_to_f32(tl.max(abs_bits(x), axis=2))
+    if OP == 0:
+        tl.store(amax_ptr + offs2, a, mask=mask2)
+    elif OP == 1:
+        v = _block_values(x, a[:, :, None], g_ptr, lo, hi, eps, KIND, QMAX, FP8E, POW2, E2M1, EMAX, FLOOR)
+        store_out(out_ptr, offs, v, mask, OUT_DT)
+    else:
+        if KIND == 1:
+            d = fp8_block_scale(a, eps, QMAX, POW2)
+            tl.store(scale_ptr + offs2, d, mask=mask2)
+            c = fp8_byte(fp8_block_round(x, d[:, :, None], QMAX, FP8E, POW2), FP8E)
+            tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
+        elif KIND == 2:
+            byte = e8m0_byte(a, QMAX, EMAX, FLOOR)
+            tl.store(scale_ptr + offs2, byte.to(tl.uint8), mask=mask2)
+            y = x * e8m0_inverse(byte)[:, :, None]
+            y = tl.where(y < -QMAX, -QMAX, tl.where(y > QMAX, QMAX, y))
+            if E2M1:
+                code = e2m1_code(y)
+            else:
+                code = fp8_byte(round_fp8(y, 0), 0)
+        else:
+            s2 = nvfp4_s2(tl.load(g_ptr))
+            sb8 = nvfp4_sb8(a, s2)
+            tl.store(scale_ptr + offs2, fp8_byte(sb8, 0).to(tl.uint8), mask=mask2)
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(s2_ptr, s2)
+            code = e2m1_code(tl.math.div_rn(x, (sb8 * s2)[:, :, None]))
+        if KIND == 1:
+            pass
+        elif (KIND == 2) and (E2M1 == 0):
+            tl.store(out_ptr + offs, code.to(tl.uint8), mask=mask)
+        else:
+            lo4, hi4 = tl.split(tl.reshape(code, (ROWS, NBT, BP // 2, 2)))
+            packed = lo4 | (hi4 << 4)
+            pcol = b3 * (B // 2) + tl.arange(0, BP // 2)[None, None, :]
+            tl.store(out_ptr + r3.to(tl.int64) * OUTC + pcol, packed.to(tl.uint8), mask=(r3 < R) & (pcol < OUTC))
+
+
+@triton.jit
+def block2d_kernel(
+    x_ptr, out_ptr, scale_ptr, amax_ptr,
+    M, K, MB, KB, lo, hi, eps,
+    OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, BMP: tl.constexpr, BKP: tl.constexpr,
+    IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
+    QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr,
+):
+    pid = tl.program_id(0)  # l * MB + mb
+    kb = tl.program_id(1)
+    l = pid // MB
+    mb = pid - l * MB
+    rows = mb * BM + tl.arange(0, BMP)[:, None]
+    cols = kb * BK + tl.arange(0, BKP)[None, :]
+    mask = (rows < M) & (cols < K)
+    if BMP != BM:
+        mask = mask & (tl.arange(0, BMP)[:, None] < BM)
+    if BKP != BK:
+        mask = mask & (tl.arange(0, BKP)[None, :] < BK)
+    offs = (l.to(tl.int64) * M + rows) * K + cols
+    x = load_f32(x_ptr, offs, mask, IN_DT)
+    soff = pid.to(tl.int64) * KB + kb
+    if STATIC:
+        a = tl.load(amax_ptr + soff)
+    else:
+        a = bits_to_f32(tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    if OP == 0:
+        tl.store(amax_ptr + soff, a)
+    elif OP == 1:
+        if KIND == 0:
+            v = int_fake(x, a, lo, hi)
+        else:
+            d = fp8_block_scale(a, eps, QMAX, POW2)
+            v = fp8_block_round(x, d, QMAX, FP8E, POW2) * d
+        store_out(out_ptr, offs, v, mask, OUT_DT)
+    else:
+        d = fp8_block_scale(a, eps, QMAX, POW2)
+        tl.store(scale_ptr + soff, d)
+        c = fp8_byte(fp8_block_round(x, d, QMAX, FP8E, POW2), FP8E)
+        tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _row_values(x, a, lo, hi, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr):
+    if KIND == 0:
+        return int_fake(x, a, lo, hi)
+    else:
+        return fp8_fake(x, a, QMAX, FP8E)
+
+
+@triton.jit
+def rowwise_kernel(
+    x_ptr, out_ptr, amax_ptr, R, C, a_sr, a_sc, lo, hi,
+    KIND: tl.constexpr, AMODE: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr, ONE_PASS: tl.constexpr,
+    IN_DT: tl.constexpr, OUT_DT: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr,
+):
+    """AMODE: 0 one amax, 1 per row (a_sr), 2 per column (a_sc), 3 general strides, 4 dynamic per row."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    rmask = rows < R
+    base = rows.to(tl.int64) * C
+    if AMODE == 4:
+        cols = tl.arange(0, BC)[None, :]
+        if ONE_PASS:
+            mask = rmask & (cols < C)
+            x = load_f32(x_ptr, base + cols, mask, IN_DT)
+            a = bits_to_f32(tl.max(abs_bits(x), axis=1))[:, None]
+            store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
+        else:
+            m = tl.zeros((ROWS, BC), dtype=tl.int32)
+            for c0 in range(0, C, BC):
+                mask = rmask & (cols + c0 < C)
+                m = tl.maximum(m, abs_bits(load_f32(x_ptr, base + c0 + cols, mask, IN_DT)))
+            a = bits_to_f32(tl.max(m, axis=1))[:, None]
+            for c0 in range(0, C, BC):
+                mask = rmask & (cols + c0 < C)
+                x = load_f32(x_ptr, base + c0 + cols, mask, IN_DT)
+                store_out(out_ptr, base + c0 + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
+    else:
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+        mask = rmask & (cols < C)
+        x = load_f32(x_ptr, base + cols, mask, IN_DT)
+        if AMODE == 0:
+            a = tl.load(amax_ptr)
+        elif AMODE == 1:
+            a = tl.load(amax_ptr + rows.to(tl.int64) * a_sr, mask=rmask, other=1.0)
+        elif AMODE == 2:
+            a = tl.load(amax_ptr + cols.to(tl.int64) * a_sc, mask=cols < C, other=1.0)
+        else:
+            a = tl.load(amax_ptr + rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc, mask=mask, other=1.0)
+        store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
+
+
+@triton.jit
+def absmax_kernel(x_ptr, part_ptr, N, BLOCK: tl.constexpr, IN_DT: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = load_f32(x_ptr, offs, offs < N, IN_DT)
+    tl.store(part_ptr + tl.program_id(0), tl.max(abs_bits(x), axis=0))

@@ -1,0 +1,233 @@
+"""Triton device functions of the numerics contract (DESIGN §3), exact on the GPU and in the interpreter.
+
+Every rounding that the contract names is done here with IEEE fp32 operations whose result is fixed
+(``div_rn``, plain multiplication, comparisons) or with integer operations on the fp32 bits; never with
+``x.to(tl.float8e4nv)`` or ``x.to(tl.bfloat16)``, whose interpreter versions round wrongly (FACTS.md:
+carries into the next power of two; bf16 truncation and subnormals). Kernels must be launched with
+``enable_fp_fusion=False``: a fused multiply-add would skip the rounding of ``x * s``.
+
+Constexpr codes shared by the kernels:
+
+- ``IN_DT`` (how the input is read): 0 fp32, 1 fp16, 2 bf16 passed as its int16 bits.
+- ``OUT_DT`` (how a fake-quant result is stored): 0 fp32, 1 bf16 by the hardware cast (GPU, RNE),
+  2 bf16 as int16 bits rounded here (interpreter), 3 fp16.
+- ``FP8E``: 0 E4M3 (Q 448, 3 mantissa bits, min normal 2^-6), 1 E5M2 (Q 57344, 2 bits, 2^-14).
+"""
+
+import triton
+import triton.language as tl
+
+TINY_AMAX = 5.960464477539063e-08  # 2^-24, fp32-exact
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, IN_DT: tl.constexpr):
+    """fp32 values of the input (masked elements read 0)."""
+    if IN_DT == 2:
+        bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_out(ptr, offs, v, mask, OUT_DT: tl.constexpr):
+    """Store fp32 ``v`` in the output dtype with round-to-nearest-even."""
+    if OUT_DT == 0:
+        tl.store(ptr + offs, v, mask=mask)
+    elif OUT_DT == 1:
+        tl.store(ptr + offs, v.to(tl.bfloat16), mask=mask)
+    elif OUT_DT == 2:
+        b = v.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+        r = tl.where(v != v, 0x7FC0, r)
+        tl.store(ptr + offs, r.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, v.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def abs_bits(x):
+    """|x| as int32 bits: their integer order is the float order, and NaN sorts above Inf."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def bits_to_f32(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def clamp_nan(v, lo, hi):
+    """``torch.clamp``: NaN stays NaN."""
+    return tl.where(v < lo, lo, tl.where(v > hi, hi, v))
+
+
+@triton.jit
+def rint(v):
+    """Round half to even (``torch.round``) of fp32 ``v``; |v| >= 2^22 is already an integer."""
+    r = (v + 12582912.0) - 12582912.0
+    return tl.where(tl.abs(v) < 4194304.0, r, v)
+
+
+@triton.jit
+def round_fp8(v, FP8E: tl.constexpr):
+    """fp32 value of ``cast_rne_fp8(v)`` for ``|v| <= Q`` (or NaN), sign of zero kept."""
+    neg = v.to(tl.int32, bitcast=True) < 0
+    mag = abs_bits(v)
+    if FP8E == 0:
+        rn = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # keep 3 mantissa bits
+        sub = (bits_to_f32(mag) + 16384.0) - 16384.0  # quantum 2^-9 below 2^-6
+        res = tl.where(mag < 0x3C800000, sub, bits_to_f32(rn))
+    else:
+        rn = (mag + 0xFFFFF + ((mag >> 21) & 1)) & -2097152  # keep 2 mantissa bits
+        sub = (bits_to_f32(mag) + 128.0) - 128.0  # quantum 2^-16 below 2^-14
+        res = tl.where(mag < 0x38800000, sub, bits_to_f32(rn))
+    res = tl.where(v != v, v, res)
+    return tl.where(neg, -res, res)
+
+
+@triton.jit
+def fp8_byte(r, FP8E: tl.constexpr):
+    """The FP8 byte (int32 0..255) of an fp32 value ``r`` already on the FP8 grid; NaN gives 0x7F|sign."""
+    neg = r.to(tl.int32, bitcast=True) < 0
+    mag = abs_bits(r)
+    af = bits_to_f32(mag)
+    if FP8E == 0:
+        byte = tl.where(mag < 0x3C800000, (af * 512.0).to(tl.int32), (mag >> 20) - 960)
+    else:
+        byte = tl.where(mag < 0x38800000, (af * 65536.0).to(tl.int32), (mag >> 21) - 448)
+    byte = tl.where(mag > 0x7F800000, 0x7F, byte)
+    return tl.where(neg, byte | 0x80, byte)
+
+
+@triton.jit
+def pow2_ceil(d):
+    """Smallest power of two >= positive fp32 ``d`` from the bits (subnormal -> 2^-126; NaN/Inf kept)."""
+    bits = d.to(tl.int32, bitcast=True)
+    ex = bits & 0x7F800000
+    up = tl.where((bits & 0x007FFFFF) != 0, ex + 0x00800000, ex)
+    up = tl.where(ex == 0, 0x00800000, up)
+    return tl.where(ex == 0x7F800000, d, bits_to_f32(up))
+
+
+@triton.jit
+def e8m0_byte(a, QMAX: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr):
+    """Biased E8M0 byte (int32) of block amax ``a``: rceil or floor rule, 255 for NaN/Inf."""
+    if FLOOR:
+        field = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.where(field == 0, -127, field - 127) - EMAX
+    else:
+        t = tl.math.div_rn(a, QMAX)
+        bits = t.to(tl.int32, bitcast=True)
+        field = (bits >> 23) & 0xFF
+        mant = bits & 0x007FFFFF
+        e = tl.where(mant != 0, field - 126, field - 127)
+        e = tl.where(field == 0, tl.where(mant > 4194304, -126, -127), e)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    finite = abs_bits(a) < 0x7F800000
+    return tl.where(finite, e + 127, 255)
+
+
+@triton.jit
+def e8m0_value(byte):
+    """fp32 ``2^(byte - 127)`` (byte 0 is 2^-127), NaN for 255."""
+    bits = tl.where(byte == 0, 0x00400000, byte << 23)
+    bits = tl.where(byte == 255, 0x7FC00000, bits)
+    return bits_to_f32(bits)
+
+
+@triton.jit
+def e8m0_inverse(byte):
+    """fp32 ``2^(127 - byte)``, exactly ``1 / e8m0_value(byte)`` (NaN for 255)."""
+    bits = tl.where(byte == 254, 0x00400000, (254 - byte) << 23)
+    bits = tl.where(byte == 255, 0x7FC00000, bits)
+    return bits_to_f32(bits)
+
+
+@triton.jit
+def e2m1_code(y):
+    """E2M1 code (int32 0..15) of fp32 ``y`` by round-to-nearest-even, saturating; NaN gives 0."""
+    mag = tl.abs(y)
+    idx = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+    idx += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+    idx += (mag > 5.0).to(tl.int32)
+    neg = (y.to(tl.int32, bitcast=True) < 0) & (y == y)
+    return tl.where(neg, idx | 8, idx)
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of an E2M1 code: {0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign."""
+    idx = code & 7
+    big = bits_to_f32(((126 + (idx >> 1)) << 23) | ((idx & 1) << 22))
+    mag = tl.where(idx == 0, 0.0, tl.where(idx == 1, 0.5, big))
+    return tl.where(code >= 8, -mag, mag)
+
+
+@triton.jit
+def int_fake(x, a, lo, hi):
+    """INT fake quant of fp32 ``x`` with group amax ``a`` (broadcast): ``q / (Q / a)``.
+
+    The integer code goes through an integer dtype in the reference, so a NaN code becomes 0 and -0
+    becomes +0; a NaN amax still gives NaN (``0 / NaN``).
+    """
+    scale = tl.math.div_rn(hi, a)
+    q = clamp_nan(rint(x * scale), lo, hi)
+    q = tl.where(a <= 5.960464477539063e-08, 0.0, q)
+    q = tl.where((q != q) | (q == 0.0), 0.0, q)
+    return tl.math.div_rn(q, scale)
+
+
+@triton.jit
+def int_code(x, a, lo, hi):
+    """Integer code (fp32, integer-valued, NaN -> 0) of the INT format."""
+    scale = tl.math.div_rn(hi, a)
+    q = clamp_nan(rint(x * scale), lo, hi)
+    q = tl.where(a <= 5.960464477539063e-08, 0.0, q)
+    return tl.where((q != q) | (q == 0.0), 0.0, q)
+
+
+@triton.jit
+def fp8_fake(x, a, QMAX: tl.constexpr, FP8E: tl.constexpr):
+    """FP8 per tensor / channel: ``cast(clamp(x * s)) * (1 / s)``, ``s = Q / a'``."""
+    safe = tl.where(a > 5.960464477539063e-08, a, 1.0)
+    safe = tl.where(a != a, a, safe)
+    s = tl.math.div_rn(QMAX, safe)
+    inv = tl.math.div_rn(1.0, s)
+    c = round_fp8(clamp_nan(x * s, -QMAX, QMAX), FP8E)
+    return c * inv
+
+
+@triton.jit
+def fp8_block_scale(a, eps, QMAX: tl.constexpr, POW2: tl.constexpr):
+    """Dequant scale ``d = max(a, eps) / Q`` (NaN kept), optionally rounded up to a power of two."""
+    m = tl.where(a != a, a, tl.where(a > eps, a, eps))
+    d = tl.math.div_rn(m, QMAX)
+    if POW2:
+        d = pow2_ceil(d)
+    return d
+
+
+@triton.jit
+def fp8_block_round(x, d, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr):
+    """fp32 value of ``cast_rne(clamp(x / d))``; with pow2 ``d`` the exact reciprocal replaces division."""
+    if POW2:
+        y = x * tl.math.div_rn(1.0, d)
+    else:
+        y = tl.math.div_rn(x, d)
+    return round_fp8(clamp_nan(y, -QMAX, QMAX), FP8E)
+
+
+@triton.jit
+def nvfp4_s2(A):
+    """Global scale ``s2 = A / (6 * 448)`` (1 when ``A <= 2^-24``, NaN kept)."""
+    return tl.where(A <= 5.960464477539063e-08, 1.0, tl.math.div_rn(A, 2688.0))
+
+
+@triton.jit
+def nvfp4_sb8(a, s2):
+    """fp32 value of the E4M3 block scale ``cast(clamp(a / (6 * s2), 2^-9, 448))`` (0 -> 1 first)."""
+    sb = tl.math.div_rn(a, 6.0 * s2)
+    sb = tl.where(sb == 0.0, 1.0, sb)
+    return round_fp8(clamp_nan(sb, 0.001953125, 448.0), 0)

@@ -1,0 +1,257 @@
+"""The "triton" backend of every op (signatures of :mod:`quantlib.kernels.reference_impl`).
+
+Inputs are made contiguous first (a non-contiguous input gives the result of its contiguous copy);
+outputs are fresh contiguous tensors. Tensors on the CPU run under Triton's interpreter (tests),
+CUDA tensors are compiled and autotuned (:mod:`._launch`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...formats import FormatSpec, Kind, Rounding
+from ...formats.blocks import blocked_shape, check_block
+from ...formats.int import int_range
+from ...formats.spec import FLOAT_FORMATS
+from ..backends import register
+from . import _kernels as K
+from ._launch import (
+    in_view,
+    launch,
+    next_pow2,
+    out_view,
+    tile_1d_candidates,
+    tile_2d_candidates,
+    tile_dynrow_candidates,
+    tile_row_candidates,
+)
+
+_KIND = {Kind.INT: 0, Kind.FP8_BLOCK: 1, Kind.MX: 2, Kind.NVFP4: 3, Kind.FP8: 4}
+_FP8E = {(4, 3): 0, (5, 2): 1}
+
+
+def _fp8e(element) -> int:
+    try:
+        return _FP8E[tuple(element)]
+    except KeyError:
+        raise ValueError(f"no FP8 element format {element}; expected (4, 3) or (5, 2)") from None
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
+def _format_consts(spec: FormatSpec) -> tuple[dict, float, float]:
+    """Constexprs of ``spec`` and the runtime (lo, hi) of INT codes."""
+    lo, hi = 0.0, 0.0
+    c = {"KIND": _KIND[spec.kind], "QMAX": 1.0, "FP8E": 0, "POW2": False, "E2M1": False, "EMAX": 0, "FLOOR": False}
+    if spec.kind == Kind.INT:
+        lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
+    elif spec.kind == Kind.FP8_BLOCK:
+        c.update(QMAX=FLOAT_FORMATS[tuple(spec.element)][0], FP8E=_fp8e(spec.element), POW2=bool(spec.pow2))
+    elif spec.kind == Kind.MX:
+        element = tuple(spec.element)
+        if element not in ((4, 3), (2, 1)):
+            raise ValueError(f"MX element format must be (4, 3) or (2, 1), got {element}")
+        qmax, emax = FLOAT_FORMATS[element]
+        c.update(QMAX=qmax, EMAX=emax, E2M1=element == (2, 1), FLOOR=Rounding(spec.rounding) == Rounding.FLOOR)
+    elif spec.kind == Kind.NVFP4:
+        c.update(QMAX=6.0)
+    return c, lo, hi
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0, eps=0.0) -> None:
+    C = x.shape[-1]
+    R = x.numel() // C
+    NB = -(-C // B)
+    BP = next_pow2(B)
+    xin, in_dt = in_view(x)
+    dev = x.device
+    out_dt = 0
+    if op == 1:
+        out, out_dt = out_view(out)
+    dummy = _dummy(dev)
+    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy,
+            g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2, lo, hi, eps)
+    consts = dict(OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
+
+    def grid(meta):
+        return (-(-R // meta["ROWS"]), -(-NB // meta["NBT"]))
+
+    launch(K.block1d_kernel, grid, args, consts, tile_1d_candidates(R, NB, BP, x.is_cuda), dev, x.numel())
+
+
+def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, lo=0.0, hi=0.0, eps=0.0) -> None:
+    BM, BK = block
+    M, Kd = x.shape[-2], x.shape[-1]
+    L = x.numel() // (M * Kd)
+    MB, KB = -(-M // BM), -(-Kd // BK)
+    xin, in_dt = in_view(x)
+    dev = x.device
+    out_dt = 0
+    if op == 1:
+        out, out_dt = out_view(out)
+    dummy = _dummy(dev)
+    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB, lo, hi, eps)
+    BMP, BKP = next_pow2(BM), next_pow2(BK)
+    fmt = {k: fmt[k] for k in ("KIND", "QMAX", "FP8E", "POW2")}
+    consts = dict(OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
+    launch(K.block2d_kernel, lambda meta: (L * MB, KB), args, consts, tile_2d_candidates(BMP, BKP, x.is_cuda), dev, x.numel())
+
+
+def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt: dict, lo: float, hi: float) -> None:
+    C = x.shape[-1] if x.dim() else 1
+    R = x.numel() // C
+    xin, in_dt = in_view(x)
+    o, out_dt = out_view(out)
+    dev = x.device
+    consts = dict(KIND=fmt["KIND"], QMAX=fmt["QMAX"], FP8E=fmt["FP8E"], IN_DT=in_dt, OUT_DT=out_dt)
+    if amax is None:
+        args = (xin, o, _dummy(dev), R, C, 0, 0, lo, hi)
+        consts["AMODE"] = 4
+        launch(K.rowwise_kernel, lambda meta: (-(-R // meta["ROWS"]), 1), args, consts, tile_dynrow_candidates(R, C, x.is_cuda), dev, x.numel())
+        return
+    a = amax.to(device=dev, dtype=torch.float32)
+    if a.numel() == 1:
+        a, mode, sr, sc = a.reshape(1).contiguous(), 0, 0, 0
+    else:
+        a = a.expand(x.shape if x.dim() else (1,))
+        try:
+            a = a.view(R, C)
+        except RuntimeError:  # a broadcast that no 2-D view expresses: materialise it
+            a = a.contiguous().view(R, C)
+        sr, sc = a.stride()
+        mode = 1 if sc == 0 else 2 if sr == 0 else 3
+    args = (xin, o, a, R, C, sr, sc, lo, hi)
+    consts.update(AMODE=mode, ONE_PASS=True)
+    launch(K.rowwise_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda), dev, x.numel())
+
+
+def _global_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 amax of |x| as a 1-element tensor on x's device (NaN if any NaN), computed on the device."""
+    xin, in_dt = in_view(x)
+    n = x.numel()
+    block = 8192 if x.is_cuda else 65536
+    parts = torch.empty(-(-n // block), dtype=torch.int32, device=x.device)
+    K.absmax_kernel[(parts.numel(),)](xin, parts, n, BLOCK=block, IN_DT=in_dt, num_warps=8)
+    return parts.max().reshape(1).view(torch.float32)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _static_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
+    """The static group amax, None for a dynamic one; the reference's errors for misuse."""
+    if spec.dynamic or amax is None:
+        if not spec.dynamic:
+            raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
+        return None
+    if spec.block is not None and tuple(amax.shape) != blocked_shape(x.shape, spec.block):
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+    return amax
+
+
+@register("fake_quant", "triton")
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+    fmt, lo, hi = _format_consts(spec)
+    if spec.kind in (Kind.MX, Kind.NVFP4):
+        check_block(x, spec.block)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if x.numel() == 0:
+            return out
+        g = None
+        if spec.kind == Kind.NVFP4:
+            g = _global_amax(x) if amax is None else amax.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
+        _block1d(x, spec.block[0], 1, fmt, out=out, g=g)
+        return out
+    a = _static_amax(x, spec, amax)
+    if spec.kind == Kind.FP8:
+        if spec.block is not None:
+            raise ValueError("fp8 (per tensor / channel) formats take no block; use fp8_block")
+        fmt.update(QMAX=FLOAT_FORMATS[tuple(spec.element)][0], FP8E=_fp8e(spec.element))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if spec.block is None:
+        if x.numel():
+            _rowwise(x, out, a, fmt, lo, hi)
+        return out
+    check_block(x, spec.block)
+    if x.numel() == 0:
+        return out
+    if a is not None:
+        a = a.to(device=x.device, dtype=torch.float32).contiguous()
+    eps = float(spec.eps)
+    if len(spec.block) == 1:
+        _block1d(x, spec.block[0], 1, fmt, out=out, amax=a, static=a is not None, lo=lo, hi=hi, eps=eps)
+    else:
+        _block2d(x, tuple(spec.block), 1, fmt, out=out, amax=a, static=a is not None, lo=lo, hi=hi, eps=eps)
+    return out
+
+
+@register("block_amax", "triton")
+def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    check_block(x, block)
+    amax = torch.empty(blocked_shape(x.shape, block), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return amax
+    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.INT))
+    if len(block) == 1:
+        _block1d(x, block[0], 0, fmt, amax=amax)
+    else:
+        _block2d(x, tuple(block), 0, fmt, amax=amax)
+    return amax
+
+
+@register("fp8_blockwise_cast", "triton")
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_block(x, block)
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(blocked_shape(x.shape, block), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return codes, scale
+    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.FP8_BLOCK, element=(4, 3), pow2=pow2))
+    if len(block) == 1:
+        _block1d(x, block[0], 2, fmt, out=codes.view(torch.uint8), scale=scale, eps=float(eps))
+    else:
+        _block2d(x, tuple(block), 2, fmt, out=codes.view(torch.uint8), scale=scale, eps=float(eps))
+    return codes, scale
+
+
+@register("mx_cast", "triton")
+def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
+    check_block(x, (block,))
+    element = {"e4m3": (4, 3), "e2m1": (2, 1)}[elem]
+    scales = torch.empty(blocked_shape(x.shape, (block,)), dtype=torch.uint8, device=x.device)
+    if element == (2, 1):
+        codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=x.device)
+        codes_u8 = codes
+    else:
+        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        codes_u8 = codes.view(torch.uint8)
+    if x.numel() == 0:
+        return codes, scales
+    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.MX, element=element, block=(block,), rounding=Rounding(rounding)))
+    _block1d(x, block, 2, fmt, out=codes_u8, scale=scales)
+    return codes, scales
+
+
+@register("nvfp4_cast", "triton")
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_block(x, (16,))
+    dev = x.device
+    codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=dev)
+    sb8 = torch.empty(blocked_shape(x.shape, (16,)), dtype=torch.float8_e4m3fn, device=dev)
+    s2 = torch.empty((), dtype=torch.float32, device=dev)
+    if x.numel() == 0:
+        from ...formats.nvfp4 import nvfp4_quantize
+
+        return nvfp4_quantize(x, global_amax)
+    g = _global_amax(x) if global_amax is None else global_amax.to(device=dev, dtype=torch.float32).reshape(1).contiguous()
+    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.NVFP4, element=(2, 1), block=(16,)))
+    _block1d(x, 16, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, s2=s2.view(1))
+    return codes, sb8, s2
+
+
+__all__ = ["block_amax", "fake_quant", "fp8_blockwise_cast", "mx_cast", "nvfp4_cast"]

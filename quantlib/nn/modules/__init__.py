@@ -1,0 +1,3 @@
+"""Quantized versions of torch.nn modules; importing registers them."""
+
+from . import conv, linear  # noqa: F401  (registration)

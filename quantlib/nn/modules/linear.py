@@ -1,0 +1,16 @@
+"""Quantized nn.Linear."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant_module import QuantModule, QuantModuleRegistry
+
+
+@QuantModuleRegistry.register(nn.Linear, "nn.Linear")
+class _QuantLinear(QuantModule):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = F.linear(self.input_quantizer(input), self.weight_quantizer(self.weight), self.bias)
+        return self.output_quantizer(out)

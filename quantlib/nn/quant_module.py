@@ -1,0 +1,109 @@
+"""QuantModule: the mixin that gives a module its input / weight / output quantizers, and the registry
+that builds the quantized class of an original module class."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..config import QuantizerAttributeConfig
+from .containers import GroupedQuantizer
+from .tensor_quantizer import TensorQuantizer
+
+
+class QuantModule(nn.Module):
+    """Mixin placed before the original class: ``class QuantLinear(QuantModule, nn.Linear)``.
+
+    Subclasses say which quantizers they own (``quantizer_names``), which of them quantize weights and
+    with which tensors (:meth:`weight_groups`), and their parallel role for the amax sync.
+    """
+
+    quantizer_names: tuple[str, ...] = ("input_quantizer", "weight_quantizer", "output_quantizer")
+    weight_quantizer_names: tuple[str, ...] = ("weight_quantizer",)
+    #: "replicated", "column", "row" (tensor parallel) — set by plugins that know it.
+    parallel_role: str = "replicated"
+    #: True for the linears of MoE experts (their input amax syncs across the expert group).
+    is_expert: bool = False
+
+    def _setup(self) -> None:
+        """Create the quantizers (called once, right after conversion)."""
+        self.input_quantizer = TensorQuantizer(QuantizerAttributeConfig())
+        self.weight_quantizer = TensorQuantizer(QuantizerAttributeConfig(axis=0))
+        self.output_quantizer = TensorQuantizer(QuantizerAttributeConfig(enable=False))
+
+    def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        """(weight quantizer name, its tensors): one tensor per member of a GroupedQuantizer."""
+        yield "weight_quantizer", [self.weight]
+
+    def num_weight_members(self, name: str) -> int:
+        """How many members a grouped weight quantizer ``name`` has (1 for a plain quantizer)."""
+        for qname, tensors in self.weight_groups():
+            if qname == name:
+                return len(tensors)
+        raise KeyError(name)
+
+    def calibrate_weights(self) -> None:
+        """Every weight quantizer gets its amax from its own tensor(s), whatever data calibration sees."""
+        for name, tensors in self.weight_groups():
+            q = getattr(self, name)
+            if isinstance(q, GroupedQuantizer):
+                members = [(m, t) for m, t in zip(q, tensors)]
+            else:
+                members = [(q, tensors[0])]
+            for m, t in members:
+                if m.is_enabled and m.needs_calibration:
+                    m.calibrate(t)
+
+
+class QuantModuleRegistry:
+    """Maps original module classes to quantized ones; ``convert`` swaps a module, keeping its parameters."""
+
+    _mixins: "OrderedDict[type, type]" = OrderedDict()
+    _classes: dict[type, type] = {}
+
+    @classmethod
+    def register(cls, original: type, name: Optional[str] = None) -> Callable[[type], type]:
+        """Decorator on a QuantModule mixin that quantizes modules of class ``original`` (exact type)."""
+
+        def deco(mixin: type) -> type:
+            if not issubclass(mixin, QuantModule):
+                raise TypeError(f"{mixin.__name__} must subclass QuantModule")
+            cls._mixins[original] = mixin
+            cls._classes.pop(original, None)
+            mixin._registry_name = name or original.__name__
+            return mixin
+
+        return deco
+
+    @classmethod
+    def unregister(cls, original: type) -> None:
+        cls._mixins.pop(original, None)
+        cls._classes.pop(original, None)
+
+    @classmethod
+    def is_registered(cls, original: type) -> bool:
+        return original in cls._mixins
+
+    @classmethod
+    def quantized_class(cls, original: type) -> type:
+        """``type("Quant<Name>", (mixin, original), {})``, built once per original class."""
+        if original not in cls._classes:
+            mixin = cls._mixins[original]
+            cls._classes[original] = type(f"Quant{original.__name__}", (mixin, original), {"_original_class": original})
+        return cls._classes[original]
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> QuantModule:
+        """The quantized module, sharing the original's parameters, buffers, submodules and hooks."""
+        qcls = cls.quantized_class(type(module))
+        new = qcls.__new__(qcls)
+        new.__dict__ = {k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+        new._setup()
+        return new
+
+    @classmethod
+    def original_class_of(cls, module: nn.Module) -> type:
+        return getattr(type(module), "_original_class", type(module))

@@ -1,0 +1,197 @@
+"""TensorQuantizer: the state of one quantizer (config, amax buffer, switches, calibrator) and one op call."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
+from ..config import QuantizerAttributeConfig, make_attribute_config
+from ..formats import FormatSpec, Kind
+from ..kernels import ops
+
+
+class CalibrationError(ValueError):
+    """Calibration produced no usable amax; the message names the quantizer."""
+
+
+class TensorQuantizer(nn.Module):
+    """Fake-quantizes one tensor as its :class:`QuantizerAttributeConfig` says.
+
+    Works standalone like ModelOpt's: ``TensorQuantizer(QuantizerAttributeConfig(num_bits=8))(x)``; a
+    static format without a calibrated amax uses the amax of the tensor it is given.
+    """
+
+    def __init__(self, quant_attribute_cfg: Optional[Union[QuantizerAttributeConfig, dict]] = None, if_quant: bool = True, if_calib: bool = False, amax: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self._attrs = make_attribute_config(quant_attribute_cfg or QuantizerAttributeConfig())
+        self._disabled = not self._attrs.enable
+        self._if_quant = if_quant
+        self._if_calib = if_calib
+        self._calibrator = MaxCalibrator()
+        self._qname = "TensorQuantizer"  # full name in the model, set when a model is configured
+        if amax is not None:
+            self.amax = amax
+
+    # ------------------------------------------------------------------ config
+    @property
+    def attrs(self) -> QuantizerAttributeConfig:
+        return self._attrs
+
+    @property
+    def spec(self) -> FormatSpec:
+        return self._attrs.format_spec()
+
+    @property
+    def num_bits(self):
+        return self._attrs.num_bits
+
+    @property
+    def axis(self):
+        return self._attrs.axis
+
+    @property
+    def block_sizes(self):
+        return self._attrs.block_sizes
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True for formats that use a calibrated amax (everything but MX, dynamic blocks, per token)."""
+        return not self._attrs.is_dynamic
+
+    def set_from_attribute_config(self, attrs: Union[QuantizerAttributeConfig, dict]) -> None:
+        """Replace the config; a dict holding only ``enable`` just toggles. A new format drops the amax."""
+        if isinstance(attrs, dict) and set(attrs) <= {"enable"}:
+            if "enable" in attrs:
+                self.enable() if attrs["enable"] else self.disable()
+            return
+        new = make_attribute_config(attrs)
+        if new.format_spec() != self.spec or new.axis != self._attrs.axis:
+            self.reset_amax()
+        self._attrs = new
+        self._disabled = not new.enable
+
+    # ------------------------------------------------------------------ switches
+    @property
+    def is_enabled(self) -> bool:
+        return not self._disabled
+
+    def enable(self) -> None:
+        self._disabled = False
+
+    def disable(self) -> None:
+        self._disabled = True
+
+    def enable_quant(self) -> None:
+        self._if_quant = True
+
+    def disable_quant(self) -> None:
+        self._if_quant = False
+
+    def enable_calib(self) -> None:
+        self._if_calib = True
+
+    def disable_calib(self) -> None:
+        self._if_calib = False
+
+    # ------------------------------------------------------------------ amax
+    @property
+    def amax(self) -> Optional[torch.Tensor]:
+        return getattr(self, "_amax", None)
+
+    @amax.setter
+    def amax(self, value: Optional[torch.Tensor]) -> None:
+        if value is None:
+            self.reset_amax()
+            return
+        value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+        if "_amax" in self._buffers:
+            self._amax = value.to(self._amax.device)
+        else:
+            self.register_buffer("_amax", value)
+
+    def reset_amax(self) -> None:
+        self._buffers.pop("_amax", None)
+        self._calibrator.reset()
+
+    def amax_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the static amax for an input of ``shape``."""
+        return static_amax_shape(self.spec, self._attrs.axis, tuple(shape))
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Add ``x`` to the calibration statistics."""
+        if self.needs_calibration:
+            self._calibrator.collect(static_amax(x, self.spec, self._attrs.axis, self._attrs.backend))
+
+    def load_calib_amax(self) -> None:
+        """Make the calibrated amax the quantizer's; NaN/Inf raise, naming the quantizer."""
+        amax = self._calibrator.compute_amax()
+        if amax is None:
+            return
+        if not bool(torch.isfinite(amax).all()):
+            bad = "NaN" if bool(torch.isnan(amax).any()) else "Inf"
+            raise CalibrationError(f"{self._qname}: calibration saw {bad} values (amax {amax.flatten()[:4].tolist()}...); check the model's activations or disable this quantizer")
+        self.amax = amax
+        self._calibrator.reset()
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Calibrate on one tensor (a weight): the amax becomes this tensor's."""
+        self._calibrator.reset()
+        self.collect(x)
+        self.load_calib_amax()
+
+    @property
+    def num_calib_batches(self) -> int:
+        return self._calibrator.num_batches
+
+    def _amax_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The amax the op uses: static (calibrated, or from ``x`` if never calibrated) or None."""
+        if not self.needs_calibration:
+            return None
+        amax = self.amax
+        if amax is None:
+            if self.spec.kind == Kind.NVFP4:
+                return None  # dynamic global amax
+            return static_amax(x, self.spec, self._attrs.axis, self._attrs.backend)
+        return amax
+
+    def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake quant with the statistics collected so far (for chained calibration)."""
+        amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
+        return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._disabled:
+            return x
+        if self._if_calib:
+            self.collect(x)
+        if not self._if_quant:
+            return x
+        return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # The amax buffer exists only once calibrated; a state dict that has one brings it along.
+        key = prefix + "_amax"
+        if key in state_dict and "_amax" not in self._buffers:
+            self.register_buffer("_amax", torch.empty_like(state_dict[key], dtype=torch.float32))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        if self._disabled:
+            return "disabled"
+        s = self.spec
+        fmt = s.kind.value + (f"{s.num_bits}" if s.kind == Kind.INT else f"e{s.element[0]}m{s.element[1]}")
+        parts = [fmt]
+        if self._attrs.axis is not None:
+            parts.append(f"axis={self._attrs.axis}")
+        if s.block is not None:
+            parts.append(f"block={s.block}")
+        if s.dynamic:
+            parts.append("dynamic")
+        amax = self.amax
+        if amax is not None:
+            parts.append(f"amax={amax.item():.4g}" if amax.numel() == 1 else f"amax=[{tuple(amax.shape)}]")
+        return " ".join(parts)

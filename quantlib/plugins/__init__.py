@@ -1,0 +1,40 @@
+"""Plugins for other frameworks: each registers its quantized modules only when its framework imports."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+_log = logging.getLogger("quantlib")
+
+#: plugin module -> the framework module it needs
+PLUGINS = {
+    "quantlib.plugins.transformer_engine": "transformer_engine.pytorch",
+    "quantlib.plugins.megatron": "megatron.core",
+    "quantlib.plugins.huggingface": "transformers",
+}
+_loaded: set[str] = set()
+
+
+def _framework_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def register_available() -> list[str]:
+    """Import every plugin whose framework is installed and whose plugin module exists; returns them."""
+    for plugin, framework in PLUGINS.items():
+        if plugin in _loaded or not _framework_present(framework):
+            continue
+        if importlib.util.find_spec(plugin) is None:
+            continue
+        try:
+            importlib.import_module(plugin)
+        except ImportError as exc:  # e.g. TE installed without its compiled binding
+            _log.info("plugin %s not loaded: %s", plugin, exc)
+            continue
+        _loaded.add(plugin)
+    return sorted(_loaded)
