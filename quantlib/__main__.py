@@ -1,0 +1,28 @@
+"""``python -m quantlib demo``: the main job (see quantlib.demo)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quantlib", description="quantlib command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="quantize a built-in small model with several presets, save and restore it")
+    demo.add_argument("--presets", nargs="*", help="preset names (default: a representative set)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .config import PRESETS
+        from .demo import DEMO_PRESETS, run_demo
+
+        names = tuple(args.presets or DEMO_PRESETS)
+        unknown = [n for n in names if n not in PRESETS]
+        if unknown:
+            parser.error(f"unknown presets {unknown}; available: {sorted(PRESETS)}")
+        return run_demo(names)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
