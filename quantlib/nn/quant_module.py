@@ -33,6 +33,31 @@ class QuantModule(nn.Module):
         self.input_quantizer = TensorQuantizer(QuantizerAttributeConfig())
         self.weight_quantizer = TensorQuantizer(QuantizerAttributeConfig(axis=0))
         self.output_quantizer = TensorQuantizer(QuantizerAttributeConfig(enable=False))
+        self._weight_cache = {}
+
+    def quantize_weight(self, tensor: torch.Tensor, name: str = "weight_quantizer", member: Optional[int] = None) -> torch.Tensor:
+        """``quantizer(tensor)``, reused while neither the tensor nor the quantizer changed.
+
+        The key holds the tensor's version counter (bumped by optimizer steps, ``load_state_dict`` and
+        any in-place write) and the quantizer's state (config, switches, amax and its version). Nothing
+        is cached where autograd needs the graph (QAT), while calibrating, or under torch.compile.
+        """
+        q = getattr(self, name)
+        if member is not None:
+            q = q[member]
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and tensor.requires_grad):
+            return q(tensor)
+        token = _quantizer_token(q)
+        if token is None:
+            return q(tensor)
+        key = (id(tensor), tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device, token)
+        cache = self.__dict__.setdefault("_weight_cache", {})
+        hit = cache.get((name, member))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        out = q(tensor)
+        cache[(name, member)] = (key, out)
+        return out
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """(weight quantizer name, its tensors): one tensor per member of a GroupedQuantizer."""
@@ -56,6 +81,18 @@ class QuantModule(nn.Module):
             for m, t in members:
                 if m.is_enabled and m.needs_calibration:
                     m.calibrate(t)
+
+
+def _quantizer_token(q: nn.Module) -> Optional[tuple]:
+    """Everything a quantizer's output depends on besides its input; None while it calibrates."""
+    leaves = q.leaves() if hasattr(q, "leaves") else [q]
+    token = []
+    for leaf in leaves:
+        if leaf._if_calib and leaf.is_enabled:
+            return None
+        amax = leaf.amax
+        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), None if amax is None else (id(amax), amax._version)))
+    return tuple(token)
 
 
 class QuantModuleRegistry:

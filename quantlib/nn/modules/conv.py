@@ -10,7 +10,7 @@ from ..quant_module import QuantModule, QuantModuleRegistry
 
 class _QuantConvNd(QuantModule):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        out = self._conv_forward(self.input_quantizer(input), self.weight_quantizer(self.weight), self.bias)
+        out = self._conv_forward(self.input_quantizer(input), self.quantize_weight(self.weight), self.bias)
         return self.output_quantizer(out)
 
 

@@ -12,5 +12,5 @@ from ..quant_module import QuantModule, QuantModuleRegistry
 @QuantModuleRegistry.register(nn.Linear, "nn.Linear")
 class _QuantLinear(QuantModule):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        out = F.linear(self.input_quantizer(input), self.weight_quantizer(self.weight), self.bias)
+        out = F.linear(self.input_quantizer(input), self.quantize_weight(self.weight), self.bias)
         return self.output_quantizer(out)
