@@ -62,8 +62,8 @@ def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constex
 @triton.jit
 def block1d_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr, g_ptr, s2_ptr,
-    R, C, NB, OUTC, lo, hi, eps,
-    OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
+    R, C, NB, OUTC,
+    lo: tl.constexpr, hi: tl.constexpr, eps: tl.constexpr, OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
     B: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
     QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr,
@@ -86,6 +86,8 @@ def block1d_kernel(
     offs2 = r2.to(tl.int64) * NB + b2
     if STATIC:
         a = tl.load(amax_ptr + offs2, mask=mask2, other=1.0)
+        if KIND == 0:  # INT: NaN in a group makes its scale NaN
+            a = tl.where(tl.max(abs_bits(x), axis=2) > 0x7F800000, float("nan"), a)
     else:
         a = bits_to_f32(tl.max(abs_bits(x), axis=2))
     if OP == 0:
@@ -129,8 +131,8 @@ def block1d_kernel(
 @triton.jit
 def block2d_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr,
-    M, K, MB, KB, lo, hi, eps,
-    OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
+    M, K, MB, KB,
+    lo: tl.constexpr, hi: tl.constexpr, eps: tl.constexpr, OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BMP: tl.constexpr, BKP: tl.constexpr,
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
     QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr,
@@ -151,6 +153,8 @@ def block2d_kernel(
     soff = pid.to(tl.int64) * KB + kb
     if STATIC:
         a = tl.load(amax_ptr + soff)
+        if KIND == 0:  # INT: NaN in a group makes its scale NaN
+            a = tl.where(tl.max(tl.max(abs_bits(x), axis=1), axis=0) > 0x7F800000, float("nan"), a)
     else:
         a = bits_to_f32(tl.max(tl.max(abs_bits(x), axis=1), axis=0))
     if OP == 0:
@@ -179,11 +183,14 @@ def _row_values(x, a, lo, hi, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.c
 
 @triton.jit
 def rowwise_kernel(
-    x_ptr, out_ptr, amax_ptr, R, C, a_sr, a_sc, lo, hi,
-    KIND: tl.constexpr, AMODE: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr, ONE_PASS: tl.constexpr,
+    x_ptr, out_ptr, amax_ptr, gid_ptr, flag_ptr, gflag_ptr, R, C, a_sr, a_sc,
+    lo: tl.constexpr, hi: tl.constexpr, KIND: tl.constexpr, AMODE: tl.constexpr, NAN_GROUPS: tl.constexpr,
+    ROWS: tl.constexpr, BC: tl.constexpr, ONE_PASS: tl.constexpr, NCH: tl.constexpr,
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr,
 ):
-    """AMODE: 0 one amax, 1 per row (a_sr), 2 per column (a_sc), 3 general strides, 4 dynamic per row."""
+    """AMODE: 0 one amax, 1 per row (a_sr), 2 per column (a_sc), 3 strides (a_sr, a_sc), 4 dynamic per
+    row, 5 group index per element (gid). With NAN_GROUPS (static INT), a NaN element flags its group
+    (``flag_ptr[group]``, ``gflag_ptr[0]``) for :func:`nan_groups_kernel`."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     rmask = rows < R
     base = rows.to(tl.int64) * C
@@ -196,11 +203,13 @@ def rowwise_kernel(
             store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
         else:
             m = tl.zeros((ROWS, BC), dtype=tl.int32)
-            for c0 in range(0, C, BC):
+            for ch in range(0, NCH):
+                c0 = ch * BC
                 mask = rmask & (cols + c0 < C)
                 m = tl.maximum(m, abs_bits(load_f32(x_ptr, base + c0 + cols, mask, IN_DT)))
             a = bits_to_f32(tl.max(m, axis=1))[:, None]
-            for c0 in range(0, C, BC):
+            for ch in range(0, NCH):
+                c0 = ch * BC
                 mask = rmask & (cols + c0 < C)
                 x = load_f32(x_ptr, base + c0 + cols, mask, IN_DT)
                 store_out(out_ptr, base + c0 + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
@@ -209,14 +218,48 @@ def rowwise_kernel(
         mask = rmask & (cols < C)
         x = load_f32(x_ptr, base + cols, mask, IN_DT)
         if AMODE == 0:
+            aoff = tl.zeros((ROWS, BC), dtype=tl.int64)
             a = tl.load(amax_ptr)
         elif AMODE == 1:
+            aoff = rows.to(tl.int64) * a_sr + tl.zeros((ROWS, BC), dtype=tl.int64)
             a = tl.load(amax_ptr + rows.to(tl.int64) * a_sr, mask=rmask, other=1.0)
         elif AMODE == 2:
+            aoff = cols.to(tl.int64) * a_sc + tl.zeros((ROWS, BC), dtype=tl.int64)
             a = tl.load(amax_ptr + cols.to(tl.int64) * a_sc, mask=cols < C, other=1.0)
+        elif AMODE == 3:
+            aoff = rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc
+            a = tl.load(amax_ptr + aoff, mask=mask, other=1.0)
         else:
-            a = tl.load(amax_ptr + rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc, mask=mask, other=1.0)
+            aoff = tl.load(gid_ptr + base + cols, mask=mask, other=0).to(tl.int64)
+            a = tl.load(amax_ptr + aoff, mask=mask, other=1.0)
         store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
+        if NAN_GROUPS:
+            isnan = mask & (x != x)
+            if tl.max(isnan.to(tl.int32)) > 0:
+                tl.atomic_max(flag_ptr + aoff, tl.full((ROWS, BC), 1, tl.int32), mask=isnan)
+                tl.atomic_max(gflag_ptr, 1)
+
+
+@triton.jit
+def nan_groups_kernel(
+    out_ptr, gid_ptr, flag_ptr, gflag_ptr, R, C, a_sr, a_sc, NTILES_C, NTILES, ITERS: tl.constexpr,
+    AMODE: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr, NPROG: tl.constexpr, OUT_DT: tl.constexpr,
+):
+    """Writes NaN over every group that :func:`rowwise_kernel` flagged; a no-op without NaN."""
+    if tl.load(gflag_ptr) != 0:
+        for i in range(0, ITERS):
+            t = tl.program_id(0) + i * NPROG
+            tr = t // NTILES_C
+            rows = tr * ROWS + tl.arange(0, ROWS)[:, None]
+            cols = (t - tr * NTILES_C) * BC + tl.arange(0, BC)[None, :]
+            mask = (rows < R) & (cols < C) & (t < NTILES)
+            if AMODE == 5:
+                aoff = tl.load(gid_ptr + rows.to(tl.int64) * C + cols, mask=mask, other=0).to(tl.int64)
+            else:
+                aoff = rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc
+            flagged = tl.load(flag_ptr + aoff, mask=mask, other=0) != 0
+            nan = tl.full((ROWS, BC), float("nan"), tl.float32)
+            store_out(out_ptr, rows.to(tl.int64) * C + cols, nan, mask & flagged, OUT_DT)
 
 
 @triton.jit

@@ -58,6 +58,13 @@ def bits_to_f32(b):
 
 
 @triton.jit
+def with_sign_of(mag, v):
+    """``mag`` (>= 0 or NaN) with the sign bit of ``v`` (``-x`` in Triton is ``0 - x``: it loses -0)."""
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def clamp_nan(v, lo, hi):
     """``torch.clamp``: NaN stays NaN."""
     return tl.where(v < lo, lo, tl.where(v > hi, hi, v))
@@ -73,7 +80,6 @@ def rint(v):
 @triton.jit
 def round_fp8(v, FP8E: tl.constexpr):
     """fp32 value of ``cast_rne_fp8(v)`` for ``|v| <= Q`` (or NaN), sign of zero kept."""
-    neg = v.to(tl.int32, bitcast=True) < 0
     mag = abs_bits(v)
     if FP8E == 0:
         rn = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # keep 3 mantissa bits
@@ -84,7 +90,7 @@ def round_fp8(v, FP8E: tl.constexpr):
         sub = (bits_to_f32(mag) + 128.0) - 128.0  # quantum 2^-16 below 2^-14
         res = tl.where(mag < 0x38800000, sub, bits_to_f32(rn))
     res = tl.where(v != v, v, res)
-    return tl.where(neg, -res, res)
+    return with_sign_of(res, v)
 
 
 @triton.jit
@@ -103,12 +109,16 @@ def fp8_byte(r, FP8E: tl.constexpr):
 
 @triton.jit
 def pow2_ceil(d):
-    """Smallest power of two >= positive fp32 ``d`` from the bits (subnormal -> 2^-126; NaN/Inf kept)."""
-    bits = d.to(tl.int32, bitcast=True)
+    """Smallest power of two >= ``d >= 0`` from the bits: a subnormal ``d`` is scaled by 2^126 first
+    (exact) and back after; 0 gives 2^-149; NaN/Inf kept."""
+    sub = d < 1.1754943508222875e-38
+    v = tl.where(sub, d * 8.507059173023462e37, d)
+    bits = v.to(tl.int32, bitcast=True)
     ex = bits & 0x7F800000
-    up = tl.where((bits & 0x007FFFFF) != 0, ex + 0x00800000, ex)
-    up = tl.where(ex == 0, 0x00800000, up)
-    return tl.where(ex == 0x7F800000, d, bits_to_f32(up))
+    up = bits_to_f32(tl.where((bits & 0x007FFFFF) != 0, ex + 0x00800000, ex))
+    out = tl.where(sub, up * 1.1754943508222875e-38, up)
+    out = tl.where(d == 0.0, bits_to_f32(tl.full(d.shape, 1, tl.int32)), out)
+    return tl.where(abs_bits(d) >= 0x7F800000, d, out)
 
 
 @triton.jit
@@ -162,7 +172,7 @@ def e2m1_value(code):
     idx = code & 7
     big = bits_to_f32(((126 + (idx >> 1)) << 23) | ((idx & 1) << 22))
     mag = tl.where(idx == 0, 0.0, tl.where(idx == 1, 0.5, big))
-    return tl.where(code >= 8, -mag, mag)
+    return (mag.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -211,9 +221,17 @@ def fp8_block_scale(a, eps, QMAX: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def fp8_block_round(x, d, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr):
-    """fp32 value of ``cast_rne(clamp(x / d))``; with pow2 ``d`` the exact reciprocal replaces division."""
+    """fp32 value of ``cast_rne(clamp(x / d))``.
+
+    With a power-of-two ``d`` the division is a multiplication by the exact reciprocal; a subnormal
+    ``d`` (whose reciprocal overflows) and its block are scaled by 2^126 first, exactly, since
+    ``|x| <= 448 d`` there.
+    """
     if POW2:
-        y = x * tl.math.div_rn(1.0, d)
+        sub = d < 1.1754943508222875e-38
+        xs = tl.where(sub, x * 8.507059173023462e37, x)
+        ds = tl.where(sub, d * 8.507059173023462e37, d)
+        y = xs * tl.math.div_rn(1.0, ds)
     else:
         y = tl.math.div_rn(x, d)
     return round_fp8(clamp_nan(y, -QMAX, QMAX), FP8E)

@@ -75,8 +75,8 @@ def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=Non
         out, out_dt = out_view(out)
     dummy = _dummy(dev)
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy,
-            g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2, lo, hi, eps)
-    consts = dict(OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
+            g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
 
     def grid(meta):
         return (-(-R // meta["ROWS"]), -(-NB // meta["NBT"]))
@@ -95,10 +95,10 @@ def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out
     if op == 1:
         out, out_dt = out_view(out)
     dummy = _dummy(dev)
-    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB, lo, hi, eps)
+    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB)
     BMP, BKP = next_pow2(BM), next_pow2(BK)
     fmt = {k: fmt[k] for k in ("KIND", "QMAX", "FP8E", "POW2")}
-    consts = dict(OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
     launch(K.block2d_kernel, lambda meta: (L * MB, KB), args, consts, tile_2d_candidates(BMP, BKP, x.is_cuda), dev, x.numel())
 
 
@@ -108,26 +108,40 @@ def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt:
     xin, in_dt = in_view(x)
     o, out_dt = out_view(out)
     dev = x.device
-    consts = dict(KIND=fmt["KIND"], QMAX=fmt["QMAX"], FP8E=fmt["FP8E"], IN_DT=in_dt, OUT_DT=out_dt)
+    dummy = _dummy(dev)
+    consts = dict(lo=lo, hi=hi, KIND=fmt["KIND"], QMAX=fmt["QMAX"], FP8E=fmt["FP8E"], IN_DT=in_dt, OUT_DT=out_dt)
     if amax is None:
-        args = (xin, o, _dummy(dev), R, C, 0, 0, lo, hi)
-        consts["AMODE"] = 4
-        launch(K.rowwise_kernel, lambda meta: (-(-R // meta["ROWS"]), 1), args, consts, tile_dynrow_candidates(R, C, x.is_cuda), dev, x.numel())
+        args = (xin, o, dummy, dummy, dummy, dummy, R, C, 0, 0)
+        consts.update(AMODE=4, NAN_GROUPS=False)
+        cands = [{**c, "NCH": 1 if c["ONE_PASS"] else -(-C // c["BC"])} for c in tile_dynrow_candidates(R, C, x.is_cuda)]
+        launch(K.rowwise_kernel, lambda meta: (-(-R // meta["ROWS"]), 1), args, consts, cands, dev, x.numel())
         return
-    a = amax.to(device=dev, dtype=torch.float32)
+    a = amax.to(device=dev, dtype=torch.float32).contiguous()
+    gid = dummy
     if a.numel() == 1:
-        a, mode, sr, sc = a.reshape(1).contiguous(), 0, 0, 0
+        mode, sr, sc = 0, 0, 0
     else:
-        a = a.expand(x.shape if x.dim() else (1,))
+        view = a.expand(x.shape if x.dim() else (1,))
         try:
-            a = a.view(R, C)
-        except RuntimeError:  # a broadcast that no 2-D view expresses: materialise it
-            a = a.contiguous().view(R, C)
-        sr, sc = a.stride()
-        mode = 1 if sc == 0 else 2 if sr == 0 else 3
-    args = (xin, o, a, R, C, sr, sc, lo, hi)
-    consts.update(AMODE=mode, ONE_PASS=True)
-    launch(K.rowwise_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda), dev, x.numel())
+            sr, sc = view.view(R, C).stride()
+            mode = 1 if sc == 0 else 2 if sr == 0 else 3
+        except RuntimeError:  # a broadcast that no 2-D view of the amax expresses: index the groups
+            gid = torch.arange(a.numel(), dtype=torch.int32, device=dev).view(a.shape).expand(view.shape).reshape(R, C)
+            mode, sr, sc = 5, 0, 0
+    nan_groups = fmt["KIND"] == 0  # the INT reference makes a group with a NaN element all NaN
+    flags = torch.zeros(a.numel() + 1, dtype=torch.int32, device=dev) if nan_groups else dummy
+    gflag = flags[a.numel():] if nan_groups else dummy
+    args = (xin, o, a, gid, flags, gflag, R, C, sr, sc)
+    consts.update(AMODE=mode, NAN_GROUPS=nan_groups, ONE_PASS=True, NCH=1)
+    cands = tile_row_candidates(R, C, x.is_cuda)
+    launch(K.rowwise_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, cands, dev, x.numel())
+    if nan_groups:
+        rows, bc = cands[0]["ROWS"], cands[0]["BC"]
+        tc = -(-C // bc)
+        ntiles = -(-R // rows) * tc
+        iters = next_pow2(-(-ntiles // (264 if x.is_cuda else 4)))
+        nprog = -(-ntiles // iters)
+        K.nan_groups_kernel[(nprog,)](o, gid, flags, gflag, R, C, sr, sc, tc, ntiles, ITERS=iters, AMODE=mode, ROWS=rows, BC=bc, NPROG=nprog, OUT_DT=out_dt, num_warps=4)
 
 
 def _global_amax(x: torch.Tensor) -> torch.Tensor:
