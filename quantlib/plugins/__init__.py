@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 
 _log = logging.getLogger("quantlib")
 
@@ -18,14 +19,12 @@ _loaded: set[str] = set()
 
 
 def _framework_present(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name.split(".")[0]) is not None
-    except (ImportError, ValueError):
-        return False
+    # A model built from a framework's classes has imported it already: never import one just to look.
+    return name.split(".")[0] in sys.modules
 
 
 def register_available() -> list[str]:
-    """Import every plugin whose framework is installed and whose plugin module exists; returns them."""
+    """Import every plugin whose framework the process has imported; returns the loaded plugins."""
     for plugin, framework in PLUGINS.items():
         if plugin in _loaded or not _framework_present(framework):
             continue

@@ -1,0 +1,175 @@
+"""Cost of quantization on top of the model's own forward, quantlib vs ModelOpt, in one run.
+
+For a stack of Linear blocks (d -> 4d -> d with GELU) it measures, per preset:
+  (a) the bare forward loop (the calibration batches through the unquantized model),
+  (b) ``quantize(model, cfg, forward_loop)`` with max calibration (conversion included),
+  (c) one eval forward of the quantized model (after a warm-up, so cached weights count as they would
+      for a user evaluating many batches),
+and reports (b)/(a), (c)/bare forward, and peak memory of (b) as a ratio to (a)'s and to the model
+size (peak RSS in a fresh process on CPU; ``max_memory_allocated`` on GPU). ModelOpt 0.47 runs where it
+imports and supports the format on the device.
+
+    python benchmarks/bench_calibrate.py                 # CPU defaults
+    python benchmarks/bench_calibrate.py --device cuda --dim 1024 --blocks 8 --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+PRESETS = {
+    "INT8": "INT8_DEFAULT_CFG",
+    "FP8": "FP8_DEFAULT_CFG",
+    "INT4-block": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "NVFP4": "NVFP4_DEFAULT_CFG",
+    "MXFP8": "MXFP8_DEFAULT_CFG",
+}
+WEIGHT_ONLY = {"INT4-block"}
+MODELOPT_CPU = {"INT8", "FP8", "INT4-block"}  # ModelOpt's NVFP4 / MX fake quant needs CUDA
+
+
+def build(dim: int, blocks: int, device: str) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)]
+    return nn.Sequential(*layers).to(device).eval()
+
+
+def batches(n: int, tokens: int, dim: int, device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(tokens, dim, generator=g).to(device) for _ in range(n)]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def quantize_with(lib: str, model: nn.Module, preset: str, loop) -> nn.Module:
+    if lib == "quantlib":
+        import quantlib
+
+        return quantlib.quantize(model, getattr(quantlib, PRESETS[preset]), loop)
+    import modelopt.torch.quantization as mtq
+
+    return mtq.quantize(model, copy.deepcopy(getattr(mtq, PRESETS[preset])), loop)
+
+
+def phase(args, lib: str, preset: str, what: str) -> dict:
+    """One measurement in this process (called in a fresh subprocess for memory)."""
+    device = args.device
+    model = build(args.dim, args.blocks, device)
+    data = batches(args.batches, args.tokens, args.dim, device)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def loop(m):
+        with torch.no_grad():
+            for b in data:
+                m(b)
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if what == "bare":
+        loop(model)  # warm-up
+        t = timed(lambda: loop(model), device)
+    else:
+        t0 = time.perf_counter()
+        model = quantize_with(lib, model, preset, loop)
+        sync(device)
+        t = time.perf_counter() - t0
+    out = {"time": t, "model_bytes": model_bytes}
+    if device.startswith("cuda"):
+        out["peak_extra"] = torch.cuda.max_memory_allocated() - base_mem
+    else:
+        out["peak_extra"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    if what == "quantize":
+        with torch.no_grad():
+            model(data[0])  # warm-up (fills the weight cache)
+            out["fwd"] = timed(lambda: model(data[0]), device, repeat=5)
+            bare = build(args.dim, args.blocks, device)
+            bare(data[0])
+            out["bare_fwd"] = timed(lambda: bare(data[0]), device, repeat=5)
+    return out
+
+
+def in_subprocess(args, lib: str, preset: str, what: str) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", lib, preset, what, "--device", args.device, "--dim", str(args.dim), "--blocks", str(args.blocks), "--tokens", str(args.tokens), "--batches", str(args.batches)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(f"  {lib} {preset} {what} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}", file=sys.stderr)
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def modelopt_available() -> str | None:
+    try:
+        import modelopt
+
+        return modelopt.__version__
+    except Exception:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--phase", nargs=3)
+    p.add_argument("--presets", nargs="*", default=list(PRESETS))
+    args = p.parse_args()
+    if args.phase:
+        print(json.dumps(phase(args, *args.phase)))
+        return
+    mo = modelopt_available()
+    print(f"# bench_calibrate: {args.blocks} blocks of {args.dim}->{4 * args.dim}->{args.dim}, {args.batches} batches of {args.tokens} tokens, fp32, device {args.device}")
+    print(f"# torch {torch.__version__}, python {platform.python_version()}, ModelOpt {mo or 'not installed'}, {platform.processor() or platform.machine()}, {os.cpu_count()} cpus")
+    bare = in_subprocess(args, "quantlib", "INT8", "bare")
+    print(f"\n(a) bare forward loop: {bare['time'] * 1e3:.1f} ms; model {bare['model_bytes'] / 2**20:.1f} MiB; peak extra memory {bare['peak_extra'] / 2**20:.1f} MiB\n")
+    print("| preset | lib | (b) quantize ms | (b)/(a) | (c) fwd ms | (c)/bare fwd | target (c) | peak (b)/(a) | peak (b) extra / model |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for preset in args.presets:
+        libs = ["quantlib"] + (["modelopt"] if mo and (args.device.startswith("cuda") or preset in MODELOPT_CPU) else [])
+        for lib in libs:
+            r = in_subprocess(args, lib, preset, "quantize")
+            if r is None:
+                print(f"| {preset} | {lib} | failed | | | | | | |")
+                continue
+            target = 1.05 if preset in WEIGHT_ONLY else 1.15
+            print(
+                f"| {preset} | {lib} | {r['time'] * 1e3:.1f} | {r['time'] / bare['time']:.3f} | {r['fwd'] * 1e3:.2f} | {r['fwd'] / r['bare_fwd']:.3f} | <= {target} |"
+                f" {max(r['peak_extra'], 1) / max(bare['peak_extra'], 1):.3f} | {r['peak_extra'] / bare['model_bytes']:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
