@@ -30,18 +30,18 @@ def cast_fp8(y: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
 
 
 def fp8_scale(amax: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
-    """Quantization scale ``s = Q / a'`` (fp32)."""
+    """Quantization scale ``s = Q / a'`` (fp32, one IEEE division; see :func:`quantlib.formats.int.int_scale`)."""
     q = FLOAT_FORMATS[tuple(element)][0]
     amax = amax.float()
     safe = torch.where(amax > TINY_AMAX, amax, torch.ones_like(amax))
     safe = torch.where(torch.isnan(amax), amax, safe)
-    return q / safe
+    return torch.full_like(safe, q) / safe
 
 
 def fp8_quantize(x: torch.Tensor, amax: torch.Tensor, element: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 codes and the dequantization scale ``1 / s`` (fp32, shape of ``amax``)."""
     s = fp8_scale(amax, element)
-    return cast_fp8(x.float() * s, element), 1.0 / s
+    return cast_fp8(x.float() * s, element), torch.reciprocal(s)
 
 
 def fp8_dequantize(codes: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:

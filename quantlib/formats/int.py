@@ -22,8 +22,13 @@ def int_range(num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[float,
 
 
 def int_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """fp32 quantization scale ``Q / a`` (inf where ``a == 0``)."""
-    return qmax / amax.float()
+    """fp32 quantization scale ``Q / a`` (inf where ``a == 0``), one IEEE division.
+
+    Not ``qmax / amax``: torch evaluates a Python number divided by a tensor as ``reciprocal(a) * Q``,
+    two roundings that differ from ``Q / a`` in the last bit for about a quarter of all ``a``.
+    """
+    amax = amax.float()
+    return torch.full_like(amax, qmax) / amax
 
 
 def int_codes(x: torch.Tensor, amax: torch.Tensor, num_bits: int, unsigned: bool, narrow_range: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -184,3 +184,13 @@ def test_input_dtypes_compute_in_fp32(dtype):
     out = nvfp4_fake_quant(x, torch.tensor(A_UNIT))
     assert out.dtype == torch.float32
     assert_same(out, t32(block([6.0, 1.0, -2.0, 0.5])))
+
+
+def test_subnormal_amax():
+    # fp32-subnormal block amax with s2 = 1: sb = a / 6 -> clamp 2^-9; y = x * 2^9 underflows E2M1 -> 0
+    x = t32(block([2.0**-140, -(2.0**-145)]))
+    _, sb8, _ = nvfp4_quantize(x, torch.tensor(A_UNIT))
+    assert_same(sb8, e4m3([2.0**-9]))
+    assert_same(nvfp4_fake_quant(x, torch.tensor(A_UNIT)), torch.zeros(16))
+    # dynamic: A = 2^-140 <= 2^-24 -> s2 = 1, same result, no NaN
+    assert_same(nvfp4_fake_quant(x, None), torch.zeros(16))
