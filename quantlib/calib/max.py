@@ -26,11 +26,12 @@ def static_amax(x: torch.Tensor, spec: FormatSpec, axis: Optional[tuple[int, ...
     """fp32 amax of ``x`` in the shape the quantizer stores: scalar, keepdim per channel, or per block
     (for NVFP4: the global amax)."""
     x = x.detach()
+    # the inf-norm is max |x| in one pass without a temporary (NaN propagates, as with amax)
     if spec.kind == Kind.NVFP4 or (spec.block is None and axis is None):
-        return x.abs().amax().float()
+        return torch.linalg.vector_norm(x, float("inf")).float()
     if spec.block is not None:
         return block_amax(x, spec.block, backend=backend)
-    return x.abs().amax(dim=reduce_axes(axis, x.dim()), keepdim=True).float()
+    return torch.linalg.vector_norm(x, float("inf"), dim=reduce_axes(axis, x.dim()), keepdim=True).float()
 
 
 def static_amax_shape(spec: FormatSpec, axis: Optional[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:
