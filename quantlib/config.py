@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
+from .formats.spec import MIN_EPS
 from .kernels.backends import BACKENDS
 
 # Keys ModelOpt documents that carry no meaning for fake quantization here: accepted, ignored.
@@ -82,8 +83,9 @@ class QuantizerAttributeConfig:
             self.rounding = Rounding(self.rounding).value
         except ValueError:
             raise ConfigError(f"rounding={self.rounding!r}: expected 'rceil' or 'floor'") from None
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
-            raise ConfigError(f"eps must be a positive float, got {self.eps!r}")
+        # eps / Q must stay a normal fp32 number, or all-zero blocks would get a zero scale
+        if not (isinstance(self.eps, (int, float)) and not isinstance(self.eps, bool) and self.eps >= MIN_EPS):
+            raise ConfigError(f"eps must be a float >= {MIN_EPS:g}, got {self.eps!r}")
         self.eps = float(self.eps)
         if self.block_sizes is not None:
             self.block_sizes = dict(self.block_sizes)
@@ -174,11 +176,11 @@ class QuantizerAttributeConfig:
             if block != (32,) or not dynamic:
                 raise ConfigError(f"MX format (scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
             if element == (5, 2):
-                raise ConfigError("MX with E5M2 elements is not supported: use num_bits (4, 3) or (2, 1)")
+                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3) or (2, 1)")
             return FormatSpec(Kind.MX, element=element, block=block, dynamic=True, **common)
         if element == (2, 1):
             if scale_bits != (4, 3) or block != (16,) or not dynamic:
-                raise ConfigError(f"FP4 E2M1 needs NVFP4 blocks {{-1: 16, 'type': 'dynamic', 'scale_bits': (4, 3)}} or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
+                raise ConfigError(f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16, 'type': 'dynamic', 'scale_bits': (4, 3)}} or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
             return FormatSpec(Kind.NVFP4, element=element, block=block, dynamic=True, **common)
         if scale_bits is not None:
             raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements (NVFP4)")
@@ -306,6 +308,11 @@ def _entry_from_value(pattern: str, value: Any, module_class: Optional[str] = No
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _is_rule_value(v: Any) -> bool:
+    """A dict-form rule value: an attribute dict, or a list of them (a SequentialQuantizer)."""
+    return isinstance(v, dict) or (isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(i, dict) for i in v))
+
+
 def _parse_dict_form(raw: Any) -> list[QuantCfgEntry]:
     if not isinstance(raw, dict):
         raise ConfigError(f"quant_cfg must be a dict or a list, got {type(raw).__name__}")
@@ -315,7 +322,7 @@ def _parse_dict_form(raw: Any) -> list[QuantCfgEntry]:
             raise ConfigError(f"quant_cfg keys must be strings, got {key!r}")
         if key == "default":  # ModelOpt's dict-form releases apply "default" before every pattern
             first.append(_entry_from_value("*", value))
-        elif key.startswith("nn.") and isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+        elif key.startswith("nn.") and isinstance(value, dict) and all(_is_rule_value(v) for v in value.values()):
             rest.extend(_entry_from_value(p, v, key[3:]) for p, v in value.items())
         else:
             rest.append(_entry_from_value(key, value))

@@ -40,6 +40,10 @@ FLOAT_FORMATS: dict[tuple[int, int], tuple[float, int]] = {
 TINY_AMAX = 2.0**-24
 
 
+#: Smallest FP8-blockwise ``eps``: ``eps / 57344`` is still a normal fp32 number (2^-126 < 2^-110 / 2^16).
+MIN_EPS = 2.0**-110
+
+
 @dataclass(frozen=True)
 class FormatSpec:
     """Everything the numerics need; built from a QuantizerAttributeConfig by ``config.py``.

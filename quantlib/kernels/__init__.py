@@ -10,6 +10,7 @@ from typing import Optional, Union
 import torch
 
 from ..formats import FormatSpec, Rounding
+from ..formats.spec import MIN_EPS
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import mx_dequantize
 from ..formats.nvfp4 import nvfp4_dequantize
@@ -40,8 +41,8 @@ def _norm_block(block: tuple[int, ...]) -> tuple[int, ...]:
 def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes (shape of ``x``) and fp32 dequant scales per block, ``block`` = (1, B) or (BM, BK)."""
     ops._check_float_input(x, "fp8_blockwise_cast")
-    if eps <= 0:
-        raise ValueError(f"fp8_blockwise_cast: eps must be > 0, got {eps}")
+    if not eps >= MIN_EPS:
+        raise ValueError(f"fp8_blockwise_cast: eps must be >= {MIN_EPS:g} (eps / 448 stays a normal fp32), got {eps}")
     return ops._fp8_blockwise_cast(x, list(_norm_block(block)), float(eps), bool(pow2), backend)
 
 

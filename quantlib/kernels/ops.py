@@ -73,7 +73,7 @@ def _fake_quant(
 
 @_fake_quant.register_fake
 def _(x, amax, *args):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as every backend returns
 
 
 def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -136,7 +136,7 @@ def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: boo
 
 @_fp8_blockwise_cast.register_fake
 def _(x, block, eps, pow2, backend):
-    return torch.empty_like(x, dtype=torch.float8_e4m3fn), x.new_empty(blocked_shape(x.shape, tuple(block)), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(blocked_shape(x.shape, tuple(block)), dtype=torch.float32)
 
 
 @torch.library.custom_op("quantlib::mx_cast", mutates_args=())
@@ -149,7 +149,7 @@ def _(x, elem, block, rounding, backend):
     scales = x.new_empty(blocked_shape(x.shape, (block,)), dtype=torch.uint8)
     if elem == "e2m1":
         return x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8), scales
-    return torch.empty_like(x, dtype=torch.float8_e4m3fn), scales
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scales
 
 
 @torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())
