@@ -20,7 +20,8 @@ def extensions():
     cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/*.cpp"))
     if not cpu_sources:
         return [], {}
-    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    # No fast-math and no FMA contraction: the kernels must round every fp32 operation as torch does.
+    cxx = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     kwargs = dict(name="quantlib._C", extra_link_args=["-fopenmp"])

@@ -1,0 +1,121 @@
+// Per-format kernels of one group (tensor, channel, row or block): `block(a)` turns the group amax into
+// its parameters and stored scale, `fake(x, p0, p1)` / `code(x, p0, p1)` treat one element. Each follows
+// the torch reference's operations in order (see the matching quantlib/formats module).
+//
+// Included inside a namespace after numerics.h and kernel_api.h (see numerics.h).
+
+struct BlockParams {
+  float p0 = 0.f, p1 = 0.f;  // what the element functions take
+  float scale = 0.f;         // stored fp32 scale (FP8 blockwise d)
+  uint8_t byte = 0;          // stored byte scale (E8M0 exponent, NVFP4 E4M3 block scale)
+};
+
+enum class Codes { NONE, FP8, E2M1 };
+
+// formats.int: scale = Q / a; q = clamp(round(x * scale), min, Q), 0 where a <= 2^-24 or q is NaN;
+// x_hat = q / scale, q being an integer code (so -0.0 is +0). p0 = scale, p1 = 1 for an all-zero group.
+struct IntOp {
+  static constexpr Codes kCodes = Codes::NONE;
+  float lo, hi;
+  explicit IntOp(const Ctx& c) : lo(c.lo), hi(c.hi) {}
+  QL_INLINE BlockParams block(float a) const {
+    BlockParams p;
+    p.p0 = p.scale = hi / a;
+    p.p1 = a <= kTinyAmax ? 1.0f : 0.0f;
+    return p;
+  }
+  QL_INLINE float fake(float x, float s, float zero) const {
+    float q = clampf(rne_int(x * s), lo, hi);
+    q = (zero != 0.0f || !(q != 0.0f)) ? 0.0f : q;  // NaN and -0.0 codes are +0
+    return q / s;
+  }
+};
+
+// formats.fp8: a' = a if a > 2^-24 else 1 (NaN kept); s = Q / a'; x_hat = fp8(clamp(x * s)) * (1 / s).
+// p0 = s, p1 = 1 / s.
+template <class F>
+struct Fp8Op {
+  static constexpr Codes kCodes = Codes::FP8;
+  explicit Fp8Op(const Ctx&) {}
+  QL_INLINE BlockParams block(float a) const {
+    float safe = a > kTinyAmax ? a : 1.0f;
+    safe = isnan_(a) ? a : safe;
+    BlockParams p;
+    p.p0 = p.scale = F::kMax / safe;
+    p.p1 = 1.0f / p.p0;
+    return p;
+  }
+  QL_INLINE float fake(float x, float s, float inv) const { return fp8_round<F>(clampf(x * s, -F::kMax, F::kMax)) * inv; }
+  QL_INLINE uint8_t code(float x, float s, float) const { return fp8_code<F>(clampf(x * s, -F::kMax, F::kMax)); }
+};
+
+// formats.fp8_blockwise: d = max(a, eps) / Q (then pow2_ceil); c = fp8(clamp(x / d)); x_hat = c * d.
+template <class F>
+struct Fp8BlockOp {
+  static constexpr Codes kCodes = Codes::FP8;
+  float eps;
+  bool pow2;
+  explicit Fp8BlockOp(const Ctx& c) : eps(c.eps), pow2(c.pow2) {}
+  QL_INLINE BlockParams block(float a) const {
+    float d = maximumf(a, eps) / F::kMax;
+    BlockParams p;
+    p.p0 = p.scale = pow2 ? pow2_ceil(d) : d;
+    return p;
+  }
+  QL_INLINE float fake(float x, float d, float) const { return fp8_round<F>(clampf(x / d, -F::kMax, F::kMax)) * d; }
+  QL_INLINE uint8_t code(float x, float d, float) const { return fp8_code<F>(clampf(x / d, -F::kMax, F::kMax)); }
+};
+
+// formats.mx: shared exponent byte from a; y = clamp(x / 2^e, -Q, Q); element E4M3 or E2M1; x_hat =
+// element * 2^e (NaN for byte 0xFF).
+template <bool E2M1_ELEMENTS>
+struct MxOp {
+  static constexpr Codes kCodes = E2M1_ELEMENTS ? Codes::E2M1 : Codes::FP8;
+  static constexpr float kQ = E2M1_ELEMENTS ? 6.0f : 448.0f;
+  static constexpr int kEmax = E2M1_ELEMENTS ? 2 : 8;
+  bool floor;
+  explicit MxOp(const Ctx& c) : floor(c.floor) {}
+  QL_INLINE BlockParams block(float a) const {
+    BlockParams p;
+    p.byte = e8m0_byte(a, kQ, kEmax, floor);
+    p.p0 = e8m0_to_float(p.byte);
+    return p;
+  }
+  QL_INLINE float fake(float x, float s, float) const {
+    const float y = clampf(x / s, -kQ, kQ);
+    return (E2M1_ELEMENTS ? e2m1_value(y) : fp8_round<E4M3>(y)) * s;
+  }
+  QL_INLINE uint8_t code(float x, float s, float) const {
+    const float y = clampf(x / s, -kQ, kQ);
+    return E2M1_ELEMENTS ? e2m1_code(y) : fp8_code<E4M3>(y);
+  }
+};
+
+// formats.nvfp4: sb = a / (6 s2), 1 where 0; sb8 = e4m3(clamp(sb, 2^-9, 448)); y = x / (sb8 * s2);
+// x_hat = e2m1(y) * (sb8 * s2). p0 = sb8 * s2.
+struct Nvfp4Op {
+  static constexpr Codes kCodes = Codes::E2M1;
+  float s2, six_s2;
+  explicit Nvfp4Op(const Ctx& c) : s2(c.s2), six_s2(c.six_s2) {}
+  QL_INLINE BlockParams block(float a) const {
+    float sb = a / six_s2;
+    sb = sb == 0.0f ? 1.0f : sb;
+    sb = clampf(sb, 0.001953125f, 448.0f);
+    BlockParams p;
+    p.byte = fp8_code<E4M3>(sb);
+    p.p0 = fp8_round<E4M3>(sb) * s2;
+    return p;
+  }
+  QL_INLINE float fake(float x, float d, float) const { return e2m1_value(x / d) * d; }
+  QL_INLINE uint8_t code(float x, float d, float) const { return e2m1_code(x / d); }
+};
+
+// Parameters of one group for the broadcast path (computed by the wrapper, once per group).
+QL_INLINE BlockParams group_params(Op op, const Ctx& c, float a) {
+  switch (op) {
+    case Op::INT: return IntOp(c).block(a);
+    case Op::FP8_E4M3: return Fp8Op<E4M3>(c).block(a);
+    case Op::FP8_E5M2: return Fp8Op<E5M2>(c).block(a);
+    default: return BlockParams{};
+  }
+}

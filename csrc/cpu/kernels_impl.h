@@ -1,0 +1,216 @@
+// The raw CPU kernels: one pass per block (amax, scale, cast or fake quant). Compiled once per
+// instruction set: kernels_<isa>.cpp includes this file inside namespace quantlib::cpu::<isa> under a
+// `#pragma GCC target`, after <cstdint> and kernel_api.h, and defines QL_ISA_NAME. The element loops
+// are plain, branch-free loops for the compiler to vectorize; no fast-math, no FMA contraction
+// (-ffp-contract=off), so every fp32 operation rounds exactly as torch's does.
+
+#include "numerics.h"
+#include "formats.h"
+
+// ---------------------------------------------------------------------------- storage types
+
+struct F32 {
+  using S = float;
+  static QL_INLINE float load(float v) { return v; }
+  static QL_INLINE float store(float v) { return v; }
+  static QL_INLINE uint32_t abs_bits(float v) { return f2u(v) & kAbsMask; }  // orders |v|, NaN above Inf
+  static QL_INLINE float abs_value(uint32_t bits) { return u2f(bits); }
+};
+
+struct BF16 {
+  using S = uint16_t;
+  static QL_INLINE float load(uint16_t v) { return bf16_to_float(v); }
+  static QL_INLINE uint16_t store(float v) { return float_to_bf16(v); }
+  static QL_INLINE uint32_t abs_bits(uint16_t v) { return v & 0x7FFFu; }
+  static QL_INLINE float abs_value(uint32_t bits) { return bf16_to_float(uint16_t(bits)); }
+};
+
+struct F16 {
+  using S = uint16_t;
+  static QL_INLINE float load(uint16_t v) { return half_to_float(v); }
+  static QL_INLINE uint16_t store(float v) { return float_to_half(v); }
+  static QL_INLINE uint32_t abs_bits(uint16_t v) { return v & 0x7FFFu; }
+  static QL_INLINE float abs_value(uint32_t bits) { return half_to_float(uint16_t(bits)); }
+};
+
+// ---------------------------------------------------------------------------- runs of one row
+// N > 0: the run length known at compile time (full blocks of 16 / 32); N == 0: n at run time.
+
+template <class T, int N>
+QL_INLINE uint32_t run_amax_bits(const typename T::S* __restrict x, int64_t n_rt) {
+  const int64_t n = N > 0 ? N : n_rt;
+  uint32_t m = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t v = T::abs_bits(x[k]);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+template <class T, class O, int N>
+QL_INLINE void run_fake(const typename T::S* __restrict x, typename T::S* __restrict y, int64_t n_rt, const O& op, float p0, float p1) {
+  const int64_t n = N > 0 ? N : n_rt;
+  for (int64_t k = 0; k < n; ++k) y[k] = T::store(op.fake(T::load(x[k]), p0, p1));
+}
+
+template <class T, class O, int N>
+QL_INLINE void run_fp8_codes(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n_rt, const O& op, float p0, float p1) {
+  const int64_t n = N > 0 ? N : n_rt;
+  for (int64_t k = 0; k < n; ++k) c[k] = op.code(T::load(x[k]), p0, p1);
+}
+
+// Two E2M1 codes per byte, the even element in the low nibble; an odd run ends with a lone low nibble.
+template <class T, class O, int N>
+QL_INLINE void run_e2m1_packed(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n_rt, const O& op, float p0, float p1) {
+  const int64_t n = N > 0 ? N : n_rt;
+  const int64_t pairs = n / 2;
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint32_t lo = op.code(T::load(x[2 * k]), p0, p1);
+    const uint32_t hi = op.code(T::load(x[2 * k + 1]), p0, p1);
+    c[k] = uint8_t(lo | (hi << 4));
+  }
+  if (n & 1) c[pairs] = op.code(T::load(x[n - 1]), p0, p1);
+}
+
+template <class T>
+QL_INLINE uint32_t row_amax_bits(const typename T::S* x, int64_t n) {
+  if (n == 16) return run_amax_bits<T, 16>(x, n);
+  if (n == 32) return run_amax_bits<T, 32>(x, n);
+  return run_amax_bits<T, 0>(x, n);
+}
+
+template <class T, class O, Mode MODE>
+QL_INLINE void row_apply(const BlockTask& t, const O& op, const BlockParams& p, int64_t row, int64_t c0, int64_t n) {
+  using S = typename T::S;
+  const S* x = static_cast<const S*>(t.x) + row * t.K + c0;
+  if constexpr (MODE == Mode::FAKE) {
+    S* y = static_cast<S*>(t.out) + row * t.K + c0;
+    if (n == 16) return run_fake<T, O, 16>(x, y, n, op, p.p0, p.p1);
+    if (n == 32) return run_fake<T, O, 32>(x, y, n, op, p.p0, p.p1);
+    return run_fake<T, O, 0>(x, y, n, op, p.p0, p.p1);
+  } else if constexpr (O::kCodes == Codes::FP8) {
+    uint8_t* c = t.codes + row * t.K + c0;
+    if (n == 16) return run_fp8_codes<T, O, 16>(x, c, n, op, p.p0, p.p1);
+    if (n == 32) return run_fp8_codes<T, O, 32>(x, c, n, op, p.p0, p.p1);
+    return run_fp8_codes<T, O, 0>(x, c, n, op, p.p0, p.p1);
+  } else if constexpr (O::kCodes == Codes::E2M1) {
+    uint8_t* c = t.codes + row * ((t.K + 1) / 2) + c0 / 2;  // c0 is even: blocks of packed casts are
+    if (n == 16) return run_e2m1_packed<T, O, 16>(x, c, n, op, p.p0, p.p1);
+    if (n == 32) return run_e2m1_packed<T, O, 32>(x, c, n, op, p.p0, p.p1);
+    return run_e2m1_packed<T, O, 0>(x, c, n, op, p.p0, p.p1);
+  }
+}
+
+// ---------------------------------------------------------------------------- engines
+
+template <class T, class O, Mode MODE>
+void run_blocks(const BlockTask& t, int64_t b0, int64_t b1) {
+  const O op(t.ctx);
+  const bool scan = t.amax_in == nullptr || t.nan_groups;
+  int64_t j = b0 % t.kb, i = (b0 / t.kb) % t.mb, l = b0 / (t.kb * t.mb);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t r0 = l * t.M + i * t.BM;
+    const int64_t rows = (t.M - i * t.BM) < t.BM ? (t.M - i * t.BM) : t.BM;
+    const int64_t c0 = j * t.BK;
+    const int64_t n = (t.K - c0) < t.BK ? (t.K - c0) : t.BK;
+    uint32_t bits = 0;
+    if (scan) {
+      const typename T::S* x = static_cast<const typename T::S*>(t.x) + r0 * t.K + c0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t m = row_amax_bits<T>(x + r * t.K, n);
+        bits = m > bits ? m : bits;
+      }
+    }
+    const float a = t.amax_in != nullptr ? t.amax_in[b] : T::abs_value(bits);
+    if (t.amax_out != nullptr) t.amax_out[b] = a;
+    if constexpr (MODE != Mode::AMAX_ONLY) {
+      BlockParams p = op.block(a);
+      if (t.amax_in != nullptr && t.nan_groups && isnan_(T::abs_value(bits))) p.p0 = p.scale = u2f(kQuietNaN);
+      if (t.scale_out != nullptr) t.scale_out[b] = p.scale;
+      if (t.byte_out != nullptr) t.byte_out[b] = p.byte;
+      for (int64_t r = 0; r < rows; ++r) row_apply<T, O, MODE>(t, op, p, r0 + r, c0, n);
+    }
+    if (++j == t.kb) {
+      j = 0;
+      if (++i == t.mb) {
+        i = 0;
+        ++l;
+      }
+    }
+  }
+}
+
+template <class T, class O>
+bool run_segment(const BcastTask& t, int64_t off, int64_t n, int64_t poff, int64_t pstride) {
+  using S = typename T::S;
+  const S* __restrict x = static_cast<const S*>(t.x) + off;
+  S* __restrict y = static_cast<S*>(t.out) + off;
+  const O op(t.ctx);
+  if (pstride == 0) {
+    run_fake<T, O, 0>(x, y, n, op, t.p0[poff], t.p1[poff]);
+  } else if (pstride == 1) {
+    const float* __restrict p0 = t.p0 + poff;
+    const float* __restrict p1 = t.p1 + poff;
+    for (int64_t k = 0; k < n; ++k) y[k] = T::store(op.fake(T::load(x[k]), p0[k], p1[k]));
+  } else {
+    for (int64_t k = 0; k < n; ++k) y[k] = T::store(op.fake(T::load(x[k]), t.p0[poff + k * pstride], t.p1[poff + k * pstride]));
+  }
+  return isnan_(T::abs_value(run_amax_bits<T, 0>(x, n)));
+}
+
+// ---------------------------------------------------------------------------- dispatch
+
+template <class T>
+void blocks_of(const BlockTask& t, int64_t b0, int64_t b1) {
+  if (t.mode == Mode::AMAX_ONLY) return run_blocks<T, IntOp, Mode::AMAX_ONLY>(t, b0, b1);
+  if (t.mode == Mode::FAKE) {
+    switch (t.op) {
+      case Op::INT: return run_blocks<T, IntOp, Mode::FAKE>(t, b0, b1);
+      case Op::FP8_E4M3: return run_blocks<T, Fp8Op<E4M3>, Mode::FAKE>(t, b0, b1);
+      case Op::FP8_E5M2: return run_blocks<T, Fp8Op<E5M2>, Mode::FAKE>(t, b0, b1);
+      case Op::FP8BLK_E4M3: return run_blocks<T, Fp8BlockOp<E4M3>, Mode::FAKE>(t, b0, b1);
+      case Op::FP8BLK_E5M2: return run_blocks<T, Fp8BlockOp<E5M2>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_E4M3: return run_blocks<T, MxOp<false>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_E2M1: return run_blocks<T, MxOp<true>, Mode::FAKE>(t, b0, b1);
+      case Op::NVFP4: return run_blocks<T, Nvfp4Op, Mode::FAKE>(t, b0, b1);
+      default: return;
+    }
+  }
+  switch (t.op) {
+    case Op::FP8BLK_E4M3: return run_blocks<T, Fp8BlockOp<E4M3>, Mode::CODES>(t, b0, b1);
+    case Op::FP8BLK_E5M2: return run_blocks<T, Fp8BlockOp<E5M2>, Mode::CODES>(t, b0, b1);
+    case Op::MX_E4M3: return run_blocks<T, MxOp<false>, Mode::CODES>(t, b0, b1);
+    case Op::MX_E2M1: return run_blocks<T, MxOp<true>, Mode::CODES>(t, b0, b1);
+    case Op::NVFP4: return run_blocks<T, Nvfp4Op, Mode::CODES>(t, b0, b1);
+    default: return;
+  }
+}
+
+template <class T>
+bool segment_of(const BcastTask& t, int64_t off, int64_t n, int64_t poff, int64_t pstride) {
+  switch (t.op) {
+    case Op::INT: return run_segment<T, IntOp>(t, off, n, poff, pstride);
+    case Op::FP8_E4M3: return run_segment<T, Fp8Op<E4M3>>(t, off, n, poff, pstride);
+    case Op::FP8_E5M2: return run_segment<T, Fp8Op<E5M2>>(t, off, n, poff, pstride);
+    default: return false;
+  }
+}
+
+void blocks(const BlockTask& t, int64_t b0, int64_t b1) {
+  switch (t.dtype) {
+    case DType::F32: return blocks_of<F32>(t, b0, b1);
+    case DType::BF16: return blocks_of<BF16>(t, b0, b1);
+    case DType::F16: return blocks_of<F16>(t, b0, b1);
+  }
+}
+
+bool segment(const BcastTask& t, int64_t off, int64_t n, int64_t poff, int64_t pstride) {
+  switch (t.dtype) {
+    case DType::F32: return segment_of<F32>(t, off, n, poff, pstride);
+    case DType::BF16: return segment_of<BF16>(t, off, n, poff, pstride);
+    case DType::F16: return segment_of<F16>(t, off, n, poff, pstride);
+  }
+  return false;
+}
+
+const IsaKernels kKernels = {QL_ISA_NAME, &blocks, &segment};
