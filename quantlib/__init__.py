@@ -18,6 +18,7 @@ from .config import (
     QuantizeConfig,
     QuantizerAttributeConfig,
 )
+from .distributed import AmaxSyncError, ParallelState, sync_amax
 from .model_quant import calibrate, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
 
@@ -36,11 +37,13 @@ __all__ = [
     "NVFP4_DEFAULT_CFG",
     "PRESETS",
     "W4A8_AWQ_BETA_CFG",
+    "AmaxSyncError",
     "CalibrationError",
     "CheckpointError",
     "ConfigError",
     "GroupedQuantizer",
     "QuantModule",
+    "ParallelState",
     "QuantModuleRegistry",
     "QuantizeConfig",
     "QuantizerAttributeConfig",
@@ -58,4 +61,5 @@ __all__ = [
     "restore_state",
     "save",
     "set_quantizer_by_cfg",
+    "sync_amax",
 ]

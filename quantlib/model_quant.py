@@ -158,14 +158,20 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forwa
     if method != "max":
         raise ValueError(f"calibrate: algorithm {method!r} is not available (use 'max')")
     cfg: Optional[QuantizeConfig] = getattr(model, "_quantlib_config", None)
-    for _, m in quant_modules(model):
-        m.calibrate_weights()
-    if forward_loop is not None:
-        _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
+    local_error = None
+    try:
+        for _, m in quant_modules(model):
+            m.calibrate_weights()
+        if forward_loop is not None:
+            _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
+    except CalibrationError as exc:
+        if parallel_state is None:
+            raise
+        local_error = exc  # raised by the sync on every rank together: alone, this rank would hang the others
     if parallel_state is not None:
         from .distributed import sync_amax
 
-        sync_amax(model, parallel_state)
+        sync_amax(model, parallel_state, local_error=local_error)
     return model
 
 

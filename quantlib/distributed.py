@@ -1,0 +1,604 @@
+"""ParallelState and the one amax sync routine (DESIGN section 5).
+
+:class:`ParallelState` names the process groups that matter to amax: data, tensor, expert and
+expert-tensor parallel (pipeline stages never share a quantizer). :func:`sync_amax` is the only routine
+that communicates: after calibration it makes every rank hold the amax its layout demands, or makes
+every rank raise the same :class:`AmaxSyncError`; no rank is left waiting in a collective.
+
+Layout conventions (Megatron-Core's; :meth:`ParallelState.from_megatron` builds exactly these):
+
+- ``data_group``: the ranks that hold the same dense (non-expert) parameters and calibrate on
+  different data -- Megatron's data-parallel group with context parallel. When expert parallelism
+  carves experts out of it (Megatron does), it contains ranks that hold *different* experts; the
+  replicas of an expert are the ranks of ``data_group`` at the same position of ``expert_group`` and
+  ``expert_tensor_group``.
+- ``tensor_group`` / ``expert_tensor_group``: the tensor-parallel shards of dense / expert linears.
+- ``expert_group``: the ranks that hold different experts of the same MoE layers.
+- The groups together form a grid (every rank of a pipeline stage is reached from every other by a
+  data step followed by a tensor step, as in Megatron); every rank of every group calls
+  :func:`sync_amax`, with a model of the same structure (same quantizer names up to the experts' local
+  indices, formats and amax sizes), and ranks of ``data_group`` hold the same tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import QuantizeConfig
+from .formats import Kind
+from .model_quant import expert_group_key, iter_quantizers
+from .nn.containers import GroupedQuantizer, QuantizerContainer
+from .nn.quant_module import QuantModule
+from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup; None means a group of one rank
+
+#: The order in which :func:`sync_amax` visits the groups (the same on every rank).
+GROUP_NAMES: tuple[str, ...] = ("data", "tensor", "expert", "expert_tensor")
+PARALLEL_ROLES: tuple[str, ...] = ("replicated", "column", "row")
+
+_ROW_BYTES = 1024  # per-rank room for the error report exchanged when something is wrong
+_MAX = dist.ReduceOp.MAX if dist.is_available() else None
+
+
+class AmaxSyncError(CalibrationError):
+    """Raised by :func:`sync_amax` with the same message on every rank: it names the quantizers and the
+    ranks at fault. When it is raised no amax has changed on any rank."""
+
+
+class ParallelState:
+    """The process groups of a parallel layout; ``None`` stands for a group of one rank (this one).
+
+    ``ParallelState(data_group=None, tensor_group=None, expert_group=None, expert_tensor_group=None)``
+    takes ``torch.distributed`` process groups (gloo or NCCL); see the module docstring for what each
+    group means. :meth:`from_megatron` reads them from Megatron-Core's ``parallel_state``. The calling
+    rank must belong to every group it passes.
+    """
+
+    def __init__(
+        self,
+        data_group: Optional[ProcessGroup] = None,
+        tensor_group: Optional[ProcessGroup] = None,
+        expert_group: Optional[ProcessGroup] = None,
+        expert_tensor_group: Optional[ProcessGroup] = None,
+    ) -> None:
+        self._groups: dict[str, Optional[ProcessGroup]] = {
+            "data": data_group,
+            "tensor": tensor_group,
+            "expert": expert_group,
+            "expert_tensor": expert_tensor_group,
+        }
+        for name, group in self._groups.items():
+            if group is None:
+                continue
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(f"ParallelState: a {name}_group was given but torch.distributed is not initialized")
+            if dist.get_rank(group) < 0:
+                raise ValueError(f"ParallelState: rank {dist.get_rank()} is not a member of the {name}_group it was given")
+
+    @classmethod
+    def from_megatron(cls) -> "ParallelState":
+        """The groups of Megatron-Core's initialized ``parallel_state``: data parallel with context
+        parallel, tensor model parallel, expert model parallel and expert tensor parallel.
+
+        Raises ImportError without megatron-core and RuntimeError when
+        ``megatron.core.parallel_state.initialize_model_parallel`` has not run.
+        """
+        try:
+            from megatron.core import parallel_state as mpu
+        except ImportError as exc:
+            raise ImportError("ParallelState.from_megatron() needs megatron-core (pip install megatron-core); or pass the process groups to ParallelState(...)") from exc
+        if not mpu.model_parallel_is_initialized():
+            raise RuntimeError(
+                "ParallelState.from_megatron(): Megatron-Core's parallel_state is not initialized; call "
+                "megatron.core.parallel_state.initialize_model_parallel(...) first, or pass the process groups to ParallelState(...)"
+            )
+        return cls(
+            data_group=mpu.get_data_parallel_group(with_context_parallel=True),
+            tensor_group=mpu.get_tensor_model_parallel_group(),
+            expert_group=mpu.get_expert_model_parallel_group(check_initialized=False),
+            expert_tensor_group=mpu.get_expert_tensor_parallel_group(check_initialized=False),
+        )
+
+    # ------------------------------------------------------------------ groups, sizes, ranks
+    def group(self, name: str) -> Optional[ProcessGroup]:
+        """The process group called ``name`` (one of :data:`GROUP_NAMES`), or None."""
+        return self._groups[name]
+
+    def size(self, name: str) -> int:
+        group = self._groups[name]
+        return 1 if group is None else dist.get_world_size(group)
+
+    def rank(self, name: str) -> int:
+        """This rank's index inside group ``name`` (0 for a group of one)."""
+        group = self._groups[name]
+        return 0 if group is None else dist.get_rank(group)
+
+    def global_ranks(self, name: str) -> list[int]:
+        """Global ranks of the members of group ``name``, in group order."""
+        group = self._groups[name]
+        if group is None:
+            return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else [0]
+        return list(dist.get_process_group_ranks(group))
+
+    @property
+    def data_group(self) -> Optional[ProcessGroup]:
+        return self._groups["data"]
+
+    @property
+    def tensor_group(self) -> Optional[ProcessGroup]:
+        return self._groups["tensor"]
+
+    @property
+    def expert_group(self) -> Optional[ProcessGroup]:
+        return self._groups["expert"]
+
+    @property
+    def expert_tensor_group(self) -> Optional[ProcessGroup]:
+        return self._groups["expert_tensor"]
+
+    @property
+    def data_size(self) -> int:
+        return self.size("data")
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank("data")
+
+    @property
+    def tensor_size(self) -> int:
+        return self.size("tensor")
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.rank("tensor")
+
+    @property
+    def expert_size(self) -> int:
+        return self.size("expert")
+
+    @property
+    def expert_rank(self) -> int:
+        return self.rank("expert")
+
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.size("expert_tensor")
+
+    @property
+    def expert_tensor_rank(self) -> int:
+        return self.rank("expert_tensor")
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={self.rank(n)}/{self.size(n)}" for n in GROUP_NAMES)
+        return f"ParallelState({parts})"
+
+
+# ---------------------------------------------------------------------------------- what syncs where
+
+#: Which dim of the tensor a quantizer sees is split across tensor-parallel ranks, by
+#: (parallel role, quantizer kind); absent = not split (the tensor is the same on every rank).
+#: A Linear weight is [out, in]: column-parallel splits ``out`` (dim 0), row-parallel ``in`` (dim 1);
+#: a row-parallel input and a column-parallel output are split along their last dim.
+_SHARD_DIM: dict[tuple[str, str], int] = {
+    ("column", "weight"): 0,
+    ("row", "weight"): 1,
+    ("row", "input"): -1,
+    ("column", "output"): -1,
+    ("column", "other"): -1,
+    ("row", "other"): -1,
+}
+
+
+def _kind(module: Optional[nn.Module], attr: str) -> str:
+    if isinstance(module, QuantModule) and attr in module.weight_quantizer_names:
+        return "weight"
+    if attr.endswith("input_quantizer"):
+        return "input"
+    if attr.endswith("output_quantizer"):
+        return "output"
+    return "other"
+
+
+def _tp_reduces(leaf: TensorQuantizer, role: str, kind: str) -> bool:
+    """Whether the amax of ``leaf`` is MAX-reduced across the tensor-parallel ranks.
+
+    Yes when the amax does not keep the split dim: per tensor (and the NVFP4 global amax), or per
+    channel over a dim the split reduces (the rows of a row-parallel weight: each rank's amax covers a
+    slice of the input dim, the MAX covers the whole row). No when each rank owns its slice of the amax
+    (channels of a column-parallel weight, any block amax of a split tensor).
+    """
+    shard = _SHARD_DIM.get((role, kind))
+    spec = leaf.spec
+    if shard is None or spec.kind == Kind.NVFP4:
+        return True
+    if spec.block is not None:
+        return False
+    if leaf.axis is None:
+        return True
+    amax = leaf.amax
+    ndim = amax.dim() if amax is not None and amax.dim() > 0 else (2 if kind == "weight" else 0)
+    if ndim == 0:
+        return False  # a per-channel amax of unknown rank: keep it per rank
+    kept = {a % ndim for a in leaf.axis}
+    return shard % ndim not in kept
+
+
+def _per_tensor(leaf: TensorQuantizer) -> bool:
+    return leaf.spec.kind == Kind.NVFP4 or (leaf.spec.block is None and leaf.axis is None)
+
+
+@dataclass
+class _Unit:
+    """One amax to sync: a quantizer's own, or one shared by the experts of a layer (``layer``)."""
+
+    name: str  # for messages (this rank's names)
+    ident: str  # rank-independent identity, for the structure hash
+    layer: bool
+    kind: str
+    is_expert: bool
+    members: list[tuple[str, TensorQuantizer, nn.Module]] = field(default_factory=list)
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # group -> slot groups
+    fill: bool = False  # members without an amax take the result (expert_input_policy="max_of_peers")
+    have: bool = False  # some member holds an amax on this rank
+    shape: Optional[tuple[int, ...]] = None
+    value: Optional[torch.Tensor] = None  # flat fp32 working copy; None: unusable on this rank
+    device: torch.device = torch.device("cpu")
+
+    def describe(self) -> str:
+        leaf = self.members[0][1]
+        groups = ";".join(f"{g}:{','.join(s)}" for g, s in sorted(self.groups.items()))
+        return f"{self.ident}|{self.kind}|{self.layer}|{self.is_expert}|{leaf.spec!r}|{leaf.axis}|{groups}"
+
+
+def _walk(name: str, q: nn.Module, key: str) -> Iterator[tuple[str, str, TensorQuantizer]]:
+    """(leaf name, key suffix, leaf): members of a GroupedQuantizer (one per expert) get ``*`` in the
+    key, members of a chain keep their index."""
+    if isinstance(q, TensorQuantizer):
+        yield name, key, q
+    elif isinstance(q, GroupedQuantizer):
+        for i, m in enumerate(q):
+            yield from _walk(f"{name}.{i}", m, f"{key}.*")
+    elif isinstance(q, QuantizerContainer):
+        for i, m in enumerate(q.members()):
+            yield from _walk(f"{name}.{i}", m, f"{key}.{i}")
+
+
+def _layer_base(module: QuantModule, module_name: str) -> str:
+    """Name shared by the experts of one layer: a module holding grouped weights is all its layer's
+    local experts; otherwise the expert index is the last numeric component of the module name."""
+    if any(isinstance(getattr(module, n, None), GroupedQuantizer) for n in module.weight_quantizer_names):
+        return module_name
+    return expert_group_key(module_name) or module_name
+
+
+def _collect(model: nn.Module, sync_expert_weights: bool) -> list[_Unit]:
+    """The units to sync, in model order (the same order on every rank of a structure)."""
+    units: list[_Unit] = []
+    layers: dict[str, _Unit] = {}
+    ordinals: dict[str, int] = {}
+    for full, parent, attr, q in iter_quantizers(model):
+        module_name = full.rsplit(".", 1)[0] if "." in full else ""
+        qm = parent if isinstance(parent, QuantModule) else None
+        kind = _kind(qm, attr)
+        is_expert = bool(qm is not None and qm.is_expert)
+        base = _layer_base(qm, module_name) if is_expert else ""
+        for leaf_name, suffix, leaf in _walk(full, q, ""):
+            if not (leaf.is_enabled and leaf.needs_calibration):
+                continue
+            key = f"{base}.{attr}{suffix}"
+            if is_expert and (kind != "weight" or sync_expert_weights):
+                unit = layers.get(key)
+                if unit is None:
+                    unit = layers[key] = _Unit(key, key, True, kind, True)
+                    units.append(unit)
+            else:
+                ident = leaf_name
+                if is_expert:  # per-expert weight: identity by layer and local position, not by name
+                    ordinals[key] = ordinals.get(key, -1) + 1
+                    ident = f"{key}#{ordinals[key]}"
+                unit = _Unit(leaf_name, ident, False, kind, is_expert)
+                units.append(unit)
+            unit.members.append((leaf_name, leaf, parent))
+    return units
+
+
+def _assign_groups(unit: _Unit, problems: list[str]) -> None:
+    """The groups ``unit`` is MAX-reduced over (see :func:`sync_amax`), with the slot groups of data."""
+    layouts = set()
+    for name, leaf, parent in unit.members:
+        role = getattr(parent, "parallel_role", "replicated") if isinstance(parent, QuantModule) else "replicated"
+        if role not in PARALLEL_ROLES:
+            problems.append(f"{name}: parallel_role {role!r} is not one of {PARALLEL_ROLES}")
+            role = "replicated"
+        layouts.add((_tp_reduces(leaf, role, unit.kind), repr(leaf.spec), leaf.axis))
+    if len(layouts) > 1:
+        problems.append(f"{unit.name}: the experts of this layer differ in format or parallel role")
+    tp = next(iter(layouts))[0]
+    tensor = "expert_tensor" if unit.is_expert else "tensor"
+    slots: tuple[str, ...] = ()
+    if unit.is_expert and not unit.layer:
+        slots += ("expert",)  # per-expert amax: only the replicas of this expert meet in data
+    if unit.is_expert and not tp:
+        slots += ("expert_tensor",)  # each expert-tensor rank owns its slice
+    unit.groups = {"data": slots}
+    if tp:
+        unit.groups[tensor] = ()
+    if unit.layer:
+        unit.groups["expert"] = ()
+
+
+def _prepare(unit: _Unit, policy: str, problems: list[str]) -> None:
+    """Working value of ``unit`` (local MAX of its members) and the local problems it has."""
+    present = []
+    for name, leaf, parent in unit.members:
+        amax = leaf.amax
+        if amax is None:
+            if not (unit.layer and unit.kind != "weight"):
+                problems.append(f"{name}: no amax (calibration never reached it, or it was reset)")
+            elif policy == "error":
+                problems.append(f"{name}: no tokens reached this expert (expert_input_policy='error')")
+            continue
+        if amax.device.type == "meta":
+            problems.append(f"{name}: amax is on the meta device")
+            continue
+        if present and amax.shape != present[0].shape:
+            problems.append(f"{name}: amax shape {tuple(amax.shape)} differs from {tuple(present[0].shape)} of the other experts of its layer")
+            continue
+        present.append(amax)
+    unit.fill = unit.layer and unit.kind != "weight" and policy == "max_of_peers"
+    unit.have = bool(present)
+    params = [p for _, _, parent in unit.members for p in parent.parameters(recurse=False)][:1]
+    unit.device = present[0].device if present else (params[0].device if params else torch.device("cpu"))
+    if present:
+        unit.shape = tuple(present[0].shape)
+        value = present[0] if len(present) == 1 else torch.stack(present).amax(dim=0)
+        unit.value = value.detach().reshape(-1).float()
+    elif unit.layer and unit.kind != "weight" and _per_tensor(unit.members[0][1]):
+        unit.shape = ()  # no local expert saw tokens: the layer's amax comes from the other ranks
+        unit.value = torch.zeros(1, dtype=torch.float32, device=unit.device)
+    elif unit.layer and unit.kind != "weight" and policy != "error":
+        problems.append(f"{unit.name}: no expert of this layer received tokens on this rank and its amax is not per tensor, so it cannot be taken from the other ranks")
+
+
+def _nonfinite(units: list[_Unit], problems: list[str]) -> None:
+    """Name the units whose amax hold NaN/Inf (one batched check; the per-unit scan only on failure)."""
+    values = [u.value for u in units if u.value is not None]
+    if not values or bool(torch.isfinite(torch.cat([v.to(values[0].device) for v in values])).all()):
+        return
+    for u in units:
+        if u.value is not None and not bool(torch.isfinite(u.value).all()):
+            bad = "NaN" if bool(torch.isnan(u.value).any()) else "Inf"
+            names = [n for n, leaf, _ in u.members if leaf.amax is not None and not bool(torch.isfinite(leaf.amax).all())]
+            problems.append(f"{', '.join(names[:3]) or u.name}: amax holds {bad}")
+            u.value = None
+
+
+# ---------------------------------------------------------------------------------- collectives
+
+
+class _Comm:
+    """The active groups (more than one rank) in :data:`GROUP_NAMES` order, and their devices."""
+
+    def __init__(self, state: ParallelState, preferred: torch.device) -> None:
+        self.state = state
+        self.active = [n for n in GROUP_NAMES if state.size(n) > 1]
+        self.devices = {n: _device_for(state.group(n), preferred) for n in self.active}
+        self.calls = 0
+
+    def all_reduce_max(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.devices[name])
+        dist.all_reduce(t, op=_MAX, group=self.state.group(name))
+        self.calls += 1
+        return t
+
+    def slot(self, slot_groups: tuple[str, ...]) -> tuple[int, int]:
+        """(number of slots, this rank's slot) for a payload keyed by its position in ``slot_groups``."""
+        count, index = 1, 0
+        for g in slot_groups:
+            count, index = count * self.state.size(g), index * self.state.size(g) + self.state.rank(g)
+        return count, index
+
+
+def _device_for(group: ProcessGroup, preferred: torch.device) -> torch.device:
+    """NCCL needs CUDA tensors; gloo and mixed backends take the amax's own device."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and preferred.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return preferred
+
+
+def _structure_hash(units: list[_Unit], policy: str, sync_expert_weights: bool) -> int:
+    h = hashlib.blake2b(digest_size=7)
+    h.update(f"policy={policy}|sync_expert_weight_amax={sync_expert_weights}\n".encode())
+    for u in units:
+        h.update(u.describe().encode() + b"\n")
+    return int.from_bytes(h.digest(), "little")  # < 2**56: its negation fits in int64
+
+
+def _payload_size(comm: _Comm, units: list[_Unit], name: str) -> int:
+    total = 0
+    for u in units:
+        if name in u.groups and u.value is not None:
+            total += u.value.numel() * comm.slot(u.groups[name] if name == "data" else ())[0]
+    return total
+
+
+def _check(comm: _Comm, units: list[_Unit], digest: int, err: bool) -> tuple[bool, dict[str, str]]:
+    """Pass A: per group, agree on the structure and sizes and spread the error flag.
+
+    Returns the error flag as known after the pass and, per group, "" (agreed), "S" (the quantizers
+    differ) or "N" (amax sizes differ)."""
+    verdict = {}
+    for name in comm.active:
+        size = _payload_size(comm, units, name)
+        t = comm.all_reduce_max(name, torch.tensor([digest, -digest, size, -size, int(err)], dtype=torch.int64)).tolist()
+        verdict[name] = "S" if t[0] != -t[1] else ("N" if t[2] != -t[3] else "")
+        err = err or bool(t[4]) or bool(verdict[name])
+    return err, verdict
+
+
+def _reduce(comm: _Comm, units: list[_Unit], verdict: dict[str, str], err: bool) -> tuple[bool, list[bool]]:
+    """Pass B: per group, one flat fp32 all-reduce (MAX) of [error flag, have flags of the layer units,
+    every amax reduced over this group]; groups whose ranks disagree on the layout send the flag only.
+
+    Updates the working values; returns the error flag and, per layer unit, whether any rank has it."""
+    layer_units = [u for u in units if u.layer]
+    have = [float(u.have) for u in layer_units]
+    for name in comm.active:
+        dev = comm.devices[name]
+        members = [u for u in units if name in u.groups and u.value is not None] if not verdict[name] else []
+        pieces = [torch.tensor([float(err)] + (have if not verdict[name] else []), dtype=torch.float32, device=dev)]
+        spans = []
+        for u in members:
+            count, index = comm.slot(u.groups[name] if name == "data" else ())
+            n = u.value.numel()
+            if count > 1:
+                pieces += [torch.zeros(index * n, device=dev), u.value.to(dev), torch.zeros((count - 1 - index) * n, device=dev)]
+            else:
+                pieces.append(u.value.to(dev))
+            spans.append((u, index * n, n, count * n))
+        buf = comm.all_reduce_max(name, torch.cat(pieces))
+        head = 1 + (len(have) if not verdict[name] else 0)
+        err = err or bool(buf[0] > 0)
+        if not verdict[name]:
+            have = buf[1:head].tolist()
+        offset = head
+        for u, start, n, width in spans:
+            u.value = buf[offset + start : offset + start + n]
+            offset += width
+    return err, [h > 0 for h in have]
+
+
+def _encode(code: str, lines: list[str]) -> bytes:
+    data = (code + "; ".join(lines)).encode()[:_ROW_BYTES]
+    return data.decode(errors="ignore").encode()
+
+
+def _exchange_reports(comm: _Comm, row: bytes) -> dict[int, tuple[str, str]]:
+    """Error path only: every rank's report, as {global rank: (code, text)}, the same on every rank."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    device = next(iter(comm.devices.values()))
+    table = torch.zeros(world, _ROW_BYTES, dtype=torch.uint8, device=device)
+    if row:
+        table[me, : len(row)] = torch.tensor(list(row), dtype=torch.uint8, device=device)
+    for name in comm.active:
+        table = comm.all_reduce_max(name, table)
+    reports = {}
+    for r, bytes_ in enumerate(table.cpu().tolist()):
+        text = bytes(b for b in bytes_ if b).decode(errors="ignore")
+        if text:
+            reports[r] = (text[0], text[1:])
+    return reports
+
+
+def _message(reports: dict[int, tuple[str, str]]) -> str:
+    """The error every rank raises: local problems and structure differences; size differences only
+    when nothing else explains them (a missing amax also changes the sizes)."""
+    local = any(code == "L" for code, _ in reports.values())
+    lines = [f"  rank {r}: {text}" for r, (code, text) in sorted(reports.items()) if code in "LS" or not local]
+    return "quantlib.sync_amax: calibration is not consistent across ranks; no amax was changed on any rank:\n" + "\n".join(lines)
+
+
+def _commit(units: list[_Unit]) -> None:
+    for u in units:
+        if u.value is None or u.shape is None:
+            continue
+        out = u.value.reshape(u.shape)
+        for _, leaf, _ in u.members:
+            current = leaf.amax
+            if current is not None:
+                leaf.amax = out.to(current.device)
+            elif u.fill:
+                leaf.amax = out.to(u.device)
+
+
+# ---------------------------------------------------------------------------------- the routine
+
+
+def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: Optional[BaseException] = None) -> None:
+    """Make the amax of ``model`` what the parallel layout demands, on every rank, or raise on all.
+
+    Call it on every rank of every group of ``parallel_state``, after calibration
+    (:func:`quantlib.calibrate` does when given a ``parallel_state``). ``local_error`` is an error this
+    rank met while calibrating (calibrate passes its CalibrationError): instead of raising alone, which
+    would leave the other ranks waiting in a collective, the rank reports it here and every rank raises.
+
+    Every enabled quantizer with a calibrated (static) amax takes part; disabled and dynamic ones (MX,
+    dynamic blocks, per token) do not. It reduces with MAX (never an average):
+
+    - ``data_group``: every amax. A per-expert amax is reduced only with the replicas of its expert
+      (the data ranks at the same expert / expert-tensor position, via a payload with one slot per
+      position).
+    - ``tensor_group`` (``expert_tensor_group`` for expert linears, ``QuantModule.is_expert``), by
+      ``QuantModule.parallel_role``: for "column" and "row" the amax that do not keep the split dim --
+      per-tensor amax of weights, inputs and outputs, the NVFP4 global amax, the per-channel (axis=0)
+      amax of row-parallel weights ([out, in/tp]: each rank covers a slice of each row, the MAX covers
+      the row); never the per-channel amax of column-parallel weights nor block amax of split tensors
+      (each rank owns those). "replicated" modules are identical on every tensor rank: all their amax.
+    - ``expert_group``: the activation (input and output) quantizers of expert linears hold one amax
+      per layer, the MAX over the layer's local and remote experts (experts of a layer are grouped by
+      :func:`quantlib.model_quant.expert_group_key` of the module name; a module with GroupedQuantizer
+      weights holds all local experts of its layer). Expert weight amax stay per expert unless the
+      config sets ``sync_expert_weight_amax`` (then one per layer, the same way).
+
+    Missing amax follow the config's ``expert_input_policy``: an expert activation quantizer with no
+    amax (no tokens) takes its layer's amax under "max_of_peers" (from local experts or, when none on
+    this rank has one, from the other ranks; if no rank has one, every rank raises), stays dynamic
+    under "skip", and is an error under "error". Any other missing amax, any NaN/Inf, and ranks whose
+    quantizers differ (names, formats, roles, amax sizes) make every rank raise the same
+    :class:`AmaxSyncError` naming the quantizers and ranks, with no amax changed anywhere.
+
+    Collectives, all MAX all-reduces, the same sequence on every rank; for each group of more than one
+    rank, in :data:`GROUP_NAMES` order: one int64 all-reduce of 5 numbers (structure hash, payload
+    size, error flag) over every group, then one flat fp32 all-reduce carrying every amax of the
+    group. On the error path, one more uint8 all-reduce per group carries the reports. Tensors live on
+    the amax's device (CUDA for NCCL). With no group of more than one rank it only checks and unifies
+    the experts' amax locally.
+    """
+    cfg = getattr(model, "_quantlib_config", None) or QuantizeConfig()
+    policy, sync_w = cfg.expert_input_policy, cfg.sync_expert_weight_amax
+    problems: list[str] = []
+    units = _collect(model, sync_w)
+    for u in units:
+        _assign_groups(u, problems)
+        _prepare(u, policy, problems)
+    _nonfinite(units, problems)
+    if local_error is not None:
+        problems = [str(local_error)]  # the other problems of this rank follow from it
+    preferred = next((u.value.device for u in units if u.value is not None), torch.device("cpu"))
+    comm = _Comm(parallel_state, preferred)
+    if not comm.active:
+        if problems:
+            raise AmaxSyncError(_message({dist.get_rank() if dist.is_initialized() else 0: ("L", "; ".join(problems))})) from local_error
+        everywhere = [u.have for u in units if u.layer]
+    else:
+        digest = _structure_hash(units, policy, sync_w)
+        err, verdict = _check(comm, units, digest, bool(problems))
+        err, everywhere = _reduce(comm, units, verdict, err)
+        if err:
+            lines = problems[:]
+            code = "L" if problems else ""
+            for name, v in verdict.items():
+                if v == "S" or (v == "N" and not problems):
+                    what = "the quantizers differ (names, formats or parallel roles)" if v == "S" else "amax sizes differ"
+                    lines.append(f"{what} between the ranks of its {name} group {parallel_state.global_ranks(name)}")
+                    code = code or ("S" if v == "S" else "N")
+            row = _encode(code, lines) if lines else b""
+            raise AmaxSyncError(_message(_exchange_reports(comm, row))) from local_error
+    missing = [u.name for u, anywhere in zip((u for u in units if u.layer), everywhere) if u.fill and not anywhere]
+    if missing:
+        raise AmaxSyncError(
+            f"quantlib.sync_amax: no expert on any rank received tokens for {len(missing)} layer quantizer(s): {missing[:5]} "
+            "(expert_input_policy='max_of_peers'); feed calibration data that reaches these layers, or use expert_input_policy='skip'"
+        )
+    _commit(units)
+
+
+__all__ = ["GROUP_NAMES", "AmaxSyncError", "ParallelState", "sync_amax"]
