@@ -31,7 +31,10 @@ def static_amax(x: torch.Tensor, spec: FormatSpec, axis: Optional[tuple[int, ...
         return torch.linalg.vector_norm(x, float("inf")).float()
     if spec.block is not None:
         return block_amax(x, spec.block, backend=backend)
-    return torch.linalg.vector_norm(x, float("inf"), dim=reduce_axes(axis, x.dim()), keepdim=True).float()
+    reduced = reduce_axes(axis, x.dim())
+    if not reduced:  # every axis kept: one amax per element (dim=() would reduce them all)
+        return x.abs().float()
+    return torch.linalg.vector_norm(x, float("inf"), dim=reduced, keepdim=True).float()
 
 
 def static_amax_shape(spec: FormatSpec, axis: Optional[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:

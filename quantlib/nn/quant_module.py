@@ -3,6 +3,7 @@ that builds the quantized class of an original module class."""
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Callable, Iterator, Optional
 
@@ -48,7 +49,7 @@ class QuantModule(nn.Module):
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and tensor.requires_grad):
             return q(tensor)
         token = _quantizer_token(q)
-        if token is None:
+        if token is None or tensor.is_inference():
             return q(tensor)
         key = (id(tensor), tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device, token)
         cache = self.__dict__.setdefault("_weight_cache", {})
@@ -56,7 +57,9 @@ class QuantModule(nn.Module):
         if hit is not None and hit[0] == key:
             return hit[1]
         out = q(tensor)
-        cache[(name, member)] = (key, out)
+        # the entry keeps alive every object whose id() is in its key: no new tensor, config or
+        # quantizer can get one of those ids (and hit a stale entry) while the entry exists
+        cache[(name, member)] = (key, out, (tensor, [(leaf, leaf._attrs, leaf.amax) for leaf in _leaves(q)]))
         return out
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
@@ -83,14 +86,20 @@ class QuantModule(nn.Module):
                     m.calibrate(t)
 
 
+def _leaves(q: nn.Module) -> list[TensorQuantizer]:
+    return list(q.leaves()) if hasattr(q, "leaves") else [q]
+
+
 def _quantizer_token(q: nn.Module) -> Optional[tuple]:
-    """Everything a quantizer's output depends on besides its input; None while it calibrates."""
-    leaves = q.leaves() if hasattr(q, "leaves") else [q]
+    """Everything a quantizer's output depends on besides its input; None while it calibrates or
+    where an amax has no version counter (an inference tensor)."""
     token = []
-    for leaf in leaves:
+    for leaf in _leaves(q):
         if leaf._if_calib and leaf.is_enabled:
             return None
         amax = leaf.amax
+        if amax is not None and amax.is_inference():
+            return None
         token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), None if amax is None else (id(amax), amax._version)))
     return tuple(token)
 
@@ -137,7 +146,12 @@ class QuantModuleRegistry:
         """The quantized module, sharing the original's parameters, buffers, submodules and hooks."""
         qcls = cls.quantized_class(type(module))
         new = qcls.__new__(qcls)
-        new.__dict__ = {k: (v.copy() if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+        new.__dict__ = dict(module.__dict__)
+        # _setup adds quantizers (modules, buffers): those containers are copied; the hook dicts are
+        # shared, so the handles of hooks registered before conversion still remove them
+        for k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            if k in new.__dict__:
+                new.__dict__[k] = copy.copy(new.__dict__[k])
         new._setup()
         return new
 

@@ -161,6 +161,8 @@ AMAX_CASES = {
     "per_channel_last_axis": ({"num_bits": 8, "axis": -1}, (2, 3, 5), (1, 1, 5)),
     "two_kept_axes": ({"num_bits": 8, "axis": (0, 2)}, (2, 3, 5), (2, 1, 5)),
     "fp8_per_channel": ({"num_bits": (4, 3), "axis": 0}, (4, 6), (4, 1)),
+    "every_axis_kept": ({"num_bits": 8, "axis": (0, 1)}, (3, 4), (3, 4)),
+    "axis0_of_1d": ({"num_bits": 8, "axis": 0}, (5,), (5,)),
     "int4_block_partial": ({"num_bits": 4, "block_sizes": {-1: 4}}, (3, 10), (3, 3)),
     "int4_block_3d": ({"num_bits": 4, "block_sizes": {-1: 4}}, (2, 3, 8), (2, 3, 2)),
     "fp8_2d_block_partial": ({"num_bits": (4, 3), "block_sizes": {-1: 4, -2: 2}}, (5, 6), (3, 2)),
@@ -188,6 +190,14 @@ def test_per_channel_amax_values_keepdim():
     q = TensorQuantizer({"num_bits": 8, "axis": 1})
     q.calibrate(x)
     assert torch.equal(q.amax, t([[1.0, 4.0, 2.0]]))
+
+
+def test_every_axis_kept_gives_one_amax_per_element():
+    x = t([[1.0, -4.0], [0.5, -0.25]])
+    q = TensorQuantizer({"num_bits": 8, "axis": (0, 1)})
+    q.calibrate(x)
+    assert torch.equal(q.amax, x.abs())
+    assert torch.equal(q(x), x)  # every element is its own amax: exact
 
 
 def test_block_amax_values_over_real_elements_of_partial_block():
