@@ -1,19 +1,25 @@
 """Quantizer state: capture, atomic save, validated restore into a fresh model, schema migrations.
 
-State (schema 1)::
+State (schema 2)::
 
-    {"schema": 1, "config": <QuantizeConfig.to_dict() or None>,
+    {"schema": 2, "config": <QuantizeConfig.to_dict() or None>,
      "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None}
                               | {"type": "sequential" | "grouped", "members": [<member state>, ...]}}}
 
 Everything is plain containers and tensors, so ``torch.load(weights_only=True)`` reads it.
+
+Schema history: 1 allowed a grouped linear's weight quantizer (one member per GEMM / expert) to be a
+single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always stores it as
+``"grouped"`` with one member per GEMM (:func:`migrate_v1_to_v2`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
-from typing import Any, Callable, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -23,14 +29,45 @@ from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 
-SCHEMA_VERSION = 1
-
-#: migrations[v] turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+SCHEMA_VERSION = 2
 
 
 class CheckpointError(ValueError):
     """A quantizer checkpoint that cannot be restored into this model; the model is left untouched."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What a migration may need to know about the model a state is restored into (old schemas did not
+    record it): ``grouped`` maps the name of each grouped weight quantizer to its number of members
+    (GEMMs / experts). :func:`restore_state` builds it from the model."""
+
+    grouped: Mapping[str, int] = field(default_factory=dict)
+
+
+def migrate_v1_to_v2(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+    """Schema 1 -> 2: a grouped weight quantizer saved as one shared entry (``"tensor"`` with one
+    ``_amax``, or ``"sequential"``) becomes ``"grouped"`` with one copy per member, so member i of
+    ``weight_quantizer`` restores ``weight_quantizer.{i}._amax`` (``restore(...,
+    recalibrate_experts=True)`` recalibrates them from each expert's own weight instead).
+
+    Schema 1 did not record which quantizers are grouped nor how many GEMMs they have: ``layout`` says
+    so (``restore`` passes the model's). Without it shared entries cannot be told from plain ones and
+    are left as they are; restoring such a state into a grouped module then raises CheckpointError.
+    ``state`` is not modified.
+    """
+    grouped = dict(layout.grouped) if layout is not None else {}
+    quantizers = {}
+    for name, qstate in state["quantizers"].items():
+        num = grouped.get(name)
+        if num is not None and isinstance(qstate, dict) and qstate.get("type") in ("tensor", "sequential"):
+            qstate = {"type": "grouped", "members": [copy.deepcopy(qstate) for _ in range(num)]}
+        quantizers[name] = qstate
+    return {**state, "schema": 2, "quantizers": quantizers}
+
+
+#: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
+MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2}
 
 
 # ------------------------------------------------------------------------------------ capture
@@ -87,8 +124,9 @@ def load_state(path: Union[str, os.PathLike]) -> dict:
     return state
 
 
-def migrate(state: dict) -> dict:
-    """Bring ``state`` to :data:`SCHEMA_VERSION` through the named migrations, one version at a time."""
+def migrate(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+    """Bring ``state`` to :data:`SCHEMA_VERSION` through the named migrations, one version at a time
+    (``layout``: the target model's, see :class:`ModelLayout`)."""
     if not isinstance(state, dict) or "schema" not in state or "quantizers" not in state:
         raise CheckpointError("not a quantlib quantizer state: expected a dict with 'schema' and 'quantizers'")
     version = state["schema"]
@@ -97,7 +135,7 @@ def migrate(state: dict) -> dict:
     if version > SCHEMA_VERSION:
         raise CheckpointError(f"checkpoint schema {version} is newer than this quantlib ({SCHEMA_VERSION}): upgrade quantlib")
     while version < SCHEMA_VERSION:
-        state = MIGRATIONS[version](state)
+        state = MIGRATIONS[version](state, layout)
         version = state["schema"]
     return state
 
@@ -116,6 +154,33 @@ def _planned_quantizers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
             for qn in qcls.quantizer_names:
                 plan[f"{mname}.{qn}" if mname else qn] = (module, qn)
     return plan
+
+
+def _quantized_class(module: nn.Module) -> type:
+    return type(module) if isinstance(module, QuantModule) else QuantModuleRegistry.quantized_class(type(module))
+
+
+def _is_grouped(module: nn.Module, attr: str) -> Optional[bool]:
+    """Whether quantizer ``attr`` of ``module`` is (or, once converted, will be) a GroupedQuantizer;
+    None where an unconverted module's quantized class does not say (no ``grouped_quantizer_names``)."""
+    if isinstance(module, QuantModule):
+        return isinstance(getattr(module, attr, None), GroupedQuantizer)
+    names = getattr(_quantized_class(module), "grouped_quantizer_names", None)
+    return None if names is None else attr in names
+
+
+def _layout(plan: dict[str, tuple[nn.Module, str]]) -> ModelLayout:
+    grouped = {}
+    for name, (module, attr) in plan.items():
+        if _is_grouped(module, attr) is True:
+            tensors = dict(_quantized_class(module).weight_groups(module)).get(attr)
+            grouped[name] = len(tensors) if tensors is not None else len(getattr(module, attr))
+    return ModelLayout(grouped)
+
+
+def model_layout(model: nn.Module) -> ModelLayout:
+    """The :class:`ModelLayout` of ``model`` (fresh or converted), for :func:`migrate`."""
+    return _layout(_planned_quantizers(model))
 
 
 def _build(qstate: Any, where: str) -> nn.Module:
@@ -143,9 +208,23 @@ def _build(qstate: Any, where: str) -> nn.Module:
         raise CheckpointError(f"{where}: {exc}") from None
 
 
+def _check_structure(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:
+    """A grouped quantizer restores into a grouped one and a single one into a single one."""
+    expected, saved = _is_grouped(module, attr), isinstance(q, GroupedQuantizer)
+    if expected is None:
+        return
+    if expected and not saved:
+        raise CheckpointError(
+            f"{name}: saved as a single quantizer, but the model's is grouped (one member per GEMM); "
+            "a schema-1 shared amax migrates only with the model's layout: restore the original file with quantlib.restore"
+        )
+    if saved and not expected:
+        raise CheckpointError(f"{name}: saved as a grouped quantizer of {len(q)} members, but the model's is a single quantizer")
+
+
 def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:
-    """A weight quantizer's static amax must fit the weight it will quantize."""
-    qcls = type(module) if isinstance(module, QuantModule) else QuantModuleRegistry.quantized_class(type(module))
+    """A weight quantizer's static amax must fit the weight it will quantize (each member its own)."""
+    qcls = _quantized_class(module)
     if attr not in qcls.weight_quantizer_names:
         return
     groups = dict(qcls.weight_groups(module))
@@ -161,13 +240,17 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
                 raise CheckpointError(f"{name}{'.' + str(i) if len(members) > 1 else ''}: amax of shape {tuple(first.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
 
 
-def restore_state(model: nn.Module, state: dict, strict: bool = True) -> nn.Module:
+def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrate_experts: bool = False) -> nn.Module:
     """Restore quantizers from ``state`` into ``model`` (fresh or already quantized). Everything is
-    validated first: on any mismatch CheckpointError is raised and the model is unchanged."""
+    validated first: on any mismatch CheckpointError is raised and the model is unchanged.
+
+    Each member of a grouped weight quantizer restores its own amax; ``recalibrate_experts=True``
+    recalibrates every member from its own weight instead (e.g. after migrating a schema-1 shared amax).
+    """
     from .model_quant import convert, iter_quantizers, leaves_of
 
-    state = migrate(state)
     plan = _planned_quantizers(model)
+    state = migrate(state, _layout(plan))
     saved = state["quantizers"]
     if not isinstance(saved, dict):
         raise CheckpointError("'quantizers' must be a dict")
@@ -176,6 +259,7 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True) -> nn.Modu
         raise CheckpointError(f"checkpoint does not match the model: {len(missing)} quantizer(s) missing from it {missing[:3]}, {len(unexpected)} unknown to the model {unexpected[:3]}")
     built = {name: _build(qs, name) for name, qs in saved.items()}
     for name, q in built.items():
+        _check_structure(name, q, *plan[name])
         _check_weight_shapes(name, q, *plan[name])
     config = QuantizeConfig.from_any(state["config"]) if state.get("config") else None
 
@@ -189,9 +273,26 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True) -> nn.Modu
             leaf._qname = leaf_name
     if config is not None:
         model._quantlib_config = config
+    if recalibrate_experts:
+        _recalibrate_grouped_weights(model, set(built))
     return model
 
 
-def restore(model: nn.Module, path: Union[str, os.PathLike], strict: bool = True) -> nn.Module:
+def _recalibrate_grouped_weights(model: nn.Module, names: set[str]) -> None:
+    """Member i of each restored grouped weight quantizer calibrates on its own tensor i, and only
+    member i is touched (never a broadcast reset over the group inside the per-member loop)."""
+    from .model_quant import quant_modules
+
+    for mname, module in quant_modules(model):
+        for attr, tensors in module.weight_groups():
+            q = getattr(module, attr)
+            if not isinstance(q, GroupedQuantizer) or (f"{mname}.{attr}" if mname else attr) not in names:
+                continue
+            for member, tensor in zip(q, tensors):
+                if member.is_enabled and member.needs_calibration:
+                    member.calibrate(tensor)
+
+
+def restore(model: nn.Module, path: Union[str, os.PathLike], strict: bool = True, recalibrate_experts: bool = False) -> nn.Module:
     """Restore a checkpoint written by :func:`save` into ``model`` (usually fresh and unquantized)."""
-    return restore_state(model, load_state(path), strict=strict)
+    return restore_state(model, load_state(path), strict=strict, recalibrate_experts=recalibrate_experts)

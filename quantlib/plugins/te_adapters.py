@@ -1,0 +1,409 @@
+"""Transformer Engine without Transformer Engine: where the input and the weights sit among the args of
+TE's autograd functions, one adapter per API generation, and the TE-free halves of the quantized TE
+modules.
+
+Nothing here imports ``transformer_engine``. ``plugins/transformer_engine.py`` picks the adapter for
+the installed TE by version, checks it against the real ``inspect.signature`` and binds the mixins to
+TE's classes; the tests check every adapter against the signatures read from TE's wheels.
+
+How a quantized TE module works: during its forward, the module-level autograd function of TE's
+module file (``_GroupedLinear``, ``_Linear``, ``_LayerNormLinear``) is replaced by a
+:class:`FunctionProxy` whose ``apply`` / ``forward`` rewrite the args (input through the input
+quantizer, weight i through ``weight_quantizer[i]``) and then call TE's function; everything else TE
+does (splits, GEMMs, backward) is untouched. Eager mode only: TE runs its forward outside Dynamo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..config import QuantizerAttributeConfig
+from ..nn.containers import GroupedQuantizer
+from ..nn.quant_module import QuantModule
+from ..nn.tensor_quantizer import TensorQuantizer
+
+QuantizeInput = Callable[[torch.Tensor], torch.Tensor]
+QuantizeWeight = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class AdapterError(RuntimeError):
+    """TE's autograd function does not have the layout an adapter expects (or a call breaks it)."""
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a TE version string such as ``"2.20.2"``, ``"2.9.0+cu12"``, ``"2.14.0.dev0"``."""
+    m = re.match(r"\s*(\d+)\.(\d+)", version)
+    if m is None:
+        raise AdapterError(f"cannot parse Transformer Engine version {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _positional_names(sig: inspect.Signature) -> tuple[list[str], Optional[str]]:
+    """(names of the positional parameters, name of ``*args`` or None)."""
+    names, vararg = [], None
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            vararg = p.name
+    return names, vararg
+
+
+# ------------------------------------------------------------------------------ GroupedLinear
+
+
+@dataclass(frozen=True)
+class GroupedCall:
+    """Positions (in the args after ``ctx``) of the input and of weight 0..num_gemms-1."""
+
+    inp: int
+    weights: range
+
+
+@dataclass(frozen=True)
+class GroupedLinearAdapter:
+    """One API generation of ``_GroupedLinear.forward(ctx, <params>, *weights_and_biases)``.
+
+    ``params`` are the positional parameters between ``ctx`` and ``*weights_and_biases``, by name. The
+    weights come first in ``weights_and_biases`` (one per GEMM), then the biases. The number of GEMMs is
+    ``len(m_splits)``; ``m_splits`` is the parameter of that name, or item ``splits_item`` of
+    ``non_tensor_args`` where it is packed there (2.10–2.16).
+    """
+
+    generation: str
+    first: tuple[int, int]  # first TE (major, minor) of this generation
+    params: tuple[str, ...]
+    splits_item: Optional[int] = None  # index of m_splits inside non_tensor_args
+
+    def check_signature(self, sig: inspect.Signature) -> None:
+        """Raise AdapterError unless ``sig`` (of ``_GroupedLinear.forward``) is this generation's."""
+        names, vararg = _positional_names(sig)
+        expected = ["ctx", *self.params]
+        if names != expected or vararg is None:
+            raise AdapterError(
+                f"_GroupedLinear.forward{sig} does not match the TE {self.generation} layout "
+                f"(ctx, {', '.join(self.params)}, *weights_and_biases)"
+            )
+
+    def m_splits(self, args: Sequence[Any]) -> Sequence:
+        """The split sizes (a list of ints, or a 1-D tensor from 2.17 on)."""
+        if self.splits_item is None:
+            return args[self.params.index("m_splits")]
+        return args[self.params.index("non_tensor_args")][self.splits_item]
+
+    def locate(self, args: Sequence[Any]) -> GroupedCall:
+        """Where the input and the weights are in ``args`` (the call's args after ``ctx``)."""
+        if len(args) < len(self.params):
+            raise AdapterError(f"TE {self.generation} _GroupedLinear takes at least {len(self.params)} args before the weights, got {len(args)}")
+        num_gemms = len(self.m_splits(args))
+        start = len(self.params)
+        if len(args) < start + num_gemms:
+            raise AdapterError(f"TE {self.generation} _GroupedLinear call has {len(args) - start} weight/bias args for {num_gemms} GEMMs")
+        return GroupedCall(inp=self.params.index("inp"), weights=range(start, start + num_gemms))
+
+    def quantize_args(self, args: Sequence[Any], quantize_input: QuantizeInput, quantize_weight: QuantizeWeight) -> tuple:
+        """``args`` with the input replaced by ``quantize_input(inp)`` and weight i by
+        ``quantize_weight(i, weight_i)``; every other arg is passed through as the same object."""
+        call = self.locate(args)
+        new = list(args)
+        new[call.inp] = quantize_input(args[call.inp])
+        for i, pos in enumerate(call.weights):
+            w = args[pos]
+            if not isinstance(w, torch.Tensor) or w.dim() != 2:
+                raise AdapterError(
+                    f"TE {self.generation} _GroupedLinear: weight {i} is a {type(w).__name__}"
+                    f"{'' if not isinstance(w, torch.Tensor) else ' of shape ' + str(tuple(w.shape))}, expected a 2-D tensor "
+                    "(single_grouped_weight and TE-quantized weights are not supported)"
+                )
+            new[pos] = quantize_weight(i, w)
+        return tuple(new)
+
+
+_TE1_PARAMS = ("inp", "m_splits", "use_bias", "is_first_microbatch", "fp8", "fp8_calibration", "fp8_meta", "fuse_wgrad_accumulation",
+               "cpu_offloading", "sequence_parallel", "activation_dtype", "fp8_meta_offsets", "is_grad_enabled", "weights_fp8")  # fmt: skip
+_TE2_8_PARAMS = ("inp", "m_splits", "use_bias", "is_first_microbatch", "fp8", "fp8_calibration", "wgrad_store", "input_quantizers",
+                 "weight_quantizers", "output_quantizers", "grad_output_quantizers", "fuse_wgrad_accumulation", "cpu_offloading",
+                 "sequence_parallel", "activation_dtype", "is_grad_enabled", "module", "skip_fp8_weight_update", "save_original_input")  # fmt: skip
+
+#: 1.12–1.13: 14 positional args, m_splits a list.
+TE_1_13 = GroupedLinearAdapter("1.13", (1, 12), _TE1_PARAMS)
+#: 2.8–2.9: 19 positional args (TE's quantizers passed as args).
+TE_2_8 = GroupedLinearAdapter("2.8", (2, 8), _TE2_8_PARAMS)
+#: 2.10–2.16: everything after inp packed into non_tensor_args, m_splits its first item.
+TE_2_10 = GroupedLinearAdapter("2.10", (2, 10), ("inp", "non_tensor_args"), splits_item=0)
+#: 2.17: inp, m_splits (a Tensor), non_tensor_args.
+TE_2_17 = GroupedLinearAdapter("2.17", (2, 17), ("inp", "m_splits", "non_tensor_args"))
+#: 2.18–2.20: adds out, dgrad_out.
+TE_2_18 = GroupedLinearAdapter("2.18", (2, 18), ("inp", "m_splits", "non_tensor_args", "out", "dgrad_out"))
+
+GROUPED_LINEAR_ADAPTERS: tuple[GroupedLinearAdapter, ...] = (TE_1_13, TE_2_8, TE_2_10, TE_2_17, TE_2_18)
+#: Generations whose GroupedLinear has no adapter: [first, end) version ranges.
+_UNSUPPORTED = (((2, 0), (2, 8)),)
+
+
+def grouped_linear_adapter(version: str) -> GroupedLinearAdapter:
+    """The adapter of the generation TE ``version`` belongs to (the newest one for newer releases; the
+    signature check at registration says whether it still fits). Raises AdapterError for releases
+    with no adapter (before 1.12, and 2.0–2.7)."""
+    v = parse_version(version)
+    for lo, hi in _UNSUPPORTED:
+        if lo <= v < hi:
+            break
+    else:
+        chosen = [a for a in GROUPED_LINEAR_ADAPTERS if a.first <= v]
+        if chosen:
+            return chosen[-1]
+    raise AdapterError(f"Transformer Engine {version}: no GroupedLinear adapter (supported: 1.12–1.13, 2.8 and newer)")
+
+
+# ------------------------------------------------------------------------------ Linear / LayerNormLinear
+
+
+@dataclass(frozen=True)
+class TensorArgs:
+    """Positions (after ``ctx``) of ``inp`` and ``weight`` in ``_Linear.forward`` or
+    ``_LayerNormLinear.forward``: both are named parameters in every TE release (1.13 to 2.20), only
+    their positions move, so one adapter reads them from the signature."""
+
+    inp: int
+    weight: int
+
+    @classmethod
+    def from_signature(cls, sig: inspect.Signature) -> "TensorArgs":
+        names, _ = _positional_names(sig)
+        if not names or names[0] != "ctx" or "inp" not in names or "weight" not in names:
+            raise AdapterError(f"autograd function forward{sig} has no (ctx, ..., inp, ..., weight, ...) parameters")
+        return cls(inp=names.index("inp") - 1, weight=names.index("weight") - 1)
+
+    def quantize_args(self, args: Sequence[Any], quantize_input: Optional[QuantizeInput], quantize_weight: QuantizeInput) -> tuple:
+        """``args`` with ``weight`` (and ``inp``, unless ``quantize_input`` is None) quantized."""
+        if len(args) <= max(self.inp, self.weight):
+            raise AdapterError(f"expected at least {max(self.inp, self.weight) + 1} args, got {len(args)}")
+        new = list(args)
+        w = args[self.weight]
+        if not isinstance(w, torch.Tensor):
+            raise AdapterError(f"weight is a {type(w).__name__}, expected a tensor (TE-quantized weights are not supported)")
+        new[self.weight] = quantize_weight(w)
+        if quantize_input is not None:
+            new[self.inp] = quantize_input(args[self.inp])
+        return tuple(new)
+
+
+# ------------------------------------------------------------------------------ function swap
+
+
+class FunctionProxy:
+    """Stands in for a TE autograd Function class during one forward: ``apply`` and ``forward`` pass
+    their args through ``rewrite`` first; any other attribute (TE's static helpers, which its forward
+    looks up through the same module global) is the original's."""
+
+    def __init__(self, function: Any, rewrite: Callable[[tuple], tuple]) -> None:
+        self._function = function
+        self._rewrite = rewrite
+
+    def apply(self, *args):
+        return self._function.apply(*self._rewrite(args))
+
+    def forward(self, ctx, *args):
+        return self._function.forward(ctx, *self._rewrite(args))
+
+    def __getattr__(self, name: str):
+        return getattr(self._function, name)
+
+
+@contextlib.contextmanager
+def swapped(namespace: Any, name: str, replacement: Any) -> Iterator[Any]:
+    """Set ``namespace.name = replacement`` for the duration of the block; yields the original."""
+    original = getattr(namespace, name)
+    setattr(namespace, name, replacement)
+    try:
+        yield original
+    finally:
+        setattr(namespace, name, original)
+
+
+def _first_output(out: Any, quantizer: nn.Module) -> Any:
+    """Apply ``quantizer`` to the output tensor (the first item where TE returns a tuple)."""
+    if isinstance(out, tuple):
+        return (quantizer(out[0]),) + out[1:]
+    return quantizer(out)
+
+
+def _parallel_role(module: nn.Module) -> str:
+    mode = getattr(module, "parallel_mode", None)
+    return mode if mode in ("column", "row") else "replicated"
+
+
+# ------------------------------------------------------------------------------ mixins (TE-free)
+
+
+class QuantTEModuleBase(QuantModule):
+    """Shared by the quantized TE modules: the function swap and the checks TE's forward needs."""
+
+    #: the Python module of TE that holds the autograd function as a global (bound at registration)
+    te_namespace: ClassVar[Any] = None
+    te_function_name: ClassVar[str] = ""
+
+    @property
+    def parallel_role(self) -> str:  # type: ignore[override]
+        return _parallel_role(self)
+
+    def _rewrite(self, args: tuple) -> tuple:
+        raise NotImplementedError
+
+    def _check_call(self) -> None:
+        if torch.is_grad_enabled() and getattr(self, "fuse_wgrad_accumulation", False):
+            raise RuntimeError(
+                f"{type(self).__name__}: fuse_wgrad_accumulation=True is not supported with quantlib's fake quant "
+                "(TE would accumulate into main_grad of the fake-quantized copies); disable it for QAT"
+            )
+
+    def _check_rewrite(self) -> None:
+        # Called inside TE's forward, after its prepare_forward has set self.fp8.
+        if getattr(self, "fp8", False):
+            raise RuntimeError(f"{type(self).__name__}: quantlib fake quant inside TE's fp8_autocast is not supported; run without it")
+
+    @contextlib.contextmanager
+    def _quantizing(self) -> Iterator[None]:
+        function = getattr(self.te_namespace, self.te_function_name)
+
+        def rewrite(args: tuple) -> tuple:
+            self._check_rewrite()
+            return self._rewrite(args)
+
+        with swapped(self.te_namespace, self.te_function_name, FunctionProxy(function, rewrite)):
+            yield
+
+    def forward(self, *args, **kwargs):
+        self._check_call()
+        with self._quantizing():
+            out = super().forward(*args, **kwargs)
+        return _first_output(out, self.output_quantizer)
+
+
+def _te_weight(module: nn.Module) -> torch.Tensor:
+    """The weight TE's Linear / LayerNormLinear pass to their GEMM (split parameters concatenated)."""
+    names = list(getattr(module, "weight_names", None) or ["weight"])
+    tensors = [getattr(module, n) for n in names]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+class QuantTELinearBase(QuantTEModuleBase):
+    """``te.pytorch.Linear``: input, weight and output quantizers."""
+
+    te_function_name: ClassVar[str] = "_Linear"
+    te_args: ClassVar[Optional[TensorArgs]] = None
+
+    def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        yield "weight_quantizer", [_te_weight(self)]
+
+    def _rewrite(self, args: tuple) -> tuple:
+        return self.te_args.quantize_args(args, self.input_quantizer, self.quantize_weight)
+
+
+class QuantTELayerNormLinearBase(QuantTELinearBase):
+    """``te.pytorch.LayerNormLinear``: the input quantizer acts on the normalized input (what the GEMM
+    reads, also what ``return_layernorm_output`` returns); the gradient through it is straight-through
+    without the clip mask, since it runs inside TE's autograd function."""
+
+    te_function_name: ClassVar[str] = "_LayerNormLinear"
+    te_norm_name: ClassVar[str] = "apply_normalization"
+
+    def _rewrite(self, args: tuple) -> tuple:
+        return self.te_args.quantize_args(args, None, self.quantize_weight)
+
+    @contextlib.contextmanager
+    def _quantizing(self) -> Iterator[None]:
+        norm = getattr(self.te_namespace, self.te_norm_name)
+        quantizer = self.input_quantizer
+
+        def quantized_norm(*args, **kwargs):
+            ln_out, *rest = norm(*args, **kwargs)
+            if type(ln_out) is torch.Tensor:  # noqa: E721 (TE-quantized outputs are subclasses: left alone)
+                ln_out = quantizer(ln_out)
+            return (ln_out, *rest)
+
+        with swapped(self.te_namespace, self.te_norm_name, quantized_norm), super()._quantizing():
+            yield
+
+
+class QuantTEGroupedLinearBase(QuantTEModuleBase):
+    """``te.pytorch.GroupedLinear`` (weights ``weight0..weight{n-1}``): one shared input quantizer, a
+    :class:`GroupedQuantizer` of ``num_gemms`` weight quantizers (member i quantizes weight i, calibrated
+    from weight i alone), an output quantizer. ``tokens_per_expert`` counts the rows each GEMM received
+    during the last calibration."""
+
+    te_function_name: ClassVar[str] = "_GroupedLinear"
+    te_adapter: ClassVar[Optional[GroupedLinearAdapter]] = None
+    grouped_quantizer_names: ClassVar[tuple[str, ...]] = ("weight_quantizer",)
+    is_expert = True
+
+    def _setup(self) -> None:
+        if getattr(self, "single_grouped_weight", False):
+            raise NotImplementedError(f"{type(self).__name__}: single_grouped_weight=True is not supported; build GroupedLinear with per-GEMM weights")
+        self.input_quantizer = TensorQuantizer(QuantizerAttributeConfig())
+        self.weight_quantizer = GroupedQuantizer([TensorQuantizer(QuantizerAttributeConfig(axis=0)) for _ in range(self.num_gemms)])
+        self.output_quantizer = TensorQuantizer(QuantizerAttributeConfig(enable=False))
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_gemms, dtype=torch.int64), persistent=False)
+        self._was_calibrating = False
+
+    def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        yield "weight_quantizer", [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def _rewrite(self, args: tuple) -> tuple:
+        return self.te_adapter.quantize_args(args, self.input_quantizer, lambda i, w: self.quantize_weight(w, "weight_quantizer", i))
+
+    def forward(self, inp, m_splits, *args, **kwargs):
+        record_tokens(self, m_splits)
+        return super().forward(inp, m_splits, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------ tokens per expert
+
+
+def _calibrating(module: nn.Module) -> bool:
+    """Whether a calibration forward loop is running through ``module`` (quantlib.calibrate turns
+    on collection in its activation quantizers, or turns off quantization of every enabled one)."""
+    leaves = [m for m in module.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+    return any(q._if_calib or not q._if_quant for q in leaves)
+
+
+def record_tokens(module: nn.Module, counts: Any) -> None:
+    """Add ``counts`` (tokens per expert: a list or tensor) to ``module.tokens_per_expert`` while a
+    calibration runs; the first calibrating forward after any other forward starts from zero."""
+    calibrating = _calibrating(module)
+    if calibrating:
+        counts = torch.as_tensor(counts, dtype=torch.int64).reshape(-1).to(module.tokens_per_expert.device)
+        if not module._was_calibrating:
+            module.tokens_per_expert.zero_()
+        module.tokens_per_expert += counts
+    module._was_calibrating = calibrating
+
+
+__all__ = [
+    "GROUPED_LINEAR_ADAPTERS",
+    "TE_1_13",
+    "TE_2_10",
+    "TE_2_17",
+    "TE_2_18",
+    "TE_2_8",
+    "AdapterError",
+    "FunctionProxy",
+    "GroupedCall",
+    "GroupedLinearAdapter",
+    "QuantTEGroupedLinearBase",
+    "QuantTELayerNormLinearBase",
+    "QuantTELinearBase",
+    "TensorArgs",
+    "grouped_linear_adapter",
+    "parse_version",
+    "record_tokens",
+    "swapped",
+]
