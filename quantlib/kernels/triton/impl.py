@@ -63,6 +63,12 @@ def _format_consts(spec: FormatSpec) -> tuple[dict, float, float]:
 # --------------------------------------------------------------------------- layouts
 
 
+def _norm_block(block) -> tuple[int, ...]:
+    """(1, B) blocks are (B,) blocks: same groups, same amax layout for every rank >= 2."""
+    block = tuple(int(b) for b in block)
+    return block[1:] if len(block) == 2 and block[0] == 1 else block
+
+
 def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0, eps=0.0) -> None:
     C = x.shape[-1]
     R = x.numel() // C
@@ -197,16 +203,18 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> 
     if a is not None:
         a = a.to(device=x.device, dtype=torch.float32).contiguous()
     eps = float(spec.eps)
-    if len(spec.block) == 1:
-        _block1d(x, spec.block[0], 1, fmt, out=out, amax=a, static=a is not None, lo=lo, hi=hi, eps=eps)
+    block = _norm_block(spec.block)
+    if len(block) == 1:
+        _block1d(x, block[0], 1, fmt, out=out, amax=a, static=a is not None, lo=lo, hi=hi, eps=eps)
     else:
-        _block2d(x, tuple(spec.block), 1, fmt, out=out, amax=a, static=a is not None, lo=lo, hi=hi, eps=eps)
+        _block2d(x, block, 1, fmt, out=out, amax=a, static=a is not None, lo=lo, hi=hi, eps=eps)
     return out
 
 
 @register("block_amax", "triton")
 def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     check_block(x, block)
+    block = _norm_block(block)
     amax = torch.empty(blocked_shape(x.shape, block), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return amax
@@ -226,6 +234,7 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
     if x.numel() == 0:
         return codes, scale
     fmt, _, _ = _format_consts(FormatSpec(kind=Kind.FP8_BLOCK, element=(4, 3), pow2=pow2))
+    block = _norm_block(block)
     if len(block) == 1:
         _block1d(x, block[0], 2, fmt, out=codes.view(torch.uint8), scale=scale, eps=float(eps))
     else:

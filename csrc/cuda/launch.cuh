@@ -1,0 +1,114 @@
+// Host side of the CUDA kernels: argument checks, views and launches (shared by the *.cu files).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <optional>
+#include <vector>
+
+#include "qcuda.cuh"
+
+namespace quantlib {
+namespace cuda {
+
+inline int vec_of(const at::Tensor& x) { return 16 / int(x.element_size()); }
+
+// The contiguous input, checked: CUDA, fp32/bf16/fp16, last dim a whole number of 16-byte vectors.
+inline at::Tensor checked_input(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.is_cuda(), op, ": expected a CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
+              ": input must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": input must have rank >= 1");
+  at::Tensor xc = x.contiguous();
+  TORCH_CHECK(xc.size(-1) % vec_of(xc) == 0, op, ": the last dim (", xc.size(-1), ") must be a multiple of ",
+              vec_of(xc), " for the CUDA kernels (16-byte vectors); the Triton backend takes any shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0, op, ": input must be 16-byte aligned");
+  return xc;
+}
+
+inline std::vector<int64_t> blocked_sizes(const at::Tensor& x, int64_t bm, int64_t bk) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  if (bm == 0) {
+    s.back() = (s.back() + bk - 1) / bk;
+  } else {
+    s[s.size() - 2] = (s[s.size() - 2] + bm - 1) / bm;
+    s.back() = (s.back() + bk - 1) / bk;
+  }
+  return s;
+}
+
+inline Args args_1d(const at::Tensor& x, int64_t B) {
+  Args a{};
+  a.x = x.data_ptr();
+  a.C = x.size(-1);
+  a.R = a.C ? x.numel() / a.C : 0;
+  a.NB = (a.C + B - 1) / B;
+  a.OUTC = (a.C + 1) / 2;
+  return a;
+}
+
+inline Args args_2d(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2, "a 2-D block needs an input of rank >= 2");
+  Args a{};
+  a.x = x.data_ptr();
+  a.M = x.size(-2);
+  a.K = x.size(-1);
+  a.L = (a.M && a.K) ? x.numel() / (a.M * a.K) : 0;
+  a.MB = (a.M + 127) / 128;
+  a.KB = (a.K + 127) / 128;
+  return a;
+}
+
+inline const float* static_amax(const std::optional<at::Tensor>& amax, const std::vector<int64_t>& expect, at::Tensor& keep) {
+  if (!amax.has_value()) return nullptr;
+  keep = amax->to(at::kFloat).contiguous();
+  TORCH_CHECK(keep.is_cuda(), "static amax must be on the input's device");
+  TORCH_CHECK(keep.sizes().vec() == expect, "static block amax of shape ", keep.sizes(), " does not fit the input: expected ",
+              at::IntArrayRef(expect));
+  return keep.data_ptr<float>();
+}
+
+template <typename T, int KIND, int OP, int B, bool STATIC, bool POW2, bool E2M1, bool FLOOR>
+void launch_1d_t(const Args& a) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int LANES = (B / VEC) < 32 ? (B / VEC) : 32;
+  constexpr int per_cta = (kThreads / LANES) * kUnroll;
+  const int64_t total = a.R * a.NB;
+  if (total == 0) return;
+  const int64_t grid = (total + per_cta - 1) / per_cta;
+  TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
+  block1d_kernel<T, KIND, OP, B, STATIC, POW2, E2M1, FLOOR><<<unsigned(grid), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int KIND, int OP, int B, bool STATIC, bool POW2, bool E2M1, bool FLOOR>
+void launch_1d(const at::Tensor& x, const Args& a) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return launch_1d_t<float, KIND, OP, B, STATIC, POW2, E2M1, FLOOR>(a);
+    case at::kBFloat16: return launch_1d_t<__nv_bfloat16, KIND, OP, B, STATIC, POW2, E2M1, FLOOR>(a);
+    default: return launch_1d_t<__half, KIND, OP, B, STATIC, POW2, E2M1, FLOOR>(a);
+  }
+}
+
+template <int KIND, int OP, bool STATIC, bool POW2>
+void launch_2d(const at::Tensor& x, const Args& a) {
+  const int64_t grid = a.L * a.MB * a.KB;
+  if (grid == 0) return;
+  TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  switch (x.scalar_type()) {
+    case at::kFloat: block2d_kernel<float, KIND, OP, STATIC, POW2><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+    case at::kBFloat16: block2d_kernel<__nv_bfloat16, KIND, OP, STATIC, POW2><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+    default: block2d_kernel<__half, KIND, OP, STATIC, POW2><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// 1-element fp32 tensor holding the global amax of |x| (NaN if any NaN), computed on the device.
+at::Tensor global_amax(const at::Tensor& x);
+
+}  // namespace cuda
+}  // namespace quantlib

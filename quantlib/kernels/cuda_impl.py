@@ -1,0 +1,136 @@
+"""The "cuda" backend: the compiled CUDA kernels of ``quantlib._C`` (csrc/cuda), bit-exact to the reference.
+
+What the CUDA kernels cover (one pass over device memory, 16-byte vector loads, block amax + scale +
+cast fused):
+
+- ``fp8_blockwise_cast`` and FP8 blockwise fake quant: E4M3, blocks (128,) / (1, 128) and (128, 128),
+  static or dynamic amax, eps, pow2;
+- ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor;
+- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax;
+- INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
+
+all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whole number of 16-byte
+vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
+
+Everything else -- INT and FP8 per tensor / per channel / dynamic per row, E5M2 blockwise, other
+block sizes, other last dims, empty tensors, and ``block_amax`` -- goes explicitly to the Triton
+implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
+resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
+DEBUG level on the ``quantlib.kernels`` logger; without the triton package it raises
+``NotImplementedError`` naming the format kind instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ..formats import FormatSpec, Kind, Rounding
+from ..formats.blocks import blocked_shape, check_block
+from ..formats.int import int_range
+from .backends import implementation, native_extension, register, triton_available
+
+_log = logging.getLogger("quantlib.kernels")
+_INT_BLOCKS = {(16,), (32,), (64,), (128,), (128, 128)}
+
+
+def _ext():
+    return native_extension()
+
+
+def _vector_ok(x: torch.Tensor) -> bool:
+    """Shapes the CUDA kernels take: rank >= 1, a last dim of whole 16-byte vectors, not empty."""
+    return x.is_cuda and x.dim() >= 1 and x.numel() > 0 and x.shape[-1] % (16 // x.element_size()) == 0
+
+
+def _norm(block) -> tuple[int, ...]:
+    block = tuple(int(b) for b in block)
+    return block[1:] if len(block) == 2 and block[0] == 1 else block
+
+
+@functools.cache
+def _say_once(what: str) -> None:
+    _log.debug("cuda backend: %s has no CUDA kernel; running the Triton implementation", what)
+
+
+def _triton(op: str, what: str):
+    if not triton_available():
+        raise NotImplementedError(f"cuda backend: {what} has no CUDA kernel and the triton package (its fallback) is not installed")
+    _say_once(what)
+    return implementation(op, "triton")
+
+
+def _cuda_fake_quant_kind(x: torch.Tensor, spec: FormatSpec) -> bool:
+    """Whether the CUDA kernels implement fake quant of ``spec`` on ``x``."""
+    if not _vector_ok(x) or spec.block is None:
+        return False
+    block = _norm(spec.block)
+    if len(block) == 2 and x.dim() < 2:
+        return False
+    if spec.kind == Kind.FP8_BLOCK:
+        return tuple(spec.element) == (4, 3) and block in ((128,), (128, 128))
+    if spec.kind == Kind.MX:
+        return block == (32,) and tuple(spec.element) in ((4, 3), (2, 1))
+    if spec.kind == Kind.NVFP4:
+        return block == (16,)
+    if spec.kind == Kind.INT:
+        return block in _INT_BLOCKS
+    return False
+
+
+def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
+    if spec.dynamic or amax is None:
+        if not spec.dynamic:
+            raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
+        return None
+    if tuple(amax.shape) != blocked_shape(x.shape, spec.block):
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+    return amax.to(device=x.device, dtype=torch.float32)
+
+
+@register("fake_quant", "cuda")
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+    if not _cuda_fake_quant_kind(x, spec):
+        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape {tuple(x.shape)})")(x, spec, amax)
+    check_block(x, spec.block)
+    ext, block = _ext(), list(_norm(spec.block))
+    if spec.kind == Kind.MX:
+        return ext.cuda_fake_quant_mx(x, tuple(spec.element) == (2, 1), Rounding(spec.rounding) == Rounding.FLOOR)
+    if spec.kind == Kind.NVFP4:
+        g = None if amax is None else amax.to(device=x.device, dtype=torch.float32).reshape(())
+        return ext.cuda_fake_quant_nvfp4(x, g)
+    a = _static_block_amax(x, spec, amax)
+    if spec.kind == Kind.FP8_BLOCK:
+        return ext.cuda_fake_quant_fp8_blockwise(x, a, block, float(spec.eps), bool(spec.pow2))
+    lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
+    return ext.cuda_fake_quant_int_block(x, a, block, lo, hi)
+
+
+@register("block_amax", "cuda")
+def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    return _triton("block_amax", "block_amax")(x, block)
+
+
+@register("fp8_blockwise_cast", "cuda")
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    b = _norm(block)
+    if not _vector_ok(x) or b not in ((128,), (128, 128)) or (len(b) == 2 and x.dim() < 2):
+        return _triton("fp8_blockwise_cast", f"fp8_blockwise_cast (block {block}, shape {tuple(x.shape)})")(x, block, eps, pow2)
+    return tuple(_ext().cuda_fp8_blockwise_cast(x, list(b), float(eps), bool(pow2)))
+
+
+@register("mx_cast", "cuda")
+def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _vector_ok(x) or block != 32:
+        return _triton("mx_cast", f"mx_cast (block {block}, shape {tuple(x.shape)})")(x, elem, block, rounding)
+    return tuple(_ext().cuda_mx_cast(x, elem == "e2m1", Rounding(rounding) == Rounding.FLOOR))
+
+
+@register("nvfp4_cast", "cuda")
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _vector_ok(x):
+        return _triton("nvfp4_cast", f"nvfp4_cast (shape {tuple(x.shape)})")(x, global_amax)
+    g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
+    return tuple(_ext().cuda_nvfp4_cast(x, g))
