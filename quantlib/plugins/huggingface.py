@@ -109,7 +109,7 @@ class QuantFusedExperts(QuantModule):
             # (E + 1, k, tokens): the extra row takes expert-parallel sentinels (index == num_experts)
             expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
             counts = expert_mask[:num_experts].sum(dim=(-1, -2))
-        record_tokens(self, counts)
+        record_tokens(self, counts, getattr(self, f"{up}_input_quantizer"))
         x = getattr(self, f"{up}_input_quantizer")(hidden_states)
         out = torch.zeros_like(hidden_states)
         for e in torch.nonzero(counts > 0).flatten().tolist():

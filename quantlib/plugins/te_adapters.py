@@ -361,7 +361,7 @@ class QuantTEGroupedLinearBase(QuantTEModuleBase):
         return self.te_adapter.quantize_args(args, self.input_quantizer, lambda i, w: self.quantize_weight(w, "weight_quantizer", i))
 
     def forward(self, inp, m_splits, *args, **kwargs):
-        record_tokens(self, m_splits)
+        record_tokens(self, m_splits, self.input_quantizer)
         return super().forward(inp, m_splits, *args, **kwargs)
 
 
@@ -375,15 +375,20 @@ def _calibrating(module: nn.Module) -> bool:
     return any(q._if_calib or not q._if_quant for q in leaves)
 
 
-def record_tokens(module: nn.Module, counts: Any) -> None:
+def record_tokens(module: nn.Module, counts: Any, input_quantizer: TensorQuantizer) -> None:
     """Add ``counts`` (tokens per expert: a list or tensor) to ``module.tokens_per_expert`` while a
-    calibration runs; the first calibrating forward after any other forward starts from zero."""
+    calibration runs. Call it before ``input_quantizer`` sees the forward's input. Counting starts from
+    zero with each calibration: where ``input_quantizer`` collects statistics, when it has collected
+    none yet (calibrate resets it first); otherwise at the first calibrating forward after any other."""
     calibrating = _calibrating(module)
     if calibrating:
-        counts = torch.as_tensor(counts, dtype=torch.int64).reshape(-1).to(module.tokens_per_expert.device)
-        if not module._was_calibrating:
+        if input_quantizer.is_enabled and input_quantizer._if_calib:
+            fresh = input_quantizer.num_calib_batches == 0
+        else:
+            fresh = not module._was_calibrating
+        if fresh:
             module.tokens_per_expert.zero_()
-        module.tokens_per_expert += counts
+        module.tokens_per_expert += torch.as_tensor(counts, dtype=torch.int64).reshape(-1).to(module.tokens_per_expert.device)
     module._was_calibrating = calibrating
 
 

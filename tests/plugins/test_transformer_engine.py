@@ -1,0 +1,559 @@
+"""Transformer Engine plugin: the adapters against the real signatures of TE's autograd functions
+(read from TE's pure-Python wheels, which import nothing here), the quantized TE modules driven through
+stand-ins built from those signatures, and a GPU test for a machine with TE's binding.
+
+The wheels are downloaded once (``pip download --no-deps``) into the pytest cache
+(``.pytest_cache/d/quantlib-te-wheels``); the tests that need them skip, saying why, where that fails.
+TE's torch binding cannot be built against a CPU torch, so nothing here imports ``transformer_engine``
+except :func:`test_te_grouped_linear_on_gpu` (marked ``te`` and ``gpu``).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import functools
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import quantlib as ql
+from quantlib.nn import GroupedQuantizer, QuantModuleRegistry, TensorQuantizer
+from quantlib.plugins import te_adapters as ta
+
+#: TE releases whose wheels the adapters are checked against, and the generation each belongs to.
+WHEELS = {"1.13.0": "1.13", "2.8.0": "2.8", "2.14.0": "2.10", "2.17.0": "2.17", "2.20.2": "2.18"}
+_MODULES = ("grouped_linear", "linear", "layernorm_linear")
+
+FP8_INPUT_INT8_WEIGHT = {
+    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None}, "default": {"enable": False}},
+    "algorithm": "max",
+}
+
+
+# ------------------------------------------------------------------------------ the wheels
+
+
+def _download(version: str, folder: str) -> None:
+    """Unpack TE ``version``'s module sources into ``folder`` (atomic: a temp folder, then rename)."""
+    parent = os.path.dirname(folder)
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", f"transformer-engine=={version}", "-d", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            pytest.skip(f"cannot download transformer-engine=={version}: {exc}")
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if proc.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download transformer-engine=={version} (pip exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+        out = os.path.join(tmp, "src")
+        os.makedirs(out)
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as whl:
+            for mod in _MODULES:
+                with open(os.path.join(out, f"{mod}.py"), "wb") as f:
+                    f.write(whl.read(f"transformer_engine/pytorch/module/{mod}.py"))
+        with contextlib.suppress(OSError):  # another worker got there first
+            os.rename(out, folder)
+
+
+@pytest.fixture(scope="session")
+def te_source(request) -> Callable[[str, str], str]:
+    """``te_source(version, module)``: the source of ``transformer_engine/pytorch/module/<module>.py``."""
+    cache = str(request.config.cache.mkdir("quantlib-te-wheels"))
+
+    def get(version: str, module: str) -> str:
+        folder = os.path.join(cache, version)
+        if not os.path.isdir(folder):
+            _download(version, folder)
+        with open(os.path.join(folder, f"{module}.py")) as f:
+            return f.read()
+
+    return get
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
+def _method(source: str, cls: str, name: str) -> ast.FunctionDef:
+    for node in ast.walk(_tree(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name == name:
+                    return f
+    raise AssertionError(f"{cls}.{name} not found")
+
+
+def real_signature(source: str, cls: str, name: str = "forward") -> inspect.Signature:
+    """``inspect.signature`` of ``cls.name`` as the module defines it: the def is compiled alone, with
+    its parameter names, kinds and order, without the annotations and defaults (they name TE objects)."""
+    fdef = copy.deepcopy(_method(source, cls, name))
+    args = fdef.args
+    for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]:
+        if a is not None:
+            a.annotation = None
+    args.defaults = [ast.Constant(None) for _ in args.defaults]
+    args.kw_defaults = [None if d is None else ast.Constant(None) for d in args.kw_defaults]
+    fdef.decorator_list, fdef.returns, fdef.body = [], None, [ast.Pass()]
+    namespace: dict = {}
+    exec(compile(ast.fix_missing_locations(ast.Module(body=[fdef], type_ignores=[])), f"<TE {cls}.{name}>", "exec"), namespace)
+    return inspect.signature(namespace[name])
+
+
+def non_tensor_args_fields(source: str, cls: str = "_GroupedLinear") -> list[str]:
+    """The names ``forward`` unpacks ``non_tensor_args`` into (empty where there is no such arg)."""
+    for node in ast.walk(_method(source, cls, "forward")):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "non_tensor_args":
+            return [e.id for e in node.targets[0].elts]
+    return []
+
+
+def call_site(source: str) -> tuple[int, str]:
+    """In ``GroupedLinear.forward``: (number of args passed to the autograd function before the weights,
+    name of the first starred arg after them) — the layout the module really calls it with."""
+    fdef = _method(source, "GroupedLinear", "forward")
+    for node in ast.walk(fdef):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "linear_fn":
+            items = node.args
+            if len(items) == 1 and isinstance(items[0], ast.Starred):  # linear_fn(*args), args += (...)
+                items = next(n.value.elts for n in ast.walk(fdef) if isinstance(n, ast.AugAssign) and getattr(n.target, "id", None) == "args")
+            items = [a for a in items if not (isinstance(a, ast.Starred) and a.value.id == "autograd_ctx")]
+            first_starred = next(i for i, a in enumerate(items) if isinstance(a, ast.Starred))
+            return first_starred, items[first_starred].value.id
+    raise AssertionError("GroupedLinear.forward calls no linear_fn")
+
+
+def grouped_args(sig: inspect.Signature, nta: list[str], inp, m_splits, tensors: list[torch.Tensor]) -> tuple:
+    """Args after ``ctx`` for ``sig``, by parameter name: the input, the splits (where this generation
+    expects them), ``non_tensor_args`` laid out as the wheel unpacks it, a fresh object everywhere else."""
+    values = {"inp": inp, "m_splits": m_splits}
+    if "non_tensor_args" in sig.parameters:
+        values["non_tensor_args"] = tuple(values.get(f, object()) for f in nta)
+    names = [p for p in sig.parameters if p != "ctx" and sig.parameters[p].kind != inspect.Parameter.VAR_POSITIONAL]
+    return tuple(values.get(n, object()) for n in names) + tuple(tensors)
+
+
+def _splits_for(version: str, splits: list[int]):
+    return torch.tensor(splits, dtype=torch.int64) if ta.parse_version(version) >= (2, 17) else list(splits)
+
+
+def _expert_weights(num: int, out_f: int = 8, in_f: int = 16, seed: int = 0) -> list[torch.Tensor]:
+    """Weight i scaled by 2**i: expert i's amax differs from every other's by construction."""
+    g = torch.Generator().manual_seed(seed)
+    return [(2.0**i) * torch.randn(out_f, in_f, generator=g) for i in range(num)]
+
+
+# ------------------------------------------------------------------------------ adapters vs the wheels
+
+
+@pytest.mark.parametrize("version", sorted(WHEELS))
+def test_adapter_chosen_by_version_fits_the_real_signature(te_source, version):
+    sig = real_signature(te_source(version, "grouped_linear"), "_GroupedLinear")
+    adapter = ta.grouped_linear_adapter(version)
+    assert adapter.generation == WHEELS[version]
+    adapter.check_signature(sig)
+    others = [a for a in ta.GROUPED_LINEAR_ADAPTERS if a is not adapter]
+    for other in others:
+        with pytest.raises(ta.AdapterError):
+            other.check_signature(sig)
+
+
+@pytest.mark.parametrize("version", sorted(WHEELS))
+def test_adapter_layout_matches_how_grouped_linear_calls_the_function(te_source, version):
+    source = te_source(version, "grouped_linear")
+    adapter = ta.grouped_linear_adapter(version)
+    assert call_site(source) == (len(adapter.params), "weight_tensors")
+    nta = non_tensor_args_fields(source)
+    if adapter.splits_item is not None:
+        assert nta[adapter.splits_item] == "m_splits"
+    else:
+        assert "m_splits" not in nta
+
+
+@pytest.mark.parametrize("version", sorted(WHEELS))
+def test_adapter_quantizes_input_and_weight_i_with_member_i(te_source, version):
+    source = te_source(version, "grouped_linear")
+    sig = real_signature(source, "_GroupedLinear")
+    adapter = ta.grouped_linear_adapter(version)
+    weights = _expert_weights(3)
+    biases = [torch.randn(8) for _ in range(3)]
+    inp = torch.randn(10, 16)
+    args = grouped_args(sig, non_tensor_args_fields(source), inp, _splits_for(version, [2, 5, 3]), weights + biases)
+    sig.bind(None, *args)  # the args fit the real signature
+
+    inq = TensorQuantizer({"num_bits": (4, 3)})
+    inq.calibrate(inp)
+    wq = GroupedQuantizer([TensorQuantizer({"num_bits": 8, "axis": 0}) for _ in range(3)])
+    wq.calibrate(weights)
+    new = adapter.quantize_args(args, inq, lambda i, w: wq[i](w))
+
+    call = adapter.locate(args)
+    assert torch.equal(new[call.inp], inq(inp))
+    for i, pos in enumerate(call.weights):
+        assert torch.equal(new[pos], wq[i](weights[i]))
+        assert not torch.equal(new[pos], wq[0](weights[i])) or i == 0  # member i's own amax, not the first's
+    untouched = [j for j in range(len(args)) if j != call.inp and j not in call.weights]
+    assert all(new[j] is args[j] for j in untouched)  # biases, splits, flags: the same objects
+
+
+@pytest.mark.parametrize("version", sorted(WHEELS))
+def test_adapter_rejects_a_single_grouped_weight(te_source, version):
+    source = te_source(version, "grouped_linear")
+    sig = real_signature(source, "_GroupedLinear")
+    adapter = ta.grouped_linear_adapter(version)
+    packed = torch.randn(3, 8, 16)  # one (num_gemms, out, in) tensor instead of three matrices
+    args = grouped_args(sig, non_tensor_args_fields(source), torch.randn(4, 16), _splits_for(version, [1, 1, 2]), [packed, object(), object()])
+    with pytest.raises(ta.AdapterError, match="weight 0"):
+        adapter.quantize_args(args, lambda x: x, lambda i, w: w)
+
+
+@pytest.mark.parametrize("version", sorted(WHEELS))
+@pytest.mark.parametrize("module, cls", [("linear", "_Linear"), ("layernorm_linear", "_LayerNormLinear")])
+def test_linear_args_found_by_name_in_the_real_signature(te_source, version, module, cls):
+    source = te_source(version, module)
+    sig = real_signature(source, cls)
+    names = [n for n in sig.parameters][1:]
+    located = ta.TensorArgs.from_signature(sig)
+    assert names[located.inp] == "inp" and names[located.weight] == "weight"
+    args = tuple(torch.randn(2, 2) if n in ("inp", "weight") else object() for n in names)
+    new = located.quantize_args(args, lambda x: x + 1, lambda w: w * 2)
+    assert torch.equal(new[located.inp], args[located.inp] + 1) and torch.equal(new[located.weight], args[located.weight] * 2)
+    assert all(new[j] is args[j] for j in range(len(args)) if j not in (located.inp, located.weight))
+    if module == "layernorm_linear":  # the norm the input quantizer wraps is a module global
+        assert any(name in source for name in ("import apply_normalization", "_apply_normalization,", "    apply_normalization,"))
+
+
+def test_versions_without_an_adapter_are_refused():
+    for version in ("1.11.0", "2.1.0", "2.7.0"):
+        with pytest.raises(ta.AdapterError, match="no GroupedLinear adapter"):
+            ta.grouped_linear_adapter(version)
+    assert ta.grouped_linear_adapter("2.9.0+cu12").generation == "2.8"
+    assert ta.grouped_linear_adapter("2.16.1").generation == "2.10"
+    assert ta.grouped_linear_adapter("2.25.0.dev0").generation == "2.18"  # newest; the signature check decides
+
+
+# ------------------------------------------------------------------------------ stand-ins for TE
+
+
+def fake_te_namespace(sig: inspect.Signature, cls: str = "_GroupedLinear") -> types.ModuleType:
+    """A module holding a stand-in for TE's autograd function with exactly the real ``sig``: its forward
+    does TE's grouped GEMM in torch (split the input by m_splits, GEMM i with weight i, add bias i) and,
+    as TE's does, reaches its helpers through the module global. ``calls`` records apply/forward."""
+    ns = types.ModuleType(f"fake_te_{cls}")
+    params = [p for p in sig.parameters if p != "ctx" and sig.parameters[p].kind != inspect.Parameter.VAR_POSITIONAL]
+    splits = "m_splits" if "m_splits" in params else "non_tensor_args[0]"
+    src = (
+        f"def forward(ctx, {', '.join(params)}, *weights_and_biases):\n"
+        f"    return {cls}._gemms(inp, {splits}, weights_and_biases)\n"
+    )
+    exec(src, ns.__dict__)
+
+    def gemms(inp, m_splits, weights_and_biases):
+        n = len(m_splits)
+        sizes = [int(s) for s in m_splits]
+        outs = [F.linear(x, w, b) for x, w, b in zip(torch.split(inp, sizes), weights_and_biases[:n], weights_and_biases[n : 2 * n])]
+        return torch.cat(outs)
+
+    ns.calls = []
+    forward = ns.forward
+
+    class Function:
+        _gemms = staticmethod(gemms)
+
+        @staticmethod
+        def apply(*args):
+            ns.calls.append("apply")
+            return forward(None, *args)
+
+        @staticmethod
+        def forward(ctx, *args):
+            ns.calls.append("forward")
+            return forward(ctx, *args)
+
+    setattr(ns, cls, Function)
+    return ns
+
+
+def fake_grouped_linear_class(ns: types.ModuleType, sig: inspect.Signature, nta: list[str], tensor_splits: bool) -> type:
+    """An nn.Module shaped like te.GroupedLinear (num_gemms, weight{i}, bias{i}) whose forward calls the
+    stand-in function the way TE's does: ``apply`` with grad, ``forward(None, ...)`` without."""
+
+    class FakeGroupedLinear(nn.Module):
+        def __init__(self, num_gemms: int, in_features: int, out_features: int) -> None:
+            super().__init__()
+            self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+            g = torch.Generator().manual_seed(2)
+            for i, w in enumerate(_expert_weights(num_gemms, out_features, in_features)):
+                self.register_parameter(f"weight{i}", nn.Parameter(w))
+                self.register_parameter(f"bias{i}", nn.Parameter(0.1 * torch.randn(out_features, generator=g)))
+
+        def forward(self, inp, m_splits):
+            splits = torch.as_tensor(m_splits, dtype=torch.int64) if tensor_splits else list(m_splits)
+            tensors = [getattr(self, f"weight{i}") for i in range(self.num_gemms)] + [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+            args = grouped_args(sig, nta, inp, splits, tensors)
+            fn = ns._GroupedLinear
+            return fn.apply(*args) if torch.is_grad_enabled() else fn.forward(None, *args)
+
+    return FakeGroupedLinear
+
+
+@pytest.fixture
+def registered():
+    """``registered(original, mixin)`` registers for the test's duration."""
+    done = []
+
+    def register(original: type, mixin: type) -> None:
+        QuantModuleRegistry.register(original)(mixin)
+        done.append(original)
+
+    yield register
+    for original in done:
+        QuantModuleRegistry.unregister(original)
+
+
+@pytest.fixture(params=sorted(WHEELS))
+def grouped(request, te_source, registered):
+    """(FakeGroupedLinear class, its namespace, version) for a TE generation, registered with the
+    plugin's grouped mixin bound to the stand-in and to the adapter chosen for the version."""
+    version = request.param
+    source = te_source(version, "grouped_linear")
+    sig = real_signature(source, "_GroupedLinear")
+    ns = fake_te_namespace(sig)
+    cls = fake_grouped_linear_class(ns, sig, non_tensor_args_fields(source), ta.parse_version(version) >= (2, 17))
+    adapter = ta.grouped_linear_adapter(version)
+    assert list(inspect.signature(ns.forward).parameters) == list(sig.parameters)
+    registered(cls, type("_QuantFakeGrouped", (ta.QuantTEGroupedLinearBase,), {"te_namespace": ns, "te_adapter": adapter}))
+    return cls, ns, version
+
+
+class SeparateExperts(nn.Module):
+    """The same experts as separate nn.Linear modules: expert i takes rows of split i."""
+
+    def __init__(self, grouped: nn.Module) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList()
+        for i in range(grouped.num_gemms):
+            lin = nn.Linear(grouped.in_features, grouped.out_features)
+            lin.weight.data.copy_(getattr(grouped, f"weight{i}").data)
+            lin.bias.data.copy_(getattr(grouped, f"bias{i}").data)
+            self.experts.append(lin)
+
+    def forward(self, inp, m_splits):
+        return torch.cat([e(x) for e, x in zip(self.experts, torch.split(inp, list(m_splits)))])
+
+
+def _batches(n: int = 3, splits: tuple[int, ...] = (3, 5, 1, 3)) -> list[tuple[torch.Tensor, list[int]]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(sum(splits), 16, generator=g), list(splits)) for _ in range(n)]
+
+
+def _loop(data):
+    def forward_loop(model):
+        for x, s in data:
+            model(x, s)
+
+    return forward_loop
+
+
+def test_grouped_linear_matches_separate_linears(grouped):
+    cls, ns, version = grouped
+    data = _batches()
+    model = ql.quantize(cls(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data))
+    ref = ql.quantize(SeparateExperts(cls(4, 16, 8)), FP8_INPUT_INT8_WEIGHT, _loop(data))
+    assert isinstance(model.weight_quantizer, GroupedQuantizer) and len(model.weight_quantizer) == 4
+    amaxes = [m.amax for m in model.weight_quantizer]
+    for i in range(4):
+        assert torch.equal(amaxes[i], ref.experts[i].weight_quantizer.amax)
+        assert torch.equal(amaxes[i], getattr(model, f"weight{i}").detach().abs().amax(dim=1, keepdim=True))
+    for i in range(1, 4):  # expert i is scaled by 2**i: its amax is never the first expert's
+        assert not torch.equal(amaxes[i], amaxes[0])
+    # One input quantizer for the group: the max over every split (what the expert-group sync of
+    # DESIGN section 5 gives separate expert linears).
+    shared = torch.stack([e.input_quantizer.amax for e in ref.experts]).amax()
+    assert torch.equal(model.input_quantizer.amax, shared)
+    for e in ref.experts:
+        e.input_quantizer.amax = shared
+    x, s = _batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(model(x, s), ref(x, s))
+    assert ns.calls[-1] == "forward"  # no grad: TE calls _GroupedLinear.forward(None, ...)
+    assert model.tokens_per_expert.tolist() == [9, 15, 3, 9]
+
+
+def test_expert_without_tokens_gets_its_own_weight_amax(grouped):
+    cls, _, _ = grouped
+    model = ql.quantize(cls(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(_batches(splits=(3, 5, 0, 4))))
+    assert model.tokens_per_expert.tolist() == [9, 15, 0, 12]
+    assert torch.equal(model.weight_quantizer[2].amax, model.weight2.detach().abs().amax(dim=1, keepdim=True))
+    report = ql.plugins.huggingface.tokens_per_expert_report(model) if "transformers" in sys.modules else None
+    assert report is None or report == {"": [9, 15, 0, 12]}
+    ql.calibrate(model, forward_loop=_loop(_batches(1)))  # a new calibration counts from zero
+    assert model.tokens_per_expert.tolist() == [3, 5, 1, 3]
+
+
+def test_grouped_linear_grad_path_quantizes_and_passes_gradients(grouped):
+    cls, ns, _ = grouped
+    model = ql.quantize(cls(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(_batches()))
+    x, s = _batches(1)[0]
+    with torch.no_grad():
+        expected = model(x, s)
+    x = x.clone().requires_grad_(True)
+    out = model(x, s)
+    assert ns.calls[-1] == "apply" and torch.equal(out, expected)
+    out.sum().backward()
+    assert x.grad is not None and all(getattr(model, f"weight{i}").grad is not None for i in (0, 1, 3))
+    assert isinstance(ns._GroupedLinear, type)  # the stand-in function is back in place
+
+
+def test_function_is_restored_when_forward_raises(grouped):
+    cls, ns, _ = grouped
+    model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
+    original = ns._GroupedLinear
+    with pytest.raises(Exception):
+        model(torch.randn(3, 16), [1, 1])  # the splits do not cover the input
+    assert ns._GroupedLinear is original
+
+
+def test_grouped_linear_save_restore_round_trip(grouped, tmp_path):
+    cls, _, _ = grouped
+    data = _batches()
+    model = ql.quantize(cls(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data))
+    ql.save(model, tmp_path / "q.pt")
+    fresh = ql.restore(cls(4, 16, 8), tmp_path / "q.pt")
+    for a, b in zip(model.weight_quantizer, fresh.weight_quantizer):
+        assert torch.equal(a.amax, b.amax)
+    assert torch.equal(fresh.input_quantizer.amax, model.input_quantizer.amax)
+    x, s = data[0]
+    with torch.no_grad():
+        assert torch.equal(fresh(x, s), model(x, s))
+
+
+def test_grouped_linear_refuses_fused_wgrad_and_te_fp8(grouped):
+    cls, _, _ = grouped
+    model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
+    model.fuse_wgrad_accumulation = True
+    with pytest.raises(RuntimeError, match="fuse_wgrad_accumulation"):
+        model(torch.randn(2, 16), [1, 1])
+    with torch.no_grad():
+        model(torch.randn(2, 16), [1, 1])  # inference does not accumulate gradients
+    model.fuse_wgrad_accumulation = False
+    model.fp8 = True  # what TE's prepare_forward sets under fp8_autocast
+    with pytest.raises(RuntimeError, match="fp8_autocast"):
+        model(torch.randn(2, 16), [1, 1])
+
+
+def test_single_grouped_weight_is_refused_at_conversion(grouped):
+    cls, _, _ = grouped
+    m = cls(2, 16, 8)
+    m.single_grouped_weight = True
+    with pytest.raises(NotImplementedError, match="single_grouped_weight"):
+        ql.quantize(m, FP8_INPUT_INT8_WEIGHT, None)
+
+
+# ------------------------------------------------------------------------------ Linear / LayerNormLinear
+
+
+def fake_linear_namespace(sig: inspect.Signature, cls: str) -> types.ModuleType:
+    """A stand-in for ``_Linear`` or ``_LayerNormLinear`` with the real ``sig``; the latter normalizes
+    through the module global ``apply_normalization`` as TE does."""
+    ns = types.ModuleType(f"fake_te_{cls}")
+    params = [p for p in sig.parameters if p != "ctx"]
+    norm = "    inp = apply_normalization(inp, ln_weight, ln_bias)[0]\n" if cls == "_LayerNormLinear" else ""
+    ns.F = F
+    exec(f"def forward(ctx, {', '.join(params)}):\n{norm}    return F.linear(inp, weight)\n", ns.__dict__)
+    ns.apply_normalization = lambda x, w, b: (F.layer_norm(x, x.shape[-1:], w, b), None, None)
+    forward = ns.forward
+    setattr(ns, cls, type(cls, (), {"apply": staticmethod(lambda *a: forward(None, *a)), "forward": staticmethod(forward)}))
+    ns.params = params
+    return ns
+
+
+@pytest.mark.parametrize("version", ["1.13.0", "2.20.2"])
+@pytest.mark.parametrize("layernorm", [False, True])
+def test_te_linear_matches_nn_linear(te_source, registered, version, layernorm):
+    cls_name, module = ("_LayerNormLinear", "layernorm_linear") if layernorm else ("_Linear", "linear")
+    sig = real_signature(te_source(version, module), cls_name)
+    ns = fake_linear_namespace(sig, cls_name)
+
+    class FakeTELinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.weight = nn.Parameter(torch.randn(8, 16))
+            self.weight_names = ["weight"]
+            self.ln_weight, self.ln_bias = nn.Parameter(torch.ones(16)), nn.Parameter(torch.zeros(16))
+            self.parallel_mode = "column"
+
+        def forward(self, inp):
+            values = {"inp": inp, "weight": self.weight, "ln_weight": self.ln_weight, "ln_bias": self.ln_bias}
+            return getattr(ns, cls_name).apply(*(values.get(p) for p in ns.params))
+
+    base = ta.QuantTELayerNormLinearBase if layernorm else ta.QuantTELinearBase
+    attrs = {"te_namespace": ns, "te_args": ta.TensorArgs.from_signature(sig), "te_norm_name": "apply_normalization"}
+    registered(FakeTELinear, type("_QuantFake", (base,), attrs))
+
+    data = [torch.randn(6, 16) for _ in range(2)]
+    model = ql.quantize(FakeTELinear(), FP8_INPUT_INT8_WEIGHT, lambda m: [m(x) for x in data])
+    assert model.parallel_role == "column"
+    ref_lin = nn.Linear(16, 8, bias=False)
+    ref_lin.weight.data.copy_(model.weight.data)
+    norm = (lambda x: F.layer_norm(x, (16,))) if layernorm else (lambda x: x)
+    ref = ql.quantize(ref_lin, FP8_INPUT_INT8_WEIGHT, lambda m: [m(norm(x)) for x in data])
+    assert torch.equal(model.weight_quantizer.amax, ref.weight_quantizer.amax)
+    assert torch.equal(model.input_quantizer.amax, ref.input_quantizer.amax)  # LayerNormLinear: of the normalized input
+    with torch.no_grad():
+        assert torch.equal(model(data[0]), ref(norm(data[0])))
+    assert ns.apply_normalization.__name__ == "<lambda>"  # the norm global is restored
+
+
+# ------------------------------------------------------------------------------ on a machine with TE
+
+
+@pytest.mark.te
+@pytest.mark.gpu
+def test_te_grouped_linear_on_gpu(tmp_path):
+    """Real te.GroupedLinear: per-GEMM amax from each weight, outputs equal to separate linears,
+    save/restore round trip. Needs TE's torch binding and a CUDA GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    te = pytest.importorskip("transformer_engine.pytorch", reason="needs Transformer Engine's torch binding")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = te.GroupedLinear(4, 64, 32, bias=True, params_dtype=torch.float32, device="cuda")
+        with torch.no_grad():
+            for i in range(4):
+                getattr(m, f"weight{i}").mul_(2.0**i)
+        return m
+
+    splits = [16, 32, 0, 16]
+    data = [torch.randn(64, 64, device="cuda") for _ in range(2)]
+    model = ql.quantize(build(), FP8_INPUT_INT8_WEIGHT, lambda m: [m(x, splits) for x in data])
+    assert type(model).__name__ == "QuantGroupedLinear"
+    for i, q in enumerate(model.weight_quantizer):
+        assert torch.equal(q.amax, getattr(model, f"weight{i}").detach().abs().amax(dim=1, keepdim=True))
+    assert model.tokens_per_expert.tolist() == [32, 64, 0, 32]
+    x = data[0]
+    with torch.no_grad():
+        out = model(x, splits)
+        xq = model.input_quantizer(x)
+        ref = torch.cat([F.linear(xs, model.weight_quantizer[i](getattr(model, f"weight{i}")), getattr(model, f"bias{i}")) for i, xs in enumerate(torch.split(xq, splits))])
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    ql.save(model, tmp_path / "q.pt")
+    fresh = ql.restore(build(), tmp_path / "q.pt")
+    for a, b in zip(model.weight_quantizer, fresh.weight_quantizer):
+        assert torch.equal(a.amax, b.amax)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x, splits), out, rtol=0, atol=0)
