@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
+from .formats import Kind
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
@@ -197,6 +198,9 @@ def _build(qstate: Any, where: str) -> nn.Module:
         if amax is not None:
             if not isinstance(amax, torch.Tensor):
                 raise CheckpointError(f"{where}: _amax must be a tensor, got {type(amax).__name__}")
+            per_tensor = q.spec.kind == Kind.NVFP4 or (q.spec.block is None and q.axis is None)
+            if per_tensor and q.needs_calibration and amax.dim() != 0:
+                raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
             q.amax = amax
         return q
     members = [_build(m, f"{where}.{i}") for i, m in enumerate(qstate.get("members") or [])]
@@ -233,11 +237,13 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
     if len(members) != len(tensors):
         raise CheckpointError(f"{name}: checkpoint has {len(members)} weight quantizer member(s), the module has {len(tensors)} weight(s)")
     for i, (m, w) in enumerate(zip(members, tensors)):
-        first = m if isinstance(m, TensorQuantizer) else m[0]
-        if first.amax is not None:
-            expected = first.amax_shape(tuple(w.shape))
-            if tuple(first.amax.shape) != expected:
-                raise CheckpointError(f"{name}{'.' + str(i) if len(members) > 1 else ''}: amax of shape {tuple(first.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
+        leaves = [m] if isinstance(m, TensorQuantizer) else list(m.leaves())  # a chain keeps the weight's shape
+        for j, leaf in enumerate(leaves):
+            if leaf.amax is not None:
+                expected = leaf.amax_shape(tuple(w.shape))
+                if tuple(leaf.amax.shape) != expected:
+                    where = name + (f".{i}" if len(members) > 1 else "") + (f".{j}" if len(leaves) > 1 else "")
+                    raise CheckpointError(f"{where}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
 
 
 def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrate_experts: bool = False) -> nn.Module:
@@ -261,7 +267,10 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
     for name, q in built.items():
         _check_structure(name, q, *plan[name])
         _check_weight_shapes(name, q, *plan[name])
-    config = QuantizeConfig.from_any(state["config"]) if state.get("config") else None
+    try:
+        config = QuantizeConfig.from_any(state["config"]) if state.get("config") else None
+    except ConfigError as exc:
+        raise CheckpointError(f"invalid config in the checkpoint: {exc}") from None
 
     model = convert(model)
     by_name = {n: (parent, attr) for n, parent, attr, _ in iter_quantizers(model)}

@@ -10,9 +10,11 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import quantlib as ql
+from quantlib import GroupedQuantizer, QuantModule, QuantModuleRegistry, TensorQuantizer
 
 
 class MLP(nn.Module):
@@ -96,3 +98,36 @@ def model_classes() -> dict[str, type]:
 def preset_name(request) -> str:
     """Every preset of ``quantlib.PRESETS``, by name."""
     return request.param
+
+
+class TwoExperts(nn.Module):
+    """Two weights of one shape, one GEMM each (``forward(x, i)`` uses expert i): a grouped linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w0 = nn.Parameter(torch.randn(4, 8, generator=g))
+        self.w1 = nn.Parameter(3 * torch.randn(4, 8, generator=g))
+
+    def forward(self, x: torch.Tensor, i: int = 0) -> torch.Tensor:
+        return F.linear(x, self.w1 if i else self.w0)
+
+
+class _QuantTwoExperts(QuantModule):
+    def _setup(self) -> None:
+        super()._setup()
+        self.weight_quantizer = GroupedQuantizer([TensorQuantizer({"axis": 0}), TensorQuantizer({"axis": 0})])
+
+    def weight_groups(self):
+        yield "weight_quantizer", [self.w0, self.w1]
+
+    def forward(self, x: torch.Tensor, i: int = 0) -> torch.Tensor:
+        return F.linear(self.input_quantizer(x), self.quantize_weight(self.w1 if i else self.w0, member=i))
+
+
+@pytest.fixture
+def two_experts() -> type:
+    """TwoExperts, registered with a GroupedQuantizer weight quantizer for the test's duration."""
+    QuantModuleRegistry.register(TwoExperts, "TwoExperts")(_QuantTwoExperts)
+    yield TwoExperts
+    QuantModuleRegistry.unregister(TwoExperts)

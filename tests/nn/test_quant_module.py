@@ -161,41 +161,15 @@ class Scale(nn.Module):
         return x * self.weight
 
 
-class TwoExperts(nn.Module):
-    """Two weights of the same shape, one GEMM each: ``forward(x, i)`` uses expert i."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.w0 = nn.Parameter(torch.randn(4, 8, generator=g))
-        self.w1 = nn.Parameter(3 * torch.randn(4, 8, generator=g))
-
-    def forward(self, x, i: int = 0):
-        return F.linear(x, self.w1 if i else self.w0)
-
-
 @pytest.fixture
 def registered():
     class _QuantScale(QuantModule):
         def forward(self, x):
             return self.output_quantizer(self.input_quantizer(x) * self.quantize_weight(self.weight))
 
-    class _QuantTwoExperts(QuantModule):
-        def _setup(self):
-            super()._setup()
-            self.weight_quantizer = GroupedQuantizer([TensorQuantizer({"axis": 0}), TensorQuantizer({"axis": 0})])
-
-        def weight_groups(self):
-            yield "weight_quantizer", [self.w0, self.w1]
-
-        def forward(self, x, i: int = 0):
-            return F.linear(self.input_quantizer(x), self.quantize_weight(self.w1 if i else self.w0, member=i))
-
     QuantModuleRegistry.register(Scale, "Scale")(_QuantScale)
-    QuantModuleRegistry.register(TwoExperts, "TwoExperts")(_QuantTwoExperts)
     yield
     QuantModuleRegistry.unregister(Scale)
-    QuantModuleRegistry.unregister(TwoExperts)
 
 
 def test_register_a_custom_module(registered):
@@ -220,8 +194,8 @@ def test_register_requires_a_quant_module_mixin():
     assert not QuantModuleRegistry.is_registered(Scale)
 
 
-def test_grouped_weight_members_calibrate_on_their_own_weight(registered):
-    model = ql.quantize(nn.Sequential(TwoExperts()), ql.INT8_DEFAULT_CFG, lambda m: m(torch.randn(2, 8)))
+def test_grouped_weight_members_calibrate_on_their_own_weight(two_experts):
+    model = ql.quantize(nn.Sequential(two_experts()), ql.INT8_DEFAULT_CFG, lambda m: m(torch.randn(2, 8)))
     q = model[0].weight_quantizer
     assert isinstance(q, GroupedQuantizer) and [m.num_bits for m in q] == [8, 8]
     assert torch.equal(q[0].amax, model[0].w0.abs().amax(1, keepdim=True))
@@ -234,9 +208,9 @@ def test_grouped_weight_members_calibrate_on_their_own_weight(registered):
     assert "0.weight_quantizer.1" in ql.quant_summary(model)
 
 
-def test_grouped_members_follow_the_containers_pattern(registered):
+def test_grouped_members_follow_the_containers_pattern(two_experts):
     cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "axis": 0}, "*weight_quantizer.1": {"num_bits": 8}, "default": {"enable": False}}}
-    model = ql.quantize(nn.Sequential(TwoExperts()), cfg, None)
+    model = ql.quantize(nn.Sequential(two_experts()), cfg, None)
     assert [m.num_bits for m in model[0].weight_quantizer] == [4, 4]  # members are matched by the container's name
 
 
