@@ -1,0 +1,668 @@
+"""Megatron-Core plugin: quantized tensor-parallel linears, MoE expert containers, and dist checkpoints
+whose amax restore at any TP/EP layout.
+
+Imported (and so registered) by :func:`quantlib.plugins.register_available` when ``megatron.core``
+imports. What it registers:
+
+- ``ColumnParallelLinear`` (``parallel_role = "column"``) and ``RowParallelLinear`` (``"row"``): the
+  input and the weight are fake-quantized in ``_forward_impl``, right before the GEMM, so Megatron's own
+  tensor-parallel communication (copy / gather / reduce, sequence parallelism) runs unchanged around it;
+  the output quantizer sees the layer's final output. Both keep Megatron's ``(output, bias)`` return.
+  Expert linears keep Megatron's ``is_expert`` attribute, which the amax sync reads.
+- ``SequentialMLP``: gives every local expert's linears their global expert index
+  (``ep_rank * num_local_experts + local index``) and counts the tokens each expert receives while
+  calibrating (:func:`expert_token_counts`, logged at DEBUG per batch).
+- Where Transformer Engine imports: the TE wrappers (``TELinear``, ``TEColumnParallelLinear``,
+  ``TERowParallelLinear``, ``TELayerNormColumnParallelLinear``, ``TEColumnParallelGroupedLinear``,
+  ``TERowParallelGroupedLinear``) on top of quantlib's TE adapters, and ``TEGroupedMLP``.
+
+Dist checkpointing (DESIGN §7). ``sharded_state_dict`` saves every amax in a layout-independent global
+form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
+
+- a per-tensor amax (and the NVFP4 global amax) is replicated (the sync made it equal on all ranks);
+- a per-channel or per-block amax over a TP-split axis is sharded over TP along that axis (column-
+  parallel weights, the row-parallel input), or replicated where its group spans the whole split axis
+  (per-channel amax of row-parallel weights, synced over TP); a block that straddles TP shards has no
+  global form and raises :class:`LayoutError`;
+- an expert's amax gets the global expert index as a leading axis (Megatron's expert offsets for
+  ``SequentialMLP``; for grouped linears member ``i`` of a ``GroupedQuantizer`` is expert
+  ``ep_rank * num_gemms + i``), with the same keys in both containers;
+- the weight amax of a gated MLP's fc1 is saved in gate and up halves, as Megatron saves the weight;
+- an extra-state object, ``<layer>._quantizer_extra_state`` (a ``ShardedObject`` sharded like
+  Megatron's ``_extra_state``, and an entry of ``state_dict()``), carries every quantizer's config and
+  global amax shapes, so that :func:`restore_quantizer_config` configures a fresh model (any layout)
+  before the amax are loaded. It is not Megatron's ``_extra_state`` itself: ``GPTModel`` drops and
+  asserts empty the output layer's ``_extra_state``, and TE keeps its FP8 metadata there.
+
+A checkpoint saved at TP=a / EP=b therefore loads at TP=c / EP=d with identical quantization::
+
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    ...
+    model = restore_quantizer_config(fresh_model, ckpt_dir)       # quantizers + amax placeholders
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Optional
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
+from megatron.core.utils import get_pg_rank, get_pg_size, make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+from torch import nn
+
+from ..checkpoint import CheckpointError, _build, _quantizer_state
+from ..formats import Kind
+from ..nn.containers import GroupedQuantizer
+from ..nn.quant_module import QuantModule, QuantModuleRegistry
+from ..nn.tensor_quantizer import TensorQuantizer
+
+_log = logging.getLogger("quantlib")
+
+#: version of the quantizer state kept in ``_extra_state``
+EXTRA_STATE_SCHEMA = 1
+#: state-dict key (after the module prefix) of the quantizer config; a ShardedObject in dist checkpoints
+EXTRA_STATE_KEY = "_quantizer_extra_state"
+
+
+class LayoutError(ValueError):
+    """An amax that has no layout-independent global form (a block straddles tensor-parallel shards)."""
+
+
+# ------------------------------------------------------------------------------------ layout rules
+
+
+def _tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], extent: int, tp_size: int, where: str) -> Optional[int]:
+    """The dim of ``leaf``'s amax that is sharded over TP, or None where the amax is the same on every
+    TP rank (per tensor, or grouped over the whole split axis, which the amax sync reduces over TP).
+
+    ``split_axis`` is the axis of the quantized tensor that TP splits (None: not split) and ``extent``
+    its local size. The rule depends only on the config and the layout, never on the amax values, so
+    the same call maps a global amax shape back to the local one when loading.
+    """
+    if split_axis is None or ndim == 0 or leaf.spec.kind == Kind.NVFP4:
+        return None
+    dim = split_axis % ndim
+    block = leaf.spec.block
+    if block is not None:
+        blocked = {ndim - 1: block[-1]} if len(block) == 1 else {ndim - 2: block[0], ndim - 1: block[1]}
+        if dim not in blocked:
+            return dim
+        size = blocked[dim]
+        if tp_size == 1 or extent % size == 0:
+            return dim  # every local block is a global block
+        if extent * tp_size <= size:
+            return None  # one block spans the whole axis: the synced amax is the global one
+        raise LayoutError(
+            f"{where}: blocks of {size} along an axis split over TP={tp_size} into {extent} per rank straddle the shards, "
+            f"so its amax has no layout-independent form; use a block size that divides {extent} or >= {extent * tp_size}"
+        )
+    kept = {a % ndim for a in (leaf.axis or ())}
+    return dim if dim in kept else None
+
+
+def _local_shape(global_shape: tuple[int, ...], dim: Optional[int], tp_size: int, where: str) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(global_shape)
+    if global_shape[dim] % tp_size:
+        raise CheckpointError(f"{where}: amax of global shape {tuple(global_shape)} cannot be split over TP={tp_size} along dim {dim}")
+    return tuple(s // tp_size if d == dim else s for d, s in enumerate(global_shape))
+
+
+def _global_shape(local_shape: tuple[int, ...], dim: Optional[int], tp_size: int) -> tuple[int, ...]:
+    return tuple(s * tp_size if d == dim else s for d, s in enumerate(local_shape))
+
+
+def _leaves(name: str, q: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
+    """(name, leaf) of ``q`` or of each of its members (``name.i``), depth first."""
+    if isinstance(q, TensorQuantizer):
+        yield name, q
+        return
+    for i, m in enumerate(q):
+        yield from _leaves(f"{name}.{i}", m)
+
+
+# ------------------------------------------------------------------------------------ the shared mixin
+
+
+class _MegatronQuantMixin(QuantModule):
+    """What every quantized Megatron linear shares: its tensor-parallel layout, ``sharded_state_dict``
+    with amax in global form, and the quantizer config in the state dict.
+
+    ``parallel_role`` and ``_tp_weight_axis`` (the weight axis split over TP: 0 column-, 1 row-parallel,
+    None duplicated) are set by the concrete classes.
+    """
+
+    _tp_weight_axis: Optional[int] = None
+
+    def _setup(self) -> None:
+        super()._setup()
+        self.register_state_dict_post_hook(_add_extra_state)
+        self.register_load_state_dict_pre_hook(_pop_extra_state)
+
+    # -------------------------------------------------------------- layout
+    def _ql_tp_group(self):
+        # Megatron's TE wrappers keep the group that shards their checkpoint in ``_tp_group`` (TE's own
+        # ``tp_group`` is None for experts); the local layers in ``tp_group``.
+        group = self.__dict__.get("_tp_group")
+        return group if group is not None else getattr(self, "tp_group", None)
+
+    def _ql_tp_size(self) -> int:
+        return get_pg_size(self._ql_tp_group())
+
+    def _ql_weight_shape(self) -> tuple[int, ...]:
+        for _, tensors in self.weight_groups():
+            if tensors:
+                return tuple(tensors[0].shape)
+        raise CheckpointError(f"{type(self).__name__} has no weight to infer its tensor-parallel layout from")
+
+    def _ql_split(self, qname: str) -> tuple[Optional[int], int]:
+        """(axis of the tensor ``qname`` quantizes that TP splits, or None; its local extent)."""
+        axis = self._tp_weight_axis
+        if axis is None:
+            return None, 0
+        extent = self._ql_weight_shape()[axis]
+        if qname in self.weight_quantizer_names:
+            return axis, extent
+        # the column layer's output and the row layer's input are split along their last (hidden) dim
+        if axis == 0 and qname == "output_quantizer" and not getattr(self, "gather_output", False):
+            return -1, extent
+        if axis == 1 and qname == "input_quantizer":
+            return -1, extent
+        return None, 0
+
+    # -------------------------------------------------------------- dist checkpointing
+    def _ql_amax_leaves(self) -> Iterator[tuple[str, str, TensorQuantizer, str, Optional[int]]]:
+        """(state-dict name, checkpoint name, leaf, quantizer attribute, grouped member or None) of every
+        calibrated amax. The members of a GroupedQuantizer share a checkpoint name: their global expert
+        index is an axis of the checkpoint tensor."""
+        for qname in self.quantizer_names:
+            q = getattr(self, qname, None)
+            if q is None:
+                continue
+            grouped = isinstance(q, GroupedQuantizer)
+            for name, leaf in _leaves(qname, q):
+                if leaf.amax is None:
+                    continue
+                parts = name.split(".")
+                if grouped:
+                    yield name, ".".join([qname] + parts[2:]), leaf, qname, int(parts[1])
+                else:
+                    yield name, name, leaf, qname, None
+
+    def _ql_member_offsets(self, member: int, prefix: str, sharded_offsets: tuple, metadata: dict) -> tuple[tuple, str]:
+        """(checkpoint offsets, key prefix) of member ``member`` of a grouped quantizer."""
+        raise CheckpointError(f"{type(self).__name__} has no grouped quantizers")
+
+    def _ql_sharded_amax(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+        tp_group, dp_group = self._ql_tp_group(), metadata["dp_cp_group"]
+        tp_size = get_pg_size(tp_group)
+        # Megatron's MLP saves the fc1 weight of a gated MLP as gate and up halves (by the name linear_fc1)
+        glu = bool(getattr(getattr(self, "config", None), "gated_linear_unit", False)) and (
+            prefix == "linear_fc1." or prefix.endswith(".linear_fc1.")
+        )
+        out = {}
+        for name, ckpt_name, leaf, qname, member in self._ql_amax_leaves():
+            amax, where = leaf.amax, f"{prefix}{name}"
+            axis, extent = self._ql_split(qname)
+            dim = _tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, where)
+            offsets, ckpt_prefix = (
+                (sharded_offsets, prefix) if member is None else self._ql_member_offsets(member, prefix, sharded_offsets, metadata)
+            )
+            key = f"{ckpt_prefix}{ckpt_name}._amax"
+            if dim is None:
+                sh = make_sharded_tensor_for_checkpoint(amax, key, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
+            else:
+                sh = make_tp_sharded_tensor_for_checkpoint(amax, key, dim, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
+                if glu:
+                    sh = _glu_halves(sh, dim, qname in self.weight_quantizer_names, offsets, metadata, where)
+            out[f"{prefix}{name}._amax"] = sh
+        return out
+
+    def _ql_sharded_config(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+        """The quantizer config as a ShardedObject, sharded like Megatron's ``_extra_state``."""
+        key = f"{prefix}{EXTRA_STATE_KEY}"
+        replica_id = (0, get_pg_rank(self._ql_tp_group()), get_pg_rank(metadata["dp_cp_group"]))
+        return {key: make_sharded_object_for_checkpoint(quantizer_extra_state(self), key, sharded_offsets, replica_id=replica_id)}
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        mine = set(self.quantizer_names) | {EXTRA_STATE_KEY}
+        for key in [k for k in sd if k.startswith(prefix) and k[len(prefix) :].split(".", 1)[0] in mine]:
+            del sd[key]  # Megatron wrapped the quantizer buffers as replicated local tensors
+        sd.update(self._ql_sharded_amax(prefix, sharded_offsets, metadata))
+        sd.update(self._ql_sharded_config(prefix, sharded_offsets, metadata))
+        return sd
+
+
+def _glu_halves(sh, dim: int, is_weight: bool, offsets: tuple, metadata: dict, where: str):
+    """The fc1 of a gated MLP holds [gate; up] rows on every rank: save the amax rows as two halves, as
+    Megatron saves the weight, so that they reshard like the weight."""
+    if not is_weight or dim != 0:
+        raise LayoutError(
+            f"{where}: an amax sharded along dim {dim} of a gated MLP's fc1 has no layout-independent form (only weight amax kept per output row have one)"
+        )
+    if sh.data.shape[0] % 2:
+        raise LayoutError(f"{where}: amax rows {tuple(sh.data.shape)} do not split into gate and up halves (blocks straddle them)")
+    kwargs = {"singleton_local_shards": True} if metadata.get("singleton_local_shards") else {}
+    return apply_swiglu_sharded_factory(sh, offsets, **kwargs)
+
+
+def _add_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    if isinstance(module, _MegatronQuantMixin):  # (hook dicts are shared with the pre-conversion module)
+        state_dict[prefix + EXTRA_STATE_KEY] = quantizer_extra_state(module)
+
+
+def _pop_extra_state(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    if not isinstance(module, _MegatronQuantMixin):
+        return
+    pieces = sorted((index, k) for k, (owner, index) in ((k, _extra_key(k)) for k in list(state_dict)) if owner == prefix)
+    states = [state_dict.pop(k) for _, k in pieces]
+    if any(s is not None for s in states):  # absent or None: a checkpoint of the unquantized layer
+        apply_quantizer_extra_state(module, merge_extra_states(states))
+
+
+def _extra_key(key: str) -> tuple[Optional[str], int]:
+    """(owner prefix, piece) of a ``<owner prefix>_quantizer_extra_state[<piece>]`` key; (None, 0) for others."""
+    head, sep, tail = key.rpartition(EXTRA_STATE_KEY)
+    if not sep or (tail and not tail.isdigit()) or (head and not head.endswith(".")):
+        return None, 0
+    return head, int(tail or 0)
+
+
+# ------------------------------------------------------------------------------------ local linears
+
+
+class _LocalLinearMixin(_MegatronQuantMixin):
+    """Megatron's own ColumnParallelLinear / RowParallelLinear: quantize in ``_forward_impl``, the call
+    that does the GEMM inside Megatron's forward (after its input communication, before its output
+    communication), so every TP mode of Megatron runs unchanged."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if input.numel() > 0:  # an expert that received no tokens runs on an empty tensor
+            input = self.input_quantizer(input)
+        return super()._forward_impl(input, self.quantize_weight(weight), *args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
+        if output.numel() > 0:
+            output = self.output_quantizer(output)
+        return output, bias
+
+    def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        if getattr(self, "weight", None) is not None:  # None with skip_weight_param_allocation
+            yield "weight_quantizer", [self.weight]
+
+    def _ql_weight_shape(self) -> tuple[int, ...]:
+        if getattr(self, "weight", None) is not None:
+            return tuple(self.weight.shape)
+        if self._tp_weight_axis == 0:  # a column layer given its weight in forward (tied embeddings)
+            return (self.output_size_per_partition, self.input_size)
+        return (self.output_size, self.input_size_per_partition)
+
+
+@QuantModuleRegistry.register(ColumnParallelLinear, "megatron.ColumnParallelLinear")
+class _QuantColumnParallelLinear(_LocalLinearMixin):
+    parallel_role = "column"
+    _tp_weight_axis = 0
+
+
+@QuantModuleRegistry.register(RowParallelLinear, "megatron.RowParallelLinear")
+class _QuantRowParallelLinear(_LocalLinearMixin):
+    parallel_role = "row"
+    _tp_weight_axis = 1
+
+
+# ------------------------------------------------------------------------------------ quantizer config
+
+
+def quantizer_extra_state(module: _MegatronQuantMixin) -> dict:
+    """The layout-independent config of ``module``'s quantizers.
+
+    ``{"quantlib_schema": 1, "quantizers": {attr: state}}``, a state being that of
+    :func:`quantlib.quantizer_state` with each ``_amax`` replaced by ``amax_shape``: the global shape of
+    the amax (None where there is none).
+    """
+    tp_size = module._ql_tp_size()
+    quantizers = {}
+    for qname in module.quantizer_names:
+        q = getattr(module, qname, None)
+        if q is None:
+            continue
+        axis, extent = module._ql_split(qname)
+        state = _quantizer_state(q)
+        for (name, leaf), leaf_state in zip(_leaves(qname, q), _leaf_states(state)):
+            amax = leaf_state.pop("_amax")
+            shape = None
+            if amax is not None:
+                dim = _tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
+                shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
+            leaf_state["amax_shape"] = shape
+        quantizers[qname] = state
+    return {"quantlib_schema": EXTRA_STATE_SCHEMA, "quantizers": quantizers}
+
+
+def _leaf_states(state: dict) -> Iterator[dict]:
+    if state["type"] == "tensor":
+        yield state
+        return
+    for m in state["members"]:
+        yield from _leaf_states(m)
+
+
+def split_extra_state(state: dict, num: int) -> list[dict]:
+    """Per-expert pieces of a grouped module's state: piece i keeps member i of every grouped quantizer."""
+    pieces = []
+    for i in range(num):
+        quantizers = {}
+        for qname, qs in state["quantizers"].items():
+            if qs["type"] == "grouped":
+                if len(qs["members"]) != num:
+                    raise CheckpointError(f"{qname}: {len(qs['members'])} members for {num} experts")
+                qs = {"type": "grouped", "members": [qs["members"][i]]}
+            quantizers[qname] = qs
+        pieces.append({"quantlib_schema": state["quantlib_schema"], "quantizers": quantizers})
+    return pieces
+
+
+def merge_extra_states(states: list[Any]) -> Any:
+    """Inverse of :func:`split_extra_state` (one state is returned as it is)."""
+    if len(states) == 1:
+        return states[0]
+    if any(not isinstance(s, dict) or not isinstance(s.get("quantizers"), dict) for s in states):
+        raise CheckpointError(
+            f"per-expert quantizer states of a grouped module are not all quantlib states: {[type(s).__name__ for s in states]}"
+        )
+    merged = {"quantlib_schema": states[0].get("quantlib_schema"), "quantizers": {}}
+    for qname, qs in states[0]["quantizers"].items():
+        if qs.get("type") == "grouped":
+            qs = {"type": "grouped", "members": [m for s in states for m in s["quantizers"][qname]["members"]]}
+        merged["quantizers"][qname] = qs
+    return merged
+
+
+def apply_quantizer_extra_state(module: _MegatronQuantMixin, state: Any) -> None:
+    """Rebuild ``module``'s quantizers from a :func:`quantizer_extra_state` (saved at any layout), with
+    NaN amax placeholders of this layout's local shapes for the checkpoint's amax to load into (an
+    amax that never loads stays NaN, which the sync and the forward refuse)."""
+    kind = type(module).__name__
+    if not isinstance(state, dict) or not isinstance(state.get("quantizers"), dict):
+        raise CheckpointError(f"{kind}: not a quantlib quantizer state: {str(state)[:80]!r}")
+    if state.get("quantlib_schema") != EXTRA_STATE_SCHEMA:
+        raise CheckpointError(f"{kind}: quantizer state schema {state.get('quantlib_schema')!r}, expected {EXTRA_STATE_SCHEMA}")
+    unknown = set(state["quantizers"]) - set(module.quantizer_names)
+    if unknown:
+        raise CheckpointError(f"{kind}: the checkpoint has quantizers {sorted(unknown)} this module does not have")
+    tp_size = module._ql_tp_size()
+    weights = dict(module.weight_groups())
+    built = {}
+    for qname, qstate in state["quantizers"].items():
+        q = _build(qstate, qname)
+        base = _full_name(getattr(module, qname, None), qname)
+        axis, extent = module._ql_split(qname)
+        tensors = weights.get(qname)
+        if tensors is not None and isinstance(q, GroupedQuantizer) and len(q) != len(tensors):
+            raise CheckpointError(f"{kind}.{qname}: the checkpoint has {len(q)} members for {len(tensors)} weights")
+        for (name, leaf), leaf_state in zip(_leaves(qname, q), _leaf_states(qstate)):
+            shape = leaf_state.get("amax_shape")
+            if shape is not None:
+                local = _local_shape(tuple(shape), _tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
+                if tensors:
+                    weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
+                    expected = tuple(leaf.amax_shape(tuple(weight.shape)))
+                    if local != expected:
+                        raise CheckpointError(
+                            f"{kind}.{name}: the checkpoint's amax (local shape {local}) does not fit weight {tuple(weight.shape)} (expected {expected})"
+                        )
+                leaf.amax = torch.full(local, float("nan"))
+            leaf._qname = base + name[len(qname) :]
+        built[qname] = q
+    device = next((t.device for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))), None)
+    for qname, q in built.items():
+        setattr(module, qname, q.to(device) if device is not None else q)
+
+
+def _full_name(old: Optional[nn.Module], qname: str) -> str:
+    """The full model name of quantizer ``qname`` as the old quantizer knew it (else ``qname``)."""
+    if old is None:
+        return qname
+    first = next(iter(old.leaves())) if hasattr(old, "leaves") else old
+    name = getattr(first, "_qname", "")
+    cut = name.rfind("." + qname)
+    return name[: cut + 1 + len(qname)] if cut >= 0 else qname
+
+
+def restore_quantizer_config(model: nn.Module, checkpoint_dir: str) -> nn.Module:
+    """Convert ``model`` (fresh, at any TP/EP layout) and configure its quantizers from a Megatron dist
+    checkpoint saved at any layout, with amax placeholders for ``dist_checkpointing.load`` to fill.
+
+    Then ``model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint_dir))``
+    restores the weights and the amax. Collective: every rank calls it. Layers the checkpoint holds no
+    quantizer state for keep the quantizers conversion gave them.
+    """
+    from ..model_quant import convert, iter_leaf_quantizers
+
+    model = convert(model)
+    wanted = {k: v for k, v in model.sharded_state_dict().items() if isinstance(v, ShardedObject) and _extra_key(k)[0] is not None}
+    pieces: dict[str, list[tuple[int, Any]]] = {}
+    for key, state in dist_checkpointing.load(wanted, checkpoint_dir).items():
+        owner, index = _extra_key(key)
+        pieces.setdefault(owner, []).append((index, state))
+    for owner, found in pieces.items():
+        states = [s for _, s in sorted(found, key=lambda t: t[0])]
+        if any(s is not None for s in states):
+            apply_quantizer_extra_state(model.get_submodule(owner.rstrip(".")), merge_extra_states(states))
+    for name, leaf in iter_leaf_quantizers(model):
+        leaf._qname = name
+    return model
+
+
+# ------------------------------------------------------------------------------------ experts
+
+
+def _expert_parallel(module: nn.Module) -> tuple[int, int]:
+    """(rank, size) of ``module``'s expert-parallel group."""
+    group = getattr(module, "ep_group", None)
+    pgs = getattr(module, "_pg_collection", None)
+    if group is None and pgs is not None:
+        group = getattr(pgs, "ep", None)
+    if group is not None:
+        return get_pg_rank(group), get_pg_size(group)
+    return mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+
+
+@QuantModuleRegistry.register(SequentialMLP, "megatron.SequentialMLP")
+class _QuantSequentialMLP(QuantModule):
+    """Quantizes nothing itself: tells its local experts' linears their global expert index and counts
+    the tokens each local expert receives while calibrating (``tokens_per_expert``, as quantlib's TE
+    GroupedLinear does; :func:`expert_token_counts`)."""
+
+    quantizer_names: tuple[str, ...] = ()
+    weight_quantizer_names: tuple[str, ...] = ()
+
+    def _setup(self) -> None:
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_local_experts, dtype=torch.int64), persistent=False)
+        self._was_calibrating = False
+        offset, total = self.expert_offset, self.num_global_experts
+        for i, expert in enumerate(self.local_experts):
+            for linear in (getattr(expert, "linear_fc1", None), getattr(expert, "linear_fc2", None)):
+                if linear is not None:  # an attribute set before the linear's conversion survives it
+                    linear.is_expert = True
+                    linear.expert_index = offset + i
+                    linear.num_global_experts = total
+
+    @property
+    def expert_offset(self) -> int:
+        """Global index of local expert 0: EP rank * num_local_experts."""
+        return _expert_parallel(self)[0] * self.num_local_experts
+
+    @property
+    def num_global_experts(self) -> int:
+        return _expert_parallel(self)[1] * self.num_local_experts
+
+    def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        return iter(())
+
+    def _calibrating(self) -> tuple[bool, bool]:
+        """(a calibration forward loop runs, it has collected nothing yet)."""
+        leaves = [m for m in self.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+        collecting = [q for q in leaves if q._if_calib]
+        calibrating = bool(collecting) or any(not q._if_quant for q in leaves)
+        return calibrating, bool(collecting) and all(q.num_calib_batches == 0 for q in collecting)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, *args, **kwargs):
+        calibrating, fresh = self._calibrating()
+        if calibrating:
+            if fresh or not self._was_calibrating:
+                self.tokens_per_expert.zero_()  # a new calibration
+            counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).reshape(-1).to(self.tokens_per_expert.device)
+            self.tokens_per_expert += counts
+            first = self.expert_offset
+            _log.debug(
+                "quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1, counts.tolist()
+            )
+        self._was_calibrating = calibrating
+        return super().forward(permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
+
+
+def expert_token_counts(model: nn.Module) -> dict[str, dict[int, int]]:
+    """``{module name: {global expert index: tokens}}``: the tokens each expert held on this rank
+    received during the last calibration (SequentialMLP containers and grouped expert linears)."""
+    out = {}
+    for name, m in model.named_modules():
+        counts = getattr(m, "tokens_per_expert", None)
+        if isinstance(m, QuantModule) and isinstance(counts, torch.Tensor) and hasattr(m, "expert_offset"):
+            out[name] = {m.expert_offset + i: int(c) for i, c in enumerate(counts.tolist())}
+    return out
+
+
+# ------------------------------------------------------------------------------------ Transformer Engine
+
+
+class _TEColumnMixin(_MegatronQuantMixin):
+    parallel_role = "column"
+    _tp_weight_axis = 0
+
+
+class _TERowMixin(_MegatronQuantMixin):
+    parallel_role = "row"
+    _tp_weight_axis = 1
+
+
+class _TELinearMixin(_MegatronQuantMixin):
+    """``TELinear``: its role is TE's ``parallel_mode`` ("duplicated" layers have None)."""
+
+    @property
+    def _tp_weight_axis(self) -> Optional[int]:  # type: ignore[override]
+        return {"column": 0, "row": 1}.get(self.parallel_role)
+
+
+class _TEGroupedMixin(_MegatronQuantMixin):
+    """``TE{Column,Row}ParallelGroupedLinear``: GEMM i is expert ``ep_rank * num_gemms + i``. Member i of
+    each GroupedQuantizer is saved at that index of the expert axis (the keys SequentialMLP uses); the
+    shared input / output quantizers are saved once per layer; the config once per expert."""
+
+    is_expert = True
+
+    @property
+    def expert_offset(self) -> int:
+        return _expert_parallel(self)[0] * self.num_gemms
+
+    def _ql_member_offsets(self, member: int, prefix: str, sharded_offsets: tuple, metadata: dict) -> tuple[tuple, str]:
+        index, total = self.expert_offset + member, _expert_parallel(self)[1] * self.num_gemms
+        if metadata.get("singleton_local_shards"):
+            return sharded_offsets, f"{index}.{prefix}"  # Megatron's key for per-expert shards
+        return (*sharded_offsets, (len(sharded_offsets), index, total)), prefix
+
+    def _ql_expert_dp_rank(self) -> int:
+        pgs = getattr(self, "_pg_collection", None)
+        group = getattr(pgs, "expt_dp", None) if pgs is not None else None
+        return get_pg_rank(group) if group is not None else mpu.get_expert_data_parallel_rank()
+
+    def _ql_sharded_config(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+        replica_id = (0, get_pg_rank(self._ql_tp_group()), self._ql_expert_dp_rank())
+        out = {}
+        for i, piece in enumerate(split_extra_state(quantizer_extra_state(self), self.num_gemms)):
+            offsets, ckpt_prefix = self._ql_member_offsets(i, prefix, sharded_offsets, metadata)
+            key = f"{ckpt_prefix}{EXTRA_STATE_KEY}"
+            out[f"{prefix}{EXTRA_STATE_KEY}{i or ''}"] = make_sharded_object_for_checkpoint(piece, key, offsets, replica_id=replica_id)
+        return out
+
+    def _ql_sharded_amax(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+        out = super()._ql_sharded_amax(prefix, sharded_offsets, metadata)
+        edp = self._ql_expert_dp_rank()
+        for name, _, _, _, member in self._ql_amax_leaves():
+            if member is not None:  # an expert's amax: replicated over the expert-data-parallel ranks only
+                sh = out[f"{prefix}{name}._amax"]
+                sh.replica_id = (*sh.replica_id[:2], edp)
+        return out
+
+
+class _TEColumnGroupedMixin(_TEGroupedMixin):
+    parallel_role = "column"
+    _tp_weight_axis = 0
+
+
+class _TERowGroupedMixin(_TEGroupedMixin):
+    parallel_role = "row"
+    _tp_weight_axis = 1
+
+
+def _register_te() -> list[str]:
+    """Register Megatron's TE wrappers on top of quantlib's TE modules, when Transformer Engine imports."""
+    from megatron.core.extensions import transformer_engine as mte
+
+    if not getattr(mte, "HAVE_TE", False):  # Megatron mocks TE when it is missing
+        return []
+    try:
+        from . import transformer_engine as qte  # registers te.Linear, te.LayerNormLinear, te.GroupedLinear
+    except ImportError as exc:
+        _log.info("quantlib: Megatron's TE wrappers are not quantized: quantlib's TE plugin does not import (%s)", exc)
+        return []
+    te = qte.te
+    wrappers = [
+        ("TELinear", te.Linear, _TELinearMixin),
+        ("TEColumnParallelLinear", te.Linear, _TEColumnMixin),
+        ("TERowParallelLinear", te.Linear, _TERowMixin),
+        ("TELayerNormColumnParallelLinear", te.LayerNormLinear, _TEColumnMixin),
+        ("TEColumnParallelGroupedLinear", te.GroupedLinear, _TEColumnGroupedMixin),
+        ("TERowParallelGroupedLinear", te.GroupedLinear, _TERowGroupedMixin),
+    ]
+    done = []
+    for name, te_class, role in wrappers:
+        cls = getattr(mte, name, None)
+        te_mixin = (
+            QuantModuleRegistry.mixin_of(te_class)
+            if hasattr(QuantModuleRegistry, "mixin_of")
+            else QuantModuleRegistry._mixins.get(te_class)
+        )
+        if not isinstance(cls, type) or te_mixin is None:
+            continue
+        QuantModuleRegistry.register(cls, f"megatron.{name}")(type(f"_Quant{name}", (role, te_mixin), {}))
+        done.append(name)
+    return done
+
+
+#: Megatron TE wrappers registered (empty without Transformer Engine)
+TE_REGISTERED: list[str] = _register_te()
+
+__all__ = [
+    "EXTRA_STATE_KEY",
+    "EXTRA_STATE_SCHEMA",
+    "TE_REGISTERED",
+    "LayoutError",
+    "apply_quantizer_extra_state",
+    "expert_token_counts",
+    "merge_extra_states",
+    "quantizer_extra_state",
+    "restore_quantizer_config",
+    "split_extra_state",
+]
