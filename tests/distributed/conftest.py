@@ -110,6 +110,19 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     return [outs[r] for r in range(world_size)]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_parent() -> None:
+    """Calibrate the test model once in the parent: the first call of some ops imports torch._dynamo
+    (seconds), and forked ranks inherit what the parent has loaded instead of each paying for it."""
+    from . import _layouts
+
+    layout = _layouts.Layout("single", 1)
+    model, loop = _layouts.build(layout, 0, _layouts.config())
+    import quantlib as ql
+
+    ql.calibrate(model, "max", loop)
+
+
 @pytest.fixture
 def on_ranks() -> Callable[..., list[Any]]:
     """The :func:`run_on_ranks` helper."""
