@@ -212,6 +212,9 @@ def expert_group_key(name: str) -> Optional[str]:
 def _fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], policy: str) -> None:
     """Quantizers the forward loop never reached: experts follow the policy, anything else raises."""
     experts = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names}
+    # a module with grouped weights holds all local experts of its layer: its quantizers have no local
+    # peers (expert_group_key of their names would replace the layer index instead)
+    alone = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert and any(isinstance(getattr(m, w, None), GroupedQuantizer) for w in m.weight_quantizer_names) for qn in m.quantizer_names}
     not_experts = [n for n, q in missing if id(q) not in experts]
     if not_experts:
         raise CalibrationError(f"calibration data never reached {len(not_experts)} quantizer(s): {not_experts[:5]}; feed data that reaches them or disable them in the config")
@@ -223,10 +226,10 @@ def _fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], 
         raise CalibrationError(f"no tokens reached {len(missing)} expert input quantizer(s): {[n for n, _ in missing][:5]} (expert_input_policy='error')")
     peers: dict[str, list[torch.Tensor]] = {}
     for n, q in iter_leaf_quantizers(model):
-        if id(q) in experts and q.amax is not None:
+        if id(q) in experts and id(q) not in alone and q.amax is not None:
             peers.setdefault(expert_group_key(n), []).append(q.amax)
     for n, q in missing:
-        found = peers.get(expert_group_key(n))
+        found = None if id(q) in alone else peers.get(expert_group_key(n))
         if found:
             q.amax = torch.stack([a.reshape(found[0].shape) for a in found]).amax(dim=0)
             _log.info("%s: no tokens reached this expert; input amax set to the max of %d peers", n, len(found))

@@ -295,3 +295,65 @@ def assert_matches(table: dict, want: dict[str, Optional[torch.Tensor]], rank: i
         shape, values = got
         assert shape == tuple(w.shape), f"rank {rank} {name}: shape {shape} != {tuple(w.shape)}"
         assert values == w.flatten().tolist(), f"rank {rank} {name}: {values} != {w.flatten().tolist()}"
+
+
+# ------------------------------------------------------------------------------------ grouped experts
+
+
+class GroupedExperts(nn.Module):
+    """All local experts of a layer in one module (like TE's GroupedLinear): ``weight`` [n, out, in]."""
+
+    def __init__(self, layer: int, ep: tuple[int, int]) -> None:
+        super().__init__()
+        w = [global_weight(layer, "linear_fc1", ep[0] * N_LOCAL + i) for i in range(N_LOCAL)]
+        self.weight = nn.Parameter(torch.stack(w))
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [x @ w.t() for x, w in zip(xs, self.weight)]
+
+
+@ql.QuantModuleRegistry.register(GroupedExperts, "GroupedExperts")
+class _QuantGroupedExperts(ql.QuantModule):
+    is_expert = True
+
+    def _setup(self) -> None:
+        n = self.weight.shape[0]
+        self.input_quantizer = ql.TensorQuantizer(ql.QuantizerAttributeConfig())
+        self.weight_quantizer = ql.GroupedQuantizer.from_config(ql.QuantizerAttributeConfig(axis=0), n)
+        self.output_quantizer = ql.TensorQuantizer(ql.QuantizerAttributeConfig(enable=False))
+
+    def weight_groups(self):
+        yield "weight_quantizer", list(self.weight.unbind(0))
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.input_quantizer(x) @ self.weight_quantizer[i](w).t() for i, (x, w) in enumerate(zip(xs, self.weight))]
+
+
+class GroupedNet(nn.Module):
+    def __init__(self, layout: Layout, rank: int) -> None:
+        super().__init__()
+        ep = layout.coord("expert", rank)
+        self.layers = nn.ModuleList([nn.ModuleDict({"experts": GroupedExperts(layer, ep)}) for layer in range(2)])
+
+
+def grouped_loop(rank: int, tokens: Tokens = all_tokens) -> Callable[[nn.Module], None]:
+    def loop(model: nn.Module) -> None:
+        for l, layer in enumerate(model.layers):
+            xs = [activation(rank, l, f"g{i}", H) for i in range(N_LOCAL) if tokens(rank, l, i)]
+            if xs:
+                layer["experts"](xs)
+
+    return loop
+
+
+def grouped_expected(layout: Layout, rank: int, tokens: Tokens = all_tokens, sync_expert_weight_amax: bool = False) -> dict:
+    ep = layout.coord("expert", rank)
+    out = {}
+    for l in range(2):
+        fed = [activation(r, l, f"g{i}", H).abs().amax() for r in range(layout.world) for i in range(N_LOCAL) if tokens(r, l, i)]
+        out[f"layers.{l}.experts.input_quantizer"] = torch.stack(fed).amax()
+        rows = [_row_amax(global_weight(l, "linear_fc1", e)) for e in range(ep[1] * N_LOCAL)]
+        for i in range(N_LOCAL):
+            w = torch.stack(rows).amax(0) if sync_expert_weight_amax else rows[ep[0] * N_LOCAL + i]
+            out[f"layers.{l}.experts.weight_quantizer.{i}"] = w
+    return out

@@ -290,3 +290,24 @@ def test_harness_kills_a_hang():
     with pytest.raises((RankTimeout, RankFailure)):
         run_on_ranks(_hang, 2, timeout=3)
     assert time.monotonic() - start < 15
+
+
+# ------------------------------------------------------------------------------------ grouped experts
+
+
+def _calibrate_grouped(rank: int, world: int, sync_w: bool, tokens):
+    layout = L.LAYOUTS["EP2"]
+    state = L.parallel_state(layout, rank)
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "axis": None}, "default": {"enable": False}}, "sync_expert_weight_amax": sync_w}
+    model = ql.quantize(L.GroupedNet(layout, rank), cfg, L.grouped_loop(rank, tokens), parallel_state=state)
+    return L.amax_table(model)
+
+
+@pytest.mark.parametrize("sync_w", [False, True])
+@pytest.mark.parametrize("tokens", [L.all_tokens, _no_tokens_rank1_layer0], ids=["all", "rank1-layer0-none"])
+def test_grouped_experts(sync_w, tokens):
+    """A module holding all local experts (GroupedQuantizer weights, one input quantizer): one input
+    amax per layer across ranks; member i keeps expert i's weight amax."""
+    outs = run_on_ranks(_calibrate_grouped, 2, sync_w, tokens, timeout=60)
+    for rank, table in enumerate(outs):
+        L.assert_matches(table, L.grouped_expected(L.LAYOUTS["EP2"], rank, tokens, sync_w), rank)
