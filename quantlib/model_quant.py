@@ -76,13 +76,26 @@ def convert(model: nn.Module) -> nn.Module:
     from . import plugins
 
     plugins.register_available()
-    if not isinstance(model, QuantModule) and QuantModuleRegistry.is_registered(type(model)):
-        return QuantModuleRegistry.convert(model)
-    for name, module in list(model.named_modules()):
-        for attr, child in list(module.named_children()):
-            if not isinstance(child, QuantModule) and QuantModuleRegistry.is_registered(type(child)):
-                setattr(module, attr, QuantModuleRegistry.convert(child))
-    return model
+    return _convert(model, {})
+
+
+def _convert(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
+    """``module`` or its quantized version, with every registered descendant swapped, top down on the
+    live tree (so the children of a converted module are converted too); a module reached twice (shared)
+    is converted once and stays shared."""
+    if id(module) in done:
+        return done[id(module)]
+    new = module
+    if not isinstance(module, QuantModule) and QuantModuleRegistry.is_registered(type(module)):
+        new = QuantModuleRegistry.convert(module)
+    done[id(module)] = new
+    for attr, child in list(new._modules.items()):
+        if child is None or isinstance(child, (TensorQuantizer, QuantizerContainer)):
+            continue
+        converted = _convert(child, done)
+        if converted is not child:
+            new._modules[attr] = converted
+    return new
 
 
 def _class_names(module: nn.Module) -> tuple[str, ...]:

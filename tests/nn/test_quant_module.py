@@ -290,3 +290,52 @@ def test_cache_sees_in_place_writes_through_data():
         lin.weight.data.mul_(0.5)
         after = lin(x)
     assert not torch.equal(before, after)
+
+
+class Gated(nn.Module):
+    """A registered module with a registered child of its own (``proj``) and a shared child used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(8))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) * self.gate
+
+
+@pytest.fixture
+def gated():
+    class _QuantGated(QuantModule):
+        quantizer_names = ("input_quantizer",)
+        weight_quantizer_names = ()
+
+        def _setup(self):
+            self.input_quantizer = TensorQuantizer({"num_bits": 8})
+
+        def weight_groups(self):
+            return iter(())
+
+        def forward(self, x):
+            return super().forward(self.input_quantizer(x))
+
+    QuantModuleRegistry.register(Gated, "Gated")(_QuantGated)
+    yield Gated
+    QuantModuleRegistry.unregister(Gated)
+
+
+def test_registered_children_of_a_registered_module_are_converted(gated):
+    model = ql.convert(nn.Sequential(gated(), nn.ReLU()))
+    assert isinstance(model[0], QuantModule) and isinstance(model[0].proj, QuantModule)
+    root = ql.convert(gated())
+    assert isinstance(root, QuantModule) and isinstance(root.proj, QuantModule)
+    names = [n for n, _, _, _ in ql.model_quant.iter_quantizers(model)]
+    assert sorted(names) == ["0.input_quantizer", "0.proj.input_quantizer", "0.proj.output_quantizer", "0.proj.weight_quantizer"]
+
+
+def test_a_module_used_twice_is_converted_once():
+    shared = nn.Linear(8, 8)
+    model = ql.convert(nn.Sequential(shared, nn.ReLU(), shared))
+    assert isinstance(model[0], QuantModule) and model[0] is model[2]
+    ql.quantize(model, ql.INT8_DEFAULT_CFG, lambda m: m(torch.randn(2, 8)))
+    assert [n for n, _ in ql.model_quant.iter_leaf_quantizers(model)] == ["0.input_quantizer", "0.weight_quantizer", "0.output_quantizer"]
