@@ -21,7 +21,8 @@ def extensions():
     if not cpu_sources:
         return [], {}
     # No fast-math and no FMA contraction: the kernels must round every fp32 operation as torch does.
-    cxx = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
+    # -fno-trapping-math (as torch's own build) only lets the compiler vectorize selects; results stay IEEE.
+    cxx = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     kwargs = dict(name="quantlib._C", extra_link_args=["-fopenmp"])

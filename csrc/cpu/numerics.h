@@ -150,18 +150,15 @@ QL_INLINE uint8_t e2m1_code(float y) {
   return uint8_t(idx | sign);
 }
 
-// The fp32 value of e2m1_code(y) (the sign of zero included).
+// The fp32 value of e2m1_code(y) (the sign of zero included): the grid steps 0.5 x4, 1 x2, 2 summed
+// over the thresholds passed (every partial sum is exact).
 QL_INLINE float e2m1_value(float y) {
   const uint32_t u = f2u(y);
   const float m = u2f(u & kAbsMask);
-  const float v = m > 5.0f    ? 6.0f
-                  : m >= 3.5f  ? 4.0f
-                  : m > 2.5f   ? 3.0f
-                  : m >= 1.75f ? 2.0f
-                  : m > 1.25f  ? 1.5f
-                  : m >= 0.75f ? 1.0f
-                  : m > 0.25f  ? 0.5f
-                               : 0.0f;
+  float v = (m > 0.25f ? 0.5f : 0.0f) + (m >= 0.75f ? 0.5f : 0.0f);
+  v += (m > 1.25f ? 0.5f : 0.0f) + (m >= 1.75f ? 0.5f : 0.0f);
+  v += (m > 2.5f ? 1.0f : 0.0f) + (m >= 3.5f ? 1.0f : 0.0f);
+  v += m > 5.0f ? 2.0f : 0.0f;
   const uint32_t sign = isnan_(y) ? 0u : (u & kSignMask);
   return u2f(f2u(v) | sign);
 }
