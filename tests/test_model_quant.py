@@ -261,3 +261,15 @@ def test_summary_rows_show_format_granularity_and_amax(make_model, make_data, ma
     model = ql.quantize(model, ql.MXFP8_DEFAULT_CFG, None)
     rows = {line.split()[0]: line.split() for line in ql.quant_summary(model).splitlines()[2:-1]}
     assert rows["fc2.input_quantizer"][1:] == ["mx", "e4m3", "block", "32", "dynamic", "-", "dynamic"]
+
+
+def test_sequential_input_quantizer_does_not_quantize_downstream_calibration(make_model, make_data, make_loop):
+    data = make_data("mlp")
+    cfg = {"quant_cfg": {"*input_quantizer": {"num_bits": 4}, "fc1.input_quantizer": [{"num_bits": 4}, {"num_bits": (4, 3)}], "default": {"enable": False}}}
+    model = ql.quantize(make_model("mlp"), cfg, make_loop(data))
+    ref = make_model("mlp")
+    with torch.no_grad():
+        h_max = torch.stack([torch.relu(ref.fc1(d)).abs().amax() for d in data]).amax()
+    assert torch.equal(model.fc2.input_quantizer.amax, h_max)
+    x_max = torch.stack([d.abs().amax() for d in data]).amax()
+    assert torch.equal(model.fc1.input_quantizer[0].amax, x_max)

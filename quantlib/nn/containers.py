@@ -106,13 +106,15 @@ class SequentialQuantizer(QuantizerContainer, nn.Sequential):
             x = m(x) if m.is_enabled else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
         for m in self:
             if m.is_enabled and m._if_calib:
-                m.collect(x)
-                x = m.running_amax_quant(x)
+                m.collect(y)
+                y = m.running_amax_quant(y)  # the next member calibrates on this member's output
             else:
-                x = m(x)
-        return x
+                y = m(y)
+        # with quantization switched off (calibration runs on the unquantized model), pass x through
+        return x if all(not m._if_quant for m in self if m.is_enabled) else y
 
 
 class GroupedQuantizer(QuantizerContainer, nn.ModuleList):

@@ -223,3 +223,16 @@ def test_grouped_checks_its_arguments():
         GroupedQuantizer([])
     with pytest.raises(TypeError, match="GroupedQuantizer"):
         GroupedQuantizer([GroupedQuantizer.from_config(FP8, 1)])
+
+
+def test_sequential_calibration_with_quant_off_passes_the_input_through():
+    c = w4a8()
+    w = weight()
+    c.enable_calib()
+    c.disable_quant()
+    assert c(w) is w  # downstream quantizers calibrate on the unquantized tensor
+    c.disable_calib()
+    c.load_calib_amax()
+    ref = w4a8()
+    ref.calibrate(w)
+    assert torch.equal(c[1].amax, ref[1].amax)  # yet member 1 saw member 0's output
