@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -98,7 +98,9 @@ def save(model: nn.Module, path: Union[str, os.PathLike]) -> None:
     """Write :func:`quantizer_state` atomically (temp file in the same folder, fsync, rename)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".quantlib-", suffix=".tmp", dir=folder)
+    tmp = os.path.join(folder, f".quantlib-{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    # created like open(path, "wb") would (mode 0o666 & ~umask), not 0o600 as tempfile.mkstemp does
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(quantizer_state(model), f)

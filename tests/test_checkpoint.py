@@ -157,6 +157,13 @@ def test_save_is_atomic(quantized, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["q.pt"]  # no temporary file left behind
 
 
+def test_saved_file_mode_follows_the_umask_like_torch_save(quantized, tmp_path):
+    model = quantized("mlp", "FP8_DEFAULT_CFG")
+    ql.save(model, tmp_path / "q.pt")
+    torch.save({}, tmp_path / "plain.pt")
+    assert os.stat(tmp_path / "q.pt").st_mode & 0o777 == os.stat(tmp_path / "plain.pt").st_mode & 0o777
+
+
 def test_save_overwrites(quantized, make_model, tmp_path):
     path = tmp_path / "q.pt"
     ql.save(quantized("mlp", "INT8_DEFAULT_CFG"), path)
