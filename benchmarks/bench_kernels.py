@@ -133,7 +133,9 @@ def run_torchao(x: torch.Tensor, rows: list[dict]) -> None:
         _measure(rows, shape, "nvfp4_cast (static)", "torchao", lambda: q(x, 16, g), nin + n // 2 + n // 16)
 
 
-def run_modelopt(x: torch.Tensor, rows: list[dict]) -> None:
+def run_modelopt(x: torch.Tensor, rows: list[dict], only: str = "") -> None:
+    """ModelOpt's fake quant and NVFP4QTensor; ``only``: comma-separated substrings of case names (its
+    FP8 / INT8 / MX fake quant JIT-compiles a CUDA extension first, about a minute each)."""
     shape = "x".join(map(str, x.shape))
     n, nin = x.numel(), x.numel() * x.element_size()
     try:
@@ -152,7 +154,10 @@ def run_modelopt(x: torch.Tensor, rows: list[dict]) -> None:
         ("fake_quant MXFP8", dict(num_bits=(4, 3), block_sizes={-1: 32, "type": "dynamic", "scale_bits": (8, 0)}), None),
         ("fake_quant NVFP4 (static global)", dict(num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)}), amax_t),
     ]
+    keep = [w for w in only.split(",") if w]
     for name, cfg, amax in cases:
+        if keep and not any(w in name for w in keep):
+            continue
         try:
             tq = TensorQuantizer(QuantizerAttributeConfig(**cfg)).cuda()
             if amax is not None:
@@ -162,6 +167,8 @@ def run_modelopt(x: torch.Tensor, rows: list[dict]) -> None:
         except Exception as exc:
             print(f"  modelopt {name}: {type(exc).__name__}: {str(exc)[:200]}")
             rows.append({"shape": shape, "case": name, "backend": "modelopt", "error": str(exc)[:120]})
+    if keep and not any("nvfp4_cast" in w for w in keep):
+        return
     s2 = (x.float().abs().amax() / (6.0 * 448.0)).to(torch.float32)
     _measure(rows, shape, "nvfp4_cast (dynamic)", "modelopt", lambda: NVFP4QTensor.quantize(x, 16), nin + n // 2 + n // 16)
     _measure(rows, shape, "nvfp4_cast (static)", "modelopt", lambda: NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=s2), nin + n // 2 + n // 16)
@@ -195,6 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--modelopt-cases", default="", help="comma-separated substrings of ModelOpt case names (default: all)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU")
@@ -218,7 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{s}: bf16 copy {ms * 1e3:.1f} us = {copy[s]:.0f} GB/s", flush=True)
         run_quantlib(x, backends, rows)
         if not args.no_peers:
-            for peer in (run_torchao, run_modelopt):
+            for peer in (run_torchao, lambda x, rows: run_modelopt(x, rows, args.modelopt_cases)):
                 try:
                     peer(x, rows)
                 except Exception:

@@ -47,6 +47,10 @@ inline Args args_1d(const at::Tensor& x, int64_t B) {
   a.R = a.C ? x.numel() / a.C : 0;
   a.NB = (a.C + B - 1) / B;
   a.OUTC = (a.C + 1) / 2;
+  // row = b / NB as (b * ceil(2^44 / NB)) >> 44: exact when b * NB < 2^44 for every block b (the
+  // error b * (M - 2^44 / NB) / 2^44 stays below 1 / NB); else a plain division.
+  const double blocks = double(a.R) * double(a.NB);
+  a.nb_magic = (a.NB >= 2 && blocks * double(a.NB) < 17592186044416.0) ? (uint64_t(1) << 44) / uint64_t(a.NB) + 1 : 0;
   return a;
 }
 

@@ -9,6 +9,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -37,8 +38,16 @@ QL_DEV float rint_even(float v) {
 }
 
 // fp32 value of cast_rne_fp8(v) for |v| <= Q or NaN; FP8E 0 = E4M3, 1 = E5M2. Sign of zero kept.
+// E4M3 byte of |v| <= 448 (or NaN) by the hardware's round-to-nearest-even conversion (sm_89+;
+// emulated bit-exactly by cuda_fp8.h elsewhere), and its exact fp32 value.
+QL_DEV uint32_t e4m3_code(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+QL_DEV float e4m3_value(uint32_t byte) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(byte), __NV_E4M3)));
+}
+
 template <int FP8E>
 QL_DEV float round_fp8(float v) {
+  if (FP8E == 0) return e4m3_value(e4m3_code(v));
   const uint32_t u = f2u(v), mag = u & 0x7FFFFFFFu;
   uint32_t res;
   if (FP8E == 0) {
@@ -57,6 +66,7 @@ QL_DEV float round_fp8(float v) {
 // The FP8 byte of a value already on the FP8 grid; NaN gives 0x7F | sign.
 template <int FP8E>
 QL_DEV uint32_t fp8_byte(float r) {
+  if (FP8E == 0) return e4m3_code(r);
   const uint32_t u = f2u(r), mag = u & 0x7FFFFFFFu;
   uint32_t b;
   if (FP8E == 0) {
@@ -159,6 +169,12 @@ QL_DEV float fp8_block_round(float x, const BlockDiv& bd, float qmax) {
   return round_fp8<FP8E>(clamp_nan(y, -qmax, qmax));
 }
 
+template <bool POW2>
+QL_DEV uint32_t fp8_block_code(float x, const BlockDiv& bd, float qmax) {
+  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : __fdiv_rn(x, bd.d);
+  return e4m3_code(clamp_nan(y, -qmax, qmax));
+}
+
 QL_DEV float nvfp4_s2(float A) { return A <= kTiny ? 1.0f : __fdiv_rn(A, 2688.0f); }
 
 QL_DEV float nvfp4_sb8(float a, float s2) {
@@ -243,6 +259,7 @@ struct Args {
   float* s2;           // NVFP4 cast: the global scale (0-dim)
   int64_t R, C, NB, OUTC;  // 1-D: rows, cols, blocks per row, packed bytes per row
   int64_t L, M, K, MB, KB; // 2-D: batch, rows, cols, blocks
+  uint64_t nb_magic;       // ceil(2^44 / NB), exact for b / NB while b * NB < 2^44 (0: divide)
   float lo, hi, eps;
 };
 
@@ -252,6 +269,10 @@ constexpr int kUnroll = 4;
 // Blocks of B along the last dim of [R, C]. A group of LANES threads owns one block, each thread EPT
 // contiguous elements (16-byte vectors); a CTA owns kUnroll * (256 / LANES) consecutive blocks,
 // whose loads are all issued before the first use. Needs C % (16 / sizeof(T)) == 0.
+QL_DEV int64_t div_nb(int64_t b, const Args& a) {
+  return a.nb_magic ? int64_t(__umul64hi(uint64_t(b), a.nb_magic << 20)) : b / a.NB;
+}
+
 template <typename T, int KIND, int OP, int B, bool STATIC, bool POW2, bool E2M1, bool FLOOR>
 __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
   constexpr int VEC = 16 / sizeof(T);
@@ -273,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t b = first + int64_t(u) * GROUPS;
-    const int64_t row = b / args.NB;
+    const int64_t row = div_nb(b, args);
     const int64_t col0 = (b - row * args.NB) * B + lane * EPT;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -300,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
     for (int i = 0; i < EPT; ++i) m = max(m, f2u(v[u][i]) & 0x7FFFFFFFu);
     m = group_max<LANES>(m);
     if (b >= total) continue;
-    const int64_t row = b / args.NB;
+    const int64_t row = div_nb(b, args);
     const int64_t col0 = (b - row * args.NB) * B + lane * EPT;
     float a = u2f(m);
     if (STATIC) {
@@ -319,8 +340,8 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
       if (OP == kCast && lane == 0) static_cast<float*>(args.scale)[b] = d;
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {
-        const float q = fp8_block_round<POW2, 0>(v[u][i], bd, 448.0f);
-        if (OP == kCast) c[i] = fp8_byte<0>(q); else r[i] = __fmul_rn(q, d);
+        if (OP == kCast) c[i] = fp8_block_code<POW2>(v[u][i], bd, 448.0f);
+        else r[i] = __fmul_rn(fp8_block_round<POW2, 0>(v[u][i], bd, 448.0f), d);
       }
     } else if (KIND == kMx) {
       const int byte = e8m0_byte<FLOOR>(a, QMAX, EMAX);
@@ -333,8 +354,7 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
           c[i] = e2m1_code(y);
           if (OP == kFake) r[i] = __fmul_rn(e2m1_value(c[i]), sc);
         } else {
-          const float q = round_fp8<0>(y);
-          if (OP == kCast) c[i] = fp8_byte<0>(q); else r[i] = __fmul_rn(q, sc);
+          if (OP == kCast) c[i] = e4m3_code(y); else r[i] = __fmul_rn(round_fp8<0>(y), sc);
         }
       }
     } else {  // NVFP4
@@ -429,7 +449,7 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
     if (OP == kCast) {
       uint32_t c[VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) c[i] = fp8_byte<0>(fp8_block_round<POW2, 0>(v[p][i], bd, 448.0f));
+      for (int i = 0; i < VEC; ++i) c[i] = fp8_block_code<POW2>(v[p][i], bd, 448.0f);
       store_bytes<VEC>(static_cast<uint8_t*>(args.out) + off, c);
     } else {
       float r[VEC];

@@ -37,13 +37,13 @@ from ._numerics import (
 )
 
 @triton.jit
-def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr):
+def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
     """Fake-quantized fp32 values of ``x`` whose block amax ``a`` is broadcast to its shape."""
     if KIND == 0:
         return int_fake(x, a, lo, hi)
     elif KIND == 1:
         d = fp8_block_scale(a, eps, QMAX, POW2)
-        return fp8_block_round(x, d, QMAX, FP8E, POW2) * d
+        return fp8_block_round(x, d, QMAX, FP8E, POW2, HW) * d
     elif KIND == 2:
         byte = e8m0_byte(a, QMAX, EMAX, FLOOR)
         y = x * e8m0_inverse(byte)
@@ -51,11 +51,11 @@ def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constex
         if E2M1:
             v = e2m1_value(e2m1_code(y))
         else:
-            v = round_fp8(y, 0)
+            v = round_fp8(y, 0, HW)
         return v * e8m0_value(byte)
     else:
         s2 = nvfp4_s2(tl.load(g_ptr))
-        p = nvfp4_sb8(a, s2) * s2
+        p = nvfp4_sb8(a, s2, HW) * s2
         return e2m1_value(e2m1_code(tl.math.div_rn(x, p))) * p
 
 
@@ -67,6 +67,7 @@ def block1d_kernel(
     B: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
     QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr,
+    HW: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
@@ -93,13 +94,13 @@ def block1d_kernel(
     if OP == 0:
         tl.store(amax_ptr + offs2, a, mask=mask2)
     elif OP == 1:
-        v = _block_values(x, a[:, :, None], g_ptr, lo, hi, eps, KIND, QMAX, FP8E, POW2, E2M1, EMAX, FLOOR)
+        v = _block_values(x, a[:, :, None], g_ptr, lo, hi, eps, KIND, QMAX, FP8E, POW2, E2M1, EMAX, FLOOR, HW)
         store_out(out_ptr, offs, v, mask, OUT_DT)
     else:
         if KIND == 1:
             d = fp8_block_scale(a, eps, QMAX, POW2)
             tl.store(scale_ptr + offs2, d, mask=mask2)
-            c = fp8_byte(fp8_block_round(x, d[:, :, None], QMAX, FP8E, POW2), FP8E)
+            c = fp8_byte(fp8_block_round(x, d[:, :, None], QMAX, FP8E, POW2, HW), FP8E, HW)
             tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
         elif KIND == 2:
             byte = e8m0_byte(a, QMAX, EMAX, FLOOR)
@@ -109,11 +110,11 @@ def block1d_kernel(
             if E2M1:
                 code = e2m1_code(y)
             else:
-                code = fp8_byte(round_fp8(y, 0), 0)
+                code = fp8_byte(round_fp8(y, 0, HW), 0, HW)
         else:
             s2 = nvfp4_s2(tl.load(g_ptr))
-            sb8 = nvfp4_sb8(a, s2)
-            tl.store(scale_ptr + offs2, fp8_byte(sb8, 0).to(tl.uint8), mask=mask2)
+            sb8 = nvfp4_sb8(a, s2, HW)
+            tl.store(scale_ptr + offs2, fp8_byte(sb8, 0, HW).to(tl.uint8), mask=mask2)
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(s2_ptr, s2)
             code = e2m1_code(tl.math.div_rn(x, (sb8 * s2)[:, :, None]))
@@ -135,7 +136,7 @@ def block2d_kernel(
     lo: tl.constexpr, hi: tl.constexpr, eps: tl.constexpr, OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, BMP: tl.constexpr, BKP: tl.constexpr,
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
-    QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr,
+    QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr,
 ):
     pid = tl.program_id(0)  # l * MB + mb
     kb = tl.program_id(1)
@@ -164,21 +165,21 @@ def block2d_kernel(
             v = int_fake(x, a, lo, hi)
         else:
             d = fp8_block_scale(a, eps, QMAX, POW2)
-            v = fp8_block_round(x, d, QMAX, FP8E, POW2) * d
+            v = fp8_block_round(x, d, QMAX, FP8E, POW2, HW) * d
         store_out(out_ptr, offs, v, mask, OUT_DT)
     else:
         d = fp8_block_scale(a, eps, QMAX, POW2)
         tl.store(scale_ptr + soff, d)
-        c = fp8_byte(fp8_block_round(x, d, QMAX, FP8E, POW2), FP8E)
+        c = fp8_byte(fp8_block_round(x, d, QMAX, FP8E, POW2, HW), FP8E, HW)
         tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _row_values(x, a, lo, hi, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr):
+def _row_values(x, a, lo, hi, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, HW: tl.constexpr):
     if KIND == 0:
         return int_fake(x, a, lo, hi)
     else:
-        return fp8_fake(x, a, QMAX, FP8E)
+        return fp8_fake(x, a, QMAX, FP8E, HW)
 
 
 @triton.jit
@@ -186,7 +187,7 @@ def rowwise_kernel(
     x_ptr, out_ptr, amax_ptr, gid_ptr, flag_ptr, gflag_ptr, R, C, a_sr, a_sc,
     lo: tl.constexpr, hi: tl.constexpr, KIND: tl.constexpr, AMODE: tl.constexpr, NAN_GROUPS: tl.constexpr,
     ROWS: tl.constexpr, BC: tl.constexpr, ONE_PASS: tl.constexpr, NCH: tl.constexpr,
-    IN_DT: tl.constexpr, OUT_DT: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr,
+    IN_DT: tl.constexpr, OUT_DT: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, HW: tl.constexpr,
 ):
     """AMODE: 0 one amax, 1 per row (a_sr), 2 per column (a_sc), 3 strides (a_sr, a_sc), 4 dynamic per
     row, 5 group index per element (gid). With NAN_GROUPS (static INT), a NaN element flags its group
@@ -200,7 +201,7 @@ def rowwise_kernel(
             mask = rmask & (cols < C)
             x = load_f32(x_ptr, base + cols, mask, IN_DT)
             a = bits_to_f32(tl.max(abs_bits(x), axis=1))[:, None]
-            store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
+            store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW), mask, OUT_DT)
         else:
             m = tl.zeros((ROWS, BC), dtype=tl.int32)
             for ch in range(0, NCH):
@@ -212,7 +213,7 @@ def rowwise_kernel(
                 c0 = ch * BC
                 mask = rmask & (cols + c0 < C)
                 x = load_f32(x_ptr, base + c0 + cols, mask, IN_DT)
-                store_out(out_ptr, base + c0 + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
+                store_out(out_ptr, base + c0 + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW), mask, OUT_DT)
     else:
         cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
         mask = rmask & (cols < C)
@@ -232,12 +233,12 @@ def rowwise_kernel(
         else:
             aoff = tl.load(gid_ptr + base + cols, mask=mask, other=0).to(tl.int64)
             a = tl.load(amax_ptr + aoff, mask=mask, other=1.0)
-        store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E), mask, OUT_DT)
-        if NAN_GROUPS:
+        store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW), mask, OUT_DT)
+        if NAN_GROUPS:  # predicated atomics: no instruction of them runs without a NaN
             isnan = mask & (x != x)
-            if tl.max(isnan.to(tl.int32)) > 0:
-                tl.atomic_max(flag_ptr + aoff, tl.full((ROWS, BC), 1, tl.int32), mask=isnan)
-                tl.atomic_max(gflag_ptr, 1)
+            ones = tl.full((ROWS, BC), 1, tl.int32)
+            tl.atomic_max(flag_ptr + aoff, ones, mask=isnan)
+            tl.atomic_max(gflag_ptr + tl.zeros((ROWS, BC), dtype=tl.int32), ones, mask=isnan)
 
 
 @triton.jit

@@ -78,8 +78,13 @@ def rint(v):
 
 
 @triton.jit
-def round_fp8(v, FP8E: tl.constexpr):
-    """fp32 value of ``cast_rne_fp8(v)`` for ``|v| <= Q`` (or NaN), sign of zero kept."""
+def round_fp8(v, FP8E: tl.constexpr, HW: tl.constexpr):
+    """fp32 value of ``cast_rne_fp8(v)`` for ``|v| <= Q`` (or NaN), sign of zero kept.
+
+    ``HW`` (compiled for a GPU): E4M3 by the hardware conversion, bit-exact to torch's there
+    (FACTS.md); the integer path otherwise (the interpreter's conversion is wrong near carries)."""
+    if HW and FP8E == 0:
+        return v.to(tl.float8e4nv).to(tl.float32)
     mag = abs_bits(v)
     if FP8E == 0:
         rn = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # keep 3 mantissa bits
@@ -94,8 +99,10 @@ def round_fp8(v, FP8E: tl.constexpr):
 
 
 @triton.jit
-def fp8_byte(r, FP8E: tl.constexpr):
+def fp8_byte(r, FP8E: tl.constexpr, HW: tl.constexpr):
     """The FP8 byte (int32 0..255) of an fp32 value ``r`` already on the FP8 grid; NaN gives 0x7F|sign."""
+    if HW and FP8E == 0:
+        return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     neg = r.to(tl.int32, bitcast=True) < 0
     mag = abs_bits(r)
     af = bits_to_f32(mag)
@@ -199,13 +206,13 @@ def int_code(x, a, lo, hi):
 
 
 @triton.jit
-def fp8_fake(x, a, QMAX: tl.constexpr, FP8E: tl.constexpr):
+def fp8_fake(x, a, QMAX: tl.constexpr, FP8E: tl.constexpr, HW: tl.constexpr):
     """FP8 per tensor / channel: ``cast(clamp(x * s)) * (1 / s)``, ``s = Q / a'``."""
     safe = tl.where(a > 5.960464477539063e-08, a, 1.0)
     safe = tl.where(a != a, a, safe)
     s = tl.math.div_rn(QMAX, safe)
     inv = tl.math.div_rn(1.0, s)
-    c = round_fp8(clamp_nan(x * s, -QMAX, QMAX), FP8E)
+    c = round_fp8(clamp_nan(x * s, -QMAX, QMAX), FP8E, HW)
     return c * inv
 
 
@@ -220,7 +227,7 @@ def fp8_block_scale(a, eps, QMAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def fp8_block_round(x, d, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr):
+def fp8_block_round(x, d, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
     """fp32 value of ``cast_rne(clamp(x / d))``.
 
     With a power-of-two ``d`` the division is a multiplication by the exact reciprocal; a subnormal
@@ -234,7 +241,7 @@ def fp8_block_round(x, d, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.const
         y = xs * tl.math.div_rn(1.0, ds)
     else:
         y = tl.math.div_rn(x, d)
-    return round_fp8(clamp_nan(y, -QMAX, QMAX), FP8E)
+    return round_fp8(clamp_nan(y, -QMAX, QMAX), FP8E, HW)
 
 
 @triton.jit
@@ -244,8 +251,8 @@ def nvfp4_s2(A):
 
 
 @triton.jit
-def nvfp4_sb8(a, s2):
+def nvfp4_sb8(a, s2, HW: tl.constexpr):
     """fp32 value of the E4M3 block scale ``cast(clamp(a / (6 * s2), 2^-9, 448))`` (0 -> 1 first)."""
     sb = tl.math.div_rn(a, 6.0 * s2)
     sb = tl.where(sb == 0.0, 1.0, sb)
-    return round_fp8(clamp_nan(sb, 0.001953125, 448.0), 0)
+    return round_fp8(clamp_nan(sb, 0.001953125, 448.0), 0, HW)

@@ -82,7 +82,7 @@ def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=Non
     dummy = _dummy(dev)
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy,
             g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2)
-    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
 
     def grid(meta):
         return (-(-R // meta["ROWS"]), -(-NB // meta["NBT"]))
@@ -104,7 +104,7 @@ def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB)
     BMP, BKP = next_pow2(BM), next_pow2(BK)
     fmt = {k: fmt[k] for k in ("KIND", "QMAX", "FP8E", "POW2")}
-    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
     launch(K.block2d_kernel, lambda meta: (L * MB, KB), args, consts, tile_2d_candidates(BMP, BKP, x.is_cuda), dev, x.numel())
 
 
@@ -115,7 +115,7 @@ def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt:
     o, out_dt = out_view(out)
     dev = x.device
     dummy = _dummy(dev)
-    consts = dict(lo=lo, hi=hi, KIND=fmt["KIND"], QMAX=fmt["QMAX"], FP8E=fmt["FP8E"], IN_DT=in_dt, OUT_DT=out_dt)
+    consts = dict(lo=lo, hi=hi, KIND=fmt["KIND"], QMAX=fmt["QMAX"], FP8E=fmt["FP8E"], IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda)
     if amax is None:
         args = (xin, o, dummy, dummy, dummy, dummy, R, C, 0, 0)
         consts.update(AMODE=4, NAN_GROUPS=False)
