@@ -216,23 +216,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[dict] = []
     copy: dict[str, float] = {}
     t0 = time.time()
-    for s in args.shapes.split(","):
-        m, k = (int(v) for v in s.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        y = torch.empty_like(x)
-        ms = bench(lambda: y.copy_(x))
-        copy[s] = gbps(2 * x.numel() * 2, ms)
-        print(f"{s}: bf16 copy {ms * 1e3:.1f} us = {copy[s]:.0f} GB/s", flush=True)
-        run_quantlib(x, backends, rows)
-        if not args.no_peers:
-            for peer in (run_torchao, lambda x, rows: run_modelopt(x, rows, args.modelopt_cases)):
-                try:
-                    peer(x, rows)
-                except Exception:
-                    traceback.print_exc()
-        del x, y
-        torch.cuda.empty_cache()
+    try:
+        for s in args.shapes.split(","):
+            m, k = (int(v) for v in s.split("x"))
+            g = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            y = torch.empty_like(x)
+            ms = bench(lambda: y.copy_(x))
+            copy[s] = gbps(2 * x.numel() * 2, ms)
+            print(f"{s}: bf16 copy {ms * 1e3:.1f} us = {copy[s]:.0f} GB/s", flush=True)
+            run_quantlib(x, backends, rows)
+            if not args.no_peers:
+                for peer in (run_torchao, lambda x, rows: run_modelopt(x, rows, args.modelopt_cases)):
+                    try:
+                        peer(x, rows)
+                    except Exception:
+                        traceback.print_exc()
+            del x, y
+            torch.cuda.empty_cache()
+    except KeyboardInterrupt:  # `timeout -s INT`: report what was measured
+        print("interrupted: partial results")
     print(f"\n## quantlib kernels (GB/s = (bytes read + written) / median time), {time.time() - t0:.0f} s")
     print(table(rows, copy))
     if args.json:
