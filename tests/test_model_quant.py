@@ -273,3 +273,29 @@ def test_sequential_input_quantizer_does_not_quantize_downstream_calibration(mak
     assert torch.equal(model.fc2.input_quantizer.amax, h_max)
     x_max = torch.stack([d.abs().amax() for d in data]).amax()
     assert torch.equal(model.fc1.input_quantizer[0].amax, x_max)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["INT8_DEFAULT_CFG", "FP8_BLOCKWISE_CFG", "NVFP4_DEFAULT_CFG", "W4A8_AWQ_BETA_CFG"])
+def test_half_precision_models(name, dtype, make_model, make_data, make_loop):
+    data = [d.to(dtype) for d in make_data("conv")]
+    model = ql.quantize(make_model("conv").to(dtype), ql.PRESETS[name], make_loop(data))
+    assert all(q.amax is None or q.amax.dtype == torch.float32 for _, q in iter_leaf_quantizers(model))
+    with torch.no_grad():
+        out = model(data[0])
+        ref = make_model("conv").to(dtype)(data[0])
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert not torch.equal(out, ref)
+
+
+def test_three_d_activations(make_model):
+    model = make_model("mlp")
+    data = [torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    model = ql.quantize(model, ql.FP8_PER_CHANNEL_PER_TOKEN_CFG, lambda m: [m(x) for x in data])
+    x = data[0]
+    fc1 = model.fc1
+    # per-token FP8 inputs: every (batch, position) row has its own scale
+    xq = fc1.input_quantizer(x)
+    rows = torch.stack([ql.TensorQuantizer({"num_bits": (4, 3)})(x[b, s]) for b in range(2) for s in range(5)]).reshape(2, 5, 64)
+    assert torch.equal(xq, rows)
+    assert model(x).shape == (2, 5, 16)
