@@ -326,7 +326,7 @@ class QuantTELayerNormLinearBase(QuantTELinearBase):
 
         def quantized_norm(*args, **kwargs):
             ln_out, *rest = norm(*args, **kwargs)
-            if type(ln_out) is torch.Tensor:  # noqa: E721 (TE-quantized outputs are subclasses: left alone)
+            if type(ln_out) is torch.Tensor:  # TE-quantized outputs are subclasses: left alone
                 ln_out = quantizer(ln_out)
             return (ln_out, *rest)
 
@@ -347,7 +347,7 @@ class QuantTEGroupedLinearBase(QuantTEModuleBase):
 
     def _setup(self) -> None:
         if getattr(self, "single_grouped_weight", False):
-            raise NotImplementedError(f"{type(self).__name__}: single_grouped_weight=True is not supported; build GroupedLinear with per-GEMM weights")
+            raise NotImplementedError(f"{type(self).__name__}: single_grouped_weight=True is not supported; use per-GEMM weights")
         self.input_quantizer = TensorQuantizer(QuantizerAttributeConfig())
         self.weight_quantizer = GroupedQuantizer([TensorQuantizer(QuantizerAttributeConfig(axis=0)) for _ in range(self.num_gemms)])
         self.output_quantizer = TensorQuantizer(QuantizerAttributeConfig(enable=False))
@@ -393,19 +393,19 @@ def record_tokens(module: nn.Module, counts: Any, input_quantizer: TensorQuantiz
 
 
 __all__ = [
-    "GROUPED_LINEAR_ADAPTERS",
-    "TE_1_13",
-    "TE_2_10",
-    "TE_2_17",
-    "TE_2_18",
-    "TE_2_8",
     "AdapterError",
     "FunctionProxy",
+    "GROUPED_LINEAR_ADAPTERS",
     "GroupedCall",
     "GroupedLinearAdapter",
     "QuantTEGroupedLinearBase",
     "QuantTELayerNormLinearBase",
     "QuantTELinearBase",
+    "TE_1_13",
+    "TE_2_10",
+    "TE_2_17",
+    "TE_2_18",
+    "TE_2_8",
     "TensorArgs",
     "grouped_linear_adapter",
     "parse_version",

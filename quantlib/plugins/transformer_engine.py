@@ -48,7 +48,8 @@ def _unsupported(base: type, reason: str) -> type:
     """A mixin that refuses conversion with ``reason`` (so a model is never half-quantized silently)."""
 
     def _setup(self) -> None:
-        raise NotImplementedError(f"quantlib cannot quantize {type(self).__name__} with this Transformer Engine: {reason}")
+        name = QuantModuleRegistry.original_class_of(self).__name__
+        raise NotImplementedError(f"quantlib cannot quantize {name} with this Transformer Engine: {reason}")
 
     return type(f"_Unsupported{base.__name__}", (base,), {"_setup": _setup})
 
@@ -73,7 +74,8 @@ def _register_layernorm_linear() -> None:
         QuantModuleRegistry.register(te.LayerNormLinear, "te.LayerNormLinear")(_unsupported(QuantTELayerNormLinearBase, str(exc)))
         return
     attrs = {"te_namespace": _te_layernorm_linear, "te_args": args, "te_norm_name": norm_name}
-    QuantModuleRegistry.register(te.LayerNormLinear, "te.LayerNormLinear")(type("_QuantTELayerNormLinear", (QuantTELayerNormLinearBase,), attrs))
+    mixin = type("_QuantTELayerNormLinear", (QuantTELayerNormLinearBase,), attrs)
+    QuantModuleRegistry.register(te.LayerNormLinear, "te.LayerNormLinear")(mixin)
 
 
 def _register_grouped_linear() -> None:

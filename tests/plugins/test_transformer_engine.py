@@ -14,6 +14,7 @@ import ast
 import contextlib
 import copy
 import functools
+import importlib
 import inspect
 import os
 import subprocess
@@ -31,6 +32,7 @@ from torch import nn
 import quantlib as ql
 from quantlib.nn import GroupedQuantizer, QuantModuleRegistry, TensorQuantizer
 from quantlib.plugins import te_adapters as ta
+from quantlib.plugins.huggingface import tokens_per_expert_report  # imports nothing from transformers
 
 #: TE releases whose wheels the adapters are checked against, and the generation each belongs to.
 WHEELS = {"1.13.0": "1.13", "2.8.0": "2.8", "2.14.0": "2.10", "2.17.0": "2.17", "2.20.2": "2.18"}
@@ -82,7 +84,7 @@ def te_source(request) -> Callable[[str, str], str]:
     return get
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(source: str) -> ast.Module:
     return ast.parse(source)
 
@@ -267,7 +269,7 @@ def fake_te_namespace(sig: inspect.Signature, cls: str = "_GroupedLinear") -> ty
         return torch.cat(outs)
 
     ns.calls = []
-    forward = ns.forward
+    real_forward = ns.forward
 
     class Function:
         _gemms = staticmethod(gemms)
@@ -275,12 +277,13 @@ def fake_te_namespace(sig: inspect.Signature, cls: str = "_GroupedLinear") -> ty
         @staticmethod
         def apply(*args):
             ns.calls.append("apply")
-            return forward(None, *args)
+            return real_forward(None, *args)
 
         @staticmethod
+        @functools.wraps(real_forward)  # inspect.signature sees the real one
         def forward(ctx, *args):
             ns.calls.append("forward")
-            return forward(ctx, *args)
+            return real_forward(ctx, *args)
 
     setattr(ns, cls, Function)
     return ns
@@ -368,7 +371,7 @@ def _loop(data):
 
 
 def test_grouped_linear_matches_separate_linears(grouped):
-    cls, ns, version = grouped
+    cls, ns, _ = grouped
     data = _batches()
     model = ql.quantize(cls(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data))
     ref = ql.quantize(SeparateExperts(cls(4, 16, 8)), FP8_INPUT_INT8_WEIGHT, _loop(data))
@@ -397,8 +400,7 @@ def test_expert_without_tokens_gets_its_own_weight_amax(grouped):
     model = ql.quantize(cls(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(_batches(splits=(3, 5, 0, 4))))
     assert model.tokens_per_expert.tolist() == [9, 15, 0, 12]
     assert torch.equal(model.weight_quantizer[2].amax, model.weight2.detach().abs().amax(dim=1, keepdim=True))
-    report = ql.plugins.huggingface.tokens_per_expert_report(model) if "transformers" in sys.modules else None
-    assert report is None or report == {"": [9, 15, 0, 12]}
+    assert tokens_per_expert_report(model, warn=False) == {"": [9, 15, 0, 12]}
     ql.calibrate(model, forward_loop=_loop(_batches(1)))  # a new calibration counts from zero
     assert model.tokens_per_expert.tolist() == [3, 5, 1, 3]
 
@@ -421,7 +423,7 @@ def test_function_is_restored_when_forward_raises(grouped):
     cls, ns, _ = grouped
     model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
     original = ns._GroupedLinear
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError):
         model(torch.randn(3, 16), [1, 1])  # the splits do not cover the input
     assert ns._GroupedLinear is original
 
@@ -480,12 +482,8 @@ def fake_linear_namespace(sig: inspect.Signature, cls: str) -> types.ModuleType:
     return ns
 
 
-@pytest.mark.parametrize("version", ["1.13.0", "2.20.2"])
-@pytest.mark.parametrize("layernorm", [False, True])
-def test_te_linear_matches_nn_linear(te_source, registered, version, layernorm):
-    cls_name, module = ("_LayerNormLinear", "layernorm_linear") if layernorm else ("_Linear", "linear")
-    sig = real_signature(te_source(version, module), cls_name)
-    ns = fake_linear_namespace(sig, cls_name)
+def fake_linear_class(ns: types.ModuleType, cls_name: str) -> type:
+    """An nn.Module shaped like te.Linear / te.LayerNormLinear calling the stand-in function by name."""
 
     class FakeTELinear(nn.Module):
         def __init__(self) -> None:
@@ -499,6 +497,17 @@ def test_te_linear_matches_nn_linear(te_source, registered, version, layernorm):
         def forward(self, inp):
             values = {"inp": inp, "weight": self.weight, "ln_weight": self.ln_weight, "ln_bias": self.ln_bias}
             return getattr(ns, cls_name).apply(*(values.get(p) for p in ns.params))
+
+    return FakeTELinear
+
+
+@pytest.mark.parametrize("version", ["1.13.0", "2.20.2"])
+@pytest.mark.parametrize("layernorm", [False, True])
+def test_te_linear_matches_nn_linear(te_source, registered, version, layernorm):
+    cls_name, module = ("_LayerNormLinear", "layernorm_linear") if layernorm else ("_Linear", "linear")
+    sig = real_signature(te_source(version, module), cls_name)
+    ns = fake_linear_namespace(sig, cls_name)
+    FakeTELinear = fake_linear_class(ns, cls_name)
 
     base = ta.QuantTELayerNormLinearBase if layernorm else ta.QuantTELinearBase
     attrs = {"te_namespace": ns, "te_args": ta.TensorArgs.from_signature(sig), "te_norm_name": "apply_normalization"}
@@ -516,6 +525,75 @@ def test_te_linear_matches_nn_linear(te_source, registered, version, layernorm):
     with torch.no_grad():
         assert torch.equal(model(data[0]), ref(norm(data[0])))
     assert ns.apply_normalization.__name__ == "<lambda>"  # the norm global is restored
+
+
+# ------------------------------------------------------------------------------ the plugin module
+
+
+@pytest.fixture
+def plugin_with(te_source, monkeypatch):
+    """``plugin_with(version, signatures_of=version)``: imports quantlib.plugins.transformer_engine
+    against a stand-in ``transformer_engine`` package of TE ``version`` whose autograd functions have the
+    real signatures of TE ``signatures_of``; returns (plugin module, stand-in te.pytorch)."""
+    loaded = []
+
+    def load(version: str, signatures_of: str = ""):
+        src = signatures_of or version
+        gsrc = te_source(src, "grouped_linear")
+        gsig = real_signature(gsrc, "_GroupedLinear")
+        grouped_ns = fake_te_namespace(gsig)
+        linear_ns = fake_linear_namespace(real_signature(te_source(src, "linear"), "_Linear"), "_Linear")
+        ln_ns = fake_linear_namespace(real_signature(te_source(src, "layernorm_linear"), "_LayerNormLinear"), "_LayerNormLinear")
+        pytorch = types.ModuleType("transformer_engine.pytorch")
+        pytorch.GroupedLinear = fake_grouped_linear_class(grouped_ns, gsig, non_tensor_args_fields(gsrc), ta.parse_version(src) >= (2, 17))
+        pytorch.Linear = fake_linear_class(linear_ns, "_Linear")
+        pytorch.LayerNormLinear = fake_linear_class(ln_ns, "_LayerNormLinear")
+        module = types.ModuleType("transformer_engine.pytorch.module")
+        module.grouped_linear, module.linear, module.layernorm_linear = grouped_ns, linear_ns, ln_ns
+        te = types.ModuleType("transformer_engine")
+        te.__version__, te.pytorch, pytorch.module = version, pytorch, module
+        for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", pytorch), ("transformer_engine.pytorch.module", module),
+                          ("transformer_engine.pytorch.module.grouped_linear", grouped_ns), ("transformer_engine.pytorch.module.linear", linear_ns),
+                          ("transformer_engine.pytorch.module.layernorm_linear", ln_ns)):  # fmt: skip
+            monkeypatch.setitem(sys.modules, name, mod)
+        monkeypatch.delitem(sys.modules, "quantlib.plugins.transformer_engine", raising=False)
+        plugin = importlib.import_module("quantlib.plugins.transformer_engine")
+        loaded.append(pytorch)
+        return plugin, pytorch
+
+    yield load
+    sys.modules.pop("quantlib.plugins.transformer_engine", None)
+    ql.plugins._loaded.discard("quantlib.plugins.transformer_engine")  # convert() saw the stand-in "installed"
+    if hasattr(ql.plugins, "transformer_engine"):
+        delattr(ql.plugins, "transformer_engine")
+    for pytorch in loaded:
+        for cls in (pytorch.GroupedLinear, pytorch.Linear, pytorch.LayerNormLinear):
+            QuantModuleRegistry.unregister(cls)
+
+
+@pytest.mark.parametrize("version", sorted(WHEELS))
+def test_plugin_registers_the_adapter_of_the_installed_version(plugin_with, version):
+    plugin, te = plugin_with(version)
+    assert plugin.te_version() == version
+    mixin = QuantModuleRegistry._mixins[te.GroupedLinear]
+    assert mixin.te_adapter is ta.grouped_linear_adapter(version) and mixin.te_namespace is sys.modules["transformer_engine.pytorch.module.grouped_linear"]
+    data = _batches()
+    model = ql.quantize(te.GroupedLinear(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data))
+    assert type(model).__name__ == "QuantFakeGroupedLinear"
+    for i in range(4):
+        assert torch.equal(model.weight_quantizer[i].amax, getattr(model, f"weight{i}").detach().abs().amax(dim=1, keepdim=True))
+    for cls in (te.Linear, te.LayerNormLinear):
+        lin = ql.quantize(cls(), FP8_INPUT_INT8_WEIGHT, lambda m: m(torch.randn(4, 16)))
+        assert lin.weight_quantizer.amax.shape == (8, 1) and lin.input_quantizer.amax is not None
+
+
+@pytest.mark.parametrize("version, signatures_of", [("2.5.0", "2.20.2"), ("2.20.2", "2.14.0")])
+def test_plugin_refuses_grouped_linear_it_cannot_adapt(plugin_with, version, signatures_of, caplog):
+    _, te = plugin_with(version, signatures_of)
+    with pytest.raises(NotImplementedError, match="cannot quantize FakeGroupedLinear with this Transformer Engine"):
+        ql.quantize(te.GroupedLinear(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
+    assert "te.GroupedLinear of TE" in caplog.text
+    ql.quantize(te.Linear(), FP8_INPUT_INT8_WEIGHT, None)  # the others still work
 
 
 # ------------------------------------------------------------------------------ on a machine with TE
