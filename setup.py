@@ -39,6 +39,11 @@ def extensions():
 
 ext_modules, cmdclass = extensions()
 
+TEST = ["pytest", "pytest-xdist", "hypothesis", "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"]
+# psutil: Megatron-Core 0.16.1's dist checkpointing needs it but does not declare it (it hangs without)
+MEGATRON = ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.16.1; python_version >= '3.12'", "psutil"]
+TRANSFORMERS = ["transformers>=5.14"]
+
 setup(
     name="quantlib",
     version="0.1.0",
@@ -49,9 +54,9 @@ setup(
     packages=find_packages(include=["quantlib", "quantlib.*"]),
     install_requires=["torch>=2.4,<=2.14.1", "numpy", "tqdm"],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
-        "megatron": ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.16.1; python_version >= '3.12'", "psutil"],
-        "transformers": ["transformers"],
+        "test": TEST + MEGATRON + TRANSFORMERS,
+        "megatron": MEGATRON,
+        "transformers": TRANSFORMERS,
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
