@@ -251,10 +251,11 @@ class _Unit:
     value: Optional[torch.Tensor] = None  # flat fp32 working copy; None: unusable on this rank
     device: torch.device = torch.device("cpu")
 
-    def describe(self) -> str:
+    def describe(self, spec_reprs: dict) -> str:
         leaf = self.members[0][1]
+        spec = spec_reprs.get(leaf.spec) or spec_reprs.setdefault(leaf.spec, repr(leaf.spec))
         groups = ";".join(f"{g}:{','.join(s)}" for g, s in sorted(self.groups.items()))
-        return f"{self.ident}|{self.kind}|{self.layer}|{self.is_expert}|{leaf.spec!r}|{leaf.axis}|{groups}"
+        return f"{self.ident}|{self.kind}|{self.layer}|{self.is_expert}|{spec}|{leaf.axis}|{groups}"
 
 
 def _walk(name: str, q: nn.Module, key: str) -> Iterator[tuple[str, str, TensorQuantizer]]:
@@ -283,12 +284,15 @@ def _collect(model: nn.Module, sync_expert_weights: bool) -> list[_Unit]:
     units: list[_Unit] = []
     layers: dict[str, _Unit] = {}
     ordinals: dict[str, int] = {}
+    bases: dict[int, str] = {}
     for full, parent, attr, q in iter_quantizers(model):
         module_name = full.rsplit(".", 1)[0] if "." in full else ""
         qm = parent if isinstance(parent, QuantModule) else None
         kind = _kind(qm, attr)
         is_expert = bool(qm is not None and qm.is_expert)
-        base = _layer_base(qm, module_name) if is_expert else ""
+        if is_expert and id(qm) not in bases:
+            bases[id(qm)] = _layer_base(qm, module_name)
+        base = bases[id(qm)] if is_expert else ""
         for leaf_name, suffix, leaf in _walk(full, q, ""):
             if not (leaf.is_enabled and leaf.needs_calibration):
                 continue
@@ -317,7 +321,7 @@ def _assign_groups(unit: _Unit, problems: list[str]) -> None:
         if role not in PARALLEL_ROLES:
             problems.append(f"{name}: parallel_role {role!r} is not one of {PARALLEL_ROLES}")
             role = "replicated"
-        layouts.add((_tp_reduces(leaf, role, unit.kind), repr(leaf.spec), leaf.axis))
+        layouts.add((_tp_reduces(leaf, role, unit.kind), leaf.spec, leaf.axis))
     if len(layouts) > 1:
         problems.append(f"{unit.name}: the experts of this layer differ in format or parallel role")
     tp = next(iter(layouts))[0]
@@ -354,12 +358,16 @@ def _prepare(unit: _Unit, policy: str, problems: list[str]) -> None:
         present.append(amax)
     unit.fill = unit.layer and unit.kind != "weight" and policy == "max_of_peers"
     unit.have = bool(present)
-    params = [p for _, _, parent in unit.members for p in parent.parameters(recurse=False)][:1]
-    unit.device = present[0].device if present else (params[0].device if params else torch.device("cpu"))
+    if present:
+        unit.device = present[0].device
+    else:
+        params = [p for _, _, parent in unit.members for p in parent.parameters(recurse=False)][:1]
+        unit.device = params[0].device if params else torch.device("cpu")
     if present:
         unit.shape = tuple(present[0].shape)
         value = present[0] if len(present) == 1 else torch.stack(present).amax(dim=0)
-        unit.value = value.detach().reshape(-1).float()
+        value = value.detach().reshape(-1)
+        unit.value = value if value.dtype == torch.float32 else value.float()
     elif unit.layer and unit.kind != "weight" and _per_tensor(unit.members[0][1]):
         unit.shape = ()  # no local expert saw tokens: the layer's amax comes from the other ranks
         unit.value = torch.zeros(1, dtype=torch.float32, device=unit.device)
@@ -388,8 +396,11 @@ class _Comm:
 
     def __init__(self, state: ParallelState, preferred: torch.device) -> None:
         self.state = state
-        self.active = [n for n in GROUP_NAMES if state.size(n) > 1]
+        self.sizes = {n: state.size(n) for n in GROUP_NAMES}
+        self.ranks = {n: state.rank(n) for n in GROUP_NAMES}
+        self.active = [n for n in GROUP_NAMES if self.sizes[n] > 1]
         self.devices = {n: _device_for(state.group(n), preferred) for n in self.active}
+        self._slots: dict[tuple[str, ...], tuple[int, int]] = {}
         self.calls = 0
 
     def all_reduce_max(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -400,10 +411,12 @@ class _Comm:
 
     def slot(self, slot_groups: tuple[str, ...]) -> tuple[int, int]:
         """(number of slots, this rank's slot) for a payload keyed by its position in ``slot_groups``."""
-        count, index = 1, 0
-        for g in slot_groups:
-            count, index = count * self.state.size(g), index * self.state.size(g) + self.state.rank(g)
-        return count, index
+        if slot_groups not in self._slots:
+            count, index = 1, 0
+            for g in slot_groups:
+                count, index = count * self.sizes[g], index * self.sizes[g] + self.ranks[g]
+            self._slots[slot_groups] = (count, index)
+        return self._slots[slot_groups]
 
 
 def _device_for(group: ProcessGroup, preferred: torch.device) -> torch.device:
@@ -417,8 +430,9 @@ def _device_for(group: ProcessGroup, preferred: torch.device) -> torch.device:
 def _structure_hash(units: list[_Unit], policy: str, sync_expert_weights: bool) -> int:
     h = hashlib.blake2b(digest_size=7)
     h.update(f"policy={policy}|sync_expert_weight_amax={sync_expert_weights}\n".encode())
+    spec_reprs: dict = {}
     for u in units:
-        h.update(u.describe().encode() + b"\n")
+        h.update(u.describe(spec_reprs).encode() + b"\n")
     return int.from_bytes(h.digest(), "little")  # < 2**56: its negation fits in int64
 
 
@@ -448,32 +462,48 @@ def _reduce(comm: _Comm, units: list[_Unit], verdict: dict[str, str], err: bool)
     """Pass B: per group, one flat fp32 all-reduce (MAX) of [error flag, have flags of the layer units,
     every amax reduced over this group]; groups whose ranks disagree on the layout send the flag only.
 
-    Updates the working values; returns the error flag and, per layer unit, whether any rank has it."""
+    A payload with slots (a per-expert amax in the data group) is written at this rank's slot, zeros
+    elsewhere (amax are >= 0, so zeros never win a MAX). Updates the working values; returns the error
+    flag and, per layer unit, whether any rank has it."""
     layer_units = [u for u in units if u.layer]
     have = [float(u.have) for u in layer_units]
     for name in comm.active:
         dev = comm.devices[name]
-        members = [u for u in units if name in u.groups and u.value is not None] if not verdict[name] else []
-        pieces = [torch.tensor([float(err)] + (have if not verdict[name] else []), dtype=torch.float32, device=dev)]
-        spans = []
+        agreed = not verdict[name]
+        members = [u for u in units if name in u.groups and u.value is not None] if agreed else []
+        head = torch.tensor([float(err)] + (have if agreed else []), dtype=torch.float32, device=dev)
+        starts, lengths, total, contiguous = [], [], head.numel(), True
         for u in members:
             count, index = comm.slot(u.groups[name] if name == "data" else ())
             n = u.value.numel()
-            if count > 1:
-                pieces += [torch.zeros(index * n, device=dev), u.value.to(dev), torch.zeros((count - 1 - index) * n, device=dev)]
-            else:
-                pieces.append(u.value.to(dev))
-            spans.append((u, index * n, n, count * n))
-        buf = comm.all_reduce_max(name, torch.cat(pieces))
-        head = 1 + (len(have) if not verdict[name] else 0)
+            starts.append(total + index * n)
+            lengths.append(n)
+            total += count * n
+            contiguous = contiguous and count == 1
+        values = torch.cat([u.value.to(dev) for u in members]) if members else head.new_zeros(0)
+        if contiguous:
+            buf = torch.cat([head, values])
+            where = slice(head.numel(), total)
+        else:
+            buf = torch.zeros(total, dtype=torch.float32, device=dev)
+            buf[: head.numel()] = head
+            where = _positions(starts, lengths, dev)
+            buf[where] = values
+        buf = comm.all_reduce_max(name, buf)
         err = err or bool(buf[0] > 0)
-        if not verdict[name]:
-            have = buf[1:head].tolist()
-        offset = head
-        for u, start, n, width in spans:
-            u.value = buf[offset + start : offset + start + n]
-            offset += width
+        if agreed:
+            have = buf[1 : head.numel()].tolist()
+        for u, piece in zip(members, buf[where].split(lengths)):
+            u.value = piece
     return err, [h > 0 for h in have]
+
+
+def _positions(starts: list[int], lengths: list[int], device: torch.device) -> torch.Tensor:
+    """Indices ``[s0, s0+1, .., s0+n0-1, s1, ...]`` of the spans (start, length)."""
+    n = torch.tensor(lengths, dtype=torch.int64, device=device)
+    first = torch.tensor(starts, dtype=torch.int64, device=device)
+    before = torch.cumsum(n, 0) - n  # where each span begins in the packed values
+    return torch.arange(int(n.sum()), device=device) + torch.repeat_interleave(first - before, n)
 
 
 def _encode(code: str, lines: list[str]) -> bytes:
@@ -507,16 +537,35 @@ def _message(reports: dict[int, tuple[str, str]]) -> str:
 
 
 def _commit(units: list[_Unit]) -> None:
+    """Write the results into the amax tensors (in place, so the weight cache sees the new version); a
+    quantizer whose amax already equals its result is not touched (one batched comparison finds them)."""
+    held, fills = [], []
     for u in units:
         if u.value is None or u.shape is None:
             continue
-        out = u.value.reshape(u.shape)
         for _, leaf, _ in u.members:
             current = leaf.amax
             if current is not None:
-                leaf.amax = out.to(current.device)
+                held.append((u, leaf, current))
             elif u.fill:
-                leaf.amax = out.to(u.device)
+                fills.append((u, leaf))
+    if held:
+        dev = held[0][0].value.device
+        old = torch.cat([c.reshape(-1).to(dev) for _, _, c in held])
+        new = torch.cat([u.value.to(dev) for u, _, _ in held])
+        sizes = torch.tensor([c.numel() for _, _, c in held], device=dev)
+        owner = torch.repeat_interleave(torch.arange(len(held), device=dev), sizes)
+        changed = torch.zeros(len(held), device=dev).index_add_(0, owner, (old != new).float()).tolist()
+        with torch.no_grad():
+            for (u, leaf, current), c in zip(held, changed):
+                if not c:
+                    continue
+                if current.dtype == torch.float32 and tuple(current.shape) == u.shape:
+                    current.copy_(u.value.reshape(u.shape))  # in place: bumps the version the weight cache keys on
+                else:
+                    leaf.amax = u.value.reshape(u.shape).to(current.device)
+    for u, leaf in fills:
+        leaf.amax = u.value.reshape(u.shape).to(u.device)
 
 
 # ---------------------------------------------------------------------------------- the routine

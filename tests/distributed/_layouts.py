@@ -178,7 +178,7 @@ def all_tokens(rank: int, layer: int, expert: int) -> bool:
     return True
 
 
-def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison: Optional[tuple] = None) -> Callable[[nn.Module], None]:
+def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison: Optional[tuple] = None, device: str = "cpu") -> Callable[[nn.Module], None]:
     """Feed every linear its rank's activations; ``poison = (rank, layer, name)`` puts a NaN in one."""
     tp = layout.coord("tensor", rank)[1]
     etp = layout.coord("expert_tensor", rank)[1]
@@ -187,7 +187,7 @@ def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison:
         t = activation(rank, layer, name, width)
         if poison == (rank, layer, name):
             t[0, 0] = float("nan")
-        return t
+        return t.to(device)
 
     def loop(model: nn.Module) -> None:
         for l, layer in enumerate(model.layers):
@@ -201,13 +201,13 @@ def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison:
     return loop
 
 
-def build(layout: Layout, rank: int, cfg: dict, tokens: Tokens = all_tokens, poison: Optional[tuple] = None, n_layers: int = N_LAYERS):
+def build(layout: Layout, rank: int, cfg: dict, tokens: Tokens = all_tokens, poison: Optional[tuple] = None, n_layers: int = N_LAYERS, device: str = "cpu"):
     """The converted model with roles set and configured (not yet calibrated), and its forward loop."""
-    model = ql.convert(Net(layout, rank, n_layers))
+    model = ql.convert(Net(layout, rank, n_layers).to(device))
     set_roles(model)
     ql.set_quantizer_by_cfg(model, cfg)
     model._quantlib_config = ql.QuantizeConfig.from_any(cfg)
-    return model, forward_loop(layout, rank, tokens, poison)
+    return model, forward_loop(layout, rank, tokens, poison, device)
 
 
 def amax_table(model: nn.Module) -> dict[str, Optional[tuple[tuple, list]]]:

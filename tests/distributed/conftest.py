@@ -49,11 +49,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, pg_timeout: float, fn: Callable, args: tuple, results) -> None:
+def _child(rank: int, world_size: int, port: int, pg_timeout: float, backend: str, fn: Callable, args: tuple, results) -> None:
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -71,13 +73,14 @@ def _child(rank: int, world_size: int, port: int, pg_timeout: float, fn: Callabl
         os._exit(0)
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, backend: str = "gloo") -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own
-    process; see the module docstring for errors and timeouts."""
+    process; see the module docstring for errors and timeouts. ``backend="nccl"`` gives rank r the
+    GPU r (the parent must not have initialised CUDA: the children are forked)."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, timeout, fn, args, results), daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, timeout, backend, fn, args, results), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     outs: dict[int, Any] = {}

@@ -18,12 +18,12 @@ from .conftest import RankFailure, RankTimeout, run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
-def _calibrate(rank: int, world: int, layout_name: str, policy: str = "max_of_peers", sync_w: bool = False, tokens=L.all_tokens, poison=None, disable=None):
+def _calibrate(rank: int, world: int, layout_name: str, policy: str = "max_of_peers", sync_w: bool = False, tokens=L.all_tokens, poison=None, disable=None, device="cpu"):
     """Calibrate this rank's model with the sync; returns ("ok", amax table) or ("error", message)."""
     layout = L.LAYOUTS[layout_name]
     state = L.parallel_state(layout, rank)
     cfg = L.config(policy, sync_w)
-    model, loop = L.build(layout, rank, cfg, tokens, poison)
+    model, loop = L.build(layout, rank, cfg, tokens, poison, device=f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
     if disable is not None and rank == disable[0]:
         ql.disable_quantizer(model, disable[1])
     try:
@@ -33,9 +33,10 @@ def _calibrate(rank: int, world: int, layout_name: str, policy: str = "max_of_pe
     return "ok", L.amax_table(model)
 
 
-def _check_layout(layout_name: str, sync_w: bool = False, tokens=L.all_tokens) -> None:
+def _check_layout(layout_name: str, sync_w: bool = False, tokens=L.all_tokens, backend: str = "gloo") -> None:
     layout = L.LAYOUTS[layout_name]
-    outs = run_on_ranks(_calibrate, layout.world, layout_name, "max_of_peers", sync_w, tokens, timeout=60)
+    device = "cuda" if backend == "nccl" else "cpu"
+    outs = run_on_ranks(_calibrate, layout.world, layout_name, "max_of_peers", sync_w, tokens, None, None, device, timeout=120, backend=backend)
     per_expert = {}
     for rank, out in enumerate(outs):
         assert out[0] == "ok", out[1]
@@ -53,6 +54,24 @@ def _check_layout(layout_name: str, sync_w: bool = False, tokens=L.all_tokens) -
 @pytest.mark.parametrize("layout_name", ["DP2", "TP2", "EP2", "DP2xEP2", "TP2xEP2", "TP2xEP2_ETP1"])
 def test_layout_amax_exact(layout_name):
     _check_layout(layout_name)
+
+
+_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+
+
+@pytest.mark.gpu
+@_TWO_GPUS
+@pytest.mark.parametrize("layout_name", ["DP2", "TP2", "EP2"])
+def test_layout_amax_exact_nccl(layout_name):
+    _check_layout(layout_name, backend="nccl")
+
+
+@pytest.mark.gpu
+@_TWO_GPUS
+def test_nan_activation_raises_on_all_ranks_nccl():
+    outs = run_on_ranks(_calibrate, 2, "EP2", "max_of_peers", False, L.all_tokens, (1, 1, "fc2"), None, "cuda", timeout=120, backend="nccl")
+    msg = _same_error_everywhere(outs)
+    assert "rank 1: layers.1.fc2.input_quantizer" in msg and "rank 0:" not in msg
 
 
 @pytest.mark.parametrize("layout_name", ["EP2", "TP2xEP2"])
