@@ -316,7 +316,8 @@ def _collect(model: nn.Module, sync_expert_weights: bool) -> list[_Unit]:
 def _assign_groups(unit: _Unit, problems: list[str]) -> None:
     """The groups ``unit`` is MAX-reduced over (see :func:`sync_amax`), with the slot groups of data."""
     layouts = set()
-    for name, leaf, parent in unit.members:
+    calibrated = [m for m in unit.members if m[1].amax is not None] or unit.members  # amax rank decides
+    for name, leaf, parent in calibrated:
         role = getattr(parent, "parallel_role", "replicated") if isinstance(parent, QuantModule) else "replicated"
         if role not in PARALLEL_ROLES:
             problems.append(f"{name}: parallel_role {role!r} is not one of {PARALLEL_ROLES}")

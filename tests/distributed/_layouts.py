@@ -1,8 +1,8 @@
 """Parallel layouts, a small MoE-shaped model of plain nn.Linear, rank-dependent calibration data, and
 the amax every rank must hold, computed from all ranks' data independently of quantlib.
 
-The model: ``layers.{l}`` (two layers) each hold a column-parallel ``fc1`` [F/tp, H], a row-parallel
-``fc2`` [H, F/tp] and ``mlp.experts.local_experts.{i}`` (two local experts per rank) whose
+The model: ``layers.{l}`` each hold a replicated ``gate`` [4, H] (the same on every rank), a
+column-parallel ``fc1`` [F/tp, H], a row-parallel ``fc2`` [H, F/tp] and ``mlp.experts.local_experts.{i}`` (two local experts per rank) whose
 ``linear_fc1`` / ``linear_fc2`` are column / row parallel over the expert-tensor group. Every weight is
 a shard of a global weight that depends only on (layer, name, global expert), and the experts' weights
 are scaled by ``1 + e`` so that their amax differ. Every input depends on the rank (and its scale grows
@@ -107,7 +107,7 @@ def _randn(*key, shape) -> torch.Tensor:
 
 
 def global_weight(layer: int, name: str, expert: Optional[int] = None) -> torch.Tensor:
-    shapes = {"fc1": (F, H), "fc2": (H, F), "linear_fc1": (FE, H), "linear_fc2": (H, FE)}
+    shapes = {"gate": (4, H), "fc1": (F, H), "fc2": (H, F), "linear_fc1": (FE, H), "linear_fc2": (H, FE)}
     w = _randn("w", layer, name, expert, shape=shapes[name])
     return w if expert is None else w * (1 + expert)
 
@@ -147,9 +147,11 @@ class MoE(nn.Module):
 class Layer(nn.Module):
     def __init__(self, layer: int, tp: tuple[int, int], ep: tuple[int, int], etp: tuple[int, int]) -> None:
         super().__init__()
+        self.gate = nn.Linear(H, 4, bias=False)
         self.fc1 = nn.Linear(H, F // tp[1])
         self.fc2 = nn.Linear(F // tp[1], H)
         with torch.no_grad():
+            self.gate.weight.copy_(global_weight(layer, "gate"))
             self.fc1.weight.copy_(shard(global_weight(layer, "fc1"), "column", *tp))
             self.fc2.weight.copy_(shard(global_weight(layer, "fc2"), "row", *tp))
         self.mlp = MoE(layer, ep, etp)
@@ -191,6 +193,7 @@ def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison:
 
     def loop(model: nn.Module) -> None:
         for l, layer in enumerate(model.layers):
+            layer.gate(x(l, "gate", H))
             layer.fc1(x(l, "fc1", H))
             layer.fc2(x(l, "fc2", F // tp))
             for i, ex in enumerate(layer.mlp.experts.local_experts):
@@ -246,7 +249,9 @@ def expected(layout: Layout, rank: int, tokens: Tokens = all_tokens, sync_expert
     n_experts = ep[1] * N_LOCAL
     for l in range(n_layers):
         p = f"layers.{l}"
-        w1, w2 = global_weight(l, "fc1"), global_weight(l, "fc2")
+        w1, w2, wg = global_weight(l, "fc1"), global_weight(l, "fc2"), global_weight(l, "gate")
+        out[f"{p}.gate.input_quantizer"] = act_max(l, lambda r: H, [(r, "gate") for r in world])
+        out[f"{p}.gate.weight_quantizer"] = (_row_amax, lambda w: w.abs().amax(), _block_amax)[l](wg)
         # dense inputs: every rank (data x tensor covers the world in every layout)
         out[f"{p}.fc1.input_quantizer"] = act_max(l, lambda r: H, [(r, "fc1") for r in world])
         out[f"{p}.fc2.input_quantizer"] = act_max(l, lambda r: F // layout.coord("tensor", r)[1], [(r, "fc2") for r in world])

@@ -144,6 +144,21 @@ def test_nan_activation_raises_on_all_ranks(layout_name, bad_rank):
     assert time.monotonic() - start < 30
 
 
+def _weights_only(rank: int, world: int):
+    state = L.parallel_state(L.LAYOUTS["DP2"], rank)
+    model, _ = L.build(L.LAYOUTS["DP2"], rank, L.config())
+    try:
+        ql.calibrate(model, "max", None, parallel_state=state)
+    except AmaxSyncError as exc:
+        return str(exc)
+
+
+def test_static_inputs_without_forward_loop_raise_on_all_ranks():
+    """Enabled static input quantizers need calibration data: without a forward loop, every rank says so."""
+    msgs = run_on_ranks(_weights_only, 2, timeout=30)
+    assert msgs[0] == msgs[1] and "layers.0.fc1.input_quantizer: no amax" in msgs[0] and "rank 1" in msgs[0]
+
+
 def test_structure_mismatch_raises_on_all_ranks():
     outs = run_on_ranks(_calibrate, 2, "TP2", "max_of_peers", False, L.all_tokens, None, (1, "layers.0.fc1.input_quantizer"), timeout=30)
     msg = _same_error_everywhere(outs)
