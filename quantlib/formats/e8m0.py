@@ -21,7 +21,7 @@ def e8m0_exponent(amax: torch.Tensor, qmax: float, emax: int, rounding: Rounding
     """Unbiased exponent ``e`` in [-127, 127] (int32) of each block amax ``a`` (finite, >= 0)."""
     a = amax.float()
     if Rounding(rounding) == Rounding.RCEIL:
-        t = a / qmax
+        t = a / torch.full_like(a, qmax)  # a true IEEE division on every device (see fp8_blockwise)
         bits = t.view(torch.int32)
         field = _exp_field(t)
         mant = bits & 0x007FFFFF

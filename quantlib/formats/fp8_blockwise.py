@@ -38,7 +38,10 @@ def pow2_ceil(d: torch.Tensor) -> torch.Tensor:
 def blockwise_scale(amax: torch.Tensor, element: tuple[int, int], eps: float, pow2: bool) -> torch.Tensor:
     """Dequantization scale ``d`` of each block from its amax."""
     q = FLOAT_FORMATS[tuple(element)][0]
-    d = torch.maximum(amax.float(), torch.tensor(eps, dtype=torch.float32, device=amax.device)) / q
+    a = amax.float()
+    # Divide by a same-device tensor: CUDA turns division by a Python number into a multiply by its
+    # reciprocal, which is not the IEEE quotient the contract asks for.
+    d = torch.maximum(a, torch.full_like(a, eps)) / torch.full_like(a, q)
     return pow2_ceil(d) if pow2 else d
 
 

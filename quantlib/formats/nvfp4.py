@@ -21,7 +21,7 @@ _SB_MIN = 2.0**-9
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """fp32 scalar ``s2`` from the global amax ``A``."""
     a = global_amax.float().reshape(())
-    return torch.where(a <= TINY_AMAX, torch.ones_like(a), a / (6.0 * _E4M3_MAX))
+    return torch.where(a <= TINY_AMAX, torch.ones_like(a), a / torch.full_like(a, 6.0 * _E4M3_MAX))  # IEEE on every device
 
 
 def nvfp4_block_scale(amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
