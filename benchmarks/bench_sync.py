@@ -38,7 +38,11 @@ LAYOUTS = {  # name: (world, data, tensor, expert, expert_tensor), groups as lis
     "DP2xEP2": (4, [[0, 1, 2, 3]], [], [[0, 1], [2, 3]], []),
 }
 CFG = {
-    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "axis": None}, "default": {"enable": False}},
+    "quant_cfg": {
+        "*weight_quantizer": {"num_bits": 8, "axis": 0},
+        "*input_quantizer": {"num_bits": 8, "axis": None},
+        "default": {"enable": False},
+    },
     "algorithm": None,
 }
 
@@ -93,7 +97,9 @@ def _worker(rank: int, world: int, port: int, args, layout: str, results) -> Non
     if args.backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     state = _groups(layout, rank)
     model = build(args.layers, args.experts, rank, device)
     leaves = [q for _, q in ql.model_quant.iter_leaf_quantizers(model) if q.is_enabled and q.needs_calibration]
@@ -184,12 +190,17 @@ def main() -> None:
     args.layers = max(1, round(args.quantizers / (4 + 4 * args.experts)))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"torch {torch.__version__}, backend {args.backend}, {args.layers} layers x ({2} dense + {2 * args.experts} expert Linears)")
-    print("| layout | ranks | quantizers/rank | sync_amax (ms, median) | of which in all_reduce (ms) | all_reduce calls | bytes/rank | naive per-quantizer all_reduce (ms, calls) |")
+    print(
+        "| layout | ranks | quantizers/rank | sync_amax (ms, median) | of which in all_reduce (ms) | all_reduce calls | bytes/rank | naive per-quantizer all_reduce (ms, calls) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for layout in args.layouts:
         r = run(layout, args)
         naive = "-" if r["naive"] is None else f"{r['naive'][0]:.0f} ({r['naive'][1]})"
-        print(f"| {r['layout']} | {r['world']} | {r['quantizers']} | {r['sync_ms']:.1f} | {r['comm_ms']:.1f} | {r['collectives']} | {r['bytes']} | {naive} |", flush=True)
+        print(
+            f"| {r['layout']} | {r['world']} | {r['quantizers']} | {r['sync_ms']:.1f} | {r['comm_ms']:.1f} | {r['collectives']} | {r['bytes']} | {naive} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

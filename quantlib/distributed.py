@@ -43,6 +43,7 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup; None means a group of one 
 GROUP_NAMES: tuple[str, ...] = ("data", "tensor", "expert", "expert_tensor")
 PARALLEL_ROLES: tuple[str, ...] = ("replicated", "column", "row")
 
+_CPU = torch.device("cpu")
 _ROW_BYTES = 1024  # per-rank room for the error report exchanged when something is wrong
 _MAX = dist.ReduceOp.MAX if dist.is_available() else None
 
@@ -93,7 +94,10 @@ class ParallelState:
         try:
             from megatron.core import parallel_state as mpu
         except ImportError as exc:
-            raise ImportError("ParallelState.from_megatron() needs megatron-core (pip install megatron-core); or pass the process groups to ParallelState(...)") from exc
+            raise ImportError(
+                "ParallelState.from_megatron() needs megatron-core (pip install megatron-core); "
+                "or pass the process groups to ParallelState(...)"
+            ) from exc
         if not mpu.model_parallel_is_initialized():
             raise RuntimeError(
                 "ParallelState.from_megatron(): Megatron-Core's parallel_state is not initialized; call "
@@ -249,7 +253,7 @@ class _Unit:
     have: bool = False  # some member holds an amax on this rank
     shape: Optional[tuple[int, ...]] = None
     value: Optional[torch.Tensor] = None  # flat fp32 working copy; None: unusable on this rank
-    device: torch.device = torch.device("cpu")
+    device: torch.device = _CPU
 
     def describe(self, spec_reprs: dict) -> str:
         leaf = self.members[0][1]
@@ -342,7 +346,7 @@ def _assign_groups(unit: _Unit, problems: list[str]) -> None:
 def _prepare(unit: _Unit, policy: str, problems: list[str]) -> None:
     """Working value of ``unit`` (local MAX of its members) and the local problems it has."""
     present = []
-    for name, leaf, parent in unit.members:
+    for name, leaf, _ in unit.members:
         amax = leaf.amax
         if amax is None:
             if not (unit.layer and unit.kind != "weight"):
@@ -354,7 +358,9 @@ def _prepare(unit: _Unit, policy: str, problems: list[str]) -> None:
             problems.append(f"{name}: amax is on the meta device")
             continue
         if present and amax.shape != present[0].shape:
-            problems.append(f"{name}: amax shape {tuple(amax.shape)} differs from {tuple(present[0].shape)} of the other experts of its layer")
+            problems.append(
+                f"{name}: amax shape {tuple(amax.shape)} differs from {tuple(present[0].shape)} of the other experts of its layer"
+            )
             continue
         present.append(amax)
     unit.fill = unit.layer and unit.kind != "weight" and policy == "max_of_peers"
@@ -373,7 +379,10 @@ def _prepare(unit: _Unit, policy: str, problems: list[str]) -> None:
         unit.shape = ()  # no local expert saw tokens: the layer's amax comes from the other ranks
         unit.value = torch.zeros(1, dtype=torch.float32, device=unit.device)
     elif unit.layer and unit.kind != "weight" and policy != "error":
-        problems.append(f"{unit.name}: no expert of this layer received tokens on this rank and its amax is not per tensor, so it cannot be taken from the other ranks")
+        problems.append(
+            f"{unit.name}: no expert of this layer received tokens on this rank and its amax is not per tensor, "
+            "so it cannot be taken from the other ranks"
+        )
 
 
 def _nonfinite(units: list[_Unit], problems: list[str]) -> None:
@@ -402,12 +411,10 @@ class _Comm:
         self.active = [n for n in GROUP_NAMES if self.sizes[n] > 1]
         self.devices = {n: _device_for(state.group(n), preferred) for n in self.active}
         self._slots: dict[tuple[str, ...], tuple[int, int]] = {}
-        self.calls = 0
 
     def all_reduce_max(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.devices[name])
         dist.all_reduce(t, op=_MAX, group=self.state.group(name))
-        self.calls += 1
         return t
 
     def slot(self, slot_groups: tuple[str, ...]) -> tuple[int, int]:
@@ -494,7 +501,7 @@ def _reduce(comm: _Comm, units: list[_Unit], verdict: dict[str, str], err: bool)
         err = err or bool(buf[0] > 0)
         if agreed:
             have = buf[1 : head.numel()].tolist()
-        for u, piece in zip(members, buf[where].split(lengths)):
+        for u, piece in zip(members, buf[where].split(lengths), strict=True):
             u.value = piece
     return err, [h > 0 for h in have]
 
@@ -558,7 +565,7 @@ def _commit(units: list[_Unit]) -> None:
         owner = torch.repeat_interleave(torch.arange(len(held), device=dev), sizes)
         changed = torch.zeros(len(held), device=dev).index_add_(0, owner, (old != new).float()).tolist()
         with torch.no_grad():
-            for (u, leaf, current), c in zip(held, changed):
+            for (u, leaf, current), c in zip(held, changed, strict=True):
                 if not c:
                     continue
                 if current.dtype == torch.float32 and tuple(current.shape) == u.shape:
@@ -642,7 +649,7 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
                     code = code or ("S" if v == "S" else "N")
             row = _encode(code, lines) if lines else b""
             raise AmaxSyncError(_message(_exchange_reports(comm, row))) from local_error
-    missing = [u.name for u, anywhere in zip((u for u in units if u.layer), everywhere) if u.fill and not anywhere]
+    missing = [u.name for u, anywhere in zip((u for u in units if u.layer), everywhere, strict=True) if u.fill and not anywhere]
     if missing:
         raise AmaxSyncError(
             f"quantlib.sync_amax: no expert on any rank received tokens for {len(missing)} layer quantizer(s): {missing[:5]} "

@@ -1,7 +1,7 @@
 """Parallel layouts, a small MoE-shaped model of plain nn.Linear, rank-dependent calibration data, and
 the amax every rank must hold, computed from all ranks' data independently of quantlib.
 
-The model: ``layers.{l}`` each hold a replicated ``gate`` [4, H] (the same on every rank), a
+The model: ``layers.{li}`` each hold a replicated ``gate`` [4, H] (the same on every rank), a
 column-parallel ``fc1`` [F/tp, H], a row-parallel ``fc2`` [H, F/tp] and ``mlp.experts.local_experts.{i}`` (two local experts per rank) whose
 ``linear_fc1`` / ``linear_fc2`` are column / row parallel over the expert-tensor group. Every weight is
 a shard of a global weight that depends only on (layer, name, global expert), and the experts' weights
@@ -16,7 +16,7 @@ blocks of its shard) and INT8 per-tensor inputs.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -79,7 +79,9 @@ LAYOUTS = {
     "TP2": Layout("TP2", 2, tensor=((0, 1),), expert_tensor=((0, 1),)),
     "EP2": Layout("EP2", 2, data=((0, 1),), expert=((0, 1),)),
     "DP2xEP2": Layout("DP2xEP2", 4, data=((0, 1, 2, 3),), expert=((0, 1), (2, 3))),
-    "TP2xEP2": Layout("TP2xEP2", 4, tensor=((0, 1), (2, 3)), data=((0, 2), (1, 3)), expert=((0, 2), (1, 3)), expert_tensor=((0, 1), (2, 3))),
+    "TP2xEP2": Layout(
+        "TP2xEP2", 4, tensor=((0, 1), (2, 3)), data=((0, 2), (1, 3)), expert=((0, 2), (1, 3)), expert_tensor=((0, 1), (2, 3))
+    ),
     # Megatron TP=2, EP=2, ETP=1: the expert group spans tensor ranks; data = the experts' replicas
     "TP2xEP2_ETP1": Layout("TP2xEP2_ETP1", 4, tensor=((0, 1), (2, 3)), data=((0, 2), (1, 3)), expert=((0, 1), (2, 3))),
 }
@@ -180,7 +182,9 @@ def all_tokens(rank: int, layer: int, expert: int) -> bool:
     return True
 
 
-def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison: Optional[tuple] = None, device: str = "cpu") -> Callable[[nn.Module], None]:
+def forward_loop(
+    layout: Layout, rank: int, tokens: Tokens = all_tokens, poison: Optional[tuple] = None, device: str = "cpu"
+) -> Callable[[nn.Module], None]:
     """Feed every linear its rank's activations; ``poison = (rank, layer, name)`` puts a NaN in one."""
     tp = layout.coord("tensor", rank)[1]
     etp = layout.coord("expert_tensor", rank)[1]
@@ -192,19 +196,27 @@ def forward_loop(layout: Layout, rank: int, tokens: Tokens = all_tokens, poison:
         return t.to(device)
 
     def loop(model: nn.Module) -> None:
-        for l, layer in enumerate(model.layers):
-            layer.gate(x(l, "gate", H))
-            layer.fc1(x(l, "fc1", H))
-            layer.fc2(x(l, "fc2", F // tp))
+        for li, layer in enumerate(model.layers):
+            layer.gate(x(li, "gate", H))
+            layer.fc1(x(li, "fc1", H))
+            layer.fc2(x(li, "fc2", F // tp))
             for i, ex in enumerate(layer.mlp.experts.local_experts):
-                if tokens(rank, l, i):
-                    ex.linear_fc1(x(l, f"e{i}.fc1", H))
-                    ex.linear_fc2(x(l, f"e{i}.fc2", FE // etp))
+                if tokens(rank, li, i):
+                    ex.linear_fc1(x(li, f"e{i}.fc1", H))
+                    ex.linear_fc2(x(li, f"e{i}.fc2", FE // etp))
 
     return loop
 
 
-def build(layout: Layout, rank: int, cfg: dict, tokens: Tokens = all_tokens, poison: Optional[tuple] = None, n_layers: int = N_LAYERS, device: str = "cpu"):
+def build(
+    layout: Layout,
+    rank: int,
+    cfg: dict,
+    tokens: Tokens = all_tokens,
+    poison: Optional[tuple] = None,
+    n_layers: int = N_LAYERS,
+    device: str = "cpu",
+):
     """The converted model with roles set and configured (not yet calibrated), and its forward loop."""
     model = ql.convert(Net(layout, rank, n_layers).to(device))
     set_roles(model)
@@ -234,7 +246,9 @@ def _block_amax(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(w.shape[0], -1, 8).abs().amax(dim=-1)
 
 
-def expected(layout: Layout, rank: int, tokens: Tokens = all_tokens, sync_expert_weight_amax: bool = False, n_layers: int = N_LAYERS) -> dict[str, torch.Tensor]:
+def expected(
+    layout: Layout, rank: int, tokens: Tokens = all_tokens, sync_expert_weight_amax: bool = False, n_layers: int = N_LAYERS
+) -> dict[str, torch.Tensor]:
     """The amax ``rank`` must hold after the sync, from every rank's data (not from quantlib)."""
     tp = layout.coord("tensor", rank)
     ep = layout.coord("expert", rank)
@@ -247,38 +261,38 @@ def expected(layout: Layout, rank: int, tokens: Tokens = all_tokens, sync_expert
         return torch.stack(vals).amax() if vals else None
 
     n_experts = ep[1] * N_LOCAL
-    for l in range(n_layers):
-        p = f"layers.{l}"
-        w1, w2, wg = global_weight(l, "fc1"), global_weight(l, "fc2"), global_weight(l, "gate")
-        out[f"{p}.gate.input_quantizer"] = act_max(l, lambda r: H, [(r, "gate") for r in world])
-        out[f"{p}.gate.weight_quantizer"] = (_row_amax, lambda w: w.abs().amax(), _block_amax)[l](wg)
+    for li in range(n_layers):
+        p = f"layers.{li}"
+        w1, w2, wg = global_weight(li, "fc1"), global_weight(li, "fc2"), global_weight(li, "gate")
+        out[f"{p}.gate.input_quantizer"] = act_max(li, lambda r: H, [(r, "gate") for r in world])
+        out[f"{p}.gate.weight_quantizer"] = (_row_amax, lambda w: w.abs().amax(), _block_amax)[li](wg)
         # dense inputs: every rank (data x tensor covers the world in every layout)
-        out[f"{p}.fc1.input_quantizer"] = act_max(l, lambda r: H, [(r, "fc1") for r in world])
-        out[f"{p}.fc2.input_quantizer"] = act_max(l, lambda r: F // layout.coord("tensor", r)[1], [(r, "fc2") for r in world])
-        if l == 0:  # INT8 per channel: column keeps its own rows, row-parallel gets whole rows
+        out[f"{p}.fc1.input_quantizer"] = act_max(li, lambda r: H, [(r, "fc1") for r in world])
+        out[f"{p}.fc2.input_quantizer"] = act_max(li, lambda r: F // layout.coord("tensor", r)[1], [(r, "fc2") for r in world])
+        if li == 0:  # INT8 per channel: column keeps its own rows, row-parallel gets whole rows
             out[f"{p}.fc1.weight_quantizer"] = _row_amax(shard(w1, "column", *tp))
             out[f"{p}.fc2.weight_quantizer"] = _row_amax(w2)
-        elif l == 1:  # NVFP4 global amax: the whole weight
+        elif li == 1:  # NVFP4 global amax: the whole weight
             out[f"{p}.fc1.weight_quantizer"] = w1.abs().amax()
             out[f"{p}.fc2.weight_quantizer"] = w2.abs().amax()
         else:  # static blocks: each rank its own shard's
             out[f"{p}.fc1.weight_quantizer"] = _block_amax(shard(w1, "column", *tp))
             out[f"{p}.fc2.weight_quantizer"] = _block_amax(shard(w2, "row", *tp))
 
-        def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            e1, e2 = global_weight(l, "linear_fc1", e), global_weight(l, "linear_fc2", e)
-            if l == 0:
+        def expert_weights(e: int, li: int = li) -> tuple[torch.Tensor, torch.Tensor]:
+            e1, e2 = global_weight(li, "linear_fc1", e), global_weight(li, "linear_fc2", e)
+            if li == 0:
                 return _row_amax(shard(e1, "column", *etp)), _row_amax(e2)
-            if l == 1:
+            if li == 1:
                 return e1.abs().amax(), e2.abs().amax()
             return _block_amax(shard(e1, "column", *etp)), _block_amax(shard(e2, "row", *etp))
 
         if sync_expert_weight_amax:
             both = [expert_weights(e) for e in range(n_experts)]
             shared = (torch.stack([b[0] for b in both]).amax(0), torch.stack([b[1] for b in both]).amax(0))
-        fed = [(r, i) for r in world for i in range(N_LOCAL) if tokens(r, l, i)]
-        in1 = act_max(l, lambda r: H, [(r, f"e{i}.fc1") for r, i in fed])
-        in2 = act_max(l, lambda r: FE // layout.coord("expert_tensor", r)[1], [(r, f"e{i}.fc2") for r, i in fed])
+        fed = [(r, i) for r in world for i in range(N_LOCAL) if tokens(r, li, i)]
+        in1 = act_max(li, lambda r: H, [(r, f"e{i}.fc1") for r, i in fed])
+        in2 = act_max(li, lambda r: FE // layout.coord("expert_tensor", r)[1], [(r, f"e{i}.fc2") for r, i in fed])
         for i in range(N_LOCAL):
             e = ep[0] * N_LOCAL + i
             q = f"{p}.mlp.experts.local_experts.{i}"
@@ -343,8 +357,8 @@ class GroupedNet(nn.Module):
 
 def grouped_loop(rank: int, tokens: Tokens = all_tokens) -> Callable[[nn.Module], None]:
     def loop(model: nn.Module) -> None:
-        for l, layer in enumerate(model.layers):
-            xs = [activation(rank, l, f"g{i}", H) for i in range(N_LOCAL) if tokens(rank, l, i)]
+        for li, layer in enumerate(model.layers):
+            xs = [activation(rank, li, f"g{i}", H) for i in range(N_LOCAL) if tokens(rank, li, i)]
             if xs:
                 layer["experts"](xs)
 
@@ -354,11 +368,11 @@ def grouped_loop(rank: int, tokens: Tokens = all_tokens) -> Callable[[nn.Module]
 def grouped_expected(layout: Layout, rank: int, tokens: Tokens = all_tokens, sync_expert_weight_amax: bool = False) -> dict:
     ep = layout.coord("expert", rank)
     out = {}
-    for l in range(2):
-        fed = [activation(r, l, f"g{i}", H).abs().amax() for r in range(layout.world) for i in range(N_LOCAL) if tokens(r, l, i)]
-        out[f"layers.{l}.experts.input_quantizer"] = torch.stack(fed).amax()
-        rows = [_row_amax(global_weight(l, "linear_fc1", e)) for e in range(ep[1] * N_LOCAL)]
+    for li in range(2):
+        fed = [activation(r, li, f"g{i}", H).abs().amax() for r in range(layout.world) for i in range(N_LOCAL) if tokens(r, li, i)]
+        out[f"layers.{li}.experts.input_quantizer"] = torch.stack(fed).amax()
+        rows = [_row_amax(global_weight(li, "linear_fc1", e)) for e in range(ep[1] * N_LOCAL)]
         for i in range(N_LOCAL):
             w = torch.stack(rows).amax(0) if sync_expert_weight_amax else rows[ep[0] * N_LOCAL + i]
-            out[f"layers.{l}.experts.weight_quantizer.{i}"] = w
+            out[f"layers.{li}.experts.weight_quantizer.{i}"] = w
     return out

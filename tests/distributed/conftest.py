@@ -63,7 +63,7 @@ def _child(rank: int, world_size: int, port: int, pg_timeout: float, backend: st
         )
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))
-    except BaseException:  # noqa: BLE001  (everything goes back to the parent)
+    except BaseException:  # everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -80,7 +80,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, timeout, backend, fn, args, results), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, timeout, backend, fn, args, results), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outs: dict[int, Any] = {}

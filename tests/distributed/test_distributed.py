@@ -18,7 +18,17 @@ from .conftest import RankFailure, RankTimeout, run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
-def _calibrate(rank: int, world: int, layout_name: str, policy: str = "max_of_peers", sync_w: bool = False, tokens=L.all_tokens, poison=None, disable=None, device="cpu"):
+def _calibrate(
+    rank: int,
+    world: int,
+    layout_name: str,
+    policy: str = "max_of_peers",
+    sync_w: bool = False,
+    tokens=L.all_tokens,
+    poison=None,
+    disable=None,
+    device="cpu",
+):
     """Calibrate this rank's model with the sync; returns ("ok", amax table) or ("error", message)."""
     layout = L.LAYOUTS[layout_name]
     state = L.parallel_state(layout, rank)
@@ -36,7 +46,9 @@ def _calibrate(rank: int, world: int, layout_name: str, policy: str = "max_of_pe
 def _check_layout(layout_name: str, sync_w: bool = False, tokens=L.all_tokens, backend: str = "gloo") -> None:
     layout = L.LAYOUTS[layout_name]
     device = "cuda" if backend == "nccl" else "cpu"
-    outs = run_on_ranks(_calibrate, layout.world, layout_name, "max_of_peers", sync_w, tokens, None, None, device, timeout=120, backend=backend)
+    outs = run_on_ranks(
+        _calibrate, layout.world, layout_name, "max_of_peers", sync_w, tokens, None, None, device, timeout=120, backend=backend
+    )
     per_expert = {}
     for rank, out in enumerate(outs):
         assert out[0] == "ok", out[1]
@@ -229,7 +241,9 @@ def _sync_direct(rank: int, world: int):
             m.input_quantizer.amax = torch.tensor(1.0)
     experts[0].linear_fc1.input_quantizer.amax = torch.tensor(2.0 + rank)
     ql.sync_amax(model, state)
-    return [e.linear_fc1.input_quantizer.amax.item() for e in experts], model.layers[1].mlp.experts.local_experts[0].linear_fc1.input_quantizer.amax.item()
+    return [e.linear_fc1.input_quantizer.amax.item() for e in experts], model.layers[1].mlp.experts.local_experts[
+        0
+    ].linear_fc1.input_quantizer.amax.item()
 
 
 def test_sync_amax_directly():
@@ -247,7 +261,7 @@ def test_single_rank_state_unifies_local_experts_without_collectives():
 def test_single_rank_state_raises_locally():
     layout = L.Layout("single", 1)
     model, loop = L.build(layout, 0, L.config(), poison=(0, 0, "fc2"))
-    with pytest.raises(AmaxSyncError, match="rank 0: layers.0.fc2.input_quantizer: calibration saw NaN"):
+    with pytest.raises(AmaxSyncError, match=r"rank 0: layers\.0\.fc2\.input_quantizer: calibration saw NaN"):
         ql.calibrate(model, "max", loop, parallel_state=ql.ParallelState())
 
 
@@ -270,7 +284,16 @@ def _state_sizes(rank: int, world: int):
         not_member = None
     except ValueError as exc:
         not_member = str(exc)
-    return (state.data_size, state.data_rank, state.tensor_rank, state.expert_rank, state.expert_tensor_rank, state.global_ranks("data"), ql.ParallelState(whole).data_size, not_member)
+    return (
+        state.data_size,
+        state.data_rank,
+        state.tensor_rank,
+        state.expert_rank,
+        state.expert_tensor_rank,
+        state.global_ranks("data"),
+        ql.ParallelState(whole).data_size,
+        not_member,
+    )
 
 
 def test_parallel_state_sizes_and_ranks():
@@ -332,7 +355,14 @@ def test_harness_kills_a_hang():
 def _calibrate_grouped(rank: int, world: int, sync_w: bool, tokens):
     layout = L.LAYOUTS["EP2"]
     state = L.parallel_state(layout, rank)
-    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "axis": None}, "default": {"enable": False}}, "sync_expert_weight_amax": sync_w}
+    cfg = {
+        "quant_cfg": {
+            "*weight_quantizer": {"num_bits": 8, "axis": 0},
+            "*input_quantizer": {"num_bits": 8, "axis": None},
+            "default": {"enable": False},
+        },
+        "sync_expert_weight_amax": sync_w,
+    }
     model = ql.quantize(L.GroupedNet(layout, rank), cfg, L.grouped_loop(rank, tokens), parallel_state=state)
     return L.amax_table(model)
 
