@@ -92,7 +92,15 @@ def phase(args, lib: str, preset: str, what: str) -> dict:
             for b in data:
                 m(b)
 
+    if what == "quantize" and args.warmup:
+        # JIT compilation and autotuning happen once per process and shape: keep them out of (b)
+        warm = quantize_with(lib, build(args.dim, args.blocks, device), preset, loop)
+        with torch.no_grad():
+            warm(data[0])
+        del warm
     if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -120,7 +128,7 @@ def phase(args, lib: str, preset: str, what: str) -> dict:
 
 
 def in_subprocess(args, lib: str, preset: str, what: str) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--phase", lib, preset, what, "--device", args.device, "--dim", str(args.dim), "--blocks", str(args.blocks), "--tokens", str(args.tokens), "--batches", str(args.batches)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", lib, preset, what, "--device", args.device, "--dim", str(args.dim), "--blocks", str(args.blocks), "--tokens", str(args.tokens), "--batches", str(args.batches)] + (["--warmup"] if args.warmup else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         print(f"  {lib} {preset} {what} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}", file=sys.stderr)
@@ -145,12 +153,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--phase", nargs=3)
+    p.add_argument("--warmup", action="store_true", help="quantize once untimed first (GPU: JIT compile, autotune)")
+    p.add_argument("--no-modelopt", action="store_true")
     p.add_argument("--presets", nargs="*", default=list(PRESETS))
     args = p.parse_args()
     if args.phase:
         print(json.dumps(phase(args, *args.phase)))
         return
-    mo = modelopt_available()
+    mo = None if args.no_modelopt else modelopt_available()
     print(f"# bench_calibrate: {args.blocks} blocks of {args.dim}->{4 * args.dim}->{args.dim}, {args.batches} batches of {args.tokens} tokens, fp32, device {args.device}")
     print(f"# torch {torch.__version__}, python {platform.python_version()}, ModelOpt {mo or 'not installed'}, {platform.processor() or platform.machine()}, {os.cpu_count()} cpus")
     bare = in_subprocess(args, "quantlib", "INT8", "bare")
