@@ -1,5 +1,6 @@
 """sync_amax over NCCL with one process: what a single-GPU machine can check of the NCCL path (the
-amax stay on the GPU, the collectives run through NCCL, a NaN still fails fast)."""
+amax stay on the GPU, a NaN still fails fast). A group of one rank needs no collective, so none runs:
+the collectives themselves need two GPUs (``test_distributed.py::*_nccl``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _sync_on_one_gpu(rank: int, world: int, preset: str, poison: bool) -> dict:
 def test_sync_amax_over_nccl_one_process(preset):
     (out,) = run_on_ranks(_sync_on_one_gpu, 1, preset, False, timeout=120, backend="nccl")
     assert out["devices"] == ["cuda"] and out["input0_exact"], out
-    assert out["collective_devices"] == ["cuda"] and 1 <= out["num_collectives"] <= 8, out
+    # groups of one rank are skipped (sync_amax issues no collective for them, NCCL or not)
+    assert out["collective_devices"] == [] and out["num_collectives"] == 0, out
 
 
 def test_nan_fails_fast_over_nccl():
