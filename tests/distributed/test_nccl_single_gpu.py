@@ -42,11 +42,14 @@ def _sync_on_one_gpu(rank: int, world: int, preset: str, poison: bool) -> dict:
     finally:
         dist.all_reduce = real
     amax = {n: q.amax for n, q in ql.model_quant.iter_leaf_quantizers(model) if q.amax is not None}
+    from quantlib.distributed import _device_for
+
+    payload_device = _device_for(dist.group.WORLD, torch.device("cpu")).type
     expected_in0 = torch.stack([d.abs().amax() for d in data]).amax()
     return {
         "devices": sorted({a.device.type for a in amax.values()}),
         "input0_exact": bool(torch.equal(amax["0.input_quantizer"], expected_in0)),
-        "collective_devices": sorted({c[0] for c in calls}),
+        "payload_device": payload_device,
         "num_collectives": len(calls),
     }
 
