@@ -50,7 +50,7 @@ _MAX = dist.ReduceOp.MAX if dist.is_available() else None
 
 class AmaxSyncError(CalibrationError):
     """Raised by :func:`sync_amax` with the same message on every rank: it names the quantizers and the
-    ranks at fault. When it is raised no amax has changed on any rank."""
+    ranks at fault. When it is raised the sync has changed no amax on any rank."""
 
 
 class ParallelState:
@@ -541,7 +541,7 @@ def _message(reports: dict[int, tuple[str, str]]) -> str:
     when nothing else explains them (a missing amax also changes the sizes)."""
     local = any(code == "L" for code, _ in reports.values())
     lines = [f"  rank {r}: {text}" for r, (code, text) in sorted(reports.items()) if code in "LS" or not local]
-    return "quantlib.sync_amax: calibration is not consistent across ranks; no amax was changed on any rank:\n" + "\n".join(lines)
+    return "quantlib.sync_amax: calibration is not consistent across ranks; the sync changed no amax on any rank:\n" + "\n".join(lines)
 
 
 def _commit(units: list[_Unit]) -> None:
