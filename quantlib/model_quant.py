@@ -224,7 +224,7 @@ def expert_group_key(name: str) -> Optional[str]:
 
 def _fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], policy: str) -> None:
     """Quantizers the forward loop never reached: experts follow the policy, anything else raises."""
-    experts = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names}
+    experts = {id(leaf) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names for _, leaf in leaves_of(qn, getattr(m, qn))}
     # a module with grouped weights holds all local experts of its layer: its quantizers have no local
     # peers (expert_group_key of their names would replace the layer index instead)
     alone = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert and any(isinstance(getattr(m, w, None), GroupedQuantizer) for w in m.weight_quantizer_names) for qn in m.quantizer_names}
