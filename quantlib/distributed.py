@@ -23,6 +23,7 @@ Layout conventions (Megatron-Core's; :meth:`ParallelState.from_megatron` builds 
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -577,6 +578,20 @@ def _commit(units: list[_Unit]) -> None:
 
 
 # ---------------------------------------------------------------------------------- the routine
+
+
+def discover_parallel_state() -> Optional[ParallelState]:
+    """The layout calibration syncs over when none is passed: Megatron-Core's groups if its parallel
+    state is initialized, else the default group as data parallel if torch.distributed runs several
+    ranks, else None. Pass ``ParallelState()`` explicitly to calibrate each rank on its own."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mpu = sys.modules.get("megatron.core.parallel_state")  # imported only by a Megatron user
+    if mpu is not None and mpu.model_parallel_is_initialized():
+        return ParallelState.from_megatron()
+    if dist.get_world_size() > 1:
+        return ParallelState(data_group=dist.group.WORLD)
+    return None
 
 
 def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: Optional[BaseException] = None) -> None:

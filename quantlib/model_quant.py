@@ -164,13 +164,18 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
 
 def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
     """(Re)calibrate an already converted model: weight amax from the weights, activation amax from
-    ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax)."""
+    ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax). Amax are then
+    synced over ``parallel_state`` (None: discovered, see ``quantlib.distributed.discover_parallel_state``)."""
     method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
     if method is None:
         return model
     if method != "max":
         raise ValueError(f"calibrate: algorithm {method!r} is not available (use 'max')")
     cfg: Optional[QuantizeConfig] = getattr(model, "_quantlib_config", None)
+    if parallel_state is None:
+        from .distributed import discover_parallel_state
+
+        parallel_state = discover_parallel_state()
     local_error = None
     try:
         for _, m in quant_modules(model):
