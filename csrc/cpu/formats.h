@@ -46,7 +46,7 @@ struct Fp8Op {
     return p;
   }
   QL_INLINE float fake(float x, float s, float inv) const { return fp8_round<F>(clampf(x * s, -F::kMax, F::kMax)) * inv; }
-  QL_INLINE uint8_t code(float x, float s, float) const { return fp8_code<F>(clampf(x * s, -F::kMax, F::kMax)); }
+  QL_INLINE uint32_t code(float x, float s, float) const { return fp8_code<F>(clampf(x * s, -F::kMax, F::kMax)); }
 };
 
 // formats.fp8_blockwise: d = max(a, eps) / Q (then pow2_ceil); c = fp8(clamp(x / d)); x_hat = c * d.
@@ -63,7 +63,7 @@ struct Fp8BlockOp {
     return p;
   }
   QL_INLINE float fake(float x, float d, float) const { return fp8_round<F>(clampf(x / d, -F::kMax, F::kMax)) * d; }
-  QL_INLINE uint8_t code(float x, float d, float) const { return fp8_code<F>(clampf(x / d, -F::kMax, F::kMax)); }
+  QL_INLINE uint32_t code(float x, float d, float) const { return fp8_code<F>(clampf(x / d, -F::kMax, F::kMax)); }
 };
 
 // formats.mx: shared exponent byte from a; y = clamp(x / 2^e, -Q, Q); element E4M3 or E2M1; x_hat =
@@ -85,7 +85,7 @@ struct MxOp {
     const float y = clampf(x / s, -kQ, kQ);
     return (E2M1_ELEMENTS ? e2m1_value(y) : fp8_round<E4M3>(y)) * s;
   }
-  QL_INLINE uint8_t code(float x, float s, float) const {
+  QL_INLINE uint32_t code(float x, float s, float) const {
     const float y = clampf(x / s, -kQ, kQ);
     return E2M1_ELEMENTS ? e2m1_code(y) : fp8_code<E4M3>(y);
   }
@@ -102,12 +102,12 @@ struct Nvfp4Op {
     sb = sb == 0.0f ? 1.0f : sb;
     sb = clampf(sb, 0.001953125f, 448.0f);
     BlockParams p;
-    p.byte = fp8_code<E4M3>(sb);
+    p.byte = uint8_t(fp8_code<E4M3>(sb));
     p.p0 = fp8_round<E4M3>(sb) * s2;
     return p;
   }
   QL_INLINE float fake(float x, float d, float) const { return e2m1_value(x / d) * d; }
-  QL_INLINE uint8_t code(float x, float d, float) const { return e2m1_code(x / d); }
+  QL_INLINE uint32_t code(float x, float d, float) const { return e2m1_code(x / d); }
 };
 
 // Parameters of one group for the broadcast path (computed by the wrapper, once per group).

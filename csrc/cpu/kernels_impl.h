@@ -56,20 +56,37 @@ QL_INLINE void run_fake(const typename T::S* __restrict x, typename T::S* __rest
 template <class T, class O, int N>
 QL_INLINE void run_fp8_codes(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n_rt, const O& op, float p0, float p1) {
   const int64_t n = N > 0 ? N : n_rt;
+  for (int64_t k = 0; k < n; ++k) c[k] = uint8_t(op.code(T::load(x[k]), p0, p1));
+}
+
+// E2M1 codes as 32-bit lanes (so that the code loop vectorizes at the width of the fp32 inputs).
+template <class T, class O, int N>
+QL_INLINE void run_codes32(const typename T::S* __restrict x, uint32_t* __restrict c, int64_t n_rt, const O& op, float p0, float p1) {
+  const int64_t n = N > 0 ? N : n_rt;
   for (int64_t k = 0; k < n; ++k) c[k] = op.code(T::load(x[k]), p0, p1);
+}
+
+// Bytes of code pairs: code 2k in the low nibble, 2k + 1 in the high one; codes[2 * pairs - 1] must exist.
+QL_INLINE void pack_nibbles(const uint32_t* __restrict codes, uint8_t* __restrict out, int64_t pairs) {
+  for (int64_t k = 0; k < pairs; ++k) {
+    uint64_t pair;  // little endian: code 2k in the low 32 bits; each code < 16
+    __builtin_memcpy(&pair, codes + 2 * k, 8);
+    out[k] = uint8_t(pair | (pair >> 28));
+  }
 }
 
 // Two E2M1 codes per byte, the even element in the low nibble; an odd run ends with a lone low nibble.
 template <class T, class O, int N>
 QL_INLINE void run_e2m1_packed(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n_rt, const O& op, float p0, float p1) {
   const int64_t n = N > 0 ? N : n_rt;
-  const int64_t pairs = n / 2;
-  for (int64_t k = 0; k < pairs; ++k) {
-    const uint32_t lo = op.code(T::load(x[2 * k]), p0, p1);
-    const uint32_t hi = op.code(T::load(x[2 * k + 1]), p0, p1);
-    c[k] = uint8_t(lo | (hi << 4));
+  constexpr int64_t kChunk = N > 0 && N < 256 ? N : 256;
+  for (int64_t k0 = 0; k0 < n; k0 += kChunk) {
+    const int64_t m = n - k0 < kChunk ? n - k0 : kChunk;
+    alignas(64) uint32_t codes[kChunk + 2];
+    run_codes32<T, O, (N > 0 && N < 256 ? N : 0)>(x + k0, codes, m, op, p0, p1);
+    codes[m] = 0;
+    pack_nibbles(codes, c + k0 / 2, (m + 1) / 2);
   }
-  if (n & 1) c[pairs] = op.code(T::load(x[n - 1]), p0, p1);
 }
 
 template <class T>
@@ -103,9 +120,9 @@ QL_INLINE void row_apply(const BlockTask& t, const O& op, const BlockParams& p, 
 
 // ---------------------------------------------------------------------------- engines
 
+// 2-D blocks (BM > 1): one block at a time, amax over its rows, then each row.
 template <class T, class O, Mode MODE>
-void run_blocks(const BlockTask& t, int64_t b0, int64_t b1) {
-  const O op(t.ctx);
+void run_blocks_2d(const BlockTask& t, const O& op, int64_t b0, int64_t b1) {
   const bool scan = t.amax_in == nullptr || t.nan_groups;
   int64_t j = b0 % t.kb, i = (b0 / t.kb) % t.mb, l = b0 / (t.kb * t.mb);
   for (int64_t b = b0; b < b1; ++b) {
@@ -138,6 +155,89 @@ void run_blocks(const BlockTask& t, int64_t b0, int64_t b1) {
       }
     }
   }
+}
+
+// 1-D blocks (BM = 1): up to kGroup consecutive blocks of one row at a time: their amax, then their
+// parameters in one (vectorized) loop, then their elements.
+template <class T, class O, Mode MODE>
+void run_blocks_1d(const BlockTask& t, const O& op, int64_t b0, int64_t b1) {
+  constexpr int64_t kGroup = 64, kSmallBlock = 32;
+  using S = typename T::S;
+  const bool scan = t.amax_in == nullptr || t.nan_groups;
+  alignas(64) float a[kGroup], p0[kGroup], p1[kGroup], scale[kGroup];
+  alignas(64) uint8_t byte[kGroup];
+  alignas(64) uint32_t bits[kGroup];
+  for (int64_t b = b0; b < b1;) {
+    const int64_t row = b / t.kb, j0 = b % t.kb;
+    const int64_t g = (t.kb - j0) < kGroup ? (t.kb - j0) : kGroup;
+    const int64_t nb = (b1 - b) < g ? (b1 - b) : g;
+    const S* x = static_cast<const S*>(t.x) + row * t.K;
+    const int64_t last = t.K - (j0 + nb - 1) * t.BK;  // elements of the group's last block (or more)
+    if (scan) {
+      for (int64_t q = 0; q < nb; ++q) {
+        const int64_t n = q == nb - 1 ? (last < t.BK ? last : t.BK) : t.BK;
+        bits[q] = row_amax_bits<T>(x + (j0 + q) * t.BK, n);
+      }
+    }
+    if (t.amax_in != nullptr) {
+      for (int64_t q = 0; q < nb; ++q) a[q] = t.amax_in[b + q];
+    } else {
+      for (int64_t q = 0; q < nb; ++q) a[q] = T::abs_value(bits[q]);
+    }
+    if (t.amax_out != nullptr) {
+      for (int64_t q = 0; q < nb; ++q) t.amax_out[b + q] = a[q];
+    }
+    if constexpr (MODE != Mode::AMAX_ONLY) {
+      for (int64_t q = 0; q < nb; ++q) {
+        const BlockParams p = op.block(a[q]);
+        p0[q] = p.p0;
+        p1[q] = p.p1;
+        scale[q] = p.scale;
+        byte[q] = p.byte;
+      }
+      if (t.amax_in != nullptr && t.nan_groups) {
+        for (int64_t q = 0; q < nb; ++q) {
+          if (isnan_(T::abs_value(bits[q]))) p0[q] = scale[q] = u2f(kQuietNaN);
+        }
+      }
+      if (t.scale_out != nullptr) {
+        for (int64_t q = 0; q < nb; ++q) t.scale_out[b + q] = scale[q];
+      }
+      if (t.byte_out != nullptr) {
+        for (int64_t q = 0; q < nb; ++q) t.byte_out[b + q] = byte[q];
+      }
+      const int64_t c0 = j0 * t.BK, n_all = (nb - 1) * t.BK + (last < t.BK ? last : t.BK);
+      if constexpr (MODE == Mode::CODES && O::kCodes == Codes::E2M1) {
+        if (t.BK <= kSmallBlock) {  // small blocks: all codes of the group, then one packing loop
+          alignas(64) uint32_t codes[kGroup * kSmallBlock + 2];
+          for (int64_t q = 0; q < nb; ++q) {
+            const int64_t n = q == nb - 1 ? n_all - q * t.BK : t.BK, c = q * t.BK;
+            if (n == 16) run_codes32<T, O, 16>(x + c0 + c, codes + c, n, op, p0[q], p1[q]);
+            else if (n == 32) run_codes32<T, O, 32>(x + c0 + c, codes + c, n, op, p0[q], p1[q]);
+            else run_codes32<T, O, 0>(x + c0 + c, codes + c, n, op, p0[q], p1[q]);
+          }
+          codes[n_all] = 0;
+          pack_nibbles(codes, t.codes + row * ((t.K + 1) / 2) + c0 / 2, (n_all + 1) / 2);
+          b += nb;
+          continue;
+        }
+      }
+      for (int64_t q = 0; q < nb; ++q) {
+        BlockParams p;
+        p.p0 = p0[q];
+        p.p1 = p1[q];
+        row_apply<T, O, MODE>(t, op, p, row, c0 + q * t.BK, q == nb - 1 ? n_all - q * t.BK : t.BK);
+      }
+    }
+    b += nb;
+  }
+}
+
+template <class T, class O, Mode MODE>
+void run_blocks(const BlockTask& t, int64_t b0, int64_t b1) {
+  const O op(t.ctx);
+  if (t.BM == 1 && t.L == 1) return run_blocks_1d<T, O, MODE>(t, op, b0, b1);
+  run_blocks_2d<T, O, MODE>(t, op, b0, b1);
 }
 
 template <class T, class O>

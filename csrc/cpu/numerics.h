@@ -37,8 +37,9 @@ QL_INLINE float rne_int(float v) {
   return m < 8388608.0f ? u2f(f2u(r) | (u & kSignMask)) : v;
 }
 
-// Round-to-nearest-even right shift of an integer significand m < 2^24 by k bits, 1 <= k <= 31.
-QL_INLINE uint32_t rne_shift(uint32_t m, int k) { return (m + (1u << (k - 1)) - 1u + ((m >> k) & 1u)) >> k; }
+// Round-to-nearest-even right shift of an integer significand m < 2^24 by k bits, 0 <= k <= 31
+// (k = 0 gives garbage, never used: callers select another result there).
+QL_INLINE uint32_t rne_shift(uint32_t m, uint32_t k) { return (m + ((1u << k) >> 1) - 1u + ((m >> k) & 1u)) >> k; }
 
 // ------------------------------------------------------------------------------ fp16 / bf16 storage
 
@@ -65,10 +66,11 @@ QL_INLINE float half_to_float(uint16_t h) {
 QL_INLINE uint16_t float_to_half(float f) {
   const uint32_t u = f2u(f), a = u & kAbsMask, sign = (u >> 16) & 0x8000u;
   const uint32_t normal = (a - (112u << 23) + 0x0FFFu + ((a >> 13) & 1u)) >> 13;
+  // Subnormal: value m * 2^(e-150) in steps of 2^-24. An fp32 subnormal (e = 0) rounds to 0 anyway,
+  // so its missing implicit bit does not matter; k saturates at 31 (also for e > 126, unused there).
   const uint32_t e = a >> 23;
-  const uint32_t m = (a & 0x007FFFFFu) | (e != 0 ? 0x00800000u : 0u);
-  int k = 126 - int(e != 0 ? e : 1);  // value = m * 2^(e-150), step 2^-24
-  k = k < 1 ? 1 : (k > 31 ? 31 : k);
+  const uint32_t m = (a & 0x007FFFFFu) | 0x00800000u;
+  const uint32_t k0 = 126u - e, k = k0 < 31u ? k0 : 31u;
   uint32_t r = a >= 0x38800000u ? normal : rne_shift(m, k);  // 2^-14: smallest fp16 normal
   r = a >= 0x477FF000u ? 0x7C00u : r;                         // 65520 rounds to Inf
   r = a > kInfBits ? 0x7E00u : r;
@@ -91,13 +93,14 @@ using E4M3 = Fp8Format<3, 121, 448>;    // min normal 2^-6, step 2^-9
 using E5M2 = Fp8Format<2, 113, 57344>;  // min normal 2^-14, step 2^-16
 
 // Subnormal steps of |y| (abs bits a below the format's min normal), rounded to nearest even; the
-// result 2^MBITS is the smallest normal, so it is also the right code.
+// result 2^MBITS is the smallest normal, so it is also the right code. |y| = m * 2^(e-150); an fp32
+// subnormal (e = 0) rounds to 0 whatever its implicit bit; k saturates at 31 (and wraps to 31 for a
+// normal |y|, whose result is not used).
 template <class F>
 QL_INLINE uint32_t fp8_subnormal_steps(uint32_t a) {
   const uint32_t e = a >> 23;
-  const uint32_t m = (a & 0x007FFFFFu) | (e != 0 ? 0x00800000u : 0u);
-  int k = F::kDrop + F::kMinf - int(e != 0 ? e : 1);
-  k = k < 1 ? 1 : (k > 31 ? 31 : k);
+  const uint32_t m = (a & 0x007FFFFFu) | 0x00800000u;
+  const uint32_t k0 = uint32_t(F::kDrop + F::kMinf) - e, k = k0 < 31u ? k0 : 31u;
   return rne_shift(m, k);
 }
 
@@ -118,13 +121,14 @@ QL_INLINE float fp8_round(float y) {
 }
 
 // The FP8 code of y (already clamped to [-Q, Q], or NaN): equals y.to(fp8).view(uint8) (NaN -> 0x7F|sign).
+// Codes are returned in 32-bit lanes (narrowing only at the store keeps the loops at full width).
 template <class F>
-QL_INLINE uint8_t fp8_code(float y) {
+QL_INLINE uint32_t fp8_code(float y) {
   const uint32_t u = f2u(y), a = u & kAbsMask;
   const uint32_t normal = (fp8_normal_round<F>(a) >> F::kDrop) - F::kCodeBias;
   uint32_t c = a >= F::kMinNormalBits ? normal : fp8_subnormal_steps<F>(a);
   c = a > kInfBits ? 0x7Fu : c;
-  return uint8_t(c | ((u >> 24) & 0x80u));
+  return c | ((u >> 24) & 0x80u);
 }
 
 // fp32 value of an E4M3fn code (exact).
@@ -141,13 +145,13 @@ QL_INLINE float e4m3_decode(uint8_t c) {
 
 // Round-to-nearest-even on {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at 6 (formats.e2m1 thresholds:
 // strict at midpoints whose lower neighbour has an even code, inclusive elsewhere). NaN -> +0.
-QL_INLINE uint8_t e2m1_code(float y) {
+QL_INLINE uint32_t e2m1_code(float y) {
   const uint32_t u = f2u(y);
   const float m = u2f(u & kAbsMask);
   const uint32_t idx = uint32_t(m > 0.25f) + uint32_t(m >= 0.75f) + uint32_t(m > 1.25f) + uint32_t(m >= 1.75f) +
                        uint32_t(m > 2.5f) + uint32_t(m >= 3.5f) + uint32_t(m > 5.0f);
   const uint32_t sign = isnan_(y) ? 0u : ((u >> 28) & 8u);
-  return uint8_t(idx | sign);
+  return idx | sign;
 }
 
 // The fp32 value of e2m1_code(y) (the sign of zero included): the grid steps 0.5 x4, 1 x2, 2 summed
@@ -168,22 +172,17 @@ QL_INLINE float e2m1_value(float y) {
 constexpr uint8_t kE8M0NaN = 0xFF;
 
 // Biased shared exponent of a block amax a (formats.e8m0.e8m0_encode): rceil from the bits of a / Q,
-// floor from the bits of a minus emax; clamped to [-127, 127]; NaN/Inf -> 0xFF.
+// floor from the bits of a minus emax; clamped to [-127, 127]; NaN/Inf -> 0xFF. Branch-free.
 QL_INLINE uint8_t e8m0_byte(float a, float qmax, int emax, bool floor_rounding) {
-  if (!isfinite_(a)) return kE8M0NaN;
-  int e;
-  if (!floor_rounding) {
-    const uint32_t bits = f2u(a / qmax);
-    const int field = int((bits >> 23) & 0xFFu);
-    const uint32_t mant = bits & 0x007FFFFFu;
-    e = mant != 0 ? field - 126 : field - 127;
-    if (field == 0) e = mant > (1u << 22) ? -126 : -127;
-  } else {
-    const int field = int((f2u(a) >> 23) & 0xFFu);
-    e = (field == 0 ? -127 : field - 127) - emax;
-  }
+  const uint32_t t = f2u(a / qmax);
+  const int tf = int((t >> 23) & 0xFFu);
+  const uint32_t tm = t & 0x007FFFFFu;
+  int rceil = tm != 0 ? tf - 126 : tf - 127;
+  rceil = tf == 0 ? (tm > (1u << 22) ? -126 : -127) : rceil;
+  const int af = int((f2u(a) >> 23) & 0xFFu);
+  int e = floor_rounding ? (af == 0 ? -127 : af - 127) - emax : rceil;
   e = e < -127 ? -127 : (e > 127 ? 127 : e);
-  return uint8_t(e + 127);
+  return isfinite_(a) ? uint8_t(e + 127) : kE8M0NaN;
 }
 
 // 2^(byte - 127) exactly (byte 0 is the subnormal 2^-127); NaN for 0xFF.
