@@ -213,9 +213,27 @@ def _calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_p
             q.enable_quant()
     for _, q in active:
         q.load_calib_amax()
+    tokens_per_expert_report(model)
     missing = [(n, q) for n, q in active if q.amax is None]
     if missing:
         _fill_missing(model, missing, expert_policy)
+
+
+def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, list[int]]:
+    """Tokens each expert received in the last calibration, by module name, from every QuantModule that
+    counts them (``tokens_per_expert``); logged at the end of calibration, experts with none as warnings
+    (their weight amax still comes from their own weights)."""
+    report = {}
+    for name, m in quant_modules(model):
+        counts = getattr(m, "tokens_per_expert", None)
+        if isinstance(counts, torch.Tensor):
+            report[name] = counts.tolist()
+            idle = [e for e, c in enumerate(report[name]) if c == 0]
+            if warn and idle:
+                _log.warning("%s: no calibration tokens reached expert(s) %s of %d", name, idle, len(report[name]))
+            else:
+                _log.info("%s: tokens per expert %s", name, report[name])
+    return report
 
 
 def expert_group_key(name: str) -> Optional[str]:

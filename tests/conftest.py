@@ -114,6 +114,8 @@ class TwoExperts(nn.Module):
 
 
 class _QuantTwoExperts(QuantModule):
+    grouped_quantizer_names = ("weight_quantizer",)
+
     def _setup(self) -> None:
         super()._setup()
         self.weight_quantizer = GroupedQuantizer([TensorQuantizer({"axis": 0}), TensorQuantizer({"axis": 0})])

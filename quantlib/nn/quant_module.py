@@ -24,6 +24,8 @@ class QuantModule(nn.Module):
 
     quantizer_names: tuple[str, ...] = ("input_quantizer", "weight_quantizer", "output_quantizer")
     weight_quantizer_names: tuple[str, ...] = ("weight_quantizer",)
+    #: weight quantizers that are GroupedQuantizers (one member per GEMM); checkpoints validate with it.
+    grouped_quantizer_names: tuple[str, ...] = ()
     #: "replicated", "column", "row" (tensor parallel) — set by plugins that know it.
     parallel_role: str = "replicated"
     #: True for the linears of MoE experts (their input amax syncs across the expert group).

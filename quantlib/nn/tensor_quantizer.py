@@ -121,8 +121,8 @@ class TensorQuantizer(nn.Module):
         return static_amax_shape(self.spec, self._attrs.axis, tuple(shape))
 
     def collect(self, x: torch.Tensor) -> None:
-        """Add ``x`` to the calibration statistics."""
-        if self.needs_calibration:
+        """Add ``x`` to the calibration statistics (an empty ``x``, e.g. an expert's 0-token split, adds nothing)."""
+        if self.needs_calibration and x.numel() > 0:
             self._calibrator.collect(static_amax(x, self.spec, self._attrs.axis, self._attrs.backend))
 
     def load_calib_amax(self) -> None:
@@ -164,7 +164,7 @@ class TensorQuantizer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._disabled:
+        if self._disabled or x.numel() == 0:
             return x
         if self._if_calib:
             self.collect(x)

@@ -26,7 +26,12 @@ def _framework_present(name: str) -> bool:
 def register_available() -> list[str]:
     """Import every plugin whose framework the process has imported; returns the loaded plugins."""
     for plugin, framework in PLUGINS.items():
-        if plugin in _loaded or not _framework_present(framework):
+        if plugin in _loaded:
+            refresh = getattr(sys.modules[plugin], "refresh", None)
+            if refresh is not None:  # classes of framework modules imported since the last call
+                refresh()
+            continue
+        if not _framework_present(framework):
             continue
         if importlib.util.find_spec(plugin) is None:
             continue

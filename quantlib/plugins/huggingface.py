@@ -17,7 +17,6 @@ after importing a model class later, or :func:`register_fused_experts` for anoth
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from typing import ClassVar, Iterator
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import QuantizerAttributeConfig
+from ..model_quant import tokens_per_expert_report  # noqa: F401  (re-exported)
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
@@ -155,14 +155,12 @@ def register_fused_experts(cls: type, gated: bool = True) -> None:
 
 def refresh() -> list[str]:
     """Register the :data:`FUSED_EXPERTS` classes, if transformers' modeling code is loaded (else
-    nothing: no model here uses them). Cheap; returns the class names registered."""
-    if "transformers.modeling_utils" not in sys.modules:
-        return []
+    nothing: no model here uses them). Cheap, so ``convert`` calls it every time; returns the class names
+    registered."""
     done = []
     for module_name, class_name in FUSED_EXPERTS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # an older or newer transformers without this model
+        module = sys.modules.get(module_name)  # a model built from it has imported it: never import here
+        if module is None:
             continue
         cls = getattr(module, class_name, None)
         if isinstance(cls, type) and issubclass(cls, nn.Module):
@@ -171,21 +169,7 @@ def refresh() -> list[str]:
     return done
 
 
-def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, list[int]]:
-    """Tokens each expert received during the last calibration, by module name, for every module that
-    counts them (HF fused experts, TE GroupedLinear). Experts that got none are logged as warnings:
-    their weight amax still comes from their own weights; their input amax is the layer's shared one."""
-    report = {}
-    for name, m in model.named_modules():
-        counts = getattr(m, "tokens_per_expert", None)
-        if isinstance(m, QuantModule) and isinstance(counts, torch.Tensor):
-            report[name] = counts.tolist()
-            idle = [e for e, c in enumerate(report[name]) if c == 0]
-            if warn and idle:
-                _log.warning("%s: no calibration tokens reached expert(s) %s of %d", name, idle, len(report[name]))
-    return report
-
-
 refresh()
 
 __all__ = ["FUSED_EXPERTS", "QuantFusedExperts", "expert_weight", "refresh", "register_fused_experts", "tokens_per_expert_report"]
+
