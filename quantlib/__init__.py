@@ -19,7 +19,7 @@ from .config import (
     QuantizerAttributeConfig,
 )
 from .distributed import AmaxSyncError, ParallelState, sync_amax
-from .model_quant import calibrate, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
+from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
 
 __version__ = "0.1.0"
@@ -50,6 +50,7 @@ __all__ = [
     "SequentialQuantizer",
     "TensorQuantizer",
     "calibrate",
+    "clear_weight_cache",
     "convert",
     "disable_quantizer",
     "enable_quantizer",

@@ -145,6 +145,19 @@ def disable_quantizer(model: nn.Module, pattern: str) -> int:
     return _set_enabled(model, pattern, False)
 
 
+def clear_weight_cache(model: nn.Module) -> int:
+    """Drop every cached fake-quantized weight; returns how many. Needed only after writes that bypass
+    the version counter the cache keys on (``weight.data.mul_(...)``); ordinary in-place writes,
+    optimizer steps and ``load_state_dict`` invalidate it by themselves."""
+    n = 0
+    for _, m in quant_modules(model):
+        cache = m.__dict__.get("_weight_cache")
+        if cache:
+            n += len(cache)
+            cache.clear()
+    return n
+
+
 # ------------------------------------------------------------------------------------ calibration
 
 
@@ -338,4 +351,4 @@ def print_quant_summary(model: nn.Module, file=None) -> None:
     print(quant_summary(model), end="", file=file or sys.stdout)
 
 
-__all__ = ["calibrate", "convert", "disable_quantizer", "enable_quantizer", "iter_quantizers", "print_quant_summary", "quant_summary", "quantize", "set_quantizer_by_cfg"]
+__all__ = ["calibrate", "clear_weight_cache", "convert", "disable_quantizer", "enable_quantizer", "iter_quantizers", "print_quant_summary", "quant_summary", "quantize", "set_quantizer_by_cfg"]

@@ -99,3 +99,16 @@ def test_qat_gradients_flow_through_weight_quantizer():
     w = model[0].weight
     inside = w.detach().abs() <= model[0].weight_quantizer.amax
     assert torch.equal(w.grad != 0, inside & (x.sum(0).abs() > 0).expand_as(w))
+
+
+def test_clear_weight_cache_after_write_through_data():
+    model = _quantized_linear()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = model(x)
+        model[0].weight.data.mul_(0.25)  # bypasses the version counter
+        assert ql.clear_weight_cache(model) == 1
+        after = model(x)
+    wq = ql.kernels.fake_quant(model[0].weight.detach(), model[0].weight_quantizer.attrs, model[0].weight_quantizer.amax)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, nn.functional.linear(x, wq, model[0].bias))
