@@ -15,7 +15,7 @@ from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import mx_dequantize
 from ..formats.nvfp4 import nvfp4_dequantize
 from . import ops
-from .backends import BACKENDS, resolve
+from .backends import BACKENDS, implementation, resolve
 
 
 def _spec_of(attrs) -> FormatSpec:
@@ -30,6 +30,8 @@ def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, back
 def block_amax(x: torch.Tensor, block: tuple[int, ...], backend: str = "auto") -> torch.Tensor:
     """fp32 amax per block: ``block`` is ``(B,)``/``(1, B)`` along the last dim or ``(BM, BK)``."""
     ops._check_float_input(x, "block_amax")
+    if ops.eager_call(x):
+        return implementation("block_amax", resolve(backend, x.device))(x, _norm_block(block))
     return ops._block_amax(x, list(_norm_block(block)), backend)
 
 
@@ -43,6 +45,8 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, int] = (128, 128), eps
     ops._check_float_input(x, "fp8_blockwise_cast")
     if not eps >= MIN_EPS:
         raise ValueError(f"fp8_blockwise_cast: eps must be >= {MIN_EPS:g} (eps / 448 stays a normal fp32), got {eps}")
+    if ops.eager_call(x):
+        return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, _norm_block(block), float(eps), bool(pow2))
     return ops._fp8_blockwise_cast(x, list(_norm_block(block)), float(eps), bool(pow2), backend)
 
 
@@ -53,6 +57,8 @@ def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Unio
         raise ValueError(f"mx_cast: elem must be 'e4m3' or 'e2m1', got {elem!r}")
     if block != 32:
         raise ValueError(f"mx_cast: MX blocks are 32 elements, got block={block}")
+    if ops.eager_call(x):
+        return implementation("mx_cast", resolve(backend, x.device))(x, elem, block, Rounding(rounding))
     return ops._mx_cast(x, elem, block, Rounding(rounding).value, backend)
 
 
@@ -61,6 +67,8 @@ def nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, back
     ops._check_float_input(x, "nvfp4_cast")
     if global_amax is not None:
         global_amax = global_amax.float().reshape(())
+    if ops.eager_call(x):
+        return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax)
     return ops._nvfp4_cast(x, global_amax, backend)
 
 
