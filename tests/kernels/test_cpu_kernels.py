@@ -311,6 +311,20 @@ def test_pow2_boundaries(isa):
     assert_same(CPU.fp8_blockwise_cast(x, (32,), 1e-10, True), REF.fp8_blockwise_cast(x, (32,), 1e-10, True), "pow2")
 
 
+@pytest.mark.parametrize("eps", [1e-45, 1e-40, 1e-30], ids=lambda e: f"eps={e}")
+def test_pow2_of_subnormal_scale(eps, isa):
+    # A tiny eps lets d = max(a, eps) / Q be subnormal, or underflow to 0 (pow2 then gives 2^-149).
+    x = sample((8, 64), seed=28) * 2.0**-130
+    x[0] = 0.0
+    x[1, :32] = 2.0**-149
+    for block in [(32,), (4, 16)]:
+        spec = FormatSpec(FPB, element=E4M3, block=block, dynamic=True, pow2=True, eps=eps)
+        check_fake_quant(x, spec, what=f"{block} eps={eps}")
+        assert_same(CPU.fp8_blockwise_cast(x, block, eps, True), REF.fp8_blockwise_cast(x, block, eps, True), f"cast {block}")
+    d = CPU.fp8_blockwise_cast(x, (32,), eps, True)[1]
+    assert (d < 2.0**-126).any()  # the subnormal scales really occur
+
+
 def _e4m3_grid() -> list[float]:
     codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = ((codes[1:] + codes[:-1]) / 2).tolist()
