@@ -41,8 +41,25 @@ def fast_checkpoint_writer() -> None:
     child re-imports torch); hand it one started by ``fork`` instead. Test-only speed-up."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    global _MANAGER
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        from multiprocessing.managers import SyncManager
+
+        _MANAGER = SyncManager(ctx=mp.get_context("fork"))
+        _MANAGER.start(initializer=die_with_parent)
+        filesystem_async._results_queue = _MANAGER.Queue()
+
+
+_MANAGER = None
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies (a killed rank leaves nothing)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -54,17 +71,22 @@ def free_port() -> int:
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    die_with_parent()
     try:
         apply_cpu_shims()
         fast_checkpoint_writer()
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
-    except BaseException:  # report every failure to the parent instead of hanging it
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001  (every failure goes back to the parent instead of hanging it)
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         with contextlib.suppress(Exception):
             torch.distributed.destroy_process_group()
+        if _MANAGER is not None:
+            _MANAGER.shutdown()
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # no atexit handlers of the forked parent state (pytest's, Megatron's)
 
 
 def run_distributed(fn: Callable, world: int, *args, timeout: float = 240.0) -> list[Any]:
@@ -177,13 +199,28 @@ def local_slice(sh) -> tuple[slice, ...]:
     return tuple(slice(o, o + (1 if i < pre else sh.local_shape[i - pre])) for i, o in enumerate(sh.global_offset))
 
 
+def sharded_tensors(model) -> list:
+    """The ShardedTensors of ``model.sharded_state_dict()``, factories (the gate / up halves of a gated
+    MLP's fc1) built into theirs; their ``data`` are the model's tensors or views of them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out, todo = [], list(model.sharded_state_dict().values())
+    while todo:
+        x = todo.pop(0)
+        if isinstance(x, ShardedTensorFactory):
+            built = x.build()
+            todo[:0] = list(built.values()) if isinstance(built, dict) else list(built) if isinstance(built, (list, tuple)) else [built]
+        elif isinstance(x, ShardedTensor):
+            out.append(x)
+    return out
+
+
 def init_global_weights(model, seed: int) -> None:
     """Give every parameter its slice of :func:`global_value`, so any layout holds the same model."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
+    params = {id(p) for p in model.parameters()}
     with torch.no_grad():
-        for sh in model.sharded_state_dict().values():
-            if isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.nn.Parameter):
+        for sh in sharded_tensors(model):
+            if id(sh.data) in params or (sh.data._base is not None and id(sh.data._base) in params):
                 full = global_value(sh.key, tuple(sh.global_shape), seed)
                 sh.data.copy_(full[local_slice(sh)].reshape(sh.data.shape))
 
@@ -205,18 +242,19 @@ def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def forward_loop(batches: list[torch.Tensor]) -> Callable:
     def loop(model) -> None:
         for tokens in batches:
-            gpt_logits(model, tokens)
+            b, s = tokens.shape
+            positions = torch.arange(s).unsqueeze(0).expand(b, s)
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+            model(tokens, positions, attention_mask=mask)  # (quantlib's progress hook replaces the output)
 
     return loop
 
 
 def amax_pieces(model) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
     """(checkpoint key, global shape, slices, local amax) of every amax in ``model.sharded_state_dict()``."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     out = []
-    for sh in model.sharded_state_dict().values():
-        if isinstance(sh, ShardedTensor) and sh.key.endswith("._amax"):
+    for sh in sharded_tensors(model):
+        if sh.key.endswith("._amax"):
             out.append((sh.key, tuple(sh.global_shape), local_slice(sh), sh.data.detach().clone().reshape(sh.local_shape)))
     return out
 
