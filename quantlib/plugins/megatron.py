@@ -248,7 +248,8 @@ def _glu_halves(sh, dim: int, is_weight: bool, offsets: tuple, metadata: dict, w
     Megatron saves the weight, so that they reshard like the weight."""
     if not is_weight or dim != 0:
         raise LayoutError(
-            f"{where}: an amax sharded along dim {dim} of a gated MLP's fc1 has no layout-independent form (only weight amax kept per output row have one)"
+            f"{where}: an amax sharded along dim {dim} of a gated MLP's fc1 has no layout-independent form "
+            "(only weight amax kept per output row have one)"
         )
     if sh.data.shape[0] % 2:
         raise LayoutError(f"{where}: amax rows {tuple(sh.data.shape)} do not split into gate and up halves (blocks straddle them)")
@@ -420,7 +421,8 @@ def apply_quantizer_extra_state(module: _MegatronQuantMixin, state: Any) -> None
                     expected = tuple(leaf.amax_shape(tuple(weight.shape)))
                     if local != expected:
                         raise CheckpointError(
-                            f"{kind}.{name}: the checkpoint's amax (local shape {local}) does not fit weight {tuple(weight.shape)} (expected {expected})"
+                            f"{kind}.{name}: the checkpoint's amax (local shape {local}) does not fit "
+                            f"weight {tuple(weight.shape)} (expected {expected})"
                         )
                 leaf.amax = torch.full(local, float("nan"))
             leaf._qname = base + name[len(qname) :]

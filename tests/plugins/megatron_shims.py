@@ -10,7 +10,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import socket
-import sys
 import traceback
 from typing import Any, Callable, Optional
 
@@ -278,7 +277,8 @@ def assemble(pieces_by_rank: list[list]) -> tuple[dict[str, torch.Tensor], list[
             held = seen[key][slices]
             if bool(held.any()) and not torch.equal(region[held], value[held]):
                 problems.append(
-                    f"{key}{[(s.start, s.stop) for s in slices]}: rank {rank} holds {value.flatten()[:4].tolist()}, another rank {region.flatten()[:4].tolist()}"
+                    f"{key}{[(s.start, s.stop) for s in slices]}: rank {rank} holds {value.flatten()[:4].tolist()}, "
+                    f"another rank {region.flatten()[:4].tolist()}"
                 )
             full[key][slices] = value
             seen[key][slices] = True
