@@ -2,6 +2,8 @@
 
     python benchmarks/bench_cpu_kernels.py [--size 4096] [--dtypes float32 bfloat16] [--out FILE]
 
+(from the repository root, with quantlib installed or PYTHONPATH=., and quantlib._C built).
+
 GB/s counts the bytes of the input plus the bytes of every output, over the median time of a run.
 Prints a markdown table (and writes it, with the machine and versions, to ``--out`` if given). Both
 backends run in the same process with the same torch thread count; the outputs are checked to be equal.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import subprocess
@@ -110,15 +113,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
+def _lscpu(field: str) -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown"
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "?"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith(field + ":")), "?")
+
+
+def _compiler() -> str:
+    try:
+        return subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def machine() -> str:
     from quantlib import _C
 
-    return (f"CPU: {model}, {torch.get_num_threads()} torch threads; kernels ISA: {_C.cpu_isa()}\n"
-            f"Python {platform.python_version()}, torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), {platform.platform()}")
+    return (f"CPU: {_lscpu('Model name')} (family {_lscpu('CPU family')}, model {_lscpu('Model')}), {_lscpu('CPU(s)')} CPUs, "
+            f"{torch.get_num_threads()} torch threads; kernels ISA: {_C.cpu_isa()} (compiled: {', '.join(_C.cpu_available_isas())})\n"
+            f"Python {platform.python_version()}, torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}), "
+            f"extension built with {_compiler()}, {platform.platform()}\n"
+            f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')} (torch's huge-page allocation of large tensors)")
 
 
 def main() -> None:
@@ -129,8 +146,10 @@ def main() -> None:
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds per case, at least")
     parser.add_argument("--out", help="also write the results (markdown) to this file")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     rows = run(args.size, [getattr(torch, d) for d in args.dtypes], args.reps, args.min_time)
-    header = f"{datetime.date.today().isoformat()}, {args.size}x{args.size} inputs\n{machine()}"
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    header = f"{datetime.date.today().isoformat()}, {args.size}x{args.size} inputs, {load}\n{machine()}"
     text = f"{header}\n\n{table(rows)}"
     print(text)
     if args.out:

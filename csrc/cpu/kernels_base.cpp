@@ -1,7 +1,6 @@
 // Kernels for the baseline instruction set of the build target, and the run-time choice among the
 // compiled variants (kernels_avx2.cpp, kernels_avx512.cpp).
 #include <cstdint>
-#include <cstring>
 
 #include "kernel_api.h"
 

@@ -111,7 +111,7 @@ QL_INLINE void row_apply(const BlockTask& t, const O& op, const BlockParams& p, 
     if (n == 32) return run_fp8_codes<T, O, 32>(x, c, n, op, p.p0, p.p1);
     return run_fp8_codes<T, O, 0>(x, c, n, op, p.p0, p.p1);
   } else if constexpr (O::kCodes == Codes::E2M1) {
-    uint8_t* c = t.codes + row * ((t.K + 1) / 2) + c0 / 2;  // c0 is even: blocks of packed casts are
+    uint8_t* c = t.codes + row * ((t.K + 1) / 2) + c0 / 2;  // c0 is even: packed casts have even blocks
     if (n == 16) return run_e2m1_packed<T, O, 16>(x, c, n, op, p.p0, p.p1);
     if (n == 32) return run_e2m1_packed<T, O, 32>(x, c, n, op, p.p0, p.p1);
     return run_e2m1_packed<T, O, 0>(x, c, n, op, p.p0, p.p1);

@@ -131,16 +131,6 @@ QL_INLINE uint32_t fp8_code(float y) {
   return c | ((u >> 24) & 0x80u);
 }
 
-// fp32 value of an E4M3fn code (exact).
-QL_INLINE float e4m3_decode(uint8_t c) {
-  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
-  const uint32_t sign = uint32_t(c & 0x80u) << 24;
-  const float sub = float(int32_t(m)) * 0.001953125f;  // m * 2^-9
-  uint32_t bits = e == 0 ? f2u(sub) : (((e + 120u) << 23) | (m << 20));
-  bits = (c & 0x7Fu) == 0x7Fu ? kQuietNaN : bits;
-  return u2f(bits | sign);
-}
-
 // ---------------------------------------------------------------------------- E2M1
 
 // Round-to-nearest-even on {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at 6 (formats.e2m1 thresholds:

@@ -90,6 +90,11 @@ Layout block_layout(const at::Tensor& x, const std::vector<int64_t>& block, cons
   g.blocked.assign(sizes.begin(), sizes.begin() + lead_dims);
   if (block.size() == 2) g.blocked.push_back(g.mb);
   g.blocked.push_back(g.kb);
+  if (g.BM == 1) {  // (1, BK) blocks are 1-D blocks of all rows (same block order)
+    g.M *= g.L;
+    g.mb = g.M;
+    g.L = 1;
+  }
   return g;
 }
 

@@ -311,9 +311,10 @@ def test_pow2_boundaries(isa):
     assert_same(CPU.fp8_blockwise_cast(x, (32,), 1e-10, True), REF.fp8_blockwise_cast(x, (32,), 1e-10, True), "pow2")
 
 
-@pytest.mark.parametrize("eps", [1e-45, 1e-40, 1e-30], ids=lambda e: f"eps={e}")
+@pytest.mark.parametrize("eps", [1e-45, 1e-40], ids=lambda e: f"eps={e}")
 def test_pow2_of_subnormal_scale(eps, isa):
-    # A tiny eps lets d = max(a, eps) / Q be subnormal, or underflow to 0 (pow2 then gives 2^-149).
+    # An eps below MIN_EPS (which configs and the public API refuse, but the reference defines) lets
+    # d = max(a, eps) / Q be subnormal, or underflow to 0 (pow2 then gives 2^-149).
     x = sample((8, 64), seed=28) * 2.0**-130
     x[0] = 0.0
     x[1, :32] = 2.0**-149
