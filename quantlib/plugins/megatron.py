@@ -288,15 +288,11 @@ class _LocalLinearMixin(_MegatronQuantMixin):
     communication), so every TP mode of Megatron runs unchanged."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if input.numel() > 0:  # an expert that received no tokens runs on an empty tensor
-            input = self.input_quantizer(input)
-        return super()._forward_impl(input, self.quantize_weight(weight), *args, **kwargs)
+        return super()._forward_impl(self.input_quantizer(input), self.quantize_weight(weight), *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         output, bias = super().forward(*args, **kwargs)
-        if output.numel() > 0:
-            output = self.output_quantizer(output)
-        return output, bias
+        return self.output_quantizer(output), bias
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         if getattr(self, "weight", None) is not None:  # None with skip_weight_param_allocation

@@ -320,3 +320,45 @@ def test_tokens_per_expert_are_counted(sweep):
     for name in ep4:
         assert sum(ep4[name].values()) == total
         assert ep4[name] == tp1[name]
+
+
+# ------------------------------------------------------------------------------------ layout rule (one process)
+
+
+def _leaf(**attrs):
+    return ql.TensorQuantizer(ql.QuantizerAttributeConfig(**attrs))
+
+
+@pytest.mark.parametrize(
+    "attrs,ndim,split,extent,tp,expected",
+    [
+        pytest.param({"num_bits": (4, 3)}, 0, 0, 32, 2, None, id="per-tensor-replicated"),
+        pytest.param({"num_bits": 8, "axis": 0}, 2, 0, 32, 2, 0, id="column-weight-channels-sharded"),
+        pytest.param({"num_bits": 8, "axis": 0}, 2, 1, 16, 2, None, id="row-weight-channels-replicated"),
+        pytest.param({"num_bits": 8, "axis": -1}, 3, -1, 16, 2, 2, id="row-input-channels-sharded"),
+        pytest.param({"num_bits": 4, "block_sizes": {-1: 128}}, 2, 0, 32, 2, 0, id="column-weight-blocks-sharded-rows"),
+        pytest.param({"num_bits": 4, "block_sizes": {-1: 128}}, 2, 1, 16, 2, None, id="row-weight-one-block-per-row"),
+        pytest.param({"num_bits": 4, "block_sizes": {-1: 128}}, 2, 1, 256, 2, 1, id="row-weight-whole-blocks-sharded"),
+        pytest.param({"num_bits": 4, "block_sizes": {-1: 128}}, 2, 1, 200, 1, 1, id="tp1-always-its-own-global-form"),
+        pytest.param(
+            {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+            0,
+            1,
+            16,
+            2,
+            None,
+            id="nvfp4-global-amax",
+        ),
+    ],
+)
+def test_tp_shard_dim(attrs, ndim, split, extent, tp, expected):
+    from quantlib.plugins.megatron import _tp_shard_dim
+
+    assert _tp_shard_dim(_leaf(**attrs), ndim, split, extent, tp, "q") == expected
+
+
+def test_blocks_straddling_tp_shards_have_no_global_form():
+    from quantlib.plugins.megatron import LayoutError, _tp_shard_dim
+
+    with pytest.raises(LayoutError, match="straddle"):
+        _tp_shard_dim(_leaf(num_bits=4, block_sizes={-1: 128}), 2, 1, 200, 2, "decoder.linear_proj.weight_quantizer")
