@@ -11,10 +11,14 @@ imports. What it registers:
   Expert linears keep Megatron's ``is_expert`` attribute, which the amax sync reads.
 - ``SequentialMLP``: gives every local expert's linears their global expert index
   (``ep_rank * num_local_experts + local index``) and counts the tokens each expert receives while
-  calibrating (:func:`expert_token_counts`, logged at DEBUG per batch).
+  calibrating (``tokens_per_expert``, which calibration logs; :func:`expert_token_counts` by global
+  index).
 - Where Transformer Engine imports: the TE wrappers (``TELinear``, ``TEColumnParallelLinear``,
   ``TERowParallelLinear``, ``TELayerNormColumnParallelLinear``, ``TEColumnParallelGroupedLinear``,
-  ``TERowParallelGroupedLinear``) on top of quantlib's TE adapters, and ``TEGroupedMLP``.
+  ``TERowParallelGroupedLinear``) on top of quantlib's TE modules (plugins/transformer_engine.py). The
+  experts of ``TEGroupedMLP`` are its two grouped linears: one ``GroupedQuantizer`` of weight quantizers
+  each (member i = GEMM i = global expert ``ep_rank * num_gemms + i``), tokens counted from ``m_splits``;
+  the container itself needs no quantized class.
 
 Dist checkpointing (DESIGN §7). ``sharded_state_dict`` saves every amax in a layout-independent global
 form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
@@ -26,7 +30,8 @@ form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
   global form and raises :class:`LayoutError`;
 - an expert's amax gets the global expert index as a leading axis (Megatron's expert offsets for
   ``SequentialMLP``; for grouped linears member ``i`` of a ``GroupedQuantizer`` is expert
-  ``ep_rank * num_gemms + i``), with the same keys in both containers;
+  ``ep_rank * num_gemms + i``), with the same weight-amax keys in both containers (a grouped linear's
+  shared input amax is saved once per layer);
 - the weight amax of a gated MLP's fc1 is saved in gate and up halves, as Megatron saves the weight;
 - an extra-state object, ``<layer>._quantizer_extra_state`` (a ``ShardedObject`` sharded like
   Megatron's ``_extra_state``, and an entry of ``state_dict()``), carries every quantizer's config and
@@ -44,6 +49,7 @@ A checkpoint saved at TP=a / EP=b therefore loads at TP=c / EP=d with identical 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Iterator, Optional
 
@@ -54,7 +60,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size, make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from torch import nn
 
@@ -63,6 +69,19 @@ from ..formats import Kind
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
+
+try:  # Megatron-Core 0.16 and later
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+except ImportError:  # releases whose layers read the data-parallel group from parallel_state themselves
+
+    def ensure_metadata_has_dp_cp_group(metadata: Optional[dict]) -> dict:
+        metadata = {} if metadata is None else metadata
+        metadata.setdefault("dp_cp_group", mpu.get_data_parallel_group(with_context_parallel=True))
+        return metadata
+
+
+#: keyword parameters of Megatron's swiglu factory (they grew from release to release)
+_SWIGLU_PARAMS = frozenset(inspect.signature(apply_swiglu_sharded_factory).parameters)
 
 _log = logging.getLogger("quantlib")
 
@@ -222,7 +241,7 @@ class _MegatronQuantMixin(QuantModule):
             else:
                 sh = make_tp_sharded_tensor_for_checkpoint(amax, key, dim, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
                 if glu:
-                    sh = _glu_halves(sh, dim, qname in self.weight_quantizer_names, offsets, metadata, where)
+                    sh = _glu_halves(sh, dim, qname in self.weight_quantizer_names, offsets, metadata, where, tp_group)
             out[f"{prefix}{name}._amax"] = sh
         return out
 
@@ -243,7 +262,7 @@ class _MegatronQuantMixin(QuantModule):
         return sd
 
 
-def _glu_halves(sh, dim: int, is_weight: bool, offsets: tuple, metadata: dict, where: str):
+def _glu_halves(sh, dim: int, is_weight: bool, offsets: tuple, metadata: dict, where: str, tp_group):
     """The fc1 of a gated MLP holds [gate; up] rows on every rank: save the amax rows as two halves, as
     Megatron saves the weight, so that they reshard like the weight."""
     if not is_weight or dim != 0:
@@ -253,7 +272,9 @@ def _glu_halves(sh, dim: int, is_weight: bool, offsets: tuple, metadata: dict, w
         )
     if sh.data.shape[0] % 2:
         raise LayoutError(f"{where}: amax rows {tuple(sh.data.shape)} do not split into gate and up halves (blocks straddle them)")
-    kwargs = {"singleton_local_shards": True} if metadata.get("singleton_local_shards") else {}
+    kwargs: dict[str, Any] = {"singleton_local_shards": True} if metadata.get("singleton_local_shards") else {}
+    if "tp_group" in _SWIGLU_PARAMS:  # newer releases take the groups instead of reading parallel_state
+        kwargs.update(tp_group=tp_group, dp_group=metadata["dp_cp_group"])
     return apply_swiglu_sharded_factory(sh, offsets, **kwargs)
 
 
