@@ -18,6 +18,7 @@ C = pytest.importorskip("quantlib._C", reason="the C++ extension quantlib._C is 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from ._compare import assert_same, assert_same_all  # noqa: E402,F401
 from quantlib import kernels  # noqa: E402
 from quantlib.formats import FormatSpec, Kind, Rounding  # noqa: E402
 from quantlib.kernels import cpu_impl as CPU  # noqa: E402
@@ -39,27 +40,6 @@ def isa(request):
 # --------------------------------------------------------------------------- comparison
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_same(got, ref, what: str = "") -> None:
-    """Same dtype, shape, NaN positions and bits elsewhere; tuples element by element."""
-    if isinstance(ref, tuple):
-        assert isinstance(got, tuple) and len(got) == len(ref), what
-        for i, (g, r) in enumerate(zip(got, ref)):
-            assert_same(g, r, f"{what}[{i}]")
-        return
-    assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, ref.dtype, tuple(got.shape), tuple(ref.shape))
-    if got.dtype in (torch.uint8, torch.int8, torch.int32):
-        bad = got != ref
-    else:
-        gn, rn = torch.isnan(got.float()), torch.isnan(ref.float())
-        assert torch.equal(gn, rn), f"{what}: NaN at {int((gn != rn).sum())} different places"
-        bad = (_bits(got) != _bits(ref)) & ~gn
-    if bad.any():
-        idx = bad.nonzero()[:4].tolist()
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: got {got[bad][:4].tolist()}, want {ref[bad][:4].tolist()}")
 
 
 def check_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None, what: str = "") -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ._compare import assert_same, assert_same_all  # noqa: E402,F401
 from quantlib.formats import FormatSpec, Kind, Rounding
 from quantlib.kernels import reference_impl as R
 
@@ -39,29 +40,7 @@ def _impl(op: str, backend: str):
     return implementation(op, backend)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
-
-def assert_same(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    got = got.cpu()
-    assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, ref.dtype, got.shape, ref.shape)
-    if got.dtype == torch.uint8:
-        bad = got != ref
-    else:
-        gn, rn = torch.isnan(got.float()), torch.isnan(ref.float())
-        assert torch.equal(gn, rn), f"{what}: NaN at {int((gn != rn).sum())} different places"
-        bad = (_bits(got) != _bits(ref)) & ~gn
-    if bad.any():
-        idx = bad.nonzero()[:4].tolist()
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: got {got[bad][:4].tolist()} want {ref[bad][:4].tolist()}")
-
-
-def assert_same_all(got, ref, what=""):
-    if isinstance(ref, torch.Tensor):
-        got, ref = (got,), (ref,)
-    for i, (g, r) in enumerate(zip(got, ref)):
-        assert_same(g, r, f"{what}[{i}]")
 
 
 def gpu_input(shape, dtype, seed=0) -> torch.Tensor:

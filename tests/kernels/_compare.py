@@ -1,0 +1,33 @@
+"""Bit-for-bit comparison of a backend's output with the reference's, shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same(got, ref, what: str = "") -> None:
+    """Same dtype, shape, NaN positions and bits elsewhere (any NaN equals any NaN); tuples element by
+    element; ``got`` may live on another device."""
+    if isinstance(ref, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(ref), what
+        for i, (g, r) in enumerate(zip(got, ref)):
+            assert_same(g, r, f"{what}[{i}]")
+        return
+    got = got.cpu()
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (what, got.dtype, ref.dtype, tuple(got.shape), tuple(ref.shape))
+    if not (got.dtype.is_floating_point):
+        bad = got != ref
+    else:
+        gn, rn = torch.isnan(got.float()), torch.isnan(ref.float())
+        assert torch.equal(gn, rn), f"{what}: NaN at {int((gn != rn).sum())} different places"
+        bad = (_bits(got) != _bits(ref)) & ~gn
+    if bad.any():
+        idx = bad.nonzero()[:4].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: got {got[bad][:4].tolist()}, want {ref[bad][:4].tolist()}")
+
+
+assert_same_all = assert_same
