@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any, Iterator, Optional
 
 import torch
@@ -636,11 +637,11 @@ class _TERowGroupedMixin(_TEGroupedMixin):
 
 
 def _register_te() -> list[str]:
-    """Register Megatron's TE wrappers on top of quantlib's TE modules, when Transformer Engine imports."""
-    from megatron.core.extensions import transformer_engine as mte
-
-    if not getattr(mte, "HAVE_TE", False):  # Megatron mocks TE when it is missing
-        return []
+    """Register Megatron's TE wrappers on top of quantlib's TE modules, once Transformer Engine has been
+    imported (by Megatron's TE extension or the user: never imported here just to look)."""
+    mte = sys.modules.get("megatron.core.extensions.transformer_engine")
+    if "transformer_engine" not in sys.modules or mte is None or not getattr(mte, "HAVE_TE", False):
+        return []  # (Megatron's TE extension mocks TE when it is missing)
     try:
         from . import transformer_engine as qte  # registers te.Linear, te.LayerNormLinear, te.GroupedLinear
     except ImportError as exc:
@@ -658,20 +659,25 @@ def _register_te() -> list[str]:
     done = []
     for name, te_class, role in wrappers:
         cls = getattr(mte, name, None)
-        te_mixin = (
-            QuantModuleRegistry.mixin_of(te_class)
-            if hasattr(QuantModuleRegistry, "mixin_of")
-            else QuantModuleRegistry._mixins.get(te_class)
-        )
+        te_mixin = QuantModuleRegistry._mixins.get(te_class)  # the TE plugin's mixin for te_class
         if not isinstance(cls, type) or te_mixin is None:
             continue
-        QuantModuleRegistry.register(cls, f"megatron.{name}")(type(f"_Quant{name}", (role, te_mixin), {}))
+        if not QuantModuleRegistry.is_registered(cls):
+            QuantModuleRegistry.register(cls, f"megatron.{name}")(type(f"_Quant{name}", (role, te_mixin), {}))
         done.append(name)
     return done
 
 
 #: Megatron TE wrappers registered (empty without Transformer Engine)
 TE_REGISTERED: list[str] = _register_te()
+
+
+def refresh() -> None:
+    """Called by :func:`quantlib.plugins.register_available` on each conversion: registers the TE
+    wrappers once Megatron's TE extension has been imported with a working TE."""
+    if not TE_REGISTERED:
+        TE_REGISTERED.extend(_register_te())
+
 
 __all__ = [
     "EXTRA_STATE_KEY",
@@ -681,6 +687,7 @@ __all__ = [
     "apply_quantizer_extra_state",
     "expert_token_counts",
     "merge_extra_states",
+    "refresh",
     "quantizer_extra_state",
     "restore_quantizer_config",
     "split_extra_state",
