@@ -295,8 +295,11 @@ class _progress:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(desc="quantlib calibration", unit="batch", delay=2.0, leave=False, file=sys.stderr)
-        self.handle = self.model.register_forward_hook(lambda *_: self.bar.update(1))
+        self.handle = self.model.register_forward_hook(self._tick)
         return self
+
+    def _tick(self, *_) -> None:
+        self.bar.update(1)  # returns None: a forward hook's return value would replace the output
 
     def __exit__(self, *exc):
         self.handle.remove()
