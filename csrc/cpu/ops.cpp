@@ -101,9 +101,7 @@ Layout block_layout(const at::Tensor& x, const std::vector<int64_t>& block, cons
 // Rows of the last dim as blocks (dynamic per-row amax); a 0-d x is one row of one element.
 Layout row_layout(const at::Tensor& x) {
   const int64_t K = x.dim() > 0 ? x.size(-1) : 1;
-  Layout g = block_layout(x.dim() > 0 ? x : x.reshape({1}), {std::max<int64_t>(K, 1)}, "row amax");
-  if (K == 0) g.K = 0;
-  return g;
+  return block_layout(x.dim() > 0 ? x : x.reshape({1}), {std::max<int64_t>(K, 1)}, "row amax");
 }
 
 BlockTask block_task(const at::Tensor& x, DType dt, Op op, Mode mode, const Ctx& ctx, const Layout& g) {
