@@ -40,8 +40,6 @@ def isa(request):
 # --------------------------------------------------------------------------- comparison
 
 
-
-
 def check_fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None, what: str = "") -> torch.Tensor:
     got = CPU.fake_quant(x, spec, amax)
     assert_same(got, REF.fake_quant(x, spec, amax), what or f"{spec}")
