@@ -6,14 +6,11 @@ without it stays cheap (the tests skip through ``pytest.importorskip``).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
-import os
-import socket
-import traceback
 from typing import Any, Callable, Optional
 
 import torch
+from ranks import die_with_parent, run_on_ranks
 
 _SHIMS_APPLIED = False
 
@@ -52,86 +49,20 @@ def fast_checkpoint_writer() -> None:
 _MANAGER = None
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel kill this process when its parent dies (a killed rank leaves nothing)."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _rank_setup() -> None:
+    apply_cpu_shims()
+    fast_checkpoint_writer()
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    die_with_parent()
-    try:
-        apply_cpu_shims()
-        fast_checkpoint_writer()
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001  (every failure goes back to the parent instead of hanging it)
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        with contextlib.suppress(Exception):
-            torch.distributed.destroy_process_group()
-        if _MANAGER is not None:
-            _MANAGER.shutdown()
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # no atexit handlers of the forked parent state (pytest's, Megatron's)
+def _rank_teardown() -> None:
+    if _MANAGER is not None:
+        _MANAGER.shutdown()
 
 
 def run_distributed(fn: Callable, world: int, *args, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` forked processes (gloo); return the results by rank.
-
-    Megatron must already be imported in the parent (fork, FACTS.md). Raises with every rank's
-    traceback if one fails, and kills the processes after ``timeout`` seconds so nothing hangs.
-    """
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    import queue as _q
-    import time
-
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s ({len(results)} of {world} ranks done)")
-            try:
-                rank, status, payload = queue.get(timeout=min(left, 1.0))
-            except _q.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and queue.empty():
-                    raise RuntimeError(f"rank process(es) died: exit codes {[p.exitcode for p in procs]}") from None
-                continue
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break  # the other ranks may now wait forever in a collective
-    finally:
-        for p in procs:
-            p.join(timeout=0 if errors else 5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world)]
+    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks with the CPU shims applied; return the
+    results by rank. Megatron must already be imported in the parent (fork, FACTS.md)."""
+    return run_on_ranks(fn, world, *args, timeout=timeout, setup=_rank_setup, teardown=_rank_teardown)
 
 
 # ------------------------------------------------------------------------------------ a small MoE GPT
@@ -141,13 +72,26 @@ VOCAB, SEQ = 64, 8
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 2), "tp2ep2": (2, 2), "ep4": (1, 4)}
 
 
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one. ``destroy_model_parallel`` only drops Megatron's
+    references: each gloo group keeps its threads (three per group) until destroyed, and a sweep of layouts
+    piled up over a thousand threads per rank polling every 10 ms, enough to stall a 2-core machine."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    for group in [g for g in list(c10d._world.pg_map) if g is not default]:
+        torch.distributed.destroy_process_group(group)
+
+
 def set_layout(tp: int, ep: int) -> None:
     """(Re)initialize Megatron's parallel state of the running processes for TP=tp, EP=ep."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    _destroy_subgroups()
+    # Megatron's groups are gloo here already: its extra gloo copies would only add threads.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 

@@ -24,6 +24,7 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn import GroupedQuantizer, QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import megatron as qm  # noqa: E402
 from quantlib.plugins.te_adapters import QuantTEGroupedLinearBase  # noqa: E402
+from ranks import free_port  # noqa: E402
 
 try:
     from . import megatron_shims as shims
@@ -164,7 +165,7 @@ def test_te_wrappers_quantize_and_checkpoint(tmp_path):
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(shims.free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, 1)
