@@ -54,6 +54,41 @@ class AmaxSyncError(CalibrationError):
     ranks at fault. When it is raised the sync has changed no amax on any rank."""
 
 
+class LayoutError(ValueError):
+    """An amax that has no layout-independent global form (a block straddles tensor-parallel shards)."""
+
+
+def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], extent: int, tp_size: int, where: str) -> Optional[int]:
+    """The dim of ``leaf``'s amax that is sharded over TP, or None where the amax is the same on every
+    TP rank (per tensor, or grouped over the whole split axis): the one rule of both the amax sync (which
+    MAX-reduces over TP exactly the amax this gives None for) and the checkpoints' global form.
+
+    ``split_axis`` is the axis of the quantized tensor that TP splits (None: not split) and ``extent``
+    its local size. The rule depends only on the config and the layout, never on the amax values, so
+    the same call maps a global amax shape back to the local one when loading.
+    """
+    if split_axis is None or ndim == 0 or leaf.spec.kind == Kind.NVFP4:
+        return None
+    dim = split_axis % ndim
+    block = leaf.spec.block
+    if block is not None:
+        blocked = {ndim - 1: block[-1]} if len(block) == 1 else {ndim - 2: block[0], ndim - 1: block[1]}
+        if dim not in blocked:
+            return dim
+        size = blocked[dim]
+        if tp_size == 1 or extent % size == 0:
+            return dim  # every local block is a global block
+        if extent * tp_size <= size:
+            return None  # one block spans the whole axis: the synced amax is the global one
+        raise LayoutError(
+            f"{where}: blocks of {size} along an axis split over TP={tp_size} into {extent} per rank straddle the shards, "
+            f"so its amax has no layout-independent form; use a block size that divides {extent} or >= {extent * tp_size}"
+        )
+    kept = {a % ndim for a in (leaf.axis or ())}
+    return dim if dim in kept else None
+
+
+
 class ParallelState:
     """The process groups of a parallel layout; ``None`` stands for a group of one rank (this one).
 
@@ -191,16 +226,6 @@ class ParallelState:
 #: (parallel role, quantizer kind); absent = not split (the tensor is the same on every rank).
 #: A Linear weight is [out, in]: column-parallel splits ``out`` (dim 0), row-parallel ``in`` (dim 1);
 #: a row-parallel input and a column-parallel output are split along their last dim.
-_SHARD_DIM: dict[tuple[str, str], int] = {
-    ("column", "weight"): 0,
-    ("row", "weight"): 1,
-    ("row", "input"): -1,
-    ("column", "output"): -1,
-    ("column", "other"): -1,
-    ("row", "other"): -1,
-}
-
-
 def _kind(module: Optional[nn.Module], attr: str) -> str:
     if isinstance(module, QuantModule) and attr in module.weight_quantizer_names:
         return "weight"
@@ -211,28 +236,26 @@ def _kind(module: Optional[nn.Module], attr: str) -> str:
     return "other"
 
 
-def _tp_reduces(leaf: TensorQuantizer, role: str, kind: str) -> bool:
-    """Whether the amax of ``leaf`` is MAX-reduced across the tensor-parallel ranks.
-
-    Yes when the amax does not keep the split dim: per tensor (and the NVFP4 global amax), or per
-    channel over a dim the split reduces (the rows of a row-parallel weight: each rank's amax covers a
-    slice of the input dim, the MAX covers the whole row). No when each rank owns its slice of the amax
-    (channels of a column-parallel weight, any block amax of a split tensor).
-    """
-    shard = _SHARD_DIM.get((role, kind))
-    spec = leaf.spec
-    if shard is None or spec.kind == Kind.NVFP4:
+def _tp_reduces(leaf: TensorQuantizer, module: Optional[nn.Module], attr: str, kind: str, tp_size: int, name: str) -> bool:
+    """Whether the amax of ``leaf`` (quantizer ``attr`` of ``module``) is MAX-reduced across the
+    tensor-parallel ranks: exactly where :func:`tp_shard_dim` finds no sharded dim (the amax does not
+    keep the split axis, or one block spans all of it). Raises :class:`LayoutError` where blocks
+    straddle the shards."""
+    if not isinstance(module, QuantModule):
         return True
-    if spec.block is not None:
-        return False
-    if leaf.axis is None:
+    split, extent = module.tp_split(attr)
+    if split is None:
         return True
     amax = leaf.amax
-    ndim = amax.dim() if amax is not None and amax.dim() > 0 else (2 if kind == "weight" else 0)
-    if ndim == 0:
-        return False  # a per-channel amax of unknown rank: keep it per rank
-    kept = {a % ndim for a in leaf.axis}
-    return shard % ndim not in kept
+    if amax is not None:
+        ndim = amax.dim()
+    elif kind == "weight":
+        ndim = 2
+    elif leaf.spec.kind != Kind.NVFP4 and (leaf.axis is not None or leaf.spec.block is not None):
+        return False  # an amax of unknown rank (no tokens here): what the calibrated ranks find decides
+    else:
+        ndim = 0
+    return tp_shard_dim(leaf, ndim, split, extent, tp_size, name) is None
 
 
 def _per_tensor(leaf: TensorQuantizer) -> bool:
@@ -248,6 +271,7 @@ class _Unit:
     layer: bool
     kind: str
     is_expert: bool
+    attr: str  # the quantizer's attribute on its module (what QuantModule.tp_split is asked about)
     members: list[tuple[str, TensorQuantizer, nn.Module]] = field(default_factory=list)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # group -> slot groups
     fill: bool = False  # members without an amax take the result (expert_input_policy="max_of_peers")
@@ -305,33 +329,39 @@ def _collect(model: nn.Module, sync_expert_weights: bool) -> list[_Unit]:
             if is_expert and (kind != "weight" or sync_expert_weights):
                 unit = layers.get(key)
                 if unit is None:
-                    unit = layers[key] = _Unit(key, key, True, kind, True)
+                    unit = layers[key] = _Unit(key, key, True, kind, True, attr)
                     units.append(unit)
             else:
                 ident = leaf_name
                 if is_expert:  # per-expert weight: identity by layer and local position, not by name
                     ordinals[key] = ordinals.get(key, -1) + 1
                     ident = f"{key}#{ordinals[key]}"
-                unit = _Unit(leaf_name, ident, False, kind, is_expert)
+                unit = _Unit(leaf_name, ident, False, kind, is_expert, attr)
                 units.append(unit)
             unit.members.append((leaf_name, leaf, parent))
     return units
 
 
-def _assign_groups(unit: _Unit, problems: list[str]) -> None:
+def _assign_groups(unit: _Unit, state: ParallelState, problems: list[str]) -> None:
     """The groups ``unit`` is MAX-reduced over (see :func:`sync_amax`), with the slot groups of data."""
     layouts = set()
+    tensor = "expert_tensor" if unit.is_expert else "tensor"
+    tp_size = state.size(tensor)
     calibrated = [m for m in unit.members if m[1].amax is not None] or unit.members  # amax rank decides
     for name, leaf, parent in calibrated:
         role = getattr(parent, "parallel_role", "replicated") if isinstance(parent, QuantModule) else "replicated"
+        reduces = True
         if role not in PARALLEL_ROLES:
             problems.append(f"{name}: parallel_role {role!r} is not one of {PARALLEL_ROLES}")
-            role = "replicated"
-        layouts.add((_tp_reduces(leaf, role, unit.kind), leaf.spec, leaf.axis))
+        else:
+            try:
+                reduces = _tp_reduces(leaf, parent, unit.attr, unit.kind, tp_size, name)
+            except LayoutError as e:
+                problems.append(str(e))
+        layouts.add((reduces, leaf.spec, leaf.axis))
     if len(layouts) > 1:
         problems.append(f"{unit.name}: the experts of this layer differ in format or parallel role")
     tp = next(iter(layouts))[0]
-    tensor = "expert_tensor" if unit.is_expert else "tensor"
     slots: tuple[str, ...] = ()
     if unit.is_expert and not unit.layer:
         slots += ("expert",)  # per-expert amax: only the replicas of this expert meet in data
@@ -612,8 +642,10 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
       ``QuantModule.parallel_role``: for "column" and "row" the amax that do not keep the split dim --
       per-tensor amax of weights, inputs and outputs, the NVFP4 global amax, the per-channel (axis=0)
       amax of row-parallel weights ([out, in/tp]: each rank covers a slice of each row, the MAX covers
-      the row); never the per-channel amax of column-parallel weights nor block amax of split tensors
-      (each rank owns those). "replicated" modules are identical on every tensor rank: all their amax.
+      the row), block amax where one block spans the whole split axis (a row-parallel weight of
+      in_features <= block size); never the per-channel amax of column-parallel weights nor block amax
+      whose blocks lie within one shard (each rank owns those); blocks that straddle the shards are an
+      error (:func:`tp_shard_dim`). "replicated" modules are identical on every tensor rank: all their amax.
     - ``expert_group``: the activation (input and output) quantizers of expert linears hold one amax
       per layer, the MAX over the layer's local and remote experts (experts of a layer are grouped by
       :func:`quantlib.model_quant.expert_group_key` of the module name; a module with GroupedQuantizer
@@ -639,7 +671,7 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     problems: list[str] = []
     units = _collect(model, sync_w)
     for u in units:
-        _assign_groups(u, problems)
+        _assign_groups(u, parallel_state, problems)
         _prepare(u, policy, problems)
     _nonfinite(units, problems)
     if local_error is not None:
@@ -673,4 +705,4 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     _commit(units)
 
 
-__all__ = ["GROUP_NAMES", "AmaxSyncError", "ParallelState", "sync_amax"]
+__all__ = ["GROUP_NAMES", "AmaxSyncError", "LayoutError", "ParallelState", "sync_amax", "tp_shard_dim"]

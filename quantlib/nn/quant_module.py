@@ -15,6 +15,10 @@ from .containers import GroupedQuantizer
 from .tensor_quantizer import TensorQuantizer
 
 
+#: the weight axis that tensor parallelism splits, by ``QuantModule.parallel_role``
+_TP_WEIGHT_AXIS = {"column": 0, "row": 1}
+
+
 class QuantModule(nn.Module):
     """Mixin placed before the original class: ``class QuantLinear(QuantModule, nn.Linear)``.
 
@@ -67,6 +71,30 @@ class QuantModule(nn.Module):
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """(weight quantizer name, its tensors): one tensor per member of a GroupedQuantizer."""
         yield "weight_quantizer", [self.weight]
+
+    def tp_weight_shape(self) -> Optional[tuple[int, ...]]:
+        """The local shape of this module's weight, from which its tensor-parallel split is read (None: no weight)."""
+        for _, tensors in self.weight_groups():
+            if tensors:
+                return tuple(tensors[0].shape)
+        return None
+
+    def tp_split(self, qname: str) -> tuple[Optional[int], int]:
+        """(axis of the tensor that quantizer ``qname`` sees which tensor parallelism splits, or None; that
+        axis's local extent, 0 where unknown). Read from ``parallel_role``: a column layer splits its weight's
+        rows and its output's last dim, a row layer its weight's columns and its input's last dim."""
+        axis = _TP_WEIGHT_AXIS.get(self.parallel_role)
+        if axis is None:
+            return None, 0
+        shape = self.tp_weight_shape()
+        extent = shape[axis] if shape is not None and len(shape) > axis else 0
+        if qname in self.weight_quantizer_names:
+            return axis, extent
+        if qname == ("output_quantizer" if axis == 0 else "input_quantizer"):
+            return (None, 0) if axis == 0 and getattr(self, "gather_output", False) else (-1, extent)
+        if qname in ("input_quantizer", "output_quantizer"):
+            return None, 0  # a column layer's input and a row layer's (reduced) output are whole
+        return -1, 0  # other quantizers (attention's): split along the last dim, extent unknown
 
     def num_weight_members(self, name: str) -> int:
         """How many members a grouped weight quantizer ``name`` has (1 for a plain quantizer)."""

@@ -66,6 +66,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_sharded_tensor_fo
 from torch import nn
 
 from ..checkpoint import CheckpointError, _build, _quantizer_state
+from ..distributed import LayoutError, tp_shard_dim
 from ..formats import Kind
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
@@ -92,40 +93,7 @@ EXTRA_STATE_SCHEMA = 1
 EXTRA_STATE_KEY = "_quantizer_extra_state"
 
 
-class LayoutError(ValueError):
-    """An amax that has no layout-independent global form (a block straddles tensor-parallel shards)."""
-
-
 # ------------------------------------------------------------------------------------ layout rules
-
-
-def _tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], extent: int, tp_size: int, where: str) -> Optional[int]:
-    """The dim of ``leaf``'s amax that is sharded over TP, or None where the amax is the same on every
-    TP rank (per tensor, or grouped over the whole split axis, which the amax sync reduces over TP).
-
-    ``split_axis`` is the axis of the quantized tensor that TP splits (None: not split) and ``extent``
-    its local size. The rule depends only on the config and the layout, never on the amax values, so
-    the same call maps a global amax shape back to the local one when loading.
-    """
-    if split_axis is None or ndim == 0 or leaf.spec.kind == Kind.NVFP4:
-        return None
-    dim = split_axis % ndim
-    block = leaf.spec.block
-    if block is not None:
-        blocked = {ndim - 1: block[-1]} if len(block) == 1 else {ndim - 2: block[0], ndim - 1: block[1]}
-        if dim not in blocked:
-            return dim
-        size = blocked[dim]
-        if tp_size == 1 or extent % size == 0:
-            return dim  # every local block is a global block
-        if extent * tp_size <= size:
-            return None  # one block spans the whole axis: the synced amax is the global one
-        raise LayoutError(
-            f"{where}: blocks of {size} along an axis split over TP={tp_size} into {extent} per rank straddle the shards, "
-            f"so its amax has no layout-independent form; use a block size that divides {extent} or >= {extent * tp_size}"
-        )
-    kept = {a % ndim for a in (leaf.axis or ())}
-    return dim if dim in kept else None
 
 
 def _local_shape(global_shape: tuple[int, ...], dim: Optional[int], tp_size: int, where: str) -> tuple[int, ...]:
@@ -156,11 +124,8 @@ class _MegatronQuantMixin(QuantModule):
     """What every quantized Megatron linear shares: its tensor-parallel layout, ``sharded_state_dict``
     with amax in global form, and the quantizer config in the state dict.
 
-    ``parallel_role`` and ``_tp_weight_axis`` (the weight axis split over TP: 0 column-, 1 row-parallel,
-    None duplicated) are set by the concrete classes.
+    ``parallel_role`` is set by the concrete classes; the split it implies is ``QuantModule.tp_split``.
     """
-
-    _tp_weight_axis: Optional[int] = None
 
     def _setup(self) -> None:
         super()._setup()
@@ -176,27 +141,6 @@ class _MegatronQuantMixin(QuantModule):
 
     def _ql_tp_size(self) -> int:
         return get_pg_size(self._ql_tp_group())
-
-    def _ql_weight_shape(self) -> tuple[int, ...]:
-        for _, tensors in self.weight_groups():
-            if tensors:
-                return tuple(tensors[0].shape)
-        raise CheckpointError(f"{type(self).__name__} has no weight to infer its tensor-parallel layout from")
-
-    def _ql_split(self, qname: str) -> tuple[Optional[int], int]:
-        """(axis of the tensor ``qname`` quantizes that TP splits, or None; its local extent)."""
-        axis = self._tp_weight_axis
-        if axis is None:
-            return None, 0
-        extent = self._ql_weight_shape()[axis]
-        if qname in self.weight_quantizer_names:
-            return axis, extent
-        # the column layer's output and the row layer's input are split along their last (hidden) dim
-        if axis == 0 and qname == "output_quantizer" and not getattr(self, "gather_output", False):
-            return -1, extent
-        if axis == 1 and qname == "input_quantizer":
-            return -1, extent
-        return None, 0
 
     # -------------------------------------------------------------- dist checkpointing
     def _ql_amax_leaves(self) -> Iterator[tuple[str, str, TensorQuantizer, str, Optional[int]]]:
@@ -231,8 +175,8 @@ class _MegatronQuantMixin(QuantModule):
         out = {}
         for name, ckpt_name, leaf, qname, member in self._ql_amax_leaves():
             amax, where = leaf.amax, f"{prefix}{name}"
-            axis, extent = self._ql_split(qname)
-            dim = _tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, where)
+            axis, extent = self.tp_split(qname)
+            dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, where)
             offsets, ckpt_prefix = (
                 (sharded_offsets, prefix) if member is None else self._ql_member_offsets(member, prefix, sharded_offsets, metadata)
             )
@@ -320,10 +264,10 @@ class _LocalLinearMixin(_MegatronQuantMixin):
         if getattr(self, "weight", None) is not None:  # None with skip_weight_param_allocation
             yield "weight_quantizer", [self.weight]
 
-    def _ql_weight_shape(self) -> tuple[int, ...]:
+    def tp_weight_shape(self) -> tuple[int, ...]:
         if getattr(self, "weight", None) is not None:
             return tuple(self.weight.shape)
-        if self._tp_weight_axis == 0:  # a column layer given its weight in forward (tied embeddings)
+        if self.parallel_role == "column":  # a column layer given its weight in forward (tied embeddings)
             return (self.output_size_per_partition, self.input_size)
         return (self.output_size, self.input_size_per_partition)
 
@@ -331,13 +275,11 @@ class _LocalLinearMixin(_MegatronQuantMixin):
 @QuantModuleRegistry.register(ColumnParallelLinear, "megatron.ColumnParallelLinear")
 class _QuantColumnParallelLinear(_LocalLinearMixin):
     parallel_role = "column"
-    _tp_weight_axis = 0
 
 
 @QuantModuleRegistry.register(RowParallelLinear, "megatron.RowParallelLinear")
 class _QuantRowParallelLinear(_LocalLinearMixin):
     parallel_role = "row"
-    _tp_weight_axis = 1
 
 
 # ------------------------------------------------------------------------------------ quantizer config
@@ -356,13 +298,13 @@ def quantizer_extra_state(module: _MegatronQuantMixin) -> dict:
         q = getattr(module, qname, None)
         if q is None:
             continue
-        axis, extent = module._ql_split(qname)
+        axis, extent = module.tp_split(qname)
         state = _quantizer_state(q)
         for (name, leaf), leaf_state in zip(_leaves(qname, q), _leaf_states(state)):
             amax = leaf_state.pop("_amax")
             shape = None
             if amax is not None:
-                dim = _tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
+                dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
                 shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
             leaf_state["amax_shape"] = shape
         quantizers[qname] = state
@@ -426,14 +368,14 @@ def apply_quantizer_extra_state(module: _MegatronQuantMixin, state: Any) -> None
     for qname, qstate in state["quantizers"].items():
         q = _build(qstate, qname)
         base = _full_name(getattr(module, qname, None), qname)
-        axis, extent = module._ql_split(qname)
+        axis, extent = module.tp_split(qname)
         tensors = weights.get(qname)
         if tensors is not None and isinstance(q, GroupedQuantizer) and len(q) != len(tensors):
             raise CheckpointError(f"{kind}.{qname}: the checkpoint has {len(q)} members for {len(tensors)} weights")
         for (name, leaf), leaf_state in zip(_leaves(qname, q), _leaf_states(qstate)):
             shape = leaf_state.get("amax_shape")
             if shape is not None:
-                local = _local_shape(tuple(shape), _tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
+                local = _local_shape(tuple(shape), tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
                 if tensors:
                     weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
                     expected = tuple(leaf.amax_shape(tuple(weight.shape)))
@@ -569,21 +511,14 @@ def expert_token_counts(model: nn.Module) -> dict[str, dict[int, int]]:
 
 class _TEColumnMixin(_MegatronQuantMixin):
     parallel_role = "column"
-    _tp_weight_axis = 0
 
 
 class _TERowMixin(_MegatronQuantMixin):
     parallel_role = "row"
-    _tp_weight_axis = 1
 
 
 class _TELinearMixin(_MegatronQuantMixin):
     """``TELinear``: its role is TE's ``parallel_mode`` ("duplicated" layers have None)."""
-
-    @property
-    def _tp_weight_axis(self) -> Optional[int]:  # type: ignore[override]
-        return {"column": 0, "row": 1}.get(self.parallel_role)
-
 
 class _TEGroupedMixin(_MegatronQuantMixin):
     """``TE{Column,Row}ParallelGroupedLinear``: GEMM i is expert ``ep_rank * num_gemms + i``. Member i of
@@ -628,12 +563,10 @@ class _TEGroupedMixin(_MegatronQuantMixin):
 
 class _TEColumnGroupedMixin(_TEGroupedMixin):
     parallel_role = "column"
-    _tp_weight_axis = 0
 
 
 class _TERowGroupedMixin(_TEGroupedMixin):
     parallel_role = "row"
-    _tp_weight_axis = 1
 
 
 def _register_te() -> list[str]:

@@ -177,6 +177,43 @@ def test_structure_mismatch_raises_on_all_ranks():
     assert "quantizers differ" in msg and "tensor group [0, 1]" in msg
 
 
+# ------------------------------------------------------------------------------------ block amax over TP
+
+
+def _row_parallel_int4(rank: int, world: int, in_local: int):
+    """A row-parallel linear of 8 x (2 * in_local) inputs, this rank holding its half of the columns,
+    INT4 blocks of 128 along the inputs; returns the synced block amax or the error."""
+    full = torch.randn(8, 2 * in_local, generator=torch.Generator().manual_seed(0))
+    model = ql.convert(torch.nn.Sequential(torch.nn.Linear(in_local, 8, bias=False)))
+    model[0].parallel_role = "row"
+    with torch.no_grad():
+        model[0].weight.copy_(full[:, rank * in_local : (rank + 1) * in_local])
+    try:
+        ql.quantize(model, ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, None, parallel_state=ql.ParallelState(tensor_group=dist.group.WORLD))
+    except AmaxSyncError as exc:
+        return str(exc)
+    return model[0].weight_quantizer.amax, full
+
+
+def test_row_parallel_block_spanning_the_split_is_reduced_over_tp():
+    """in_features 2 x 32 <= 128: one block covers the whole row at TP=1, so at TP=2 both ranks hold its MAX."""
+    (a0, full), (a1, _) = run_on_ranks(_row_parallel_int4, 2, 32, timeout=30)
+    assert a0.shape == (8, 1) and torch.equal(a0, a1)
+    assert torch.equal(a0, full.abs().amax(dim=1, keepdim=True))
+
+
+def test_row_parallel_blocks_within_a_shard_stay_per_rank():
+    (a0, full), (a1, _) = run_on_ranks(_row_parallel_int4, 2, 128, timeout=30)
+    assert torch.equal(a0, full[:, :128].abs().amax(dim=1, keepdim=True))
+    assert torch.equal(a1, full[:, 128:].abs().amax(dim=1, keepdim=True))
+
+
+def test_row_parallel_blocks_straddling_the_shards_raise_on_all_ranks():
+    msgs = run_on_ranks(_row_parallel_int4, 2, 96, timeout=30)
+    assert isinstance(msgs[0], str) and msgs[0] == msgs[1]
+    assert "0.weight_quantizer" in msgs[0] and "straddle" in msgs[0] and "96" in msgs[0]
+
+
 # ------------------------------------------------------------------------------------ batching
 
 

@@ -339,3 +339,18 @@ def test_a_module_used_twice_is_converted_once():
     assert isinstance(model[0], QuantModule) and model[0] is model[2]
     ql.quantize(model, ql.INT8_DEFAULT_CFG, lambda m: m(torch.randn(2, 8)))
     assert [n for n, _ in ql.model_quant.iter_leaf_quantizers(model)] == ["0.input_quantizer", "0.weight_quantizer", "0.output_quantizer"]
+
+
+@pytest.mark.parametrize(
+    "role, expected",
+    [
+        ("replicated", {"weight_quantizer": (None, 0), "input_quantizer": (None, 0), "output_quantizer": (None, 0)}),
+        ("column", {"weight_quantizer": (0, 48), "input_quantizer": (None, 0), "output_quantizer": (-1, 48)}),
+        ("row", {"weight_quantizer": (1, 64), "input_quantizer": (-1, 64), "output_quantizer": (None, 0)}),
+    ],
+)
+def test_tp_split_follows_the_parallel_role(role, expected):
+    """What the amax sync and the checkpoints read as the split of each quantized tensor (local [48, 64] weight)."""
+    m = ql.convert(nn.Sequential(nn.Linear(64, 48)))[0]
+    m.parallel_role = role
+    assert {q: m.tp_split(q) for q in expected} == expected

@@ -48,13 +48,6 @@ TRANSFERS_OF = {name: TRANSFERS for name in PRESETS}
 TRANSFERS_OF["int8_glu"] = [("tp2ep2", "tp1"), ("tp2ep2", "ep4"), ("tp1", "tp2ep2")]
 CALIB_BATCHES, EVAL_SEED = 8, 99
 
-# Sync gap, reported to the distributed sync's owner: quantlib.distributed._tp_reduces never MAX-reduces a
-# block amax over TP, also where one block spans the whole split axis (here every row of a row-parallel
-# weight: 32 or 64 inputs, blocks of 128), so at TP=2 each rank's block amax covers only its half of the
-# row. The quantization then depends on TP, and the amax has no layout-independent form.
-INT4_ROW_TP = pytest.mark.xfail(reason="distributed sync does not reduce row-parallel block amax over TP (see module comment)", strict=True)
-
-
 # ------------------------------------------------------------------------------------ the sweep (ranks)
 
 
@@ -163,23 +156,12 @@ def sweep(tmp_path_factory) -> dict:
 # ------------------------------------------------------------------------------------ helpers
 
 
-def _params(kind: str) -> list:
-    out = []
-    for preset in PRESETS:
-        for layout in LAYOUTS_OF[preset]:
-            tp = shims.LAYOUTS[layout][0]
-            marks = [INT4_ROW_TP] if preset == "int4_block" and tp > 1 and kind in ("sync", "weights", "logits") else []
-            out.append(pytest.param(preset, layout, marks=marks, id=f"{preset}-{layout}"))
-    return out
+def _params() -> list:
+    return [pytest.param(preset, layout, id=f"{preset}-{layout}") for preset in PRESETS for layout in LAYOUTS_OF[preset]]
 
 
 def _transfer_params() -> list:
-    out = []
-    for preset in PRESETS:
-        for src, dst in TRANSFERS_OF[preset]:
-            marks = [INT4_ROW_TP] if preset == "int4_block" and shims.LAYOUTS[src][0] > 1 else []
-            out.append(pytest.param(preset, src, dst, marks=marks, id=f"{preset}-{src}-to-{dst}"))
-    return out
+    return [pytest.param(preset, src, dst, id=f"{preset}-{src}-to-{dst}") for preset in PRESETS for src, dst in TRANSFERS_OF[preset]]
 
 
 def _weight_attrs(preset: str):
@@ -209,7 +191,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("preset,layout", _params("sync"))
+@pytest.mark.parametrize("preset,layout", _params())
 def test_every_rank_holds_synced_amax(sweep, preset, layout):
     """Every rank that holds a piece of an amax (a replica over DP, TP, or expert DP) holds the same
     value, and every piece of every global amax is held by some rank."""
@@ -218,7 +200,7 @@ def test_every_rank_holds_synced_amax(sweep, preset, layout):
     assert snap["problems"] == []
 
 
-@pytest.mark.parametrize("preset,layout", _params("experts"))
+@pytest.mark.parametrize("preset,layout", _params())
 def test_expert_inputs_share_one_scale_per_layer(sweep, preset, layout):
     amax = sweep["layouts"][(preset, layout)]["amax"]
     keys = [k for k in amax if ".experts.experts." in k and "input_quantizer" in k]
@@ -231,7 +213,7 @@ def test_expert_inputs_share_one_scale_per_layer(sweep, preset, layout):
         assert torch.equal(per_layer, per_layer[:, :1].expand_as(per_layer)), key
 
 
-@pytest.mark.parametrize("preset,layout", _params("weights"))
+@pytest.mark.parametrize("preset,layout", _params())
 def test_weight_amax_is_that_of_the_full_weight(sweep, preset, layout):
     """Each weight amax (per expert for experts) equals the amax of the corresponding full weight: the
     global form is layout independent and every expert's amax comes from its own weight."""
@@ -243,7 +225,7 @@ def test_weight_amax_is_that_of_the_full_weight(sweep, preset, layout):
         assert torch.equal(amax[key], expected), key
 
 
-@pytest.mark.parametrize("preset,layout", _params("logits"))
+@pytest.mark.parametrize("preset,layout", _params())
 def test_logits_and_activation_amax_match_tp1(sweep, preset, layout):
     ref, snap = sweep["layouts"][(preset, "tp1")], sweep["layouts"][(preset, layout)]
     assert not torch.equal(snap["logits"], torch.zeros_like(snap["logits"]))
@@ -351,14 +333,14 @@ def _leaf(**attrs):
         ),
     ],
 )
-def test_tp_shard_dim(attrs, ndim, split, extent, tp, expected):
-    from quantlib.plugins.megatron import _tp_shard_dim
+def testtp_shard_dim(attrs, ndim, split, extent, tp, expected):
+    from quantlib.distributed import tp_shard_dim
 
-    assert _tp_shard_dim(_leaf(**attrs), ndim, split, extent, tp, "q") == expected
+    assert tp_shard_dim(_leaf(**attrs), ndim, split, extent, tp, "q") == expected
 
 
 def test_blocks_straddling_tp_shards_have_no_global_form():
-    from quantlib.plugins.megatron import LayoutError, _tp_shard_dim
+    from quantlib.distributed import LayoutError, tp_shard_dim
 
     with pytest.raises(LayoutError, match="straddle"):
-        _tp_shard_dim(_leaf(num_bits=4, block_sizes={-1: 128}), 2, 1, 200, 2, "decoder.linear_proj.weight_quantizer")
+        tp_shard_dim(_leaf(num_bits=4, block_sizes={-1: 128}), 2, 1, 200, 2, "decoder.linear_proj.weight_quantizer")
