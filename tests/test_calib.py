@@ -24,18 +24,23 @@ def _same(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(got[keep].view(torch.int32), ref[keep].view(torch.int32))  # bits: +0.0, never -0.0
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(VALUES, min_size=6, max_size=6 * 8).filter(lambda v: len(v) % 6 == 0), st.sampled_from([None, (0,), (1,), (0, 1)]),
        st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())  # fmt: skip
-def test_abs_max_is_max_of_abs(values, dims, dtype, nan):
-    x = torch.tensor(values).reshape(-1, 6).to(dtype)
+def test_abs_max_is_max_of_abs(device, values, dims, dtype, nan):
+    x = torch.tensor(values).reshape(-1, 6).to(dtype).to(device)
     if nan:
         x[0, 0] = float("nan")
     _same(abs_max(x, dims), _expected(x, dims))
 
 
-def test_all_negative_zeros_give_positive_zero():
-    x = torch.full((3, 4), -0.0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_negative_zeros_give_positive_zero(device):
+    x = torch.full((3, 4), -0.0, device=device)
     for dims in (None, (1,)):
         assert not torch.signbit(abs_max(x, dims)).any()
 
