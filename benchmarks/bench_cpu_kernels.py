@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from quantlib import kernels
-from quantlib.formats import FormatSpec, Kind, Rounding
+from quantlib.formats import FormatSpec, Kind
 
 
 def _cases(x: torch.Tensor) -> list[tuple[str, Callable[[str], object]]]:

@@ -67,7 +67,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, _build, _quantizer_state
 from ..distributed import LayoutError, tp_shard_dim
-from ..formats import Kind
+from ..model_quant import leaves_of
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
@@ -108,15 +108,6 @@ def _global_shape(local_shape: tuple[int, ...], dim: Optional[int], tp_size: int
     return tuple(s * tp_size if d == dim else s for d, s in enumerate(local_shape))
 
 
-def _leaves(name: str, q: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
-    """(name, leaf) of ``q`` or of each of its members (``name.i``), depth first."""
-    if isinstance(q, TensorQuantizer):
-        yield name, q
-        return
-    for i, m in enumerate(q):
-        yield from _leaves(f"{name}.{i}", m)
-
-
 # ------------------------------------------------------------------------------------ the shared mixin
 
 
@@ -152,7 +143,7 @@ class _MegatronQuantMixin(QuantModule):
             if q is None:
                 continue
             grouped = isinstance(q, GroupedQuantizer)
-            for name, leaf in _leaves(qname, q):
+            for name, leaf in leaves_of(qname, q):
                 if leaf.amax is None:
                     continue
                 parts = name.split(".")
@@ -300,7 +291,7 @@ def quantizer_extra_state(module: _MegatronQuantMixin) -> dict:
             continue
         axis, extent = module.tp_split(qname)
         state = _quantizer_state(q)
-        for (name, leaf), leaf_state in zip(_leaves(qname, q), _leaf_states(state)):
+        for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(state)):
             amax = leaf_state.pop("_amax")
             shape = None
             if amax is not None:
@@ -372,7 +363,7 @@ def apply_quantizer_extra_state(module: _MegatronQuantMixin, state: Any) -> None
         tensors = weights.get(qname)
         if tensors is not None and isinstance(q, GroupedQuantizer) and len(q) != len(tensors):
             raise CheckpointError(f"{kind}.{qname}: the checkpoint has {len(q)} members for {len(tensors)} weights")
-        for (name, leaf), leaf_state in zip(_leaves(qname, q), _leaf_states(qstate)):
+        for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(qstate)):
             shape = leaf_state.get("amax_shape")
             if shape is not None:
                 local = _local_shape(tuple(shape), tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)

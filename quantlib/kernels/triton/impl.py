@@ -69,17 +69,23 @@ def _norm_block(block) -> tuple[int, ...]:
     return block[1:] if len(block) == 2 and block[0] == 1 else block
 
 
+def _views(x: torch.Tensor, op: int, out):
+    """(input view, its dtype code, output view, its dtype code, dummy pointer) of a block kernel launch;
+    only fake quant (op 1) writes ``out`` in the input's dtype."""
+    xin, in_dt = in_view(x)
+    out_dt = 0
+    if op == 1:
+        out, out_dt = out_view(out)
+    return xin, in_dt, out, out_dt, _dummy(x.device)
+
+
 def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0, eps=0.0) -> None:
     C = x.shape[-1]
     R = x.numel() // C
     NB = -(-C // B)
     BP = next_pow2(B)
-    xin, in_dt = in_view(x)
+    xin, in_dt, out, out_dt, dummy = _views(x, op, out)
     dev = x.device
-    out_dt = 0
-    if op == 1:
-        out, out_dt = out_view(out)
-    dummy = _dummy(dev)
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy,
             g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2)
     consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
@@ -95,12 +101,8 @@ def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out
     M, Kd = x.shape[-2], x.shape[-1]
     L = x.numel() // (M * Kd)
     MB, KB = -(-M // BM), -(-Kd // BK)
-    xin, in_dt = in_view(x)
+    xin, in_dt, out, out_dt, dummy = _views(x, op, out)
     dev = x.device
-    out_dt = 0
-    if op == 1:
-        out, out_dt = out_view(out)
-    dummy = _dummy(dev)
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB)
     BMP, BKP = next_pow2(BM), next_pow2(BK)
     fmt = {k: fmt[k] for k in ("KIND", "QMAX", "FP8E", "POW2")}
