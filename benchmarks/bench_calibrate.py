@@ -161,7 +161,11 @@ def in_subprocess(args, lib: str, preset: str, what: str) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", lib, preset, what, "--device", args.device, "--dim", str(args.dim), "--blocks", str(args.blocks), "--tokens", str(args.tokens), "--batches", str(args.batches)] + (["--warmup"] if args.warmup else [])
     # a fixed mmap threshold: glibc's sliding one keeps freed activations in the heap at random, which
     # made peak RSS of the same run vary 2x; with it, RSS follows the live memory (runs agree to 0.1 MiB)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    # --reuse-freed-memory instead keeps everything in glibc's heap: no page faults on fresh outputs
+    # (peak RSS is then the heap's high-water mark)
+    big = str(2**30)
+    malloc = dict(MALLOC_MMAP_THRESHOLD_=big, MALLOC_TRIM_THRESHOLD_=big) if args.reuse_freed_memory else dict(MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, **malloc)
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         print(f"  {lib} {preset} {what} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}", file=sys.stderr)
@@ -188,6 +192,7 @@ def main() -> None:
     p.add_argument("--phase", nargs=3)
     p.add_argument("--warmup", action="store_true", help="quantize once untimed first (GPU: JIT compile, autotune)")
     p.add_argument("--no-modelopt", action="store_true")
+    p.add_argument("--reuse-freed-memory", action="store_true", help="CPU: glibc keeps freed memory for reuse (no page faults)")
     p.add_argument("--presets", nargs="*", default=list(PRESETS))
     args = p.parse_args()
     if args.phase:
