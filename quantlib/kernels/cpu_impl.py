@@ -35,8 +35,14 @@ def _is_dynamic(spec: FormatSpec, amax: torch.Tensor | None) -> bool:
 
 def _broadcast_input(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """``x`` expanded to the broadcast shape of ``x`` and a per-tensor / per-channel ``amax``."""
-    shape = torch.broadcast_shapes(x.shape, amax.shape)
-    return x if shape == x.shape else x.expand(shape)
+    # by hand: torch.broadcast_shapes imports sympy and the symbolic-shape machinery on first use (0.3 s)
+    a, b = tuple(x.shape), tuple(amax.shape)
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    if any(p != q and 1 not in (p, q) for p, q in zip(a, b)):
+        raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the input's {tuple(x.shape)}")
+    shape = tuple(max(p, q) for p, q in zip(a, b))
+    return x if shape == tuple(x.shape) else x.expand(shape)
 
 
 def _block(spec: FormatSpec) -> list[int]:

@@ -99,8 +99,10 @@ class SequentialQuantizer(QuantizerContainer, nn.Sequential):
             for m in self:
                 m.set_from_attribute_config(attrs)
 
+    @torch.no_grad()
     def calibrate(self, x: torch.Tensor) -> None:
         """Calibrate member by member on one tensor (a weight)."""
+        # no graph: a weight that requires grad would otherwise take the autograd path of the op
         for m in self:
             m.calibrate(x)
             x = m(x) if m.is_enabled else x
