@@ -41,7 +41,7 @@ def _broadcast_input(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
     if any(p != q and 1 not in (p, q) for p, q in zip(a, b)):
         raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the input's {tuple(x.shape)}")
-    shape = tuple(max(p, q) for p, q in zip(a, b))
+    shape = tuple(q if p == 1 else p for p, q in zip(a, b))  # a 1 takes the other size, 0 included
     return x if shape == tuple(x.shape) else x.expand(shape)
 
 

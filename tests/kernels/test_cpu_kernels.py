@@ -556,3 +556,19 @@ def test_fuzz_casts(rows, cols, exp, seed, dtype_i):
     assert_same(CPU.mx_cast(x, "e4m3", 32, Rounding.RCEIL), REF.mx_cast(x, "e4m3", 32, Rounding.RCEIL))
     assert_same(CPU.mx_cast(x, "e2m1", 32, Rounding.FLOOR), REF.mx_cast(x, "e2m1", 32, Rounding.FLOOR))
     assert_same(CPU.nvfp4_cast(x, None), REF.nvfp4_cast(x, None))
+
+
+@pytest.mark.parametrize("x_shape", [(0, 32), (4, 6), (1, 6), (2, 4, 6)])
+@pytest.mark.parametrize("amax_shape", [(), (1,), (4, 1), (1, 6), (0, 1), (2, 1, 1), (3, 1)])
+def test_broadcast_of_the_amax_follows_torch(x_shape, amax_shape):
+    """The CPU backend broadcasts by hand (torch.broadcast_shapes imports sympy): same shapes, same refusals."""
+    from quantlib.kernels.cpu_impl import _broadcast_input
+
+    x, amax = torch.zeros(x_shape), torch.ones(amax_shape)
+    try:
+        expected = torch.broadcast_shapes(x.shape, amax.shape)
+    except RuntimeError:
+        with pytest.raises(ValueError, match="does not broadcast"):
+            _broadcast_input(x, amax)
+        return
+    assert _broadcast_input(x, amax).shape == expected
