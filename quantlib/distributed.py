@@ -76,7 +76,14 @@ def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], ex
         if dim not in blocked:
             return dim
         size = blocked[dim]
-        if tp_size == 1 or extent % size == 0:
+        if tp_size == 1:
+            return dim
+        if extent <= 0:
+            raise LayoutError(
+                f"{where}: blocks of {size} along an axis split over TP={tp_size} whose local size is unknown "
+                "(no weight to read it from), so whether a block spans the shards cannot be told"
+            )
+        if extent % size == 0:
             return dim  # every local block is a global block
         if extent * tp_size <= size:
             return None  # one block spans the whole axis: the synced amax is the global one
@@ -86,7 +93,6 @@ def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], ex
         )
     kept = {a % ndim for a in (leaf.axis or ())}
     return dim if dim in kept else None
-
 
 
 class ParallelState:
@@ -222,10 +228,7 @@ class ParallelState:
 
 # ---------------------------------------------------------------------------------- what syncs where
 
-#: Which dim of the tensor a quantizer sees is split across tensor-parallel ranks, by
-#: (parallel role, quantizer kind); absent = not split (the tensor is the same on every rank).
-#: A Linear weight is [out, in]: column-parallel splits ``out`` (dim 0), row-parallel ``in`` (dim 1);
-#: a row-parallel input and a column-parallel output are split along their last dim.
+
 def _kind(module: Optional[nn.Module], attr: str) -> str:
     if isinstance(module, QuantModule) and attr in module.weight_quantizer_names:
         return "weight"

@@ -90,8 +90,10 @@ class QuantModule(nn.Module):
         extent = shape[axis] if shape is not None and len(shape) > axis else 0
         if qname in self.weight_quantizer_names:
             return axis, extent
-        if qname == ("output_quantizer" if axis == 0 else "input_quantizer"):
-            return (None, 0) if axis == 0 and getattr(self, "gather_output", False) else (-1, extent)
+        if axis == 0 and qname == "output_quantizer":
+            return (None, 0) if getattr(self, "gather_output", False) else (-1, extent)
+        if axis == 1 and qname == "input_quantizer":
+            return -1, extent
         if qname in ("input_quantizer", "output_quantizer"):
             return None, 0  # a column layer's input and a row layer's (reduced) output are whole
         return -1, 0  # other quantizers (attention's): split along the last dim, extent unknown
