@@ -13,6 +13,7 @@ Prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -99,6 +100,28 @@ def _measure(rows, shape, case, backend, fn, nbytes, rep_ms=60) -> Optional[floa
     rows.append({"shape": shape, "case": case, "backend": backend, "ms": ms, "GBps": gbps(nbytes, ms)})
     print(f"  {shape} {case} [{backend}]: {ms * 1e3:.1f} us, {gbps(nbytes, ms):.0f} GB/s", flush=True)
     return ms
+
+
+def run_crossover(backends: list[str]) -> str:
+    """Microseconds per call of the cuda and triton backends from small to large inputs: where each
+    one's launch cost or its kernel decides (what ``backend="auto"`` picks by size)."""
+    from quantlib.kernels.backends import implementation
+
+    cases = [("fake_quant FP8 block 1x128", FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128,), dynamic=True)),
+             ("fake_quant NVFP4 (dynamic)", FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,))),
+             ("fake_quant INT4 block 128", FormatSpec(Kind.INT, num_bits=4, block=(128,), dynamic=True))]
+    shapes = [(16, 4096), (256, 4096), (1024, 4096), (4096, 4096), (8192, 8192)]
+    out = ["| case | elements | " + " | ".join(f"{be} us" for be in backends) + " |", "|---|---|" + "---|" * len(backends)]
+    for name, spec in cases:
+        for m, k in shapes:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cells = []
+            for be in backends:
+                fn = implementation("fake_quant", be)
+                cells.append(f"{bench(lambda: fn(x, spec, None), 40) * 1e3:.1f}")
+            out.append(f"| {name} | {m * k} | " + " | ".join(cells) + " |")
+            print(out[-1], flush=True)
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- peers
@@ -202,6 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--crossover", action="store_true", help="also time cuda vs triton from small to large inputs")
     p.add_argument("--modelopt-cases", default="", help="comma-separated substrings of ModelOpt case names (default: all)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -222,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             g = torch.Generator(device="cuda").manual_seed(0)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
             y = torch.empty_like(x)
-            ms = bench(lambda: y.copy_(x))
+            ms = bench(functools.partial(y.copy_, x))
             copy[s] = gbps(2 * x.numel() * 2, ms)
             print(f"{s}: bf16 copy {ms * 1e3:.1f} us = {copy[s]:.0f} GB/s", flush=True)
             run_quantlib(x, backends, rows)
@@ -238,6 +262,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("interrupted: partial results")
     print(f"\n## quantlib kernels (GB/s = (bytes read + written) / median time), {time.time() - t0:.0f} s")
     print(table(rows, copy))
+    if args.crossover:
+        print("\n## cuda vs triton by input size (us per call, median)")
+        print(run_crossover([be for be in backends if be in ("cuda", "triton")]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy": copy, "rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}, f, indent=1)

@@ -119,26 +119,84 @@ QL_DEV float e8m0_inverse(int byte) {
   return u2f(byte == 255 ? 0x7FC00000u : bits);
 }
 
-// E2M1 code by round-to-nearest-even on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating; NaN -> 0.
+// RN(x / b) without a division per element: y = RN(1 / b) once per block; q = x * y is within 1.5 ulp,
+// one FMA correction brings it within one ulp and a second rounds it correctly (Markstein: the residual
+// x - q * b is exact and RN(q + r * y) is the rounded quotient). Exact for b in [2^-60, 2^60] wherever
+// the quotient is >= 2^-100; below that it keeps its sign and stays under every grid's smallest step,
+// which is all the callers use. Other divisors (0, Inf and NaN excepted, whose q is already the
+// quotient) take __fdiv_rn. Same as div_exact in quantlib/kernels/triton/_numerics.py.
+struct Divisor {
+  float b, nb, y;
+  bool fast;
+};
+
+QL_DEV Divisor make_divisor(float b) {
+  Divisor d;
+  d.b = b;
+  d.nb = -b;
+  d.fast = !(b > 0.0f && (b < 8.673617379884035e-19f || (b > 1.152921504606847e18f && f2u(b) < 0x7F800000u)));
+  d.y = __fdiv_rn(1.0f, b);
+  return d;
+}
+
+QL_DEV float divide(float x, const Divisor& d) {
+  if (!d.fast) return __fdiv_rn(x, d.b);
+  const float q = __fmul_rn(x, d.y);
+  const float q1 = __fmaf_rn(__fmaf_rn(q, d.nb, x), d.y, q);
+  const float q2 = __fmaf_rn(__fmaf_rn(q1, d.nb, x), d.y, q1);
+  return (q == 0.0f || (f2u(q) & 0x7FFFFFFFu) >= 0x7F800000u) ? q : q2;
+}
+
+// E2M1 (grid {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE, saturating; NaN -> code 0 / value 0): |y| saturated at
+// 6, rounded below 1 to the step 0.5 by adding 2^22 (whose ulp is 0.5: the fp32 addition is the RNE),
+// from 1 up to one mantissa bit by the integer round-half-even of the bits.
+struct E2m1Parts {
+  float m, sub;
+  uint32_t nrm;
+};
+
+QL_DEV E2m1Parts e2m1_parts(float y) {
+  E2m1Parts p;
+  p.m = fminf(fabsf(y), 6.0f);
+  p.sub = __fadd_rn(p.m, 4194304.0f);
+  const uint32_t b = f2u(p.m);
+  p.nrm = b + 0x1FFFFFu + ((b >> 22) & 1u);
+  return p;
+}
+
 QL_DEV uint32_t e2m1_code(float y) {
-  const float m = fabsf(y);
-  uint32_t idx = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
-  const bool neg = (f2u(y) >> 31) && !is_nan(y);
-  return neg ? idx | 8u : idx;
+  const E2m1Parts p = e2m1_parts(y);
+  const uint32_t idx = p.m < 1.0f ? f2u(p.sub) - 0x4A800000u : (p.nrm >> 22) - 252u;
+  return is_nan(y) ? 0u : idx | ((f2u(y) >> 28) & 8u);
 }
 
-QL_DEV float e2m1_value(uint32_t code) {
-  const uint32_t idx = code & 7u;
-  const uint32_t big = ((126u + (idx >> 1)) << 23) | ((idx & 1u) << 22);
-  const uint32_t mag = idx == 0 ? 0u : (idx == 1 ? 0x3F000000u : big);
-  return u2f(mag | ((code >> 3) << 31));
+// The value of e2m1_code(y), without forming the code.
+QL_DEV float e2m1_round(float y) {
+  const E2m1Parts p = e2m1_parts(y);
+  const uint32_t mag = p.m < 1.0f ? f2u(__fsub_rn(p.sub, 4194304.0f)) : p.nrm & 0xFFC00000u;
+  return is_nan(y) ? 0.0f : u2f(mag | (f2u(y) & 0x80000000u));
 }
 
-QL_DEV float int_fake(float x, float a, float lo, float hi) {
-  const float scale = __fdiv_rn(hi, a);
-  float q = clamp_nan(rint_even(__fmul_rn(x, scale)), lo, hi);
-  q = (a <= kTiny || is_nan(q) || q == 0.0f) ? 0.0f : q;
-  return __fdiv_rn(q, scale);
+// INT fake quant of one group: q / (Q / a), the code through an integer dtype (NaN and -0 -> 0).
+struct IntGroup {
+  float a, scale, lo, hi;
+  Divisor div;
+};
+
+QL_DEV IntGroup int_group(float a, float lo, float hi) {
+  IntGroup g;
+  g.a = a;
+  g.lo = lo;
+  g.hi = hi;
+  g.scale = __fdiv_rn(hi, a);
+  g.div = make_divisor(g.scale);
+  return g;
+}
+
+QL_DEV float int_fake(float x, const IntGroup& g) {
+  float q = clamp_nan(rint_even(__fmul_rn(x, g.scale)), g.lo, g.hi);
+  q = (g.a <= kTiny || is_nan(q) || q == 0.0f) ? 0.0f : q;
+  return divide(q, g.div);
 }
 
 template <bool POW2>
@@ -150,28 +208,29 @@ QL_DEV float fp8_block_scale(float a, float eps, float qmax) {
 
 // Per-block factors of x / d: with pow2, x * (1 / d) (exact), a subnormal d scaled by 2^126 first.
 struct BlockDiv {
-  float d, mul, pre;  // y = pow2 ? (x * pre) * mul : x / d
+  float mul, pre;  // y = pow2 ? (x * pre) * mul : divide(x, div)
+  Divisor div;
 };
 
 template <bool POW2>
 QL_DEV BlockDiv block_div(float d) {
   BlockDiv r;
-  r.d = d;
   const bool sub = d < kMinNormal;
   r.pre = sub ? kTwo126 : 1.0f;
   r.mul = POW2 ? __fdiv_rn(1.0f, sub ? __fmul_rn(d, kTwo126) : d) : 0.0f;
+  if (!POW2) r.div = make_divisor(d);
   return r;
 }
 
 template <bool POW2, int FP8E>
 QL_DEV float fp8_block_round(float x, const BlockDiv& bd, float qmax) {
-  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : __fdiv_rn(x, bd.d);
+  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : divide(x, bd.div);
   return round_fp8<FP8E>(clamp_nan(y, -qmax, qmax));
 }
 
 template <bool POW2>
 QL_DEV uint32_t fp8_block_code(float x, const BlockDiv& bd, float qmax) {
-  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : __fdiv_rn(x, bd.d);
+  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : divide(x, bd.div);
   return e4m3_code(clamp_nan(y, -qmax, qmax));
 }
 
@@ -332,8 +391,9 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
     float r[EPT];
     uint32_t c[EPT];
     if (KIND == kInt) {
+      const IntGroup g = int_group(a, args.lo, args.hi);
 #pragma unroll
-      for (int i = 0; i < EPT; ++i) r[i] = int_fake(v[u][i], a, args.lo, args.hi);
+      for (int i = 0; i < EPT; ++i) r[i] = int_fake(v[u][i], g);
     } else if (KIND == kFp8Block) {
       const float d = fp8_block_scale<POW2>(a, args.eps, 448.0f);
       const BlockDiv bd = block_div<POW2>(d);
@@ -351,8 +411,7 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
       for (int i = 0; i < EPT; ++i) {
         const float y = clamp_nan(__fmul_rn(v[u][i], inv), -QMAX, QMAX);
         if (E2M1) {
-          c[i] = e2m1_code(y);
-          if (OP == kFake) r[i] = __fmul_rn(e2m1_value(c[i]), sc);
+          if (OP == kCast) c[i] = e2m1_code(y); else r[i] = __fmul_rn(e2m1_round(y), sc);
         } else {
           if (OP == kCast) c[i] = e4m3_code(y); else r[i] = __fmul_rn(round_fp8<0>(y), sc);
         }
@@ -360,11 +419,12 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
     } else {  // NVFP4
       const float sb8 = nvfp4_sb8(a, s2);
       const float p = __fmul_rn(sb8, s2);
+      const Divisor dp = make_divisor(p);
       if (OP == kCast && lane == 0) static_cast<uint8_t*>(args.scale)[b] = uint8_t(fp8_byte<0>(sb8));
 #pragma unroll
       for (int i = 0; i < EPT; ++i) {
-        c[i] = e2m1_code(__fdiv_rn(v[u][i], p));
-        if (OP == kFake) r[i] = __fmul_rn(e2m1_value(c[i]), p);
+        const float y = divide(v[u][i], dp);
+        if (OP == kCast) c[i] = e2m1_code(y); else r[i] = __fmul_rn(e2m1_round(y), p);
       }
     }
 
@@ -436,6 +496,8 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
   }
   float d = 0.0f;
   BlockDiv bd;
+  IntGroup g;
+  if (KIND == kInt) g = int_group(a, args.lo, args.hi);
   if (KIND == kFp8Block) {
     d = fp8_block_scale<POW2>(a, args.eps, 448.0f);
     bd = block_div<POW2>(d);
@@ -455,7 +517,7 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
       float r[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        r[i] = KIND == kInt ? int_fake(v[p][i], a, args.lo, args.hi) : __fmul_rn(fp8_block_round<POW2, 0>(v[p][i], bd, 448.0f), d);
+        r[i] = KIND == kInt ? int_fake(v[p][i], g) : __fmul_rn(fp8_block_round<POW2, 0>(v[p][i], bd, 448.0f), d);
       }
       store_vec<T, VEC>(static_cast<T*>(args.out) + off, r);
     }

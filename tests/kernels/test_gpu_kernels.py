@@ -40,6 +40,13 @@ def _impl(op: str, backend: str):
     return implementation(op, backend)
 
 
+def _available_impl(op: str, backend: str):
+    """``op`` of ``backend``; skips the test where that backend is not built or installed."""
+    if backend not in _backends():
+        pytest.skip(f"backend {backend} not available")
+    return _impl(op, backend)
+
+
 
 
 
@@ -80,9 +87,7 @@ def _id(spec):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", SPECS, ids=_id)
 def test_fake_quant(spec, dtype, backend):
-    if backend not in _backends():
-        pytest.skip(f"backend {backend} not available")
-    fn = _impl("fake_quant", backend)
+    fn = _available_impl("fake_quant", backend)
     for i, shape in enumerate(SHAPES):
         if spec.block and len(spec.block) > len(shape):
             continue
@@ -92,9 +97,7 @@ def test_fake_quant(spec, dtype, backend):
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_fake_quant_static(backend):
-    if backend not in _backends():
-        pytest.skip(f"backend {backend} not available")
-    fn = _impl("fake_quant", backend)
+    fn = _available_impl("fake_quant", backend)
     x = gpu_input((512, 1024), torch.bfloat16, seed=7)
     x[3, 5] = NAN
     x[9, 9] = INF
@@ -165,3 +168,61 @@ def test_auto_backend_runs_every_op_on_cuda():
     for spec in SPECS + [FormatSpec(Kind.INT, num_bits=8)]:
         amax = None if spec.dynamic or spec.kind in (Kind.MX, Kind.NVFP4) else torch.tensor(2.0, device="cuda")
         assert_same(ops.fake_quant(x, spec, amax, backend="auto"), R.fake_quant(x.cpu(), spec, None if amax is None else amax.cpu()), _id(spec))
+
+
+def _division_kernel():
+    import triton
+    import triton.language as tl
+
+    from quantlib.kernels.triton._numerics import div_exact
+
+    @triton.jit
+    def kernel(xs_ptr, NX, EXP, out_ptr, BLOCK: tl.constexpr):
+        mant = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        b = ((EXP << 23) | mant).to(tl.float32, bitcast=True)
+        y = tl.math.div_rn(1.0, b)
+        bad = tl.zeros((BLOCK,), tl.int32)
+        for i in range(0, NX):
+            x = tl.load(xs_ptr + i)
+            got = div_exact(x, b, y).to(tl.int32, bitcast=True)
+            bad += (got != tl.math.div_rn(x, b).to(tl.int32, bitcast=True)).to(tl.int32)
+        tl.atomic_add(out_ptr, tl.sum(bad, axis=0))
+
+    return kernel
+
+
+def test_division_is_exact_exhaustively():
+    """div_exact == div_rn for every divisor mantissa, against every bf16 and fp16 dividend mantissa,
+    every INT code, and 2^12 random fp32 mantissas (exponents only shift a normal quotient)."""
+    if "triton" not in _backends():
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(0)
+    xs = torch.cat([
+        1.0 + torch.arange(128) / 128.0,  # bf16 mantissas
+        1.0 + torch.arange(1024) / 1024.0,  # fp16
+        torch.arange(1.0, 256.0),  # INT codes
+        (torch.randint(0, 1 << 23, (4096,), generator=g) | (127 << 23)).to(torch.int32).view(torch.float32),
+    ]).float()
+    xs = torch.cat([xs, -xs]).cuda()
+    kernel = _division_kernel()
+    for exp in (127, 127 - 60, 127 + 59):
+        out = torch.zeros(1, dtype=torch.int32, device="cuda")
+        kernel[((1 << 23) // 1024,)](xs, xs.numel(), exp, out, BLOCK=1024, enable_fp_fusion=False)
+        assert out.item() == 0, f"{out.item()} quotients differ at divisor exponent {exp - 127}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_divisors_outside_the_fast_range(backend):
+    """Scales below 2^-60 or above 2^60 take the per-element division (the tile's or block's other path)."""
+    fn = _available_impl("fake_quant", backend)
+    x = gpu_input((256, 512), torch.float32, seed=23)
+    x[:8] *= 1e25  # INT scale 127 / amax < 2^-60
+    x[8:16] *= 2.0**-110  # FP8 block scale with the smallest eps below 2^-60
+    for spec in (FormatSpec(Kind.INT, num_bits=8, dynamic=True), FormatSpec(Kind.INT, num_bits=4, block=(128,), dynamic=True),
+                 FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128,), dynamic=True, eps=2.0**-110),
+                 FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), dynamic=True, eps=2.0**-110),
+                 FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,))):
+        assert_same(fn(x.cuda(), spec, None), R.fake_quant(x, spec, None), _id(spec))
+    amax = x.abs().amax(1, keepdim=True)
+    assert_same(fn(x.cuda(), FormatSpec(Kind.INT, num_bits=8), amax.cuda()), R.fake_quant(x, FormatSpec(Kind.INT, num_bits=8), amax), "static per-row")
+    assert_same_all(_impl("nvfp4_cast", backend)(x.cuda(), torch.tensor(1e30).cuda()), R.nvfp4_cast(x, torch.tensor(1e30)), "nvfp4 huge global")

@@ -19,8 +19,9 @@ import triton.language as tl
 from ._numerics import (
     abs_bits,
     bits_to_f32,
+    div_block,
     e2m1_code,
-    e2m1_value,
+    e2m1_round,
     e8m0_byte,
     e8m0_inverse,
     e8m0_value,
@@ -40,7 +41,7 @@ from ._numerics import (
 def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
     """Fake-quantized fp32 values of ``x`` whose block amax ``a`` is broadcast to its shape."""
     if KIND == 0:
-        return int_fake(x, a, lo, hi)
+        return int_fake(x, a, lo, hi, HW)
     elif KIND == 1:
         d = fp8_block_scale(a, eps, QMAX, POW2)
         return fp8_block_round(x, d, QMAX, FP8E, POW2, HW) * d
@@ -49,14 +50,14 @@ def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constex
         y = x * e8m0_inverse(byte)
         y = tl.where(y < -QMAX, -QMAX, tl.where(y > QMAX, QMAX, y))
         if E2M1:
-            v = e2m1_value(e2m1_code(y))
+            v = e2m1_round(y)
         else:
             v = round_fp8(y, 0, HW)
         return v * e8m0_value(byte)
     else:
         s2 = nvfp4_s2(tl.load(g_ptr))
         p = nvfp4_sb8(a, s2, HW) * s2
-        return e2m1_value(e2m1_code(tl.math.div_rn(x, p))) * p
+        return e2m1_round(div_block(x, p, HW)) * p
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def block1d_kernel(
             tl.store(scale_ptr + offs2, fp8_byte(sb8, 0, HW).to(tl.uint8), mask=mask2)
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(s2_ptr, s2)
-            code = e2m1_code(tl.math.div_rn(x, (sb8 * s2)[:, :, None]))
+            code = e2m1_code(div_block(x, (sb8 * s2)[:, :, None], HW))
         if KIND == 1:
             pass
         elif (KIND == 2) and (E2M1 == 0):
@@ -161,25 +162,39 @@ def block2d_kernel(
     if OP == 0:
         tl.store(amax_ptr + soff, a)
     elif OP == 1:
+        a11 = tl.zeros((1, 1), dtype=tl.float32) + a  # the block's scalars as tiles (div_block reduces them)
         if KIND == 0:
-            v = int_fake(x, a, lo, hi)
+            v = int_fake(x, a11, lo, hi, HW)
         else:
-            d = fp8_block_scale(a, eps, QMAX, POW2)
+            d = fp8_block_scale(a11, eps, QMAX, POW2)
             v = fp8_block_round(x, d, QMAX, FP8E, POW2, HW) * d
         store_out(out_ptr, offs, v, mask, OUT_DT)
     else:
         d = fp8_block_scale(a, eps, QMAX, POW2)
         tl.store(scale_ptr + soff, d)
-        c = fp8_byte(fp8_block_round(x, d, QMAX, FP8E, POW2, HW), FP8E, HW)
+        d11 = tl.zeros((1, 1), dtype=tl.float32) + d
+        c = fp8_byte(fp8_block_round(x, d11, QMAX, FP8E, POW2, HW), FP8E, HW)
         tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def _row_values(x, a, lo, hi, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, HW: tl.constexpr):
+def _row_values(x, a, lo, hi, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, HW: tl.constexpr, AMODE: tl.constexpr):
     if KIND == 0:
-        return int_fake(x, a, lo, hi)
+        if (AMODE == 3) or (AMODE == 5):  # an amax per element: a reciprocal each would not pay
+            return int_fake(x, a, lo, hi, False)
+        else:
+            return int_fake(x, a, lo, hi, HW)
     else:
         return fp8_fake(x, a, QMAX, FP8E, HW)
+
+
+@triton.jit
+def _group_offsets(rows, cols, base, mask, gid_ptr, a_sr, a_sc, AMODE: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr):
+    """Offset of each element's amax in a [ROWS, BC] tile (AMODE as in :func:`rowwise_kernel`)."""
+    if AMODE == 5:
+        return tl.load(gid_ptr + base + cols, mask=mask, other=0).to(tl.int64)
+    else:
+        return rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc + tl.zeros((ROWS, BC), dtype=tl.int64)
 
 
 @triton.jit
@@ -201,7 +216,7 @@ def rowwise_kernel(
             mask = rmask & (cols < C)
             x = load_f32(x_ptr, base + cols, mask, IN_DT)
             a = bits_to_f32(tl.max(abs_bits(x), axis=1))[:, None]
-            store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW), mask, OUT_DT)
+            store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW, AMODE), mask, OUT_DT)
         else:
             m = tl.zeros((ROWS, BC), dtype=tl.int32)
             for ch in range(0, NCH):
@@ -213,32 +228,29 @@ def rowwise_kernel(
                 c0 = ch * BC
                 mask = rmask & (cols + c0 < C)
                 x = load_f32(x_ptr, base + c0 + cols, mask, IN_DT)
-                store_out(out_ptr, base + c0 + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW), mask, OUT_DT)
+                store_out(out_ptr, base + c0 + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW, AMODE), mask, OUT_DT)
     else:
         cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
         mask = rmask & (cols < C)
         x = load_f32(x_ptr, base + cols, mask, IN_DT)
         if AMODE == 0:
-            aoff = tl.zeros((ROWS, BC), dtype=tl.int64)
-            a = tl.load(amax_ptr)
+            a = tl.zeros((1, 1), dtype=tl.float32) + tl.load(amax_ptr)  # a tile: div_block reduces it
         elif AMODE == 1:
-            aoff = rows.to(tl.int64) * a_sr + tl.zeros((ROWS, BC), dtype=tl.int64)
             a = tl.load(amax_ptr + rows.to(tl.int64) * a_sr, mask=rmask, other=1.0)
         elif AMODE == 2:
-            aoff = cols.to(tl.int64) * a_sc + tl.zeros((ROWS, BC), dtype=tl.int64)
             a = tl.load(amax_ptr + cols.to(tl.int64) * a_sc, mask=cols < C, other=1.0)
-        elif AMODE == 3:
-            aoff = rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc
-            a = tl.load(amax_ptr + aoff, mask=mask, other=1.0)
         else:
-            aoff = tl.load(gid_ptr + base + cols, mask=mask, other=0).to(tl.int64)
-            a = tl.load(amax_ptr + aoff, mask=mask, other=1.0)
-        store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW), mask, OUT_DT)
-        if NAN_GROUPS:  # predicated atomics: no instruction of them runs without a NaN
+            a = tl.load(amax_ptr + _group_offsets(rows, cols, base, mask, gid_ptr, a_sr, a_sc, AMODE, ROWS, BC), mask=mask, other=1.0)
+        store_out(out_ptr, base + cols, _row_values(x, a, lo, hi, KIND, QMAX, FP8E, HW, AMODE), mask, OUT_DT)
+        if NAN_GROUPS:
             isnan = mask & (x != x)
-            ones = tl.full((ROWS, BC), 1, tl.int32)
-            tl.atomic_max(flag_ptr + aoff, ones, mask=isnan)
-            tl.atomic_max(gflag_ptr + tl.zeros((ROWS, BC), dtype=tl.int32), ones, mask=isnan)
+            # the flags' per-element offsets cost registers and instructions like the math: only for a
+            # tile that holds a NaN
+            if tl.max(isnan.to(tl.int32)) != 0:
+                aoff = _group_offsets(rows, cols, base, mask, gid_ptr, a_sr, a_sc, AMODE, ROWS, BC)
+                ones = tl.full((ROWS, BC), 1, tl.int32)
+                tl.atomic_max(flag_ptr + aoff, ones, mask=isnan)
+                tl.atomic_max(gflag_ptr + tl.zeros((ROWS, BC), dtype=tl.int32), ones, mask=isnan)
 
 
 @triton.jit

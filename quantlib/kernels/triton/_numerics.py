@@ -163,46 +163,85 @@ def e8m0_inverse(byte):
 
 
 @triton.jit
+def _e2m1_parts(y):
+    """``|y|`` saturated at 6 (NaN lost: callers mask it), rounded twice: below 1 to the subnormal step
+    0.5 by adding 2^22 (whose ulp is 0.5, so the fp32 addition is the RNE), from 1 up to one mantissa
+    bit with the integer round-half-even of the bits."""
+    m = tl.minimum(tl.abs(y), 6.0)
+    sub = m + 4194304.0
+    b = m.to(tl.int32, bitcast=True)
+    nrm = b + 0x1FFFFF + ((b >> 22) & 1)
+    return m, sub, nrm
+
+
+@triton.jit
 def e2m1_code(y):
     """E2M1 code (int32 0..15) of fp32 ``y`` by round-to-nearest-even, saturating; NaN gives 0."""
-    mag = tl.abs(y)
-    idx = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-    idx += (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-    idx += (mag > 5.0).to(tl.int32)
-    neg = (y.to(tl.int32, bitcast=True) < 0) & (y == y)
-    return tl.where(neg, idx | 8, idx)
+    m, sub, nrm = _e2m1_parts(y)
+    idx = tl.where(m < 1.0, sub.to(tl.int32, bitcast=True) - 0x4A800000, (nrm >> 22) - 252)
+    idx = idx | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+    return tl.where(y != y, 0, idx)
 
 
 @triton.jit
-def e2m1_value(code):
-    """fp32 value of an E2M1 code: {0, 0.5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign."""
-    idx = code & 7
-    big = bits_to_f32(((126 + (idx >> 1)) << 23) | ((idx & 1) << 22))
-    mag = tl.where(idx == 0, 0.0, tl.where(idx == 1, 0.5, big))
-    return (mag.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
+def e2m1_round(y):
+    """fp32 value of the grid point ``e2m1_code(y)`` stands for, without forming the code."""
+    m, sub, nrm = _e2m1_parts(y)
+    mag = tl.where(m < 1.0, (sub - 4194304.0).to(tl.int32, bitcast=True), nrm & -4194304)
+    v = (mag | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(y != y, 0.0, v)
 
 
 @triton.jit
-def int_fake(x, a, lo, hi):
+def div_unsafe(b):
+    """Divisors for which :func:`div_exact` may differ from ``div_rn``: 0 < b < 2^-60 or 2^60 < b < inf
+    (0, Inf and NaN give the quotient's special value on both paths)."""
+    return (b > 0.0) & ((b < 8.673617379884035e-19) | ((b > 1.152921504606847e18) & (b < float("inf"))))
+
+
+@triton.jit
+def div_exact(x, b, y):
+    """``RN(x / b)`` from ``y = RN(1 / b)``, without a division per element: ``q = x * y`` is within
+    1.5 ulp, one FMA correction brings it within one ulp, and a second rounds it correctly (Markstein:
+    the residual ``x - q * b`` is exact and ``RN(q + r * y)`` is the rounded quotient). Holds for
+    ``b`` in [2^-60, 2^60] wherever the quotient is >= 2^-100; below that it keeps its sign and stays
+    below every grid's smallest step, which is all the callers use. A zero or non-finite ``q`` is
+    already the quotient."""
+    nb = 0.0 - b
+    q = x * y
+    q1 = tl.fma(tl.fma(q, nb, x), y, q)
+    q2 = tl.fma(tl.fma(q1, nb, x), y, q1)
+    return tl.where((q == 0.0) | (abs_bits(q) >= 0x7F800000), q, q2)
+
+
+@triton.jit
+def div_block(x, b, FAST: tl.constexpr):
+    """``RN(x / b)`` for divisors ``b`` shared by blocks of ``x`` (broadcast): :func:`div_exact` with one
+    reciprocal per block when ``FAST`` (compiled for a GPU) and no divisor of the tile is unsafe;
+    ``div_rn`` per element otherwise (the interpreter's ``fma`` rounds twice)."""
+    if FAST:
+        if tl.max(div_unsafe(b).to(tl.int32)) == 0:
+            res = div_exact(x, b, tl.math.div_rn(1.0, b))
+        else:
+            res = tl.math.div_rn(x, b)
+    else:
+        res = tl.math.div_rn(x, b)
+    return res
+
+
+@triton.jit
+def int_fake(x, a, lo, hi, FAST: tl.constexpr):
     """INT fake quant of fp32 ``x`` with group amax ``a`` (broadcast): ``q / (Q / a)``.
 
     The integer code goes through an integer dtype in the reference, so a NaN code becomes 0 and -0
     becomes +0; a NaN amax still gives NaN (``0 / NaN``).
     """
     scale = tl.math.div_rn(hi, a)
-    q = clamp_nan(rint(x * scale), lo, hi)
-    q = tl.where(a <= 5.960464477539063e-08, 0.0, q)
+    # a <= 2^-24 makes every code 0: multiplying by 0 instead gives 0 or NaN (Inf * 0), which the
+    # integer conversion makes 0 too, with the select once per group rather than per element
+    q = clamp_nan(rint(x * tl.where(a <= 5.960464477539063e-08, 0.0, scale)), lo, hi)
     q = tl.where((q != q) | (q == 0.0), 0.0, q)
-    return tl.math.div_rn(q, scale)
-
-
-@triton.jit
-def int_code(x, a, lo, hi):
-    """Integer code (fp32, integer-valued, NaN -> 0) of the INT format."""
-    scale = tl.math.div_rn(hi, a)
-    q = clamp_nan(rint(x * scale), lo, hi)
-    q = tl.where(a <= 5.960464477539063e-08, 0.0, q)
-    return tl.where((q != q) | (q == 0.0), 0.0, q)
+    return div_block(q, scale, FAST)
 
 
 @triton.jit
@@ -240,7 +279,7 @@ def fp8_block_round(x, d, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.const
         ds = tl.where(sub, d * 8.507059173023462e37, d)
         y = xs * tl.math.div_rn(1.0, ds)
     else:
-        y = tl.math.div_rn(x, d)
+        y = div_block(x, d, HW)
     return round_fp8(clamp_nan(y, -QMAX, QMAX), FP8E, HW)
 
 
