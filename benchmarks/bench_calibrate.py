@@ -83,6 +83,17 @@ def quantize_with(lib: str, model: nn.Module, preset: str, loop) -> nn.Module:
     return mtq.quantize(model, copy.deepcopy(getattr(mtq, PRESETS[preset])), loop)
 
 
+def forward_loop(data: list[torch.Tensor]):
+    """(a)'s forward loop over ``data``, also the calibration loop of (b)."""
+
+    def loop(m: nn.Module) -> None:
+        with torch.no_grad():
+            for b in data:
+                m(b)
+
+    return loop
+
+
 def rss_file() -> int:
     """Bytes of file-backed resident memory (code and data of loaded libraries first touched)."""
     with open("/proc/self/status") as f:
@@ -98,12 +109,7 @@ def phase(args, lib: str, preset: str, what: str) -> dict:
     model = build(args.dim, args.blocks, device)
     data = batches(args.batches, args.tokens, args.dim, device)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    def loop(m):
-        with torch.no_grad():
-            for b in data:
-                m(b)
-
+    loop = forward_loop(data)
     if what == "quantize" and args.warmup:
         # JIT compilation and autotuning happen once per process and shape: keep them out of (b)
         warm = quantize_with(lib, build(args.dim, args.blocks, device), preset, loop)
@@ -163,13 +169,7 @@ def forward_phase(args, lib: str, preset: str) -> dict:
     """(c) alone, in a process whose allocator is as the user's (see ``in_subprocess``)."""
     model = build(args.dim, args.blocks, args.device)
     data = batches(args.batches, args.tokens, args.dim, args.device)
-
-    def loop(m):
-        with torch.no_grad():
-            for b in data:
-                m(b)
-
-    model = quantize_with(lib, model, preset, loop)
+    model = quantize_with(lib, model, preset, forward_loop(data))
     fwd, bare_fwd = forward_pair(args, model, data[0])
     return {"fwd": fwd, "bare_fwd": bare_fwd}
 
@@ -191,7 +191,7 @@ def in_subprocess(args, lib: str, preset: str, what: str, malloc: str = "fixed")
     # (peak RSS is then the heap's high-water mark)
     # malloc "default" leaves glibc as users have it (sliding threshold: freed activations mostly reused)
     big = str(2**30)
-    if args.reuse_freed_memory:
+    if args.reuse_freed_memory and malloc == "fixed":
         malloc = "reuse"
     settings = {"fixed": dict(MALLOC_MMAP_THRESHOLD_="65536"), "reuse": dict(MALLOC_MMAP_THRESHOLD_=big, MALLOC_TRIM_THRESHOLD_=big), "default": {}}
     env = dict(os.environ, **settings[malloc])

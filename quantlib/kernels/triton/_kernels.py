@@ -266,13 +266,11 @@ def nan_groups_kernel(
             rows = tr * ROWS + tl.arange(0, ROWS)[:, None]
             cols = (t - tr * NTILES_C) * BC + tl.arange(0, BC)[None, :]
             mask = (rows < R) & (cols < C) & (t < NTILES)
-            if AMODE == 5:
-                aoff = tl.load(gid_ptr + rows.to(tl.int64) * C + cols, mask=mask, other=0).to(tl.int64)
-            else:
-                aoff = rows.to(tl.int64) * a_sr + cols.to(tl.int64) * a_sc
+            base = rows.to(tl.int64) * C
+            aoff = _group_offsets(rows, cols, base, mask, gid_ptr, a_sr, a_sc, AMODE, ROWS, BC)
             flagged = tl.load(flag_ptr + aoff, mask=mask, other=0) != 0
             nan = tl.full((ROWS, BC), float("nan"), tl.float32)
-            store_out(out_ptr, rows.to(tl.int64) * C + cols, nan, mask & flagged, OUT_DT)
+            store_out(out_ptr, base + cols, nan, mask & flagged, OUT_DT)
 
 
 @triton.jit
