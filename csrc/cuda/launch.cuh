@@ -46,7 +46,7 @@ inline Args args_1d(const at::Tensor& x, int64_t B) {
   a.C = x.size(-1);
   a.R = a.C ? x.numel() / a.C : 0;
   a.NB = (a.C + B - 1) / B;
-  a.OUTC = (a.C + 1) / 2;
+  a.VR = a.C / vec_of(x);
   // row = b / NB as (b * ceil(2^44 / NB)) >> 44: exact when b * NB < 2^44 for every block b (the
   // error b * (M - 2^44 / NB) / 2^44 stays below 1 / NB); else a plain division.
   const double blocks = double(a.R) * double(a.NB);
@@ -77,14 +77,14 @@ inline const float* static_amax(const std::optional<at::Tensor>& amax, const std
 
 template <typename T, int KIND, int OP, int B, bool STATIC, bool POW2, bool E2M1, bool FLOOR>
 void launch_1d_t(const Args& a) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int LANES = (B / VEC) < 32 ? (B / VEC) : 32;
-  constexpr int per_cta = (kThreads / LANES) * kUnroll;
+  constexpr int per_cta = Layout1d<T, B>::PER_CTA;
   const int64_t total = a.R * a.NB;
   if (total == 0) return;
   const int64_t grid = (total + per_cta - 1) / per_cta;
   TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
-  block1d_kernel<T, KIND, OP, B, STATIC, POW2, E2M1, FLOOR><<<unsigned(grid), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (a.C % B == 0) block1d_kernel<T, KIND, OP, B, STATIC, POW2, E2M1, FLOOR, true><<<unsigned(grid), kThreads, 0, stream>>>(a);
+  else block1d_kernel<T, KIND, OP, B, STATIC, POW2, E2M1, FLOOR, false><<<unsigned(grid), kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -13,12 +13,13 @@ at::Tensor global_amax(const at::Tensor& x) {
     const unsigned grid = unsigned(want < 132 * 8 ? want : 132 * 8);
     auto stream = c10::cuda::getCurrentCUDAStream();
     uint32_t* out = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
+    const uint4* vecs = static_cast<const uint4*>(x.data_ptr());
     switch (x.scalar_type()) {
-      case at::kFloat: absmax_kernel<float><<<grid, kThreads, 0, stream>>>(x.data_ptr<float>(), nvec, out); break;
+      case at::kFloat: absmax_kernel<float><<<grid, kThreads, 0, stream>>>(vecs, nvec, out); break;
       case at::kBFloat16:
-        absmax_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), nvec, out);
+        absmax_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(vecs, nvec, out);
         break;
-      default: absmax_kernel<__half><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const __half*>(x.data_ptr()), nvec, out); break;
+      default: absmax_kernel<__half><<<grid, kThreads, 0, stream>>>(vecs, nvec, out); break;
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -31,52 +31,17 @@ QL_DEV bool is_nan(float v) { return (f2u(v) & 0x7FFFFFFFu) > 0x7F800000u; }
 // torch.clamp: NaN stays NaN.
 QL_DEV float clamp_nan(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// torch.round (half to even); |v| >= 2^22 is already an integer.
-QL_DEV float rint_even(float v) {
-  const float r = __fsub_rn(__fadd_rn(v, 12582912.0f), 12582912.0f);
-  return fabsf(v) < 4194304.0f ? r : v;
+// fp32 value of the E4M3 rounding (RNE, saturating at 448, NaN kept) of two values, by the hardware
+// conversion (sm_89+; emulated bit-exactly by cuda_fp8.h elsewhere). Its saturation is the contract's
+// clamp to [-448, 448], so no caller clamps first. The low byte of e4m3x2 is a's.
+QL_DEV uint32_t e4m3x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
-
-// fp32 value of cast_rne_fp8(v) for |v| <= Q or NaN; FP8E 0 = E4M3, 1 = E5M2. Sign of zero kept.
-// E4M3 byte of |v| <= 448 (or NaN) by the hardware's round-to-nearest-even conversion (sm_89+;
-// emulated bit-exactly by cuda_fp8.h elsewhere), and its exact fp32 value.
-QL_DEV uint32_t e4m3_code(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
-QL_DEV float e4m3_value(uint32_t byte) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(byte), __NV_E4M3)));
+QL_DEV float2 e4m3x2_value(uint32_t codes) {
+  return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3)));
 }
-
-template <int FP8E>
-QL_DEV float round_fp8(float v) {
-  if (FP8E == 0) return e4m3_value(e4m3_code(v));
-  const uint32_t u = f2u(v), mag = u & 0x7FFFFFFFu;
-  uint32_t res;
-  if (FP8E == 0) {
-    const uint32_t rn = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) & 0xFFF00000u;
-    const float sub = __fsub_rn(__fadd_rn(u2f(mag), 16384.0f), 16384.0f);  // step 2^-9 below 2^-6
-    res = mag < 0x3C800000u ? f2u(sub) : rn;
-  } else {
-    const uint32_t rn = (mag + 0xFFFFFu + ((mag >> 21) & 1u)) & 0xFFE00000u;
-    const float sub = __fsub_rn(__fadd_rn(u2f(mag), 128.0f), 128.0f);  // step 2^-16 below 2^-14
-    res = mag < 0x38800000u ? f2u(sub) : rn;
-  }
-  res = mag > 0x7F800000u ? mag : res;
-  return u2f(res | (u & 0x80000000u));
-}
-
-// The FP8 byte of a value already on the FP8 grid; NaN gives 0x7F | sign.
-template <int FP8E>
-QL_DEV uint32_t fp8_byte(float r) {
-  if (FP8E == 0) return e4m3_code(r);
-  const uint32_t u = f2u(r), mag = u & 0x7FFFFFFFu;
-  uint32_t b;
-  if (FP8E == 0) {
-    b = mag < 0x3C800000u ? uint32_t(__fmul_rn(u2f(mag), 512.0f)) : (mag >> 20) - 960u;
-  } else {
-    b = mag < 0x38800000u ? uint32_t(__fmul_rn(u2f(mag), 65536.0f)) : (mag >> 21) - 448u;
-  }
-  b = mag > 0x7F800000u ? 0x7Fu : b;
-  return b | ((u >> 24) & 0x80u);
-}
+QL_DEV float e4m3_round(float v) { return e4m3x2_value(e4m3x2(v, 0.0f)).x; }
+QL_DEV uint32_t e4m3_byte(float v) { return e4m3x2(v, 0.0f) & 0xFFu; }
 
 // Smallest power of two >= d >= 0 (subnormal d scaled by 2^126 first and back after; 0 -> 2^-149).
 QL_DEV float pow2_ceil(float d) {
@@ -123,80 +88,94 @@ QL_DEV float e8m0_inverse(int byte) {
 // one FMA correction brings it within one ulp and a second rounds it correctly (Markstein: the residual
 // x - q * b is exact and RN(q + r * y) is the rounded quotient). Exact for b in [2^-60, 2^60] wherever
 // the quotient is >= 2^-100; below that it keeps its sign and stays under every grid's smallest step,
-// which is all the callers use. Other divisors (0, Inf and NaN excepted, whose q is already the
-// quotient) take __fdiv_rn. Same as div_exact in quantlib/kernels/triton/_numerics.py.
+// which is all the callers use. The corrections would turn an infinite quotient or dividend into NaN
+// and -0 into +0: a block takes this path (Divisor::fast) only when every |x| it divides is at most a
+// finite bound whose quotient stays finite, and the sign of x is put back on the result. Every other
+// block divides with __fdiv_rn. Same as div_exact in quantlib/kernels/triton/_numerics.py.
 struct Divisor {
   float b, nb, y;
   bool fast;
 };
 
-QL_DEV Divisor make_divisor(float b) {
+// bound: the largest |x| the block divides by b (NaN or Inf: none is fast).
+QL_DEV Divisor make_divisor(float b, float bound) {
   Divisor d;
   d.b = b;
   d.nb = -b;
-  d.fast = !(b > 0.0f && (b < 8.673617379884035e-19f || (b > 1.152921504606847e18f && f2u(b) < 0x7F800000u)));
-  d.y = __fdiv_rn(1.0f, b);
+  d.y = __frcp_rn(b);
+  d.fast = b >= 8.673617379884035e-19f && b <= 1.152921504606847e18f && __fmul_rn(bound, d.y) < 8.507059173023462e37f;
   return d;
 }
 
+// SIGN = false: the caller takes +0 for -0 (what the corrections give), so the sign is not put back.
+template <bool FAST, bool SIGN = true>
 QL_DEV float divide(float x, const Divisor& d) {
-  if (!d.fast) return __fdiv_rn(x, d.b);
+  if (!FAST) return __fdiv_rn(x, d.b);
   const float q = __fmul_rn(x, d.y);
   const float q1 = __fmaf_rn(__fmaf_rn(q, d.nb, x), d.y, q);
   const float q2 = __fmaf_rn(__fmaf_rn(q1, d.nb, x), d.y, q1);
-  return (q == 0.0f || (f2u(q) & 0x7FFFFFFFu) >= 0x7F800000u) ? q : q2;
+  return SIGN ? u2f(f2u(q2) | (f2u(x) & 0x80000000u)) : q2;
 }
 
-// E2M1 (grid {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE, saturating; NaN -> code 0 / value 0): |y| saturated at
-// 6, rounded below 1 to the step 0.5 by adding 2^22 (whose ulp is 0.5: the fp32 addition is the RNE),
-// from 1 up to one mantissa bit by the integer round-half-even of the bits.
-struct E2m1Parts {
-  float m, sub;
-  uint32_t nrm;
+// E2M1 (grid {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE, saturating; NaN -> code 0 / value 0). The grid's step
+// is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: m = min(|y|, 6) plus M = 2^22, 2^23 or 2^24 (whose ulp
+// is that step; M's exponent is m's, at least 1's, plus 22) rounds m to the grid in one fp32 addition,
+// ties to the even mantissa as E2M1's own. s - M is then the grid value; s's bits above M's count
+// the steps, and the code is the steps plus 2 per binade above [0, 2).
+struct E2m1 {
+  uint32_t s, M, sign;
+  bool nan;
 };
 
-QL_DEV E2m1Parts e2m1_parts(float y) {
-  E2m1Parts p;
-  p.m = fminf(fabsf(y), 6.0f);
-  p.sub = __fadd_rn(p.m, 4194304.0f);
-  const uint32_t b = f2u(p.m);
-  p.nrm = b + 0x1FFFFFu + ((b >> 22) & 1u);
-  return p;
+QL_DEV E2m1 e2m1_split(float y) {
+  E2m1 e;
+  const float m = fminf(fabsf(y), 6.0f);
+  e.M = (max(f2u(m), 0x3F800000u) & 0x7F800000u) + 0x0B000000u;
+  e.s = f2u(__fadd_rn(m, u2f(e.M)));
+  e.sign = f2u(y) & 0x80000000u;
+  e.nan = is_nan(y);  // unused (and not computed) where the caller rules NaN out
+  return e;
 }
 
-QL_DEV uint32_t e2m1_code(float y) {
-  const E2m1Parts p = e2m1_parts(y);
-  const uint32_t idx = p.m < 1.0f ? f2u(p.sub) - 0x4A800000u : (p.nrm >> 22) - 252u;
-  return is_nan(y) ? 0u : idx | ((f2u(y) >> 28) & 8u);
-}
-
-// The value of e2m1_code(y), without forming the code.
+// MAYBE_NAN = false: the caller knows y is not NaN.
+template <bool MAYBE_NAN = true>
 QL_DEV float e2m1_round(float y) {
-  const E2m1Parts p = e2m1_parts(y);
-  const uint32_t mag = p.m < 1.0f ? f2u(__fsub_rn(p.sub, 4194304.0f)) : p.nrm & 0xFFC00000u;
-  return is_nan(y) ? 0.0f : u2f(mag | (f2u(y) & 0x80000000u));
+  const E2m1 e = e2m1_split(y);
+  const float v = u2f(f2u(__fsub_rn(u2f(e.s), u2f(e.M))) | e.sign);
+  return MAYBE_NAN && e.nan ? 0.0f : v;
 }
 
-// INT fake quant of one group: q / (Q / a), the code through an integer dtype (NaN and -0 -> 0).
+template <bool MAYBE_NAN = true>
+QL_DEV uint32_t e2m1_code(float y) {
+  const E2m1 e = e2m1_split(y);
+  const uint32_t c = (e.s - e.M + (e.M >> 22) - 298u) | (e.sign >> 28);
+  return MAYBE_NAN && e.nan ? 0u : c;
+}
+
+// INT fake quant of one group: q / (Q / a), the code through an integer dtype (NaN and -0 -> 0). An
+// amax <= 2^-24 quantizes every element to 0: scale 0 (codes +-0 or NaN, both 0) over divisor 1.
 struct IntGroup {
-  float a, scale, lo, hi;
+  float scale, lo, hi;
   Divisor div;
 };
 
 QL_DEV IntGroup int_group(float a, float lo, float hi) {
   IntGroup g;
-  g.a = a;
+  const bool zero = a <= kTiny;
   g.lo = lo;
   g.hi = hi;
-  g.scale = __fdiv_rn(hi, a);
-  g.div = make_divisor(g.scale);
+  g.scale = zero ? 0.0f : __fdiv_rn(hi, a);
+  g.div = make_divisor(zero ? 1.0f : g.scale, fmaxf(-lo, hi));
   return g;
 }
 
+// FAST: the block holds no NaN or Inf, so no code is NaN, and the reciprocal path turns -0 into +0.
+template <bool FAST>
 QL_DEV float int_fake(float x, const IntGroup& g) {
-  float q = clamp_nan(rint_even(__fmul_rn(x, g.scale)), g.lo, g.hi);
-  q = (g.a <= kTiny || is_nan(q) || q == 0.0f) ? 0.0f : q;
-  return divide(q, g.div);
+  const float q = rintf(__fmul_rn(x, g.scale));  // torch.round: half to even
+  const float c = fminf(fmaxf(q, g.lo), g.hi);
+  if (FAST) return divide<true, false>(c, g.div);
+  return divide<false>(is_nan(q) ? 0.0f : __fadd_rn(c, 0.0f), g.div);
 }
 
 template <bool POW2>
@@ -206,94 +185,155 @@ QL_DEV float fp8_block_scale(float a, float eps, float qmax) {
   return POW2 ? pow2_ceil(d) : d;
 }
 
-// Per-block factors of x / d: with pow2, x * (1 / d) (exact), a subnormal d scaled by 2^126 first.
-struct BlockDiv {
-  float mul, pre;  // y = pow2 ? (x * pre) * mul : divide(x, div)
-  Divisor div;
-};
-
-template <bool POW2>
-QL_DEV BlockDiv block_div(float d) {
-  BlockDiv r;
-  const bool sub = d < kMinNormal;
-  r.pre = sub ? kTwo126 : 1.0f;
-  r.mul = POW2 ? __fdiv_rn(1.0f, sub ? __fmul_rn(d, kTwo126) : d) : 0.0f;
-  if (!POW2) r.div = make_divisor(d);
-  return r;
-}
-
-template <bool POW2, int FP8E>
-QL_DEV float fp8_block_round(float x, const BlockDiv& bd, float qmax) {
-  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : divide(x, bd.div);
-  return round_fp8<FP8E>(clamp_nan(y, -qmax, qmax));
-}
-
-template <bool POW2>
-QL_DEV uint32_t fp8_block_code(float x, const BlockDiv& bd, float qmax) {
-  const float y = POW2 ? __fmul_rn(__fmul_rn(x, bd.pre), bd.mul) : divide(x, bd.div);
-  return e4m3_code(clamp_nan(y, -qmax, qmax));
-}
-
 QL_DEV float nvfp4_s2(float A) { return A <= kTiny ? 1.0f : __fdiv_rn(A, 2688.0f); }
 
-QL_DEV float nvfp4_sb8(float a, float s2) {
-  float sb = __fdiv_rn(a, __fmul_rn(6.0f, s2));
+QL_DEV float nvfp4_sb8(float a, float six_s2) {
+  float sb = __fdiv_rn(a, six_s2);
   sb = sb == 0.0f ? 1.0f : sb;
-  return round_fp8<0>(clamp_nan(sb, 0.001953125f, 448.0f));
+  return e4m3_round(clamp_nan(sb, 0.001953125f, 448.0f));
 }
+
+// ------------------------------------------------------------------------------------ block scales
+
+enum Kind : int { kInt = 0, kFp8Block = 1, kMx = 2, kNvfp4 = 3 };
+enum Op : int { kFake = 1, kCast = 2 };
+
+// Everything one block needs from its amax a (and the largest |x| it holds, m): how an element is
+// scaled onto the element grid (scaled<FAST>) and back (back), the scale a cast stores, and whether
+// the block is "fast": its divisions may all take the reciprocal and no scaled element is NaN.
+template <int KIND, bool POW2, bool E2M1, bool FLOOR>
+struct BlockScale {
+  float back = 1.0f;             // FP8 block: d; MX: 2^e; NVFP4: sb8 * s2
+  float pre = 1.0f, mul = 1.0f;  // y = (x * pre) * mul: FP8 block with pow2 (exact), MX
+  Divisor div;                   // y = x / div: FP8 block, NVFP4
+  IntGroup g;
+  uint32_t stored = 0;           // cast: fp32 bits of d, or the E8M0 / E4M3 byte
+  bool fast = true;
+  static constexpr bool kNibbles = E2M1 || KIND == kNvfp4;  // E2M1 codes, two a byte
+
+  QL_DEV BlockScale(float a, float m, float eps, float lo, float hi, float six_s2, float s2) {
+    constexpr float QMAX = E2M1 ? 6.0f : 448.0f;
+    if (KIND == kInt) {
+      g = int_group(a, lo, hi);
+      fast = g.div.fast && m < INFINITY;
+    } else if (KIND == kFp8Block) {
+      const float d = fp8_block_scale<POW2>(a, eps, 448.0f);
+      back = d;
+      stored = f2u(d);
+      if (POW2) {  // a subnormal d is scaled by 2^126 first, so that 1 / d stays finite
+        const bool sub = d < kMinNormal;
+        pre = sub ? kTwo126 : 1.0f;
+        mul = __frcp_rn(sub ? __fmul_rn(d, kTwo126) : d);
+      } else {
+        div = make_divisor(d, m);
+        fast = div.fast;
+      }
+    } else if (KIND == kMx) {
+      const int byte = e8m0_byte<FLOOR>(a, QMAX, E2M1 ? 2 : 8);
+      mul = e8m0_inverse(byte);
+      back = e8m0_value(byte);
+      stored = uint32_t(byte);
+      fast = m < INFINITY;  // no element is NaN: E2M1 skips its NaN select
+    } else {
+      const float sb8 = nvfp4_sb8(a, six_s2);
+      back = __fmul_rn(sb8, s2);
+      div = make_divisor(back, m);
+      fast = div.fast;
+      stored = e4m3_byte(sb8);
+    }
+  }
+
+  template <bool FAST>
+  QL_DEV float scaled(float x) const {
+    if (KIND == kNvfp4 || (KIND == kFp8Block && !POW2)) return divide<FAST>(x, div);
+    return __fmul_rn(KIND == kMx ? x : __fmul_rn(x, pre), mul);
+  }
+
+  // dequant(quant(a)), dequant(quant(b)).
+  template <bool FAST>
+  QL_DEV float2 fake2(float a, float b) const {
+    if (KIND == kInt) return make_float2(int_fake<FAST>(a, g), int_fake<FAST>(b, g));
+    const float ya = scaled<FAST>(a), yb = scaled<FAST>(b);
+    if (kNibbles) return make_float2(__fmul_rn(e2m1_round<!FAST>(ya), back), __fmul_rn(e2m1_round<!FAST>(yb), back));
+    const float2 r = e4m3x2_value(e4m3x2(ya, yb));
+    return make_float2(__fmul_rn(r.x, back), __fmul_rn(r.y, back));
+  }
+
+  // The codes of a and b: two E4M3 bytes (a's low), or one byte of two E2M1 nibbles (a's low).
+  template <bool FAST>
+  QL_DEV uint32_t cast2(float a, float b) const {
+    const float ya = scaled<FAST>(a), yb = scaled<FAST>(b);
+    if (kNibbles) return e2m1_code<!FAST>(ya) | (e2m1_code<!FAST>(yb) << 4);
+    return e4m3x2(ya, yb);
+  }
+};
 
 // ------------------------------------------------------------------------------------ vector access
 
+// 16 bytes of input held as four 32-bit words (two elements a word for 16-bit types) until they are
+// used: half the registers of fp32 values, and the block amax is taken on the raw bits.
 template <typename T>
-QL_DEV float to_f32(T v);
-template <>
-QL_DEV float to_f32<float>(float v) { return v; }
-template <>
-QL_DEV float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-QL_DEV float to_f32<__half>(__half v) { return __half2float(v); }
+struct Elems;
 
-template <typename T>
-QL_DEV T from_f32(float v);
 template <>
-QL_DEV float from_f32<float>(float v) { return v; }
-template <>
-QL_DEV __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-QL_DEV __half from_f32<__half>(float v) { return __float2half_rn(v); }
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
+struct Elems<float> {
+  static QL_DEV uint32_t absmax_bits(const uint4& w) {
+    return max(max(w.x & 0x7FFFFFFFu, w.y & 0x7FFFFFFFu), max(w.z & 0x7FFFFFFFu, w.w & 0x7FFFFFFFu));
+  }
+  static QL_DEV float2 pair(const uint4& w, int i) {  // elements 2i, 2i + 1
+    return i == 0 ? make_float2(u2f(w.x), u2f(w.y)) : make_float2(u2f(w.z), u2f(w.w));
+  }
+  static QL_DEV void put(uint4& w, int i, float2 v) {
+    if (i == 0) { w.x = f2u(v.x); w.y = f2u(v.y); } else { w.z = f2u(v.x); w.w = f2u(v.y); }
+  }
 };
 
-template <int N>
-struct alignas(N) Bytes {
-  uint8_t b[N];
+// 16-bit types: |x| bits of two elements at once (NaN sorts high), the max widened to fp32 bits.
+QL_DEV uint32_t absmax16(const uint4& w) {
+  constexpr uint32_t kAbs = 0x7FFF7FFFu;
+  const uint32_t m = __vmaxu2(__vmaxu2(w.x & kAbs, w.y & kAbs), __vmaxu2(w.z & kAbs, w.w & kAbs));
+  return max(m & 0xFFFFu, m >> 16);
+}
+
+QL_DEV uint32_t word(const uint4& w, int i) { return i == 0 ? w.x : (i == 1 ? w.y : (i == 2 ? w.z : w.w)); }
+QL_DEV void set_word(uint4& w, int i, uint32_t v) {
+  if (i == 0) w.x = v; else if (i == 1) w.y = v; else if (i == 2) w.z = v; else w.w = v;
+}
+
+template <>
+struct Elems<__nv_bfloat16> {
+  static QL_DEV uint32_t absmax_bits(const uint4& w) { return absmax16(w) << 16; }
+  static QL_DEV float2 pair(const uint4& w, int i) {
+    const uint32_t v = word(w, i);
+    return make_float2(u2f(v << 16), u2f(v & 0xFFFF0000u));
+  }
+  static QL_DEV void put(uint4& w, int i, float2 v) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
+    set_word(w, i, *reinterpret_cast<const uint32_t*>(&h));
+  }
 };
 
-// Load N elements (one vector of N * sizeof(T) bytes) as fp32; streaming (read once).
-template <typename T, int N>
-QL_DEV void load_vec(const T* p, float* out) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f32<T>(pk.v[i]);
-}
+template <>
+struct Elems<__half> {
+  static QL_DEV uint32_t absmax_bits(const uint4& w) {
+    return f2u(__half2float(__ushort_as_half(static_cast<unsigned short>(absmax16(w)))));
+  }
+  static QL_DEV float2 pair(const uint4& w, int i) {
+    const uint32_t v = word(w, i);
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  }
+  static QL_DEV void put(uint4& w, int i, float2 v) {
+    const __half2 h = __floats2half2_rn(v.x, v.y);
+    set_word(w, i, *reinterpret_cast<const uint32_t*>(&h));
+  }
+};
 
-template <typename T, int N>
-QL_DEV void store_vec(T* p, const float* v) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_f32<T>(v[i]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
-}
-
+// Codes of one 16-byte input vector: VEC E4M3 bytes or VEC / 2 bytes of E2M1 pairs (2, 4 or 8 bytes).
 template <int N>
-QL_DEV void store_bytes(uint8_t* p, const uint32_t* b) {
-  Bytes<N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.b[i] = uint8_t(b[i]);
-  *reinterpret_cast<Bytes<N>*>(p) = pk;
+QL_DEV void store_code_bytes(uint8_t* p, const uint32_t* w) {
+  if (N == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  else if (N == 4) *reinterpret_cast<uint32_t*>(p) = w[0];
+  else *reinterpret_cast<uint16_t*>(p) = uint16_t(w[0]);
 }
 
 // max over aligned groups of LANES lanes (LANES a power of two <= 32), on abs bits (NaN sorts high).
@@ -304,10 +344,36 @@ QL_DEV uint32_t group_max(uint32_t v) {
   return v;
 }
 
-// ----------------------------------------------------------------------------------------- kernels
+// One 16-byte vector through a block's scale: the fake-quant result in place (OP kFake), or its codes
+// into code[] (OP kCast).
+template <typename T, int OP, bool FAST, typename S>
+QL_DEV void quantize_vec(const S& s, uint4& w, uint32_t* code) {
+  using E = Elems<T>;
+  constexpr int PAIRS = 8 / sizeof(T);  // element pairs in 16 bytes
+  uint32_t c[PAIRS];
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    const float2 v = E::pair(w, i);
+    if (OP == kFake) E::put(w, i, s.template fake2<FAST>(v.x, v.y));
+    else c[i] = s.template cast2<FAST>(v.x, v.y);
+  }
+  if (OP == kCast) {
+    if (S::kNibbles) {  // a byte a pair
+#pragma unroll
+      for (int j = 0; j < (PAIRS + 3) / 4; ++j) {
+        uint32_t b = 0;
+#pragma unroll
+        for (int i = 0; i < 4 && 4 * j + i < PAIRS; ++i) b |= c[4 * j + i] << (8 * i);
+        code[j] = b;
+      }
+    } else {  // two bytes a pair
+#pragma unroll
+      for (int j = 0; j < PAIRS / 2; ++j) code[j] = c[2 * j] | (c[2 * j + 1] << 16);
+    }
+  }
+}
 
-enum Kind : int { kInt = 0, kFp8Block = 1, kMx = 2, kNvfp4 = 3 };
-enum Op : int { kFake = 1, kCast = 2 };
+// ----------------------------------------------------------------------------------------- kernels
 
 struct Args {
   const void* x;
@@ -316,132 +382,101 @@ struct Args {
   const float* amax;   // static block amax (or nullptr)
   const float* gamax;  // NVFP4 global amax (1 element)
   float* s2;           // NVFP4 cast: the global scale (0-dim)
-  int64_t R, C, NB, OUTC;  // 1-D: rows, cols, blocks per row, packed bytes per row
+  int64_t R, C, NB, VR;    // 1-D: rows, cols, blocks per row, 16-byte vectors per row
   int64_t L, M, K, MB, KB; // 2-D: batch, rows, cols, blocks
   uint64_t nb_magic;       // ceil(2^44 / NB), exact for b / NB while b * NB < 2^44 (0: divide)
   float lo, hi, eps;
 };
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 
-// Blocks of B along the last dim of [R, C]. A group of LANES threads owns one block, each thread EPT
-// contiguous elements (16-byte vectors); a CTA owns kUnroll * (256 / LANES) consecutive blocks,
-// whose loads are all issued before the first use. Needs C % (16 / sizeof(T)) == 0.
+// How block1d_kernel lays B elements of T out over threads: a block is VPB 16-byte vectors, LANES
+// threads share it, each holding NVT of them (vector k * LANES + lane, so that adjacent lanes read
+// adjacent vectors: two lanes at least fill a 32-byte sector); a thread owns UNROLL blocks, all
+// loaded before the first is used. Fewer lanes a block mean fewer copies of the per-block scale math.
+template <typename T, int B>
+struct Layout1d {
+  static constexpr int VEC = 16 / sizeof(T);
+  static constexpr int VPB = B / VEC;
+  static constexpr int NVT = VPB / 2 < 1 ? 1 : (VPB / 2 > 4 ? 4 : VPB / 2);
+  static constexpr int LANES = VPB / NVT;
+  static constexpr int UNROLL = 4 / NVT;
+  static constexpr int GROUPS = kThreads / LANES;
+  static constexpr int PER_CTA = GROUPS * UNROLL;  // blocks per CTA
+  static_assert(B % VEC == 0 && VPB % NVT == 0 && LANES <= 32, "block must hold whole vectors");
+};
+
 QL_DEV int64_t div_nb(int64_t b, const Args& a) {
   return a.nb_magic ? int64_t(__umul64hi(uint64_t(b), a.nb_magic << 20)) : b / a.NB;
 }
 
-template <typename T, int KIND, int OP, int B, bool STATIC, bool POW2, bool E2M1, bool FLOOR>
+// Index (in 16-byte vectors) of vector j of block b, or -1 past the end of the tensor or of its row.
+// FLAT: the rows hold whole blocks (C % B == 0), so block b is vectors [b * VPB, (b + 1) * VPB).
+template <bool FLAT, int VPB>
+QL_DEV int64_t block_vector(int64_t b, int j, const Args& a) {
+  if (b >= a.R * a.NB) return -1;
+  if (FLAT) return b * VPB + j;
+  const int64_t row = div_nb(b, a);
+  const int64_t v = (b - row * a.NB) * VPB + j;
+  return v < a.VR ? row * a.VR + v : -1;
+}
+
+// Blocks of B along the last dim; see Layout1d. A cast writes CODE_BYTES a vector: its codes sit at
+// the vector's index times CODE_BYTES, since the rows have no padding.
+template <typename T, int KIND, int OP, int B, bool STATIC, bool POW2, bool E2M1, bool FLOOR, bool FLAT>
 __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int LANES = (B / VEC) < 32 ? (B / VEC) : 32;
-  constexpr int EPT = B / LANES;
-  constexpr int NV = EPT / VEC;
-  constexpr int GROUPS = kThreads / LANES;
-  constexpr float QMAX = KIND == kMx ? (E2M1 ? 6.0f : 448.0f) : (KIND == kNvfp4 ? 6.0f : 448.0f);
-  constexpr int EMAX = E2M1 ? 2 : 8;
-  static_assert(EPT % VEC == 0, "block must hold whole vectors");
+  using L = Layout1d<T, B>;
+  using S = BlockScale<KIND, POW2, E2M1, FLOOR>;
+  constexpr int CODE_BYTES = S::kNibbles ? L::VEC / 2 : L::VEC;
 
-  const T* __restrict__ x = static_cast<const T*>(args.x);
-  const int lane = threadIdx.x % LANES;
-  const int grp = threadIdx.x / LANES;
-  const int64_t total = args.R * args.NB;
-  const int64_t first = int64_t(blockIdx.x) * GROUPS * kUnroll + grp;
+  const uint4* __restrict__ x = static_cast<const uint4*>(args.x);  // in 16-byte vectors
+  const int lane = threadIdx.x % L::LANES;
+  const int64_t first = int64_t(blockIdx.x) * L::PER_CTA + threadIdx.x / L::LANES;
 
-  float v[kUnroll][EPT];
+  uint4 w[L::UNROLL][L::NVT];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t b = first + int64_t(u) * GROUPS;
-    const int64_t row = div_nb(b, args);
-    const int64_t col0 = (b - row * args.NB) * B + lane * EPT;
+  for (int u = 0; u < L::UNROLL; ++u) {
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      if (b < total && col0 + k * VEC < args.C) {
-        load_vec<T, VEC>(x + row * args.C + col0 + k * VEC, &v[u][k * VEC]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[u][k * VEC + i] = 0.0f;
-      }
+    for (int k = 0; k < L::NVT; ++k) {
+      const int64_t i = block_vector<FLAT, L::VPB>(first + u * L::GROUPS, k * L::LANES + lane, args);
+      w[u][k] = i >= 0 ? x[i] : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 
-  float s2 = 1.0f;
+  float s2 = 1.0f, six_s2 = 6.0f;
   if (KIND == kNvfp4) {
     s2 = nvfp4_s2(__ldg(args.gamax));
+    six_s2 = __fmul_rn(6.0f, s2);
     if (OP == kCast && blockIdx.x == 0 && threadIdx.x == 0) *args.s2 = s2;
   }
 
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t b = first + int64_t(u) * GROUPS;
+  for (int u = 0; u < L::UNROLL; ++u) {
+    const int64_t b = first + u * L::GROUPS;
     uint32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < EPT; ++i) m = max(m, f2u(v[u][i]) & 0x7FFFFFFFu);
-    m = group_max<LANES>(m);
-    if (b >= total) continue;
-    const int64_t row = div_nb(b, args);
-    const int64_t col0 = (b - row * args.NB) * B + lane * EPT;
+    for (int k = 0; k < L::NVT; ++k) m = max(m, Elems<T>::absmax_bits(w[u][k]));
+    m = group_max<L::LANES>(m);
+    if (b >= args.R * args.NB) continue;
     float a = u2f(m);
     if (STATIC) {
       a = __ldg(args.amax + b);
       if (KIND == kInt && m > 0x7F800000u) a = u2f(0x7FC00000u);  // INT: NaN in a group -> NaN scale
     }
-
-    float r[EPT];
-    uint32_t c[EPT];
-    if (KIND == kInt) {
-      const IntGroup g = int_group(a, args.lo, args.hi);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) r[i] = int_fake(v[u][i], g);
-    } else if (KIND == kFp8Block) {
-      const float d = fp8_block_scale<POW2>(a, args.eps, 448.0f);
-      const BlockDiv bd = block_div<POW2>(d);
-      if (OP == kCast && lane == 0) static_cast<float*>(args.scale)[b] = d;
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        if (OP == kCast) c[i] = fp8_block_code<POW2>(v[u][i], bd, 448.0f);
-        else r[i] = __fmul_rn(fp8_block_round<POW2, 0>(v[u][i], bd, 448.0f), d);
-      }
-    } else if (KIND == kMx) {
-      const int byte = e8m0_byte<FLOOR>(a, QMAX, EMAX);
-      const float inv = e8m0_inverse(byte), sc = e8m0_value(byte);
-      if (OP == kCast && lane == 0) static_cast<uint8_t*>(args.scale)[b] = uint8_t(byte);
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const float y = clamp_nan(__fmul_rn(v[u][i], inv), -QMAX, QMAX);
-        if (E2M1) {
-          if (OP == kCast) c[i] = e2m1_code(y); else r[i] = __fmul_rn(e2m1_round(y), sc);
-        } else {
-          if (OP == kCast) c[i] = e4m3_code(y); else r[i] = __fmul_rn(round_fp8<0>(y), sc);
-        }
-      }
-    } else {  // NVFP4
-      const float sb8 = nvfp4_sb8(a, s2);
-      const float p = __fmul_rn(sb8, s2);
-      const Divisor dp = make_divisor(p);
-      if (OP == kCast && lane == 0) static_cast<uint8_t*>(args.scale)[b] = uint8_t(fp8_byte<0>(sb8));
-#pragma unroll
-      for (int i = 0; i < EPT; ++i) {
-        const float y = divide(v[u][i], dp);
-        if (OP == kCast) c[i] = e2m1_code(y); else r[i] = __fmul_rn(e2m1_round(y), p);
-      }
+    const S s(a, u2f(m), args.eps, args.lo, args.hi, six_s2, s2);
+    if (OP == kCast && lane == 0) {
+      if (KIND == kFp8Block) static_cast<uint32_t*>(args.scale)[b] = s.stored;
+      else static_cast<uint8_t*>(args.scale)[b] = uint8_t(s.stored);
     }
-
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int64_t col = col0 + k * VEC;
-      if (col >= args.C) continue;
-      if (OP == kFake) {
-        store_vec<T, VEC>(static_cast<T*>(args.out) + row * args.C + col, &r[k * VEC]);
-      } else if (KIND == kFp8Block || (KIND == kMx && !E2M1)) {
-        store_bytes<VEC>(static_cast<uint8_t*>(args.out) + row * args.C + col, &c[k * VEC]);
-      } else {
-        uint32_t pk[VEC / 2];
-#pragma unroll
-        for (int i = 0; i < VEC / 2; ++i) pk[i] = c[k * VEC + 2 * i] | (c[k * VEC + 2 * i + 1] << 4);
-        store_bytes<VEC / 2>(static_cast<uint8_t*>(args.out) + row * args.OUTC + col / 2, pk);
-      }
+    for (int k = 0; k < L::NVT; ++k) {
+      const int64_t i = block_vector<FLAT, L::VPB>(b, k * L::LANES + lane, args);
+      if (i < 0) continue;
+      uint32_t code[2];
+      if (s.fast) quantize_vec<T, OP, true>(s, w[u][k], code);
+      else quantize_vec<T, OP, false>(s, w[u][k], code);
+      if (OP == kFake) static_cast<uint4*>(args.out)[i] = w[u][k];
+      else store_code_bytes<CODE_BYTES>(static_cast<uint8_t*>(args.out) + i * CODE_BYTES, code);
     }
   }
 }
@@ -450,90 +485,67 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
 // in registers (P passes of 16-byte vectors), amax by warp shuffles + shared memory.
 template <typename T, int KIND, int OP, bool STATIC, bool POW2>
 __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
+  using S = BlockScale<KIND, POW2, false, false>;
   constexpr int VEC = 16 / sizeof(T);
   constexpr int VPR = 128 / VEC;        // vectors per row
   constexpr int RPP = kThreads / VPR;   // rows per pass
   constexpr int P = 128 / RPP;          // passes
   __shared__ uint32_t red[kThreads / 32];
 
-  const T* __restrict__ x = static_cast<const T*>(args.x);
+  const uint4* __restrict__ x = static_cast<const uint4*>(args.x);
   const int64_t blk = blockIdx.x;  // ((l * MB) + mb) * KB + kb
   const int64_t kb = blk % args.KB;
   const int64_t lm = blk / args.KB;
   const int64_t mb = lm % args.MB;
   const int64_t l = lm / args.MB;
   const int vr = threadIdx.x / VPR, vc = threadIdx.x % VPR;
-  const int64_t col = kb * 128 + vc * VEC;
-  const bool col_ok = col < args.K;
+  const int64_t vrow = args.K / VEC;
+  const int64_t v = kb * VPR + vc;  // this thread's vector within its rows
+  const bool col_ok = v < vrow;
 
-  float v[P][VEC];
+  uint4 w[P];
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     const int64_t row = mb * 128 + p * RPP + vr;
-    if (col_ok && row < args.M) {
-      load_vec<T, VEC>(x + (l * args.M + row) * args.K + col, v[p]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[p][i] = 0.0f;
-    }
+    w[p] = (col_ok && row < args.M) ? x[(l * args.M + row) * vrow + v] : make_uint4(0u, 0u, 0u, 0u);
   }
   uint32_t m = 0;
 #pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) m = max(m, f2u(v[p][i]) & 0x7FFFFFFFu);
+  for (int p = 0; p < P; ++p) m = max(m, Elems<T>::absmax_bits(w[p]));
   m = group_max<32>(m);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
   __syncthreads();
   m = red[0];
 #pragma unroll
-  for (int w = 1; w < kThreads / 32; ++w) m = max(m, red[w]);
+  for (int i = 1; i < kThreads / 32; ++i) m = max(m, red[i]);
 
   float a = u2f(m);
   if (STATIC) {
     a = __ldg(args.amax + blk);
     if (KIND == kInt && m > 0x7F800000u) a = u2f(0x7FC00000u);
   }
-  float d = 0.0f;
-  BlockDiv bd;
-  IntGroup g;
-  if (KIND == kInt) g = int_group(a, args.lo, args.hi);
-  if (KIND == kFp8Block) {
-    d = fp8_block_scale<POW2>(a, args.eps, 448.0f);
-    bd = block_div<POW2>(d);
-    if (OP == kCast && threadIdx.x == 0) static_cast<float*>(args.scale)[blk] = d;
-  }
+  const S s(a, u2f(m), args.eps, args.lo, args.hi, 6.0f, 1.0f);
+  if (OP == kCast && threadIdx.x == 0) static_cast<uint32_t*>(args.scale)[blk] = s.stored;
+  if (!col_ok) return;
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     const int64_t row = mb * 128 + p * RPP + vr;
-    if (!col_ok || row >= args.M) continue;
-    const int64_t off = (l * args.M + row) * args.K + col;
-    if (OP == kCast) {
-      uint32_t c[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) c[i] = fp8_block_code<POW2>(v[p][i], bd, 448.0f);
-      store_bytes<VEC>(static_cast<uint8_t*>(args.out) + off, c);
-    } else {
-      float r[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        r[i] = KIND == kInt ? int_fake(v[p][i], g) : __fmul_rn(fp8_block_round<POW2, 0>(v[p][i], bd, 448.0f), d);
-      }
-      store_vec<T, VEC>(static_cast<T*>(args.out) + off, r);
-    }
+    if (row >= args.M) continue;
+    const int64_t off = (l * args.M + row) * vrow + v;  // in vectors
+    uint32_t code[2];
+    if (s.fast) quantize_vec<T, OP, true>(s, w[p], code);
+    else quantize_vec<T, OP, false>(s, w[p], code);
+    if (OP == kCast) store_code_bytes<VEC>(static_cast<uint8_t*>(args.out) + off * VEC, code);
+    else static_cast<uint4*>(args.out)[off] = w[p];
   }
 }
 
 // amax bits of |x| over the whole tensor into *out (zeroed first): NaN-propagating (NaN sorts high).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) absmax_kernel(const T* __restrict__ x, int64_t nvec, uint32_t* out) {
-  constexpr int VEC = 16 / sizeof(T);
+__global__ void __launch_bounds__(kThreads) absmax_kernel(const uint4* __restrict__ x, int64_t nvec, uint32_t* out) {
   uint32_t m = 0;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * kThreads) {
-    float v[VEC];
-    load_vec<T, VEC>(x + i * VEC, v);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) m = max(m, f2u(v[k]) & 0x7FFFFFFFu);
+    m = max(m, Elems<T>::absmax_bits(x[i]));
   }
   m = group_max<32>(m);
   __shared__ uint32_t red[kThreads / 32];

@@ -31,3 +31,15 @@ def assert_same(got, ref, what: str = "") -> None:
 
 
 assert_same_all = assert_same
+
+
+def e2m1_probe() -> torch.Tensor:
+    """fp32 rows of 32 for MXFP4 whose E8M0 scale is 1 (each row's amax is 6): every bf16 value of
+    magnitude <= 6 (all E2M1 ties among them), both signs, and 2^14 random fp32 values in [-6, 6]."""
+    bits = torch.arange(0, 0x40C1, dtype=torch.int32) << 16
+    mags = bits.view(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    vals = torch.cat([mags, -mags, (torch.rand(1 << 14, generator=g) * 12 - 6)])
+    pad = (-vals.numel()) % 31
+    vals = torch.cat([vals, torch.zeros(pad)]).view(-1, 31)
+    return torch.cat([torch.full((vals.shape[0], 1), 6.0), vals], dim=1)

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from ._compare import assert_same, assert_same_all  # noqa: E402,F401
+from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 from quantlib.formats import FormatSpec, Kind, Rounding  # noqa: E402
 from quantlib.kernels import reference_impl as R  # noqa: E402
 
@@ -288,6 +288,14 @@ def test_fp8_blockwise_cast(block, pow2, dtype):
 def test_mx_cast(elem, rounding, dtype):
     x = edge_input((7, 300), dtype, seed=12)
     assert_same_all(T().mx_cast(x, elem, 32, rounding), R.mx_cast(x, elem, 32, rounding), elem)
+
+
+def test_e2m1_rounding_of_every_bf16_value():
+    """E2M1 codes and fake-quant values of every bf16 magnitude up to 6 and random fp32 values."""
+    x = e2m1_probe()
+    assert_same_all(T().mx_cast(x, "e2m1", 32, Rounding.RCEIL), R.mx_cast(x, "e2m1", 32, Rounding.RCEIL), "cast")
+    spec = FormatSpec(Kind.MX, element=(2, 1), block=(32,))
+    assert_same(T().fake_quant(x, spec, None), R.fake_quant(x, spec, None), "fake")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

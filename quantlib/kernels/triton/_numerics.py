@@ -164,32 +164,32 @@ def e8m0_inverse(byte):
 
 @triton.jit
 def _e2m1_parts(y):
-    """``|y|`` saturated at 6 (NaN lost: callers mask it), rounded twice: below 1 to the subnormal step
-    0.5 by adding 2^22 (whose ulp is 0.5, so the fp32 addition is the RNE), from 1 up to one mantissa
-    bit with the integer round-half-even of the bits."""
+    """``|y|`` saturated at 6 (NaN lost: callers mask it) and rounded to the E2M1 grid in one fp32
+    addition: the grid's step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], the ulp of ``M`` = 2^22,
+    2^23 or 2^24 (``M``'s exponent is that of ``max(m, 1)`` plus 22), so ``s = m + M`` rounds to the
+    grid with ties to E2M1's even mantissa. Returns the bits of ``s`` and ``M``."""
     m = tl.minimum(tl.abs(y), 6.0)
-    sub = m + 4194304.0
-    b = m.to(tl.int32, bitcast=True)
-    nrm = b + 0x1FFFFF + ((b >> 22) & 1)
-    return m, sub, nrm
+    big = (tl.maximum(m.to(tl.int32, bitcast=True), 0x3F800000) & 0x7F800000) + 0x0B000000
+    s = m + big.to(tl.float32, bitcast=True)
+    return s.to(tl.int32, bitcast=True), big
 
 
 @triton.jit
 def e2m1_code(y):
-    """E2M1 code (int32 0..15) of fp32 ``y`` by round-to-nearest-even, saturating; NaN gives 0."""
-    m, sub, nrm = _e2m1_parts(y)
-    idx = tl.where(m < 1.0, sub.to(tl.int32, bitcast=True) - 0x4A800000, (nrm >> 22) - 252)
-    idx = idx | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+    """E2M1 code (int32 0..15) of fp32 ``y`` by round-to-nearest-even, saturating; NaN gives 0.
+
+    The steps of ``s`` above ``M`` plus 2 per binade above [0, 2) (``M >> 22`` is 298, 300, 302)."""
+    s, big = _e2m1_parts(y)
+    idx = (s - big + (big >> 22) - 298) | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
     return tl.where(y != y, 0, idx)
 
 
 @triton.jit
 def e2m1_round(y):
     """fp32 value of the grid point ``e2m1_code(y)`` stands for, without forming the code."""
-    m, sub, nrm = _e2m1_parts(y)
-    mag = tl.where(m < 1.0, (sub - 4194304.0).to(tl.int32, bitcast=True), nrm & -4194304)
-    v = (mag | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-    return tl.where(y != y, 0.0, v)
+    s, big = _e2m1_parts(y)
+    mag = s.to(tl.float32, bitcast=True) - big.to(tl.float32, bitcast=True)
+    return tl.where(y != y, 0.0, with_sign_of(mag, y))
 
 
 @triton.jit
