@@ -18,4 +18,6 @@ void quantlib_cuda_bind(pybind11::module_& m) {
   m.def("cuda_nvfp4_cast", &qc::nvfp4_cast, nogil, arg("x"), arg("global_amax"));
   m.def("cuda_fake_quant_int_block", &qc::fake_quant_int_block, nogil, arg("x"), arg("amax"), arg("block"), arg("lo"),
         arg("hi"));
+  m.def("cuda_fake_quant_int_row", &qc::fake_quant_int_row, nogil, arg("x"), arg("amax"), arg("lo"), arg("hi"));
+  m.attr("cuda_int_row_max_vectors") = qc::kMaxRowVectors;
 }

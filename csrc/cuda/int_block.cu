@@ -41,5 +41,48 @@ at::Tensor fake_quant_int_block(const at::Tensor& x_, const std::optional<at::Te
   return out;
 }
 
+at::Tensor fake_quant_int_row(const at::Tensor& x_, const std::optional<at::Tensor>& amax, double lo, double hi) {
+  const at::Tensor x = checked_input(x_, "fake_quant int (per row)");
+  c10::cuda::CUDAGuard guard(x.device());
+  Args a = args_1d(x, x.size(-1));
+  TORCH_CHECK(a.VR <= kMaxRowVectors, "fake_quant int (per row, CUDA): rows of ", a.C, " elements are longer than ",
+              kMaxRowVectors * vec_of(x), "; the Triton backend takes them");
+  at::Tensor keep;
+  a.amax = static_amax(amax, {a.R}, keep);
+  a.lo = float(lo);
+  a.hi = float(hi);
+  at::Tensor out = at::empty_like(x);
+  a.out = out.data_ptr();
+  if (a.R == 0) return out;
+  int nv = 1;
+  while (nv < 8 && int64_t(kThreads) * nv < a.VR) nv *= 2;
+  a.TPR = kThreads;
+  if (nv == 1) {  // short rows: several a CTA, a warp at least each
+    a.TPR = 32;
+    while (a.TPR < a.VR) a.TPR *= 2;
+  }
+  const int64_t grid = (a.R + kThreads / a.TPR - 1) / (kThreads / a.TPR);
+  TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool st = a.amax != nullptr;
+  auto launch = [&](auto kernel) { kernel<<<unsigned(grid), kThreads, 0, stream>>>(a); };
+  switch (x.scalar_type()) {
+#define QL_ROW(T)                                                                                   \
+  if (st) {                                                                                         \
+    if (nv == 1) launch(row_int_kernel<T, 1, true>); else if (nv == 2) launch(row_int_kernel<T, 2, true>); \
+    else if (nv == 4) launch(row_int_kernel<T, 4, true>); else launch(row_int_kernel<T, 8, true>);  \
+  } else {                                                                                          \
+    if (nv == 1) launch(row_int_kernel<T, 1, false>); else if (nv == 2) launch(row_int_kernel<T, 2, false>); \
+    else if (nv == 4) launch(row_int_kernel<T, 4, false>); else launch(row_int_kernel<T, 8, false>); \
+  }
+    case at::kFloat: QL_ROW(float) break;
+    case at::kBFloat16: QL_ROW(__nv_bfloat16) break;
+    default: QL_ROW(__half) break;
+#undef QL_ROW
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace cuda
 }  // namespace quantlib

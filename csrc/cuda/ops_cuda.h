@@ -30,5 +30,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x, c
 at::Tensor fake_quant_int_block(const at::Tensor& x, const std::optional<at::Tensor>& amax,
                                 const std::vector<int64_t>& block, double lo, double hi);
 
+// INT fake quant with one group a row (the last dim): static amax of R elements, or dynamic per row.
+// Rows of at most kMaxRowVectors 16-byte vectors (16384 16-bit or 8192 fp32 elements).
+constexpr int64_t kMaxRowVectors = 2048;
+at::Tensor fake_quant_int_row(const at::Tensor& x, const std::optional<at::Tensor>& amax, double lo, double hi);
+
 }  // namespace cuda
 }  // namespace quantlib

@@ -385,6 +385,7 @@ struct Args {
   int64_t R, C, NB, VR;    // 1-D: rows, cols, blocks per row, 16-byte vectors per row
   int64_t L, M, K, MB, KB; // 2-D: batch, rows, cols, blocks
   uint64_t nb_magic;       // ceil(2^44 / NB), exact for b / NB while b * NB < 2^44 (0: divide)
+  int TPR;                 // row kernel: threads a row (32..256, a power of two)
   float lo, hi, eps;
 };
 
@@ -537,6 +538,51 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
     else quantize_vec<T, OP, false>(s, w[p], code);
     if (OP == kCast) store_code_bytes<VEC>(static_cast<uint8_t*>(args.out) + off * VEC, code);
     else static_cast<uint4*>(args.out)[off] = w[p];
+  }
+}
+
+// INT fake quant with one group a row of [R, C] (C = VR vectors): a static amax per row (per channel)
+// or a dynamic one. TPR threads share a row, each holding NV of its vectors (vector k * TPR + t) in
+// registers, so the row is read once: its amax is reduced across them (shuffles, then shared memory
+// over the row's TPR / 32 warps) before any element is quantized. A CTA holds 256 / TPR rows.
+template <typename T, int NV, bool STATIC>
+__global__ void __launch_bounds__(kThreads) row_int_kernel(Args args) {
+  __shared__ uint32_t red[kThreads / 32];
+  const uint4* __restrict__ x = static_cast<const uint4*>(args.x);
+  const int t = threadIdx.x % args.TPR;
+  const int64_t row = int64_t(blockIdx.x) * (kThreads / args.TPR) + threadIdx.x / args.TPR;
+  const bool live = row < args.R;
+
+  uint4 w[NV];
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int v = k * args.TPR + t;
+    w[k] = (live && v < args.VR) ? x[row * args.VR + v] : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int k = 0; k < NV; ++k) m = max(m, Elems<T>::absmax_bits(w[k]));
+  m = group_max<32>(m);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  const int wpr = args.TPR / 32, w0 = int(threadIdx.x / 32) / wpr * wpr;
+  m = red[w0];
+  for (int i = 1; i < wpr; ++i) m = max(m, red[w0 + i]);
+  if (!live) return;
+
+  float a = u2f(m);
+  if (STATIC) {
+    a = __ldg(args.amax + row);
+    if (m > 0x7F800000u) a = u2f(0x7FC00000u);  // NaN in a group -> NaN scale
+  }
+  const BlockScale<kInt, false, false, false> s(a, u2f(m), 0.0f, args.lo, args.hi, 6.0f, 1.0f);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int v = k * args.TPR + t;
+    if (v >= args.VR) continue;
+    if (s.fast) quantize_vec<T, kFake, true>(s, w[k], nullptr);
+    else quantize_vec<T, kFake, false>(s, w[k], nullptr);
+    static_cast<uint4*>(args.out)[row * args.VR + v] = w[k];
   }
 }
 

@@ -8,11 +8,14 @@ cast fused):
 - ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor;
 - ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax;
 - INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
+- INT fake quant with one group a row (no block): a static amax per row (per channel, of shape
+  ``x.shape[:-1] + (1,)``) or a dynamic one, for rows of up to 16384 16-bit / 8192 fp32 elements;
 
 all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whole number of 16-byte
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
-Everything else -- INT and FP8 per tensor / per channel / dynamic per row, E5M2 blockwise, other
+Everything else -- FP8 per tensor / per channel / dynamic per row, INT per tensor or with other
+broadcast amax shapes, E5M2 blockwise, other
 block sizes, other last dims, empty tensors, and ``block_amax`` -- goes explicitly to the Triton
 implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
 resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
@@ -90,8 +93,28 @@ def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | N
     return amax.to(device=x.device, dtype=torch.float32)
 
 
+def _int_row_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
+    """Whether the per-row INT kernel takes ``spec`` on ``x`` (no block; dynamic, or a static amax with
+    one element a row), and that amax as a flat fp32 tensor of the rows."""
+    if spec.kind != Kind.INT or spec.block is not None or not _vector_ok(x):
+        return False, None
+    if x.shape[-1] // (16 // x.element_size()) > _ext().cuda_int_row_max_vectors:
+        return False, None
+    if spec.dynamic or amax is None:
+        return True, None  # a missing static amax raises on the Triton path, like the reference
+    lead = tuple(x.shape[:-1])
+    shape = (1,) * (x.dim() - amax.dim()) + tuple(amax.shape)
+    if amax.dim() > x.dim() or shape != lead + (1,):
+        return False, None
+    return True, amax.to(device=x.device, dtype=torch.float32).reshape(-1)
+
+
 @register("fake_quant", "cuda")
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+    rows, a = _int_row_amax(x, spec, amax)
+    if rows and (spec.dynamic or a is not None):
+        lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
+        return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
     if not _cuda_fake_quant_kind(x, spec):
         return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape {tuple(x.shape)})")(x, spec, amax)
     check_block(x, spec.block)

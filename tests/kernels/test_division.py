@@ -54,6 +54,25 @@ def div_exact(x: float, b: float) -> float:
 
 
 @np.errstate(divide="ignore", invalid="ignore", over="ignore")
+def div_corrected(x: float, b: float, sign: bool) -> float:
+    """The CUDA kernels' fast path and Triton's ``SPECIAL = False``: the corrections without the select
+    of special quotients; ``sign`` puts the sign of ``x`` back on the result (CUDA's FP8 / NVFP4)."""
+    y = f32(np.float32(1.0) / np.float32(b))
+    q = f32(np.float32(x) * np.float32(y))
+    q1 = fma(fma(q, -b, x), y, q)
+    q2 = fma(fma(q1, -b, x), y, q1)
+    if sign and math.copysign(1.0, x) < 0:
+        q2 = -abs(q2) if not math.isnan(q2) else q2
+    return q2
+
+
+def fast_block(bound: float, b: float) -> bool:
+    """CUDA's Divisor::fast: b in [2^-60, 2^60] and RN(bound * RN(1 / b)) < 2^126."""
+    y = f32(np.float32(1.0) / np.float32(b))
+    return 2.0**-60 <= b <= 2.0**60 and f32(np.float32(bound) * np.float32(y)) < 2.0**126
+
+
+@np.errstate(divide="ignore", invalid="ignore", over="ignore")
 def div_rn(x: float, b: float) -> float:
     return float(np.float32(x) / np.float32(b))
 
@@ -121,3 +140,46 @@ def test_specials():
     assert div_exact(5.0, 0.0) == inf and math.isnan(div_exact(0.0, 0.0))
     assert _bits(div_exact(-5.0, inf)) == _bits(-0.0)
     assert math.isnan(div_exact(5.0, nan))
+
+
+def test_corrections_without_the_special_select():
+    """Where the CUDA kernels skip the select (a block whose largest |x| passes fast_block): the
+    quotient with the sign of x put back is div_rn's (sign included), over the same dividends."""
+    rng = random.Random(2)
+    divisors = _hard_divisors() + [_from_bits(rng.randrange(67 << 23, 187 << 23)) for _ in range(40)]
+    dividends = [0.0] + [_from_bits((rng.randrange(0, 1 << 16) << 16) & 0x7FFFFFFF) for _ in range(60)]
+    dividends += [_from_bits(rng.randrange(27 << 23, 227 << 23)) for _ in range(60)]
+    bad, fast = [], 0
+    for b in divisors:
+        for x in dividends:
+            if not fast_block(x, b):
+                continue
+            fast += 1
+            for sx in (x, -x):
+                want = div_rn(sx, b)
+                got = div_corrected(sx, b, sign=True)
+                if abs(want) < 2.0**-100:  # outside the promise: the sign and a magnitude below 2^-100
+                    ok = math.copysign(1.0, got) == math.copysign(1.0, want) and abs(got) < 2.0**-99
+                else:
+                    ok = _bits(got) == _bits(want)
+                if not ok:
+                    bad.append((sx, b, got, want))
+    assert fast > 4000 and not bad, bad[:5]
+
+
+def test_corrections_lose_the_sign_of_zero_and_break_on_specials():
+    """Why CUDA puts the sign back and keeps Inf / NaN blocks off the fast path: without them -0 / b
+    is +0 (and Inf / b would be Inf - Inf = NaN in the first correction). INT codes want exactly that +0, so they skip the sign (SIGN = false)."""
+    assert _bits(div_corrected(-0.0, 3.0, sign=False)) == _bits(0.0)
+    assert _bits(div_corrected(0.0, 3.0, sign=False)) == _bits(0.0)
+    assert _bits(div_corrected(-0.0, 3.0, sign=True)) == _bits(-0.0)
+    assert not fast_block(float("inf"), 3.0) and not fast_block(float("nan"), 3.0)
+    assert not fast_block(2.0**100, 2.0**-40) and fast_block(2.0**60, 2.0**-60)
+
+
+@pytest.mark.parametrize("b", _hard_divisors())
+def test_int_codes_without_sign_or_select(b):
+    # The INT path of both backends on finite blocks: codes in [-128, 127], +0 for a zero code.
+    for q in range(-128, 128):
+        want = div_rn(float(q), b) if q else 0.0
+        assert _bits(div_corrected(float(q), b, sign=False)) == _bits(want), (q, b)

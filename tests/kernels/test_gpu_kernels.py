@@ -131,6 +131,33 @@ def test_fake_quant_static(backend):
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int_per_row(dtype, backend):
+    """INT with one group a row, static (per channel) and dynamic, over row lengths that take each of
+    the CUDA row kernel's layouts (several rows a CTA; 1, 2, 4, 8 vectors a thread) and one too long for
+    it; rows with a NaN or an Inf, and a rank-3 input with a keepdim amax."""
+    fn = _available_impl("fake_quant", backend)
+    cols = (8, 200, 2048, 2056, 7168, 8192, 16384, 16392)
+    for i, c in enumerate(cols):
+        if dtype == torch.float32 and c > 8192:
+            c //= 2
+        x = gpu_input((37, c), dtype, seed=40 + i)
+        x[3, c // 2] = NAN
+        x[5, 1] = INF
+        for bits in (8, 4):
+            dyn = FormatSpec(Kind.INT, num_bits=bits, dynamic=True)
+            assert_same(fn(x.cuda(), dyn, None), R.fake_quant(x, dyn, None), f"dynamic {c}")
+            st = FormatSpec(Kind.INT, num_bits=bits)
+            amax = x.float().abs().amax(1, keepdim=True).nan_to_num(2.0) * 0.75
+            assert_same(fn(x.cuda(), st, amax.cuda()), R.fake_quant(x, st, amax), f"static {c}")
+    x = gpu_input((3, 5, 1024), dtype, seed=49)
+    amax = x.float().abs().amax(-1, keepdim=True)
+    st = FormatSpec(Kind.INT, num_bits=8)
+    assert_same(fn(x.cuda(), st, amax.cuda()), R.fake_quant(x, st, amax), "rank 3")
+    assert_same(fn(x.cuda(), st, amax[0].cuda()), R.fake_quant(x, st, amax[0]), "amax broadcast over the batch")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_casts(dtype, backend):
     if backend not in _backends():
         pytest.skip(f"backend {backend} not available")

@@ -16,6 +16,7 @@ Constexpr codes shared by the kernels:
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 TINY_AMAX = 5.960464477539063e-08  # 2^-24, fp32-exact
 
@@ -200,28 +201,32 @@ def div_unsafe(b):
 
 
 @triton.jit
-def div_exact(x, b, y):
+def div_exact(x, b, y, SPECIAL: tl.constexpr = True):
     """``RN(x / b)`` from ``y = RN(1 / b)``, without a division per element: ``q = x * y`` is within
     1.5 ulp, one FMA correction brings it within one ulp, and a second rounds it correctly (Markstein:
     the residual ``x - q * b`` is exact and ``RN(q + r * y)`` is the rounded quotient). Holds for
     ``b`` in [2^-60, 2^60] wherever the quotient is >= 2^-100; below that it keeps its sign and stays
     below every grid's smallest step, which is all the callers use. A zero or non-finite ``q`` is
-    already the quotient."""
+    already the quotient; ``SPECIAL = False`` skips that select, for finite dividends that are never
+    -0 (INT codes): the corrections give ``x / b`` there, and NaN for a zero or NaN ``b`` as ``0 / 0``
+    and ``x / NaN`` do."""
     nb = 0.0 - b
     q = x * y
     q1 = tl.fma(tl.fma(q, nb, x), y, q)
     q2 = tl.fma(tl.fma(q1, nb, x), y, q1)
-    return tl.where((q == 0.0) | (abs_bits(q) >= 0x7F800000), q, q2)
+    if SPECIAL:
+        q2 = tl.where((q == 0.0) | (abs_bits(q) >= 0x7F800000), q, q2)
+    return q2
 
 
 @triton.jit
-def div_block(x, b, FAST: tl.constexpr):
+def div_block(x, b, FAST: tl.constexpr, SPECIAL: tl.constexpr = True):
     """``RN(x / b)`` for divisors ``b`` shared by blocks of ``x`` (broadcast): :func:`div_exact` with one
     reciprocal per block when ``FAST`` (compiled for a GPU) and no divisor of the tile is unsafe;
     ``div_rn`` per element otherwise (the interpreter's ``fma`` rounds twice)."""
     if FAST:
         if tl.max(div_unsafe(b).to(tl.int32)) == 0:
-            res = div_exact(x, b, tl.math.div_rn(1.0, b))
+            res = div_exact(x, b, tl.math.div_rn(1.0, b), SPECIAL)
         else:
             res = tl.math.div_rn(x, b)
     else:
@@ -239,9 +244,15 @@ def int_fake(x, a, lo, hi, FAST: tl.constexpr):
     scale = tl.math.div_rn(hi, a)
     # a <= 2^-24 makes every code 0: multiplying by 0 instead gives 0 or NaN (Inf * 0), which the
     # integer conversion makes 0 too, with the select once per group rather than per element
-    q = clamp_nan(rint(x * tl.where(a <= 5.960464477539063e-08, 0.0, scale)), lo, hi)
-    q = tl.where((q != q) | (q == 0.0), 0.0, q)
-    return div_block(q, scale, FAST)
+    zero = a <= 5.960464477539063e-08
+    if FAST:  # compiled: one rounding instruction, codes divided by 1 where they are all 0 (finite)
+        q = libdevice.rint(x * tl.where(zero, 0.0, scale))
+        c = tl.where(q != q, 0.0, tl.minimum(tl.maximum(q, lo), hi) + 0.0)
+        return div_block(c, tl.where(zero, 1.0, scale), FAST, False)
+    else:
+        q = clamp_nan(rint(x * tl.where(zero, 0.0, scale)), lo, hi)
+        q = tl.where((q != q) | (q == 0.0), 0.0, q)
+        return div_block(q, scale, FAST)
 
 
 @triton.jit
