@@ -119,36 +119,40 @@ QL_DEV float divide(float x, const Divisor& d) {
 
 // E2M1 (grid {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE, saturating; NaN -> code 0 / value 0). The grid's step
 // is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: m = min(|y|, 6) plus M = 2^22, 2^23 or 2^24 (whose ulp
-// is that step; M's exponent is m's, at least 1's, plus 22) rounds m to the grid in one fp32 addition,
-// ties to the even mantissa as E2M1's own. s - M is then the grid value; s's bits above M's count
-// the steps, and the code is the steps plus 2 per binade above [0, 2).
+// is that step: M = 2^22 times p, the power of two of max(m, 1)) rounds m to the grid in one fp32
+// operation, fma(p, 2^22, m), ties to the even mantissa as E2M1's own. s - M is then the grid value;
+// s's low mantissa bits count the steps above M and its exponent field the binade, so the code is
+// (steps) + 2 * (field - 149). The sign is taken from sx (y's, or the dividend's where y is its
+// quotient by a positive scale and may have lost the sign of a zero).
 struct E2m1 {
-  uint32_t s, M, sign;
+  float p, s;
+  uint32_t sign;
   bool nan;
 };
 
-QL_DEV E2m1 e2m1_split(float y) {
+QL_DEV E2m1 e2m1_split(float y, float sx) {
   E2m1 e;
   const float m = fminf(fabsf(y), 6.0f);
-  e.M = (max(f2u(m), 0x3F800000u) & 0x7F800000u) + 0x0B000000u;
-  e.s = f2u(__fadd_rn(m, u2f(e.M)));
-  e.sign = f2u(y) & 0x80000000u;
+  e.p = u2f(max(f2u(m), 0x3F800000u) & 0x7F800000u);
+  e.s = __fmaf_rn(e.p, 4194304.0f, m);
+  e.sign = f2u(sx) & 0x80000000u;
   e.nan = is_nan(y);  // unused (and not computed) where the caller rules NaN out
   return e;
 }
 
 // MAYBE_NAN = false: the caller knows y is not NaN.
 template <bool MAYBE_NAN = true>
-QL_DEV float e2m1_round(float y) {
-  const E2m1 e = e2m1_split(y);
-  const float v = u2f(f2u(__fsub_rn(u2f(e.s), u2f(e.M))) | e.sign);
+QL_DEV float e2m1_round(float y, float sx) {
+  const E2m1 e = e2m1_split(y, sx);
+  const float v = u2f(f2u(__fmaf_rn(e.p, -4194304.0f, e.s)) | e.sign);
   return MAYBE_NAN && e.nan ? 0.0f : v;
 }
 
 template <bool MAYBE_NAN = true>
-QL_DEV uint32_t e2m1_code(float y) {
-  const E2m1 e = e2m1_split(y);
-  const uint32_t c = (e.s - e.M + (e.M >> 22) - 298u) | (e.sign >> 28);
+QL_DEV uint32_t e2m1_code(float y, float sx) {
+  const E2m1 e = e2m1_split(y, sx);
+  const uint32_t bits = f2u(e.s);
+  const uint32_t c = ((bits & 0xFu) + (bits >> 22) - 298u) | (e.sign >> 28);
   return MAYBE_NAN && e.nan ? 0u : c;
 }
 
@@ -187,8 +191,11 @@ QL_DEV float fp8_block_scale(float a, float eps, float qmax) {
 
 QL_DEV float nvfp4_s2(float A) { return A <= kTiny ? 1.0f : __fdiv_rn(A, 2688.0f); }
 
-QL_DEV float nvfp4_sb8(float a, float six_s2) {
-  float sb = __fdiv_rn(a, six_s2);
+// a / (6 s2) by the thread's reciprocal of 6 s2 where that is exact (the divisor in range, the
+// quotient finite; a >= 0 or NaN), else by the division.
+QL_DEV float nvfp4_sb8(float a, const Divisor& six_s2) {
+  const bool fast = six_s2.fast && __fmul_rn(a, six_s2.y) < kTwo126;
+  float sb = fast ? divide<true, false>(a, six_s2) : __fdiv_rn(a, six_s2.b);
   sb = sb == 0.0f ? 1.0f : sb;
   return e4m3_round(clamp_nan(sb, 0.001953125f, 448.0f));
 }
@@ -211,7 +218,7 @@ struct BlockScale {
   bool fast = true;
   static constexpr bool kNibbles = E2M1 || KIND == kNvfp4;  // E2M1 codes, two a byte
 
-  QL_DEV BlockScale(float a, float m, float eps, float lo, float hi, float six_s2, float s2) {
+  QL_DEV BlockScale(float a, float m, float eps, float lo, float hi, const Divisor& six_s2, float s2) {
     constexpr float QMAX = E2M1 ? 6.0f : 448.0f;
     if (KIND == kInt) {
       g = int_group(a, lo, hi);
@@ -245,7 +252,8 @@ struct BlockScale {
 
   template <bool FAST>
   QL_DEV float scaled(float x) const {
-    if (KIND == kNvfp4 || (KIND == kFp8Block && !POW2)) return divide<FAST>(x, div);
+    if (KIND == kNvfp4) return divide<FAST, false>(x, div);  // E2M1 takes the sign from x
+    if (KIND == kFp8Block && !POW2) return divide<FAST>(x, div);
     return __fmul_rn(KIND == kMx ? x : __fmul_rn(x, pre), mul);
   }
 
@@ -254,7 +262,7 @@ struct BlockScale {
   QL_DEV float2 fake2(float a, float b) const {
     if (KIND == kInt) return make_float2(int_fake<FAST>(a, g), int_fake<FAST>(b, g));
     const float ya = scaled<FAST>(a), yb = scaled<FAST>(b);
-    if (kNibbles) return make_float2(__fmul_rn(e2m1_round<!FAST>(ya), back), __fmul_rn(e2m1_round<!FAST>(yb), back));
+    if (kNibbles) return make_float2(__fmul_rn(e2m1_round<!FAST>(ya, a), back), __fmul_rn(e2m1_round<!FAST>(yb, b), back));
     const float2 r = e4m3x2_value(e4m3x2(ya, yb));
     return make_float2(__fmul_rn(r.x, back), __fmul_rn(r.y, back));
   }
@@ -263,7 +271,7 @@ struct BlockScale {
   template <bool FAST>
   QL_DEV uint32_t cast2(float a, float b) const {
     const float ya = scaled<FAST>(a), yb = scaled<FAST>(b);
-    if (kNibbles) return e2m1_code<!FAST>(ya) | (e2m1_code<!FAST>(yb) << 4);
+    if (kNibbles) return e2m1_code<!FAST>(ya, a) | (e2m1_code<!FAST>(yb, b) << 4);
     return e4m3x2(ya, yb);
   }
 };
@@ -444,10 +452,11 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
     }
   }
 
-  float s2 = 1.0f, six_s2 = 6.0f;
+  float s2 = 1.0f;
+  Divisor six_s2{};
   if (KIND == kNvfp4) {
     s2 = nvfp4_s2(__ldg(args.gamax));
-    six_s2 = __fmul_rn(6.0f, s2);
+    six_s2 = make_divisor(__fmul_rn(6.0f, s2), 0.0f);
     if (OP == kCast && blockIdx.x == 0 && threadIdx.x == 0) *args.s2 = s2;
   }
 
@@ -525,7 +534,7 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
     a = __ldg(args.amax + blk);
     if (KIND == kInt && m > 0x7F800000u) a = u2f(0x7FC00000u);
   }
-  const S s(a, u2f(m), args.eps, args.lo, args.hi, 6.0f, 1.0f);
+  const S s(a, u2f(m), args.eps, args.lo, args.hi, Divisor{}, 1.0f);
   if (OP == kCast && threadIdx.x == 0) static_cast<uint32_t*>(args.scale)[blk] = s.stored;
   if (!col_ok) return;
 #pragma unroll
@@ -575,7 +584,7 @@ __global__ void __launch_bounds__(kThreads) row_int_kernel(Args args) {
     a = __ldg(args.amax + row);
     if (m > 0x7F800000u) a = u2f(0x7FC00000u);  // NaN in a group -> NaN scale
   }
-  const BlockScale<kInt, false, false, false> s(a, u2f(m), 0.0f, args.lo, args.hi, 6.0f, 1.0f);
+  const BlockScale<kInt, false, false, false> s(a, u2f(m), 0.0f, args.lo, args.hi, Divisor{}, 1.0f);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int v = k * args.TPR + t;

@@ -15,8 +15,8 @@ all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whol
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
 Everything else -- FP8 per tensor / per channel / dynamic per row, INT per tensor or with other
-broadcast amax shapes, E5M2 blockwise, other
-block sizes, other last dims, empty tensors, and ``block_amax`` -- goes explicitly to the Triton
+broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes, other last dims, empty
+tensors, and ``block_amax`` -- goes explicitly to the Triton
 implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
 resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
 DEBUG level on the ``quantlib.kernels`` logger; without the triton package it raises
