@@ -102,11 +102,17 @@ def _int_row_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) 
         return False, None
     if spec.dynamic or amax is None:
         return True, None  # a missing static amax raises on the Triton path, like the reference
-    lead = tuple(x.shape[:-1])
-    shape = (1,) * (x.dim() - amax.dim()) + tuple(amax.shape)
-    if amax.dim() > x.dim() or shape != lead + (1,):
+    if not is_per_row_amax(tuple(x.shape), tuple(amax.shape)):
         return False, None
     return True, amax.to(device=x.device, dtype=torch.float32).reshape(-1)
+
+
+def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bool:
+    """Whether an amax of ``amax_shape`` broadcast over ``x_shape`` gives one value a row (last dim):
+    ``x_shape[:-1] + (1,)``, leading ones optional."""
+    if len(amax_shape) > len(x_shape) or not x_shape:
+        return False
+    return (1,) * (len(x_shape) - len(amax_shape)) + tuple(amax_shape) == tuple(x_shape[:-1]) + (1,)
 
 
 @register("fake_quant", "cuda")
