@@ -5,7 +5,7 @@ sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch_
 sm__maximum_warps_per_active_cycle_pct -k regex:'block1d|block2d|row_int|rowwise' python benchmarks/profile_kernels.py``
 
 ``smsp__inst_executed.sum`` counts warp instructions: times 32 over 2^26 elements it is the thread
-instructions per element that the README's profile table reports.
+instructions per element that benchmarks/RESULTS.md's profile table reports.
 """
 
 import torch

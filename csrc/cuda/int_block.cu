@@ -17,6 +17,23 @@ void run(const at::Tensor& x, const Args& a, int64_t B, bool two_d) {
   }
 }
 
+// row_int_kernel with nv (1, 2, 4 or 8) vectors a thread.
+template <typename T, bool STATIC>
+void launch_row_nv(const Args& a, int nv, int64_t grid, cudaStream_t stream) {
+  switch (nv) {
+    case 1: row_int_kernel<T, 1, STATIC><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+    case 2: row_int_kernel<T, 2, STATIC><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+    case 4: row_int_kernel<T, 4, STATIC><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+    default: row_int_kernel<T, 8, STATIC><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+  }
+}
+
+template <typename T>
+void launch_row(const Args& a, int nv, int64_t grid, cudaStream_t stream) {
+  if (a.amax) launch_row_nv<T, true>(a, nv, grid, stream);
+  else launch_row_nv<T, false>(a, nv, grid, stream);
+}
+
 }  // namespace
 
 at::Tensor fake_quant_int_block(const at::Tensor& x_, const std::optional<at::Tensor>& amax,
@@ -64,21 +81,10 @@ at::Tensor fake_quant_int_row(const at::Tensor& x_, const std::optional<at::Tens
   const int64_t grid = (a.R + kThreads / a.TPR - 1) / (kThreads / a.TPR);
   TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const bool st = a.amax != nullptr;
-  auto launch = [&](auto kernel) { kernel<<<unsigned(grid), kThreads, 0, stream>>>(a); };
   switch (x.scalar_type()) {
-#define QL_ROW(T)                                                                                   \
-  if (st) {                                                                                         \
-    if (nv == 1) launch(row_int_kernel<T, 1, true>); else if (nv == 2) launch(row_int_kernel<T, 2, true>); \
-    else if (nv == 4) launch(row_int_kernel<T, 4, true>); else launch(row_int_kernel<T, 8, true>);  \
-  } else {                                                                                          \
-    if (nv == 1) launch(row_int_kernel<T, 1, false>); else if (nv == 2) launch(row_int_kernel<T, 2, false>); \
-    else if (nv == 4) launch(row_int_kernel<T, 4, false>); else launch(row_int_kernel<T, 8, false>); \
-  }
-    case at::kFloat: QL_ROW(float) break;
-    case at::kBFloat16: QL_ROW(__nv_bfloat16) break;
-    default: QL_ROW(__half) break;
-#undef QL_ROW
+    case at::kFloat: launch_row<float>(a, nv, grid, stream); break;
+    case at::kBFloat16: launch_row<__nv_bfloat16>(a, nv, grid, stream); break;
+    default: launch_row<__half>(a, nv, grid, stream); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

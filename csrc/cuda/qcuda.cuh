@@ -2,9 +2,10 @@
 // amax + scale + cast fused), bit-exact to quantlib.formats (DESIGN §3).
 //
 // Every fp32 operation the contract names is an explicit round-to-nearest intrinsic (__fdiv_rn,
-// __fmul_rn, __fadd_rn), so neither fast-math nor FMA contraction can change a result; FP8, E2M1 and
-// E8M0 rounding is done on the fp32 bits with integer operations. The same formulas as the Triton
-// kernels (quantlib/kernels/triton/_numerics.py), line for line.
+// __fmul_rn, __fmaf_rn, __frcp_rn), so neither fast-math nor FMA contraction can change a result;
+// E4M3 rounding is the hardware conversion, E2M1 and E8M0 rounding work on the fp32 bits. The same
+// formulas and results as the Triton kernels (quantlib/kernels/triton/_numerics.py); where a step is
+// cheaper here (the division on finite blocks, E2M1 by one FMA), its comment says why it is exact.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,6 +24,8 @@ namespace cuda {
 constexpr float kTiny = 5.9604644775390625e-08f;  // 2^-24
 constexpr float kMinNormal = 1.1754943508222875e-38f;  // 2^-126
 constexpr float kTwo126 = 8.507059173023462e37f;
+constexpr float kTwo60 = 1.152921504606847e18f;
+constexpr float kTwoM60 = 8.673617379884035e-19f;  // 2^-60
 
 QL_DEV uint32_t f2u(float f) { return __float_as_uint(f); }
 QL_DEV float u2f(uint32_t u) { return __uint_as_float(u); }
@@ -103,7 +106,7 @@ QL_DEV Divisor make_divisor(float b, float bound) {
   d.b = b;
   d.nb = -b;
   d.y = __frcp_rn(b);
-  d.fast = b >= 8.673617379884035e-19f && b <= 1.152921504606847e18f && __fmul_rn(bound, d.y) < 8.507059173023462e37f;
+  d.fast = b >= kTwoM60 && b <= kTwo60 && __fmul_rn(bound, d.y) < kTwo126;
   return d;
 }
 
@@ -355,7 +358,7 @@ QL_DEV uint32_t group_max(uint32_t v) {
 // One 16-byte vector through a block's scale: the fake-quant result in place (OP kFake), or its codes
 // into code[] (OP kCast).
 template <typename T, int OP, bool FAST, typename S>
-QL_DEV void quantize_vec(const S& s, uint4& w, uint32_t* code) {
+QL_DEV void quantize_pairs(const S& s, uint4& w, uint32_t* code) {
   using E = Elems<T>;
   constexpr int PAIRS = 8 / sizeof(T);  // element pairs in 16 bytes
   uint32_t c[PAIRS];
@@ -381,6 +384,22 @@ QL_DEV void quantize_vec(const S& s, uint4& w, uint32_t* code) {
   }
 }
 
+// quantize_pairs on the block's path: the reciprocal division (and no NaN selects) where s.fast.
+template <typename T, int OP, typename S>
+QL_DEV void quantize_vec(const S& s, uint4& w, uint32_t* code) {
+  if (s.fast) quantize_pairs<T, OP, true>(s, w, code);
+  else quantize_pairs<T, OP, false>(s, w, code);
+}
+
+// The amax a block is quantized with: its static one, or the largest |x| (bits m) it holds. A NaN
+// in an INT group makes the scale NaN, as the reference's NaN-propagating amax does.
+template <int KIND, bool STATIC>
+QL_DEV float group_amax(const float* amax, int64_t group, uint32_t m) {
+  if (!STATIC) return u2f(m);
+  const float a = __ldg(amax + group);
+  return (KIND == kInt && m > 0x7F800000u) ? u2f(0x7FC00000u) : a;
+}
+
 // ----------------------------------------------------------------------------------------- kernels
 
 struct Args {
@@ -398,6 +417,18 @@ struct Args {
 };
 
 constexpr int kThreads = 256;
+
+// max of m over each run of `warps` consecutive warps of the CTA (a divisor of its 8), for every
+// thread; red: the CTA's shared scratch of one word a warp. Contains a __syncthreads.
+QL_DEV uint32_t warps_max(uint32_t m, uint32_t* red, int warps) {
+  m = group_max<32>(m);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  const int w0 = int(threadIdx.x / 32) / warps * warps;  // first warp of the run
+  m = red[w0];
+  for (int i = 1; i < warps; ++i) m = max(m, red[w0 + i]);
+  return m;
+}
 
 // How block1d_kernel lays B elements of T out over threads: a block is VPB 16-byte vectors, LANES
 // threads share it, each holding NVT of them (vector k * LANES + lane, so that adjacent lanes read
@@ -468,12 +499,7 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
     for (int k = 0; k < L::NVT; ++k) m = max(m, Elems<T>::absmax_bits(w[u][k]));
     m = group_max<L::LANES>(m);
     if (b >= args.R * args.NB) continue;
-    float a = u2f(m);
-    if (STATIC) {
-      a = __ldg(args.amax + b);
-      if (KIND == kInt && m > 0x7F800000u) a = u2f(0x7FC00000u);  // INT: NaN in a group -> NaN scale
-    }
-    const S s(a, u2f(m), args.eps, args.lo, args.hi, six_s2, s2);
+    const S s(group_amax<KIND, STATIC>(args.amax, b, m), u2f(m), args.eps, args.lo, args.hi, six_s2, s2);
     if (OP == kCast && lane == 0) {
       if (KIND == kFp8Block) static_cast<uint32_t*>(args.scale)[b] = s.stored;
       else static_cast<uint8_t*>(args.scale)[b] = uint8_t(s.stored);
@@ -483,8 +509,7 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
       const int64_t i = block_vector<FLAT, L::VPB>(b, k * L::LANES + lane, args);
       if (i < 0) continue;
       uint32_t code[2];
-      if (s.fast) quantize_vec<T, OP, true>(s, w[u][k], code);
-      else quantize_vec<T, OP, false>(s, w[u][k], code);
+      quantize_vec<T, OP>(s, w[u][k], code);
       if (OP == kFake) static_cast<uint4*>(args.out)[i] = w[u][k];
       else store_code_bytes<CODE_BYTES>(static_cast<uint8_t*>(args.out) + i * CODE_BYTES, code);
     }
@@ -522,19 +547,9 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
   uint32_t m = 0;
 #pragma unroll
   for (int p = 0; p < P; ++p) m = max(m, Elems<T>::absmax_bits(w[p]));
-  m = group_max<32>(m);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) m = max(m, red[i]);
+  m = warps_max(m, red, kThreads / 32);
 
-  float a = u2f(m);
-  if (STATIC) {
-    a = __ldg(args.amax + blk);
-    if (KIND == kInt && m > 0x7F800000u) a = u2f(0x7FC00000u);
-  }
-  const S s(a, u2f(m), args.eps, args.lo, args.hi, Divisor{}, 1.0f);
+  const S s(group_amax<KIND, STATIC>(args.amax, blk, m), u2f(m), args.eps, args.lo, args.hi, Divisor{}, 1.0f);
   if (OP == kCast && threadIdx.x == 0) static_cast<uint32_t*>(args.scale)[blk] = s.stored;
   if (!col_ok) return;
 #pragma unroll
@@ -543,8 +558,7 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
     if (row >= args.M) continue;
     const int64_t off = (l * args.M + row) * vrow + v;  // in vectors
     uint32_t code[2];
-    if (s.fast) quantize_vec<T, OP, true>(s, w[p], code);
-    else quantize_vec<T, OP, false>(s, w[p], code);
+    quantize_vec<T, OP>(s, w[p], code);
     if (OP == kCast) store_code_bytes<VEC>(static_cast<uint8_t*>(args.out) + off * VEC, code);
     else static_cast<uint4*>(args.out)[off] = w[p];
   }
@@ -571,26 +585,16 @@ __global__ void __launch_bounds__(kThreads) row_int_kernel(Args args) {
   }
 #pragma unroll
   for (int k = 0; k < NV; ++k) m = max(m, Elems<T>::absmax_bits(w[k]));
-  m = group_max<32>(m);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  const int wpr = args.TPR / 32, w0 = int(threadIdx.x / 32) / wpr * wpr;
-  m = red[w0];
-  for (int i = 1; i < wpr; ++i) m = max(m, red[w0 + i]);
+  m = warps_max(m, red, args.TPR / 32);
   if (!live) return;
 
-  float a = u2f(m);
-  if (STATIC) {
-    a = __ldg(args.amax + row);
-    if (m > 0x7F800000u) a = u2f(0x7FC00000u);  // NaN in a group -> NaN scale
-  }
-  const BlockScale<kInt, false, false, false> s(a, u2f(m), 0.0f, args.lo, args.hi, Divisor{}, 1.0f);
+  const BlockScale<kInt, false, false, false> s(group_amax<kInt, STATIC>(args.amax, row, m), u2f(m), 0.0f, args.lo, args.hi,
+                                                Divisor{}, 1.0f);
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int v = k * args.TPR + t;
     if (v >= args.VR) continue;
-    if (s.fast) quantize_vec<T, kFake, true>(s, w[k], nullptr);
-    else quantize_vec<T, kFake, false>(s, w[k], nullptr);
+    quantize_vec<T, kFake>(s, w[k], nullptr);
     static_cast<uint4*>(args.out)[row * args.VR + v] = w[k];
   }
 }
@@ -602,15 +606,9 @@ __global__ void __launch_bounds__(kThreads) absmax_kernel(const uint4* __restric
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * kThreads) {
     m = max(m, Elems<T>::absmax_bits(x[i]));
   }
-  m = group_max<32>(m);
   __shared__ uint32_t red[kThreads / 32];
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) m = max(m, red[w]);
-    m = max(m, red[0]);
-    atomicMax(out, m);
-  }
+  m = warps_max(m, red, kThreads / 32);
+  if (threadIdx.x == 0) atomicMax(out, m);
 }
 
 }  // namespace cuda

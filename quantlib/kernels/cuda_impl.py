@@ -95,14 +95,15 @@ def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | N
 
 def _int_row_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
     """Whether the per-row INT kernel takes ``spec`` on ``x`` (no block; dynamic, or a static amax with
-    one element a row), and that amax as a flat fp32 tensor of the rows."""
+    one element a row), and that amax as a flat fp32 tensor of the rows (None: dynamic). A static
+    format without an amax is not taken: the Triton path raises for it, like the reference."""
     if spec.kind != Kind.INT or spec.block is not None or not _vector_ok(x):
         return False, None
     if x.shape[-1] // (16 // x.element_size()) > _ext().cuda_int_row_max_vectors:
         return False, None
-    if spec.dynamic or amax is None:
-        return True, None  # a missing static amax raises on the Triton path, like the reference
-    if not is_per_row_amax(tuple(x.shape), tuple(amax.shape)):
+    if spec.dynamic:
+        return True, None
+    if amax is None or not is_per_row_amax(tuple(x.shape), tuple(amax.shape)):
         return False, None
     return True, amax.to(device=x.device, dtype=torch.float32).reshape(-1)
 
@@ -118,7 +119,7 @@ def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bo
 @register("fake_quant", "cuda")
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
     rows, a = _int_row_amax(x, spec, amax)
-    if rows and (spec.dynamic or a is not None):
+    if rows:
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
         return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
     if not _cuda_fake_quant_kind(x, spec):

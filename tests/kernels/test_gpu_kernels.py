@@ -47,9 +47,6 @@ def _available_impl(op: str, backend: str):
     return _impl(op, backend)
 
 
-
-
-
 def gpu_input(shape, dtype, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
@@ -99,14 +96,14 @@ def test_fake_quant(spec, dtype, backend):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_e2m1_rounding_of_every_bf16_value(dtype, backend):
     """MXFP4 and NVFP4 (cast and fake quant) of every bf16 magnitude up to 6, in each input dtype."""
-    _available_impl("fake_quant", backend)
+    fq = _available_impl("fake_quant", backend)
     x = e2m1_probe().to(dtype)
     xc = x.cuda()
     assert_same_all(_impl("mx_cast", backend)(xc, "e2m1", 32, Rounding.RCEIL), R.mx_cast(x, "e2m1", 32, Rounding.RCEIL), "mx cast")
     g = torch.tensor(6.0 * 448)  # NVFP4 scales of 1 for the rows holding 6
     assert_same_all(_impl("nvfp4_cast", backend)(xc, g.cuda()), R.nvfp4_cast(x, g), "nvfp4 cast")
     for spec, amax in ((FormatSpec(Kind.MX, element=(2, 1), block=(32,)), None), (FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,)), g)):
-        assert_same(_impl("fake_quant", backend)(xc, spec, None if amax is None else amax.cuda()), R.fake_quant(x, spec, amax), _id(spec))
+        assert_same(fq(xc, spec, None if amax is None else amax.cuda()), R.fake_quant(x, spec, amax), _id(spec))
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
