@@ -315,6 +315,8 @@ def _entry_from_value(pattern: str, value: Any, module_class: Optional[str] = No
     """Dict-form value: {"enable": b} toggles; any other attribute replaces the whole config."""
     where = f"quant_cfg[{pattern!r}]"
     if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{where}: an empty list of attribute configs (a chain of no quantizers)")
         try:
             return QuantCfgEntry(pattern, [make_attribute_config(v) for v in value], None, module_class)
         except ConfigError as exc:
@@ -374,6 +376,8 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
         try:
             attrs = None
             if isinstance(cfg, (list, tuple)):
+                if not cfg:
+                    raise ConfigError("'cfg' is an empty list of attribute configs (a chain of no quantizers)")
                 attrs = [make_attribute_config(c) for c in cfg]
             elif cfg is not None:
                 attrs = make_attribute_config(cfg)
