@@ -72,7 +72,12 @@ class QuantModule(nn.Module):
 
     def quantizers_off(self) -> bool:
         """True when every quantizer of this module is disabled (then its forward is the original's)."""
-        return all_disabled([self._modules[n] for n in self.quantizer_names if n in self._modules])
+        modules = self._modules
+        for name in self.quantizer_names:
+            q = modules.get(name)
+            if q is not None and not (q._disabled if type(q) is TensorQuantizer else all_disabled((q,))):
+                return False
+        return True
 
     def __getstate__(self) -> dict:
         # the caches hold views made under no_grad and id()-keyed entries: meaningless in a copy
