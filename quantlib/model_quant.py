@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import QuantizeConfig
-from .coverage import report_coverage, weight_coverage
+from .coverage import report_coverage
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -348,16 +348,7 @@ def quant_summary(model: nn.Module) -> str:
             out.write("  ".join("-" * w for w in widths) + "\n")
     enabled = sum(1 for _, q in iter_leaf_quantizers(model) if q.is_enabled)
     out.write(f"{len(rows) - 1} quantizers, {enabled} enabled\n")
-    out.write(_coverage_line(model))
     return out.getvalue()
-
-
-def _coverage_line(model: nn.Module) -> str:
-    cov = weight_coverage(model)
-    line = f"weights quantized: {cov.quantized} of {cov.total} elements"
-    if cov.silent:
-        line += f"; unquantized with no config rule naming them: {100 * cov.silent_share:.1f}% in {list(cov.silent)[:5]}"
-    return line + "\n"
 
 
 def print_quant_summary(model: nn.Module, file=None) -> None:
