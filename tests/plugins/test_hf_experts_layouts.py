@@ -180,3 +180,28 @@ def test_unknown_fused_layout_is_reported_not_silent(caplog):
     assert silent, cov.silent
     assert "stay unquantized" in caplog.text and silent[0] in caplog.text
     assert 0 < cov.silent_share < 1
+
+
+def test_every_experts_class_transformers_declares_is_registered():
+    """Every class of the installed transformers decorated with ``use_experts_implementation`` (73 in
+    5.25) gets a quantized class once its modeling module is imported, with the projections its
+    declared ``has_gate`` implies."""
+    import importlib
+    import pathlib
+    import re
+
+    from quantlib.nn import QuantModuleRegistry
+
+    root = pathlib.Path(T.__file__).parent / "models"
+    declared = []
+    for f in sorted(root.glob("*/modeling_*.py")):
+        for m in re.finditer(r"@use_experts_implementation(\([^)]*\))?\nclass (\w+)\(", f.read_text()):
+            declared.append((f"transformers.models.{f.parent.name}.{f.stem}", m.group(2), "has_gate=False" not in (m.group(1) or "")))
+    assert len(declared) >= 50
+    hf.refresh()
+    for module_name, class_name, gated in declared:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        hf.refresh()
+        assert QuantModuleRegistry.is_registered(cls), f"{module_name}.{class_name}"
+        up = "gate_up_proj" if gated else "up_proj"
+        assert QuantModuleRegistry.quantized_class(cls).projections == (up, "down_proj"), class_name
