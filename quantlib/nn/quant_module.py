@@ -89,7 +89,10 @@ class QuantModule(nn.Module):
     def __reduce_ex__(self, protocol):
         # the quantized class is built at run time (type()): rebuild it from the original class,
         # which pickles by name, through the registry of the process that loads
-        return (_rebuild, (QuantModuleRegistry.original_class_of(self),), self.__getstate__())
+        original = QuantModuleRegistry.original_class_of(self)
+        if QuantModuleRegistry._classes.get(original) is not type(self):
+            return super().__reduce_ex__(protocol)  # a class made elsewhere: pickled by its own name
+        return (_rebuild, (original,), self.__getstate__())
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """(weight quantizer name, its tensors): one tensor per member of a GroupedQuantizer."""

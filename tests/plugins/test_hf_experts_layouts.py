@@ -205,3 +205,12 @@ def test_every_experts_class_transformers_declares_is_registered():
         assert QuantModuleRegistry.is_registered(cls), f"{module_name}.{class_name}"
         up = "gate_up_proj" if gated else "up_proj"
         assert QuantModuleRegistry.quantized_class(cls).projections == (up, "down_proj"), class_name
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4", "phimoe"])
+def test_save_restore_into_a_fresh_model_gives_the_same_output(family, tmp_path):
+    model = ql.quantize(tiny_model(family), ql.FP8_DEFAULT_CFG, lambda m: m(input_ids(seed=5)))
+    ql.save(model, tmp_path / "q.pt")
+    fresh = ql.restore(tiny_model(family), tmp_path / "q.pt")
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids(seed=6)).logits, model(input_ids(seed=6)).logits)
