@@ -214,3 +214,15 @@ def test_save_restore_into_a_fresh_model_gives_the_same_output(family, tmp_path)
     fresh = ql.restore(tiny_model(family), tmp_path / "q.pt")
     with torch.no_grad():
         assert torch.equal(fresh(input_ids(seed=6)).logits, model(input_ids(seed=6)).logits)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_transposed_expert_slices_get_per_output_channel_amax(family):
+    """GPT-OSS and Llama-4 store each slice (in, out): axis 0 of the config is the output channel."""
+    model = ql.quantize(tiny_model(family), ql.INT8_WEIGHT_ONLY_CFG)
+    for _, m in expert_modules(model):
+        for proj in ("gate_up_proj", "down_proj"):
+            stored = getattr(m, proj).detach()  # (E, in, out)
+            for e in range(m.num_experts):
+                amax = getattr(m, f"{proj}_weight_quantizer")[e].amax
+                assert torch.equal(amax.flatten(), stored[e].abs().amax(dim=0)), f"{proj}[{e}]"
