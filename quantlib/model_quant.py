@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import QuantizeConfig
+from .coverage import report_coverage
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -172,6 +173,7 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
         calibrate(model, cfg.algorithm, forward_loop, parallel_state)
+    report_coverage(model, cfg)
     return model
 
 
