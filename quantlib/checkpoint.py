@@ -265,7 +265,7 @@ def _check_amax_values(amax: Any, where: str) -> None:
     bad = (~torch.isfinite(values) | (values < 0)).nonzero()
     if bad.numel():
         i = int(bad[0])
-        at = "" if amax.dim() == 0 else f"[{', '.join(map(str, torch.unravel_index(torch.tensor(i), amax.shape)))}]"
+        at = "" if amax.dim() == 0 else str([int(j) for j in torch.unravel_index(torch.tensor(i), amax.shape)])
         raise CheckpointError(f"{where}: _amax{at} = {values[i].item()} ({bad.numel()} of {values.numel()} value(s) NaN, infinite or negative): an amax is a finite max |x| >= 0")
 
 
