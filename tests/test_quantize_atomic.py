@@ -174,3 +174,16 @@ def test_calibration_error_is_not_renamed_twice():
     q._qname = "layer.input_quantizer"
     with pytest.raises(CalibrationError, match=r"^layer\.input_quantizer: calibration saw Inf"):
         q.calibrate(torch.tensor([1.0, float("inf")]))
+
+
+def test_weights_written_in_place_before_a_failure_are_reported(make_model, caplog):
+    model = make_model("mlp")
+
+    def loop(m):
+        with torch.no_grad():
+            m.fc2.weight.mul_(2.0)  # as an algorithm that folds scales into weights would
+        raise RuntimeError("later failure")
+
+    with pytest.raises(RuntimeError, match="later failure"):
+        ql.quantize(model, ql.INT8_DEFAULT_CFG, loop)
+    assert "quantize failed after writing 1 parameter(s) in place" in caplog.text and "fc2.weight" in caplog.text
