@@ -78,17 +78,18 @@ MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migra
 # ------------------------------------------------------------------------------------ capture
 
 
-def _quantizer_state(q: nn.Module, name: str) -> dict:
+def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
+    """State of one quantizer (``name``: its full name for errors; None: the name it was configured with)."""
     if isinstance(q, TensorQuantizer):
         amax = q.amax_values  # on the meta device: the values a restore gave it, if any
         if amax is None and q.amax is not None:
             raise CheckpointError(
-                f"{name}: _amax is on the meta device and holds no values (calibrated on meta weights); "
+                f"{name or q._qname}: _amax is on the meta device and holds no values (calibrated on meta weights); "
                 "materialise the model (to_empty + load_state_dict of its weights) and calibrate it before saving"
             )
         return {"type": "tensor", "attrs": q.attrs.to_dict() | {"enable": q.is_enabled}, "_amax": None if amax is None else amax.detach().cpu().clone()}
     kind = "grouped" if isinstance(q, GroupedQuantizer) else "sequential"
-    return {"type": kind, "members": [_quantizer_state(m, f"{name}.{i}") for i, m in enumerate(q)]}
+    return {"type": kind, "members": [_quantizer_state(m, None if name is None else f"{name}.{i}") for i, m in enumerate(q)]}
 
 
 def quantizer_state(model: nn.Module) -> dict:
