@@ -82,7 +82,8 @@ def atomic(fn: F) -> F:
                 _put_back(m, snapshot)
             written = [n for n, p, v in versions if p._version != v]
             if written:
-                _log.error("%s failed after writing %d parameter(s) in place, which cannot be put back: %s", fn.__name__, len(written), written[:5])
+                msg = "%s failed after writing %d parameter(s) in place, which cannot be put back: %s"
+                _log.error(msg, fn.__name__, len(written), written[:5])
             raise
 
     return wrapper  # type: ignore[return-value]

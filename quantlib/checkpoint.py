@@ -267,7 +267,10 @@ def _check_amax_values(amax: Any, where: str) -> None:
     if bad.numel():
         i = int(bad[0])
         at = "" if amax.dim() == 0 else str([int(j) for j in torch.unravel_index(torch.tensor(i), amax.shape)])
-        raise CheckpointError(f"{where}: _amax{at} = {values[i].item()} ({bad.numel()} of {values.numel()} value(s) NaN, infinite or negative): an amax is a finite max |x| >= 0")
+        raise CheckpointError(
+            f"{where}: _amax{at} = {values[i].item()} ({bad.numel()} of {values.numel()} value(s) NaN, infinite or negative): "
+            "an amax is a finite max |x| >= 0"
+        )
 
 
 def _check_structure(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:

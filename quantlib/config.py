@@ -292,7 +292,7 @@ def _entry_from_value(pattern: str, value: Any, module_class: Optional[str] = No
     where = f"quant_cfg[{pattern!r}]"
     if isinstance(value, (list, tuple)):
         if not value:
-            raise ConfigError(f"{where} = []: an empty list configures no quantizer; give an attribute dict, or a list of them (a SequentialQuantizer)")
+            raise ConfigError(f"{where} = []: an empty list configures no quantizer; give an attribute dict, or a list of them")
         try:
             return QuantCfgEntry(pattern, [make_attribute_config(v) for v in value], None, module_class)
         except ConfigError as exc:

@@ -83,7 +83,10 @@ def test_bad_amax_of_a_sequential_member_names_the_member(make_model, make_data,
         ql.checkpoint.restore_state(make_model("mlp"), state)
 
 
-@pytest.mark.parametrize("amax", [torch.tensor(1, dtype=torch.int32), torch.tensor(True), torch.empty((), device="meta")], ids=["int", "bool", "meta"])
+NO_VALUES = [torch.tensor(1, dtype=torch.int32), torch.tensor(True), torch.empty((), device="meta")]
+
+
+@pytest.mark.parametrize("amax", NO_VALUES, ids=["int", "bool", "meta"])
 def test_amax_that_is_no_float_with_values_is_refused(amax, int8_model, make_model):
     state = with_amax(ql.quantizer_state(int8_model), "fc1.input_quantizer", amax)
     with pytest.raises(CheckpointError, match=r"fc1\.input_quantizer: _amax must be a floating-point tensor with values"):
