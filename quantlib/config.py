@@ -291,6 +291,8 @@ def _entry_from_value(pattern: str, value: Any, module_class: Optional[str] = No
     """Dict-form value: {"enable": b} toggles; any other attribute replaces the whole config."""
     where = f"quant_cfg[{pattern!r}]"
     if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{where} = []: an empty list configures no quantizer; give an attribute dict, or a list of them")
         try:
             return QuantCfgEntry(pattern, [make_attribute_config(v) for v in value], None, module_class)
         except ConfigError as exc:
@@ -339,6 +341,11 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
             raise ConfigError(f"quant_cfg[{i}]: unknown keys {sorted(unknown)}")
         pattern, cfg, enable = item["quantizer_name"], item.get("cfg"), item.get("enable")
         module_class = item.get("module_class", item.get("parent_class"))
+        for key, value in (("quantizer_name", pattern), ("module_class", module_class)):
+            if not isinstance(value, str) and (key == "quantizer_name" or value is not None):
+                raise ConfigError(f"quant_cfg[{i}]: '{key}' must be a string, got {value!r}")
+        if isinstance(cfg, (list, tuple)) and not cfg:
+            raise ConfigError(f"quant_cfg[{i}] ({pattern!r}): 'cfg' = []: an empty list configures no quantizer")
         if isinstance(module_class, str) and module_class.startswith("nn."):
             module_class = module_class[3:]
         if enable is not None and not isinstance(enable, bool):
