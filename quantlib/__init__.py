@@ -18,6 +18,7 @@ from .config import (
     QuantizeConfig,
     QuantizerAttributeConfig,
 )
+from .coverage import WeightCoverage, weight_coverage
 from .distributed import AmaxSyncError, ParallelState, sync_amax
 from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
@@ -49,6 +50,7 @@ __all__ = [
     "QuantizerAttributeConfig",
     "SequentialQuantizer",
     "TensorQuantizer",
+    "WeightCoverage",
     "calibrate",
     "clear_weight_cache",
     "convert",
@@ -63,4 +65,5 @@ __all__ = [
     "save",
     "set_quantizer_by_cfg",
     "sync_amax",
+    "weight_coverage",
 ]

@@ -6,7 +6,9 @@ State (schema 2)::
      "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None}
                               | {"type": "sequential" | "grouped", "members": [<member state>, ...]}}}
 
-Everything is plain containers and tensors, so ``torch.load(weights_only=True)`` reads it.
+Everything is plain containers and tensors, so ``torch.load(weights_only=True)`` reads it. The file is
+``torch.save``'s zip archive, whose records carry CRC-32 checksums that torch.load does not check:
+:func:`load_state` checks them (see :func:`verify_checksums`).
 
 Schema history: 1 allowed a grouped linear's weight quantizer (one member per GEMM / expert) to be a
 single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always stores it as
@@ -18,11 +20,13 @@ from __future__ import annotations
 import copy
 import os
 import uuid
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
+from torch.utils.serialization import config as serialization_config
 
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .formats import Kind
@@ -74,12 +78,18 @@ MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migra
 # ------------------------------------------------------------------------------------ capture
 
 
-def _quantizer_state(q: nn.Module) -> dict:
+def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
+    """State of one quantizer (``name``: its full name for errors; None: the name it was configured with)."""
     if isinstance(q, TensorQuantizer):
-        amax = q.amax
+        amax = q.amax_values  # on the meta device: the values a restore gave it, if any
+        if amax is None and q.amax is not None:
+            raise CheckpointError(
+                f"{name or q._qname}: _amax is on the meta device and holds no values (calibrated on meta weights); "
+                "materialise the model (to_empty + load_state_dict of its weights) and calibrate it before saving"
+            )
         return {"type": "tensor", "attrs": q.attrs.to_dict() | {"enable": q.is_enabled}, "_amax": None if amax is None else amax.detach().cpu().clone()}
     kind = "grouped" if isinstance(q, GroupedQuantizer) else "sequential"
-    return {"type": kind, "members": [_quantizer_state(m) for m in q]}
+    return {"type": kind, "members": [_quantizer_state(m, None if name is None else f"{name}.{i}") for i, m in enumerate(q)]}
 
 
 def quantizer_state(model: nn.Module) -> dict:
@@ -90,20 +100,24 @@ def quantizer_state(model: nn.Module) -> dict:
     return {
         "schema": SCHEMA_VERSION,
         "config": cfg.to_dict() if isinstance(cfg, QuantizeConfig) else None,
-        "quantizers": {name: _quantizer_state(q) for name, _, _, q in iter_quantizers(model)},
+        "quantizers": {name: _quantizer_state(q, name) for name, _, _, q in iter_quantizers(model)},
     }
 
 
 def save(model: nn.Module, path: Union[str, os.PathLike]) -> None:
-    """Write :func:`quantizer_state` atomically (temp file in the same folder, fsync, rename)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
+    """Write :func:`quantizer_state` atomically (temp file in the same folder, fsync, rename), with the
+    archive's CRC-32 checksums; a symlink at ``path`` stays a link and its target gets the file."""
+    state = quantizer_state(model)  # before any file exists: a model that cannot be saved leaves none
+    # like open(path, "wb"), write through a symlink (renaming onto the link would replace it by a file)
+    path = os.path.realpath(os.fspath(path))
+    folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".quantlib-{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     # created like open(path, "wb") would (mode 0o666 & ~umask), not 0o600 as tempfile.mkstemp does
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(quantizer_state(model), f)
+        # the checksums load_state verifies, even where a user turned torch's off
+        with os.fdopen(fd, "wb") as f, serialization_config.patch({"save.compute_crc32": True}):
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -116,8 +130,30 @@ def save(model: nn.Module, path: Union[str, os.PathLike]) -> None:
 # ------------------------------------------------------------------------------------ restore
 
 
+def verify_checksums(path: Union[str, os.PathLike]) -> None:
+    """Raise CheckpointError where a record of the file (the pickled configs, a tensor's bytes) does
+    not match its CRC-32. torch.save writes one per record of its zip archive, but torch.load never
+    checks them (a flipped bit restores amax 3.33 as 13.3). Files without checksums still load: the
+    legacy non-zip format, and archives written with torch's ``compute_crc32`` off (every CRC zero)."""
+    path = os.fspath(path)
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            if all(r.CRC == 0 for r in records):
+                return
+            bad = archive.testzip()  # reads every record, comparing its CRC-32 to the directory's
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, ValueError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable quantlib checkpoint (truncated or corrupt?): {exc}") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: record {bad!r} does not match its CRC-32 checksum: the file is corrupt (a changed byte or bit)")
+
+
 def load_state(path: Union[str, os.PathLike]) -> dict:
-    """Read a checkpoint file (weights only), or raise CheckpointError if truncated or corrupt."""
+    """Read a checkpoint file (weights only) after checking its checksums, or raise CheckpointError if
+    it is truncated or corrupt."""
+    verify_checksums(path)  # a missing file is no zip: torch.load raises FileNotFoundError below
     try:
         state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -196,10 +232,10 @@ def _build(qstate: Any, where: str) -> nn.Module:
         except (ConfigError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{where}: invalid attribute config: {exc}") from None
         q = TensorQuantizer(attrs)
+        q._qname = where
         amax = qstate.get("_amax")
         if amax is not None:
-            if not isinstance(amax, torch.Tensor):
-                raise CheckpointError(f"{where}: _amax must be a tensor, got {type(amax).__name__}")
+            _check_amax_values(amax, where)
             per_tensor = q.spec.kind == Kind.NVFP4 or (q.spec.block is None and q.axis is None)
             if per_tensor and q.needs_calibration and amax.dim() != 0:
                 raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
@@ -212,6 +248,29 @@ def _build(qstate: Any, where: str) -> nn.Module:
         return SequentialQuantizer(*members) if qstate["type"] == "sequential" else GroupedQuantizer(members)
     except TypeError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
+
+
+def _check_amax_values(amax: Any, where: str) -> None:
+    """An amax is the max |x| of real data: a finite float >= 0. NaN and Inf would give NaN outputs,
+    and a negative amax NaN or garbage, and no calibration produces them (it refuses NaN/Inf).
+
+    Zero is accepted, for every format: calibration gives it wherever the data was all zeros (a
+    pruned channel, a zero-initialised weight, a dead activation), and DESIGN section 3 defines it
+    (INT groups with amax <= 2^-24 quantize to 0, which is the data; FP8 uses amax 1; NVFP4 uses
+    s2 = 1): never NaN. Refusing it would refuse real checkpoints."""
+    if not isinstance(amax, torch.Tensor):
+        raise CheckpointError(f"{where}: _amax must be a tensor, got {type(amax).__name__}")
+    if not amax.is_floating_point() or amax.is_meta:
+        raise CheckpointError(f"{where}: _amax must be a floating-point tensor with values, got {amax.dtype} on {amax.device}")
+    values = amax.detach().float().flatten()  # as the quantizer will hold it (a float64 1e300 is Inf)
+    bad = (~torch.isfinite(values) | (values < 0)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        at = "" if amax.dim() == 0 else str([int(j) for j in torch.unravel_index(torch.tensor(i), amax.shape)])
+        raise CheckpointError(
+            f"{where}: _amax{at} = {values[i].item()} ({bad.numel()} of {values.numel()} value(s) NaN, infinite or negative): "
+            "an amax is a finite max |x| >= 0"
+        )
 
 
 def _check_structure(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:
@@ -238,14 +297,18 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
     members = list(q) if isinstance(q, GroupedQuantizer) else [q]
     if len(members) != len(tensors):
         raise CheckpointError(f"{name}: checkpoint has {len(members)} weight quantizer member(s), the module has {len(tensors)} weight(s)")
-    for i, (m, w) in enumerate(zip(members, tensors)):
+    for m, w in zip(members, tensors):
         leaves = [m] if isinstance(m, TensorQuantizer) else list(m.leaves())  # a chain keeps the weight's shape
-        for j, leaf in enumerate(leaves):
+        for leaf in leaves:
+            if leaf.is_enabled:  # a disabled one never quantizes this weight: any axis is harmless
+                try:
+                    leaf.check_fits(tuple(w.shape))
+                except ValueError as exc:
+                    raise CheckpointError(str(exc)) from None
             if leaf.amax is not None:
                 expected = leaf.amax_shape(tuple(w.shape))
                 if tuple(leaf.amax.shape) != expected:
-                    where = name + (f".{i}" if len(members) > 1 else "") + (f".{j}" if len(leaves) > 1 else "")
-                    raise CheckpointError(f"{where}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
+                    raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
 
 
 def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrate_experts: bool = False) -> nn.Module:

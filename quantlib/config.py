@@ -316,7 +316,7 @@ def _entry_from_value(pattern: str, value: Any, module_class: Optional[str] = No
     where = f"quant_cfg[{pattern!r}]"
     if isinstance(value, (list, tuple)):
         if not value:
-            raise ConfigError(f"{where}: an empty list of attribute configs (a chain of no quantizers)")
+            raise ConfigError(f"{where} = []: an empty list configures no quantizer; give an attribute dict, or a list of them")
         try:
             return QuantCfgEntry(pattern, [make_attribute_config(v) for v in value], None, module_class)
         except ConfigError as exc:
@@ -364,11 +364,12 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
         if unknown:
             raise ConfigError(f"quant_cfg[{i}]: unknown keys {sorted(unknown)}")
         pattern, cfg, enable = item["quantizer_name"], item.get("cfg"), item.get("enable")
-        if not isinstance(pattern, str):
-            raise ConfigError(f"quant_cfg[{i}]: 'quantizer_name' must be a wildcard string, got {pattern!r}")
         module_class = item.get("module_class", item.get("parent_class"))
-        if module_class is not None and not isinstance(module_class, str):
-            raise ConfigError(f"quant_cfg[{i}] ({pattern!r}): 'module_class' must be a class name string, got {module_class!r}")
+        for key, value in (("quantizer_name", pattern), ("module_class", module_class)):
+            if not isinstance(value, str) and (key == "quantizer_name" or value is not None):
+                raise ConfigError(f"quant_cfg[{i}]: '{key}' must be a string, got {value!r}")
+        if isinstance(cfg, (list, tuple)) and not cfg:
+            raise ConfigError(f"quant_cfg[{i}] ({pattern!r}): 'cfg' = []: an empty list configures no quantizer")
         if isinstance(module_class, str) and module_class.startswith("nn."):
             module_class = module_class[3:]
         if enable is not None and not isinstance(enable, bool):
@@ -376,8 +377,6 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
         try:
             attrs = None
             if isinstance(cfg, (list, tuple)):
-                if not cfg:
-                    raise ConfigError("'cfg' is an empty list of attribute configs (a chain of no quantizers)")
                 attrs = [make_attribute_config(c) for c in cfg]
             elif cfg is not None:
                 attrs = make_attribute_config(cfg)

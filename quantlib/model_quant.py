@@ -11,7 +11,9 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from .atomic import atomic, check_weight_quantizers
 from .config import QuantizeConfig
+from .coverage import report_coverage
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -161,6 +163,7 @@ def clear_weight_cache(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------ calibration
 
 
+@atomic  # a failed quantize() leaves the model exactly as it was
 def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
     """Convert ``model`` and calibrate it with ``config``'s algorithm on ``forward_loop(model)``.
 
@@ -169,9 +172,11 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     cfg = QuantizeConfig.from_any(config)
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
+    check_weight_quantizers(model)
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
         calibrate(model, cfg.algorithm, forward_loop, parallel_state)
+    report_coverage(model, cfg)
     return model
 
 

@@ -52,6 +52,8 @@ class QuantModule(nn.Module):
         q = getattr(self, name)
         if member is not None:
             q = q[member]
+        if all_disabled((q,)):
+            return tensor  # nothing to cache: a disabled quantizer returns its input
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and tensor.requires_grad):
             return q(tensor)
         token = _quantizer_token(q)
@@ -67,6 +69,30 @@ class QuantModule(nn.Module):
         # quantizer can get one of those ids (and hit a stale entry) while the entry exists
         cache[(name, member)] = (key, out, (tensor, [(leaf, leaf._attrs, leaf.amax) for leaf in _leaves(q)]))
         return out
+
+    def quantizers_off(self) -> bool:
+        """True when every quantizer of this module is disabled (then its forward is the original's)."""
+        modules = self._modules
+        for name in self.quantizer_names:
+            q = modules.get(name)
+            if q is not None and not (q._disabled if type(q) is TensorQuantizer else all_disabled((q,))):
+                return False
+        return True
+
+    def __getstate__(self) -> dict:
+        # the caches hold views made under no_grad and id()-keyed entries: meaningless in a copy
+        state = dict(self.__dict__)
+        for k in _CACHES:
+            state.pop(k, None)
+        return state
+
+    def __reduce_ex__(self, protocol):
+        # the quantized class is built at run time (type()): rebuild it from the original class,
+        # which pickles by name, through the registry of the process that loads
+        original = QuantModuleRegistry.original_class_of(self)
+        if QuantModuleRegistry._classes.get(original) is not type(self):
+            return super().__reduce_ex__(protocol)  # a class made elsewhere: pickled by its own name
+        return (_rebuild, (original,), self.__getstate__())
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """(weight quantizer name, its tensors): one tensor per member of a GroupedQuantizer."""
@@ -116,6 +142,34 @@ class QuantModule(nn.Module):
             for m, t in members:
                 if m.is_enabled and m.needs_calibration:
                     m.calibrate(t)
+
+
+#: per-module caches that copies and pickles leave behind (rebuilt on first use)
+_CACHES = ("_weight_cache", "_expert_views")
+
+
+def all_disabled(quantizers) -> bool:
+    """True when no leaf quantizer of ``quantizers`` (TensorQuantizers or containers) is enabled; reads
+    one flag per plain quantizer, so a disabled module can afford it on every forward."""
+    for q in quantizers:
+        if isinstance(q, TensorQuantizer):
+            if not q._disabled:
+                return False
+        elif not all_disabled(q._modules.values()):
+            return False
+    return True
+
+
+def _rebuild(original: type) -> nn.Module:
+    """An empty instance of ``original``'s quantized class (pickle then sets its state)."""
+    if not QuantModuleRegistry.is_registered(original):
+        from .. import plugins  # the original's framework is imported by now (unpickling found the class)
+
+        plugins.register_available()
+    if not QuantModuleRegistry.is_registered(original):
+        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for it in this process")
+    qcls = QuantModuleRegistry.quantized_class(original)
+    return qcls.__new__(qcls)
 
 
 def _leaves(q: nn.Module) -> list[TensorQuantizer]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NoReturn, Optional, Union
 
 import torch
 from torch import nn
@@ -15,6 +15,20 @@ from ..kernels import ops
 
 class CalibrationError(ValueError):
     """Calibration produced no usable amax; the message names the quantizer."""
+
+
+#: Exceptions re-raised with the quantizer's name in front of their message. Only these exact builtin
+#: types: subclasses may take other constructor arguments (and ours already name the quantizer), and
+#: errors such as torch.OutOfMemoryError are not about one quantizer.
+_NAMED_ERRORS = (TypeError, ValueError, RuntimeError, IndexError, NotImplementedError)
+
+
+def _raise_named(exc: Exception, qname: str) -> NoReturn:
+    """Raise ``exc`` again, as the same type with ``qname: `` in front of its message where it is one
+    of :data:`_NAMED_ERRORS` that does not name the quantizer yet (chained to the original)."""
+    if type(exc) not in _NAMED_ERRORS or str(exc).startswith(qname):
+        raise exc
+    raise type(exc)(f"{qname}: {exc}") from exc
 
 
 class TensorQuantizer(nn.Module):
@@ -107,18 +121,62 @@ class TensorQuantizer(nn.Module):
             self.reset_amax()
             return
         value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+        self.__dict__.pop("_meta_amax_values", None)
         if "_amax" in self._buffers:
+            if self._amax.is_meta and not value.is_meta:
+                self._meta_amax_values = value  # see _apply: the values come back when materialised
             self._amax = value.to(self._amax.device)
         else:
             self.register_buffer("_amax", value)
 
     def reset_amax(self) -> None:
         self._buffers.pop("_amax", None)
+        self.__dict__.pop("_meta_amax_values", None)
         self._calibrator.reset()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``half``...) that keeps the amax values across the
+        meta device: an amax sent to meta (a model built on meta, then restored, as large models are)
+        keeps its values aside, and gets them back when ``to_empty`` materialises the buffer, instead
+        of uninitialised memory. A meta amax that never had values (calibrated on meta weights) is
+        dropped there: uninitialised memory is no amax, and an uncalibrated quantizer is well defined."""
+        before = self._buffers.get("_amax")
+        super()._apply(fn, recurse)
+        after = self._buffers.get("_amax")
+        if before is None or after is None or before.is_meta == after.is_meta:
+            return self
+        if after.is_meta:
+            self._meta_amax_values = before.detach()
+            return self
+        held = self.__dict__.pop("_meta_amax_values", None)
+        if held is None:
+            self._buffers.pop("_amax")
+        else:
+            with torch.no_grad():
+                after.copy_(held)
+        return self
+
+    @property
+    def amax_values(self) -> Optional[torch.Tensor]:
+        """The amax with values: the buffer, or for a quantizer on the meta device the values it keeps
+        aside (None where it has none: an uncalibrated quantizer, or an amax calibrated on meta)."""
+        amax = self.amax
+        if amax is not None and amax.is_meta:
+            return self.__dict__.get("_meta_amax_values")
+        return amax
 
     def amax_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of the static amax for an input of ``shape``."""
         return static_amax_shape(self.spec, self._attrs.axis, tuple(shape))
+
+    def check_fits(self, shape: tuple[int, ...]) -> None:
+        """Raise ValueError, naming this quantizer, the key and its value, where ``axis`` / ``block_sizes``
+        cannot quantize a tensor of ``shape`` (e.g. an axis beyond its dimensions)."""
+        try:
+            self.amax_shape(tuple(shape))
+        except ValueError as exc:
+            key, value = ("block_sizes", self.block_sizes) if self.spec.block is not None else ("axis", self.axis)
+            raise ValueError(f"{self._qname}: {key}={value!r} does not fit a tensor of shape {tuple(shape)}: {exc}") from None
 
     def collect(self, x: torch.Tensor) -> None:
         """Add ``x`` to the calibration statistics (an empty ``x``, e.g. an expert's 0-token split, adds nothing)."""
@@ -139,7 +197,10 @@ class TensorQuantizer(nn.Module):
     def calibrate(self, x: torch.Tensor) -> None:
         """Calibrate on one tensor (a weight): the amax becomes this tensor's."""
         self._calibrator.reset()
-        self.collect(x)
+        try:
+            self.collect(x)
+        except Exception as exc:
+            _raise_named(exc, self._qname)
         self.load_calib_amax()
 
     @property
@@ -159,18 +220,25 @@ class TensorQuantizer(nn.Module):
 
     def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Fake quant with the statistics collected so far (for chained calibration)."""
-        amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
-        return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
+        try:
+            amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
+            return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
+        except Exception as exc:
+            _raise_named(exc, self._qname)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._disabled or x.numel() == 0:
             return x
-        if self._if_calib:
-            self.collect(x)
-        if not self._if_quant:
-            return x
-        return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
+        # the try costs (next to) nothing until something raises; the name is formatted only then
+        try:
+            if self._if_calib:
+                self.collect(x)
+            if not self._if_quant:
+                return x
+            return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
+        except Exception as exc:
+            _raise_named(exc, self._qname)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The amax buffer exists only once calibrated; a state dict that has one brings it along.

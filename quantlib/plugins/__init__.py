@@ -36,9 +36,11 @@ def register_available() -> list[str]:
         if importlib.util.find_spec(plugin) is None:
             continue
         try:
-            importlib.import_module(plugin)
+            module = importlib.import_module(plugin)
         except ImportError as exc:  # e.g. TE installed without its compiled binding
             _log.info("plugin %s not loaded: %s", plugin, exc)
             continue
+        if hasattr(module, "refresh"):  # imported earlier (by the user) before its framework's classes were
+            module.refresh()
         _loaded.add(plugin)
     return sorted(_loaded)
