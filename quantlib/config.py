@@ -163,7 +163,9 @@ class QuantizerAttributeConfig:
             raise ConfigError(f"block_sizes axes must be negative (-1, -2), got {sorted(dims)}")
         if set(dims) == {-1} and dims[-1] is None:
             if kind != "dynamic" or scale_bits is not None:
-                raise ConfigError(f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no scale_bits")
+                raise ConfigError(
+                    f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no scale_bits"
+                )
             return None, True, None, True
         for k, v in dims.items():
             if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
@@ -187,7 +189,9 @@ class QuantizerAttributeConfig:
             if scale_bits is not None:
                 raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to float elements")
             if self.num_bits < 2 and not self.unsigned:
-                raise ConfigError(f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or unsigned=True")
+                raise ConfigError(
+                    f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or unsigned=True"
+                )
             return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block, dynamic=dynamic, **common)
         element = self.num_bits
         if element not in FLOAT_FORMATS:
@@ -287,7 +291,8 @@ class QuantizeConfig:
             raise ConfigError("a quantize config needs a 'quant_cfg' key")
         raw = cfg["quant_cfg"]
         entries = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
-        return cls(entries, cfg.get("algorithm", "max"), cfg.get("expert_input_policy", "max_of_peers"), cfg.get("sync_expert_weight_amax", False))
+        policy = cfg.get("expert_input_policy", "max_of_peers")
+        return cls(entries, cfg.get("algorithm", "max"), policy, cfg.get("sync_expert_weight_amax", False))
 
     def to_dict(self) -> dict:
         """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads."""

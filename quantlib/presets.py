@@ -72,7 +72,10 @@ FP8_DEFAULT_CFG = preset(FP8, FP8)
 FP8_PER_CHANNEL_PER_TOKEN_CFG = preset(dict(FP8, axis=0), dict(FP8, type="dynamic", block_sizes={-1: None}))
 FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = preset(dict(FP8, block_sizes={-1: 128, -2: 128}))
 # quantlib's own (not a ModelOpt preset): the DeepSeek-V3 / TE recipe, 128x128 weights, 1x128 activations
-FP8_BLOCKWISE_CFG = preset({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}})
+FP8_BLOCKWISE_CFG = preset(
+    {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}},
+    {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}},
+)
 INT4_BLOCKWISE_WEIGHT_ONLY_CFG = preset(INT4_PER_BLOCK)
 NVFP4_DEFAULT_CFG = preset(NVFP4, NVFP4)
 # dynamic formats: nothing to calibrate, hence no algorithm (as in ModelOpt)
