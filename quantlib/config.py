@@ -42,24 +42,37 @@ def _as_axis(value: Any) -> Optional[tuple[int, ...]]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not value:
+            raise ConfigError(f"axis={value!r}: an empty tuple keeps no axis; use axis=None for one amax per tensor")
+        if len(set(value)) != len(value):
+            raise ConfigError(f"axis={value!r}: an axis is listed twice")
         return tuple(value)
     raise ConfigError(f"axis must be None, an int or a tuple of ints, got {value!r}")
 
 
+#: Largest FP8-blockwise ``eps``: the floor exists so that all-zero blocks get a nonzero scale; a larger
+#: one would coarsen every block whose amax is below it (1e30 turns every block into zeros, inf into NaN).
+MAX_EPS = 1.0
+
+
 @dataclass
 class QuantizerAttributeConfig:
-    """What one quantizer does, in ModelOpt's vocabulary (plus ``eps``, ``pow2_scale``, ``rounding``,
-    ``backend``). Invalid values and impossible combinations raise :class:`ConfigError` here."""
+    """What one quantizer does, in ModelOpt's vocabulary and with ModelOpt's defaults (plus ``eps``,
+    ``pow2_scale``, ``rounding``, ``backend``). Invalid values and impossible combinations raise
+    :class:`ConfigError` here."""
 
     enable: bool = True
     num_bits: Union[int, tuple[int, int]] = 8
     axis: Optional[Union[int, tuple[int, ...]]] = None
     block_sizes: Optional[dict] = None
     unsigned: bool = False
-    narrow_range: bool = True
+    # ModelOpt's default: INT codes in [-2^(b-1), 2^(b-1)-1]; a ModelOpt config must mean the same here
+    narrow_range: bool = False
     fake_quant: bool = True
     calibrator: str = "max"
     learn_amax: bool = False
+    # ModelOpt's "type": "dynamic" takes the amax of every tensor the quantizer sees and never calibrates
+    type: str = "static"
     eps: float = 1e-10  # FP8 blockwise: floor of the block amax
     pow2_scale: bool = False  # FP8 blockwise: round scales up to powers of two
     rounding: str = "rceil"  # MX: E8M0 exponent rule, see formats.Rounding
@@ -77,17 +90,22 @@ class QuantizerAttributeConfig:
             raise ConfigError("learn_amax=True is not supported")
         if self.calibrator != "max":
             raise ConfigError(f"calibrator={self.calibrator!r}: only 'max' is available")
-        if self.backend not in BACKENDS:
+        if self.type not in ("static", "dynamic"):
+            raise ConfigError(f"type={self.type!r}: expected 'static' or 'dynamic'")
+        if self.backend is None:  # ModelOpt's default backend
+            self.backend = "auto"
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: expected one of {BACKENDS}")
-        try:
-            self.rounding = Rounding(self.rounding).value
-        except ValueError:
-            raise ConfigError(f"rounding={self.rounding!r}: expected 'rceil' or 'floor'") from None
+        if not isinstance(self.rounding, str) or self.rounding not in {r.value for r in Rounding}:
+            raise ConfigError(f"rounding={self.rounding!r}: expected 'rceil' or 'floor'")
+        self.rounding = Rounding(self.rounding).value
         # eps / Q must stay a normal fp32 number, or all-zero blocks would get a zero scale
-        if not (isinstance(self.eps, (int, float)) and not isinstance(self.eps, bool) and self.eps >= MIN_EPS):
-            raise ConfigError(f"eps must be a float >= {MIN_EPS:g}, got {self.eps!r}")
+        if not (isinstance(self.eps, (int, float)) and not isinstance(self.eps, bool) and MIN_EPS <= self.eps <= MAX_EPS):
+            raise ConfigError(f"eps must be a float in [{MIN_EPS:g}, {MAX_EPS:g}], got {self.eps!r}")
         self.eps = float(self.eps)
         if self.block_sizes is not None:
+            if not isinstance(self.block_sizes, dict):
+                raise ConfigError(f"block_sizes must be a dict such as {{-1: 128}} or None, got {self.block_sizes!r}")
             self.block_sizes = dict(self.block_sizes)
         self._spec = self._build_spec()
 
@@ -116,8 +134,8 @@ class QuantizerAttributeConfig:
 
     @property
     def is_dynamic(self) -> bool:
-        """True where no calibrated amax is used at all (MX, dynamic blocks, per-token)."""
-        return self._spec.dynamic and self._spec.kind != Kind.NVFP4
+        """True where no calibrated amax is used at all (MX, dynamic blocks, per-token, ``type="dynamic"``)."""
+        return self.type == "dynamic" or (self._spec.dynamic and self._spec.kind != Kind.NVFP4)
 
     # ------------------------------------------------------------------ validation -> FormatSpec
     def _parse_blocks(self) -> tuple[Optional[tuple[int, ...]], bool, Optional[tuple[int, int]], bool]:
@@ -131,6 +149,8 @@ class QuantizerAttributeConfig:
         kind = bs.get("type", "static")
         if kind not in ("static", "dynamic"):
             raise ConfigError(f"block_sizes['type']={kind!r}: expected 'static' or 'dynamic'")
+        if self.type == "dynamic":  # as in ModelOpt, a dynamic quantizer computes every block's amax
+            kind = "dynamic"
         scale_bits = bs.get("scale_bits")
         if scale_bits is not None:
             scale_bits = _as_bits(scale_bits, "block_sizes['scale_bits']")
@@ -143,7 +163,9 @@ class QuantizerAttributeConfig:
             raise ConfigError(f"block_sizes axes must be negative (-1, -2), got {sorted(dims)}")
         if set(dims) == {-1} and dims[-1] is None:
             if kind != "dynamic" or scale_bits is not None:
-                raise ConfigError("block_sizes {-1: None} (one scale per row) needs 'type': 'dynamic' and no scale_bits")
+                raise ConfigError(
+                    f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no scale_bits"
+                )
             return None, True, None, True
         for k, v in dims.items():
             if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
@@ -166,6 +188,10 @@ class QuantizerAttributeConfig:
         if isinstance(self.num_bits, int):
             if scale_bits is not None:
                 raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to float elements")
+            if self.num_bits < 2 and not self.unsigned:
+                raise ConfigError(
+                    f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or unsigned=True"
+                )
             return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block, dynamic=dynamic, **common)
         element = self.num_bits
         if element not in FLOAT_FORMATS:
@@ -237,8 +263,10 @@ class QuantizeConfig:
         method = self.algorithm_name
         if method not in ("max", None):
             raise ConfigError(f"algorithm={self.algorithm!r}: available algorithms are 'max' and None")
-        if self.expert_input_policy not in EXPERT_INPUT_POLICIES:
+        if not isinstance(self.expert_input_policy, str) or self.expert_input_policy not in EXPERT_INPUT_POLICIES:
             raise ConfigError(f"expert_input_policy={self.expert_input_policy!r}: expected one of {EXPERT_INPUT_POLICIES}")
+        if not isinstance(self.sync_expert_weight_amax, bool):  # bool("no") would be True
+            raise ConfigError(f"sync_expert_weight_amax must be a bool, got {self.sync_expert_weight_amax!r}")
 
     @property
     def algorithm_name(self) -> Optional[str]:
@@ -263,7 +291,8 @@ class QuantizeConfig:
             raise ConfigError("a quantize config needs a 'quant_cfg' key")
         raw = cfg["quant_cfg"]
         entries = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
-        return cls(entries, cfg.get("algorithm", "max"), cfg.get("expert_input_policy", "max_of_peers"), bool(cfg.get("sync_expert_weight_amax", False)))
+        policy = cfg.get("expert_input_policy", "max_of_peers")
+        return cls(entries, cfg.get("algorithm", "max"), policy, cfg.get("sync_expert_weight_amax", False))
 
     def to_dict(self) -> dict:
         """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads."""
@@ -363,65 +392,19 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
 
 
 # ---------------------------------------------------------------------------------- presets
-# Plain dicts in ModelOpt's dict form, with ModelOpt's names and meanings: copy and edit them freely.
-
-_DEFAULT_DISABLED: dict = {
-    "nn.BatchNorm1d": {"*": {"enable": False}},
-    "nn.BatchNorm2d": {"*": {"enable": False}},
-    "nn.BatchNorm3d": {"*": {"enable": False}},
-    "nn.LeakyReLU": {"*": {"enable": False}},
-    "*lm_head*": {"enable": False},
-    "*proj_out.*": {"enable": False},
-    "*block_sparse_moe.gate*": {"enable": False},
-    "*router*": {"enable": False},
-    "*mlp.gate.*": {"enable": False},
-    "*mlp.shared_expert_gate.*": {"enable": False},
-    "*output_layer*": {"enable": False},
-    "output.*": {"enable": False},
-    "default": {"enable": False},
-}
-
-
-def _preset(weight: Any, inp: Any = None, algorithm: Any = "max") -> dict:
-    quant_cfg: dict = {"*weight_quantizer": weight}
-    quant_cfg["*input_quantizer"] = inp if inp is not None else {"enable": False}
-    quant_cfg.update(copy.deepcopy(_DEFAULT_DISABLED))
-    return {"quant_cfg": quant_cfg, "algorithm": algorithm}
-
-
-_NVFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}, "axis": None, "enable": True}
-_MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}, "enable": True}
-_MXFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}, "enable": True}
-
-INT8_DEFAULT_CFG = _preset({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None})
-INT8_WEIGHT_ONLY_CFG = _preset({"num_bits": 8, "axis": 0})
-FP8_DEFAULT_CFG = _preset({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None})
-FP8_PER_CHANNEL_PER_TOKEN_CFG = _preset({"num_bits": (4, 3), "axis": 0}, {"num_bits": (4, 3), "block_sizes": {-1: None, "type": "dynamic"}})
-FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = _preset({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "enable": True})
-FP8_BLOCKWISE_CFG = _preset({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "enable": True}, {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}, "enable": True})
-INT4_BLOCKWISE_WEIGHT_ONLY_CFG = _preset({"num_bits": 4, "block_sizes": {-1: 128}, "enable": True})
-NVFP4_DEFAULT_CFG = _preset(dict(_NVFP4, effective_bits=4.5), dict(_NVFP4))
-MXFP8_DEFAULT_CFG = _preset(dict(_MXFP8), dict(_MXFP8))
-MXFP4_DEFAULT_CFG = _preset(dict(_MXFP4), dict(_MXFP4))
-# ModelOpt calibrates this recipe with AWQ; quantlib has no AWQ yet, so it uses max calibration.
-W4A8_AWQ_BETA_CFG = _preset(
-    [{"num_bits": 4, "block_sizes": {-1: 128, "type": "static"}, "enable": True}, {"num_bits": (4, 3), "axis": None, "enable": True}],
-    {"num_bits": (4, 3), "axis": None, "enable": True},
+# The presets live in quantlib/presets.py (plain dicts, no dependency on this module); re-exported here
+# because ModelOpt users import them from the config module.
+from .presets import (  # noqa: E402
+    FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
+    FP8_BLOCKWISE_CFG,
+    FP8_DEFAULT_CFG,
+    FP8_PER_CHANNEL_PER_TOKEN_CFG,
+    INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
+    INT8_DEFAULT_CFG,
+    INT8_WEIGHT_ONLY_CFG,
+    MXFP4_DEFAULT_CFG,
+    MXFP8_DEFAULT_CFG,
+    NVFP4_DEFAULT_CFG,
+    PRESETS,
+    W4A8_AWQ_BETA_CFG,
 )
-
-PRESETS: dict[str, dict] = {
-    name: globals()[name]
-    for name in (
-        "INT8_DEFAULT_CFG",
-        "INT8_WEIGHT_ONLY_CFG",
-        "FP8_DEFAULT_CFG",
-        "FP8_PER_CHANNEL_PER_TOKEN_CFG",
-        "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
-        "FP8_BLOCKWISE_CFG",
-        "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
-        "NVFP4_DEFAULT_CFG",
-        "MXFP8_DEFAULT_CFG",
-        "MXFP4_DEFAULT_CFG",
-        "W4A8_AWQ_BETA_CFG",
-    )
-}

@@ -106,8 +106,8 @@ def _class_names(module: nn.Module) -> tuple[str, ...]:
 
 def set_quantizer_by_cfg(model: nn.Module, config: Union[QuantizeConfig, dict]) -> None:
     """Apply a config's rules to every quantizer; a list config makes a SequentialQuantizer, a single
-    one a TensorQuantizer (members of a GroupedQuantizer each get it)."""
-    cfg = QuantizeConfig.from_any(config)
+    one a TensorQuantizer (members of a GroupedQuantizer each get it). A parsed config is used as is."""
+    cfg = config if isinstance(config, QuantizeConfig) else QuantizeConfig.from_any(config)
     for name, parent, attr, q in list(iter_quantizers(model)):
         attrs, enable = cfg.resolve(name, _class_names(parent))
         if attrs is not None:
@@ -200,6 +200,8 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forwa
             m.calibrate_weights()
         if forward_loop is not None:
             _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
+        else:
+            _drop_activation_amax(model)
     except CalibrationError as exc:
         if parallel_state is None:
             raise
@@ -209,6 +211,15 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forwa
 
         sync_amax(model, parallel_state, local_error=local_error)
     return model
+
+
+def _drop_activation_amax(model: nn.Module) -> None:
+    """Without a forward loop, activation quantizers use the amax of each tensor they see: an amax
+    left by an earlier calibration (another config) would otherwise stay in use."""
+    weight_ids = _weight_quantizer_ids(model)
+    for _, q in iter_leaf_quantizers(model):
+        if id(q) not in weight_ids:
+            q.reset_amax()
 
 
 def _calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_policy: str) -> None:

@@ -172,6 +172,20 @@ def test_golden_v1_members_restore_each_member_its_own_amax():
         assert all(torch.equal(a, w) for a, w in zip(members(model, attr), own_amax(model, attr, per_channel)))
 
 
+@pytest.mark.parametrize("name", ["v1_anchor_shared.pt", "v1_grouped_members.pt"])
+def test_golden_v1_int_quantizers_keep_the_narrow_range_they_were_saved_with(name):
+    """Old quantlib defaulted INT to narrow range (ModelOpt's default, False, is the default now): the
+    files store the field explicitly, and a restored INT8 quantizer still clips at code -127."""
+    model = ql.restore(toy_model(), os.path.join(DATA, name))
+    int8 = [model.proj.weight_quantizer, model.proj.input_quantizer, *model.experts_int8.weight_quantizer]
+    assert all(q.attrs.narrow_range is True and q.spec.narrow_range is True for q in int8)
+    q = model.proj.input_quantizer
+    a = q.amax.reshape(1)
+    assert torch.equal(q(-2 * a), torch.tensor([-127.0]) / (torch.tensor([127.0]) / a))  # code -127
+    config_attrs = [e.attrs for e in model._quantlib_config.quant_cfg if e.attrs is not None and not isinstance(e.attrs, list)]
+    assert all(a.narrow_range is True for a in config_attrs if isinstance(a.num_bits, int))
+
+
 def test_v1_migrated_without_the_model_layout_is_refused_at_restore():
     state = ckpt.migrate(golden("v1_anchor_shared.pt"))  # no layout: shared entries cannot be recognised
     assert state["schema"] == 2 and state["quantizers"]["experts.weight_quantizer"]["type"] == "tensor"

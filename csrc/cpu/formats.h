@@ -49,7 +49,8 @@ struct Fp8Op {
   QL_INLINE uint32_t code(float x, float s, float) const { return fp8_code<F>(clampf(x * s, -F::kMax, F::kMax)); }
 };
 
-// formats.fp8_blockwise: d = max(a, eps) / Q (then pow2_ceil); c = fp8(clamp(x / d)); x_hat = c * d.
+// formats.fp8_blockwise: d = max(a, eps) / Q (then pow2_ceil); c = fp8(clamp(x / d)); x_hat = c * d;
+// NaN codes are 0x7F whatever the NaN's sign (a NaN block is 0x7F throughout).
 template <class F>
 struct Fp8BlockOp {
   static constexpr Codes kCodes = Codes::FP8;
@@ -63,7 +64,10 @@ struct Fp8BlockOp {
     return p;
   }
   QL_INLINE float fake(float x, float d, float) const { return fp8_round<F>(clampf(x / d, -F::kMax, F::kMax)) * d; }
-  QL_INLINE uint32_t code(float x, float d, float) const { return fp8_code<F>(clampf(x / d, -F::kMax, F::kMax)); }
+  QL_INLINE uint32_t code(float x, float d, float) const {
+    const float y = x / d;
+    return isnan_(y) ? 0x7Fu : fp8_code<F>(clampf(y, -F::kMax, F::kMax));  // every NaN code is 0x7F
+  }
 };
 
 // formats.mx: shared exponent byte from a; y = clamp(x / 2^e, -Q, Q); element E4M3 or E2M1; x_hat =

@@ -275,7 +275,12 @@ struct BlockScale {
   QL_DEV uint32_t cast2(float a, float b) const {
     const float ya = scaled<FAST>(a), yb = scaled<FAST>(b);
     if (kNibbles) return e2m1_code<!FAST>(ya, a) | (e2m1_code<!FAST>(yb, b) << 4);
-    return e4m3x2(ya, yb);
+    uint32_t c = e4m3x2(ya, yb);
+    if (KIND == kFp8Block) {  // every NaN code is 0x7F, whatever the NaN's sign (docs/numerics.md)
+      c = is_nan(ya) ? ((c & 0xFF00u) | 0x7Fu) : c;
+      c = is_nan(yb) ? ((c & 0x00FFu) | 0x7F00u) : c;
+    }
+    return c;
   }
 };
 

@@ -3,6 +3,9 @@
 Per block ``d = max(a, eps) / Q`` (all-zero blocks never give 0 or NaN); with ``pow2``,
 ``d = 2^ceil(log2 d)`` computed exactly from the fp32 bits (also for a subnormal ``d``);
 ``c = cast_rne(clamp(x / d, -Q, Q))``; the stored scale is ``d``; ``x_hat = c * d``.
+Every NaN code is the positive NaN byte 0x7F, whatever the sign of the NaN that produced it: a block
+whose amax is NaN is 0x7F throughout (one rule for every backend; the sign of a NaN quotient depends on
+the hardware and on which operand was NaN).
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ def fp8_blockwise_quantize(
     a = block_amax(x, block) if amax is None else amax.float()
     d = blockwise_scale(a, element, eps, pow2)
     xb = to_blocks(x.float(), block)
-    codes = cast_fp8(xb / d.unsqueeze(-1), element)
+    y = xb / d.unsqueeze(-1)
+    y = torch.where(torch.isnan(y), torch.full_like(y, float("nan")), y)  # +NaN: code 0x7F
+    codes = cast_fp8(y, element)
     return from_blocks(codes, block, x.shape), d
 
 

@@ -57,7 +57,7 @@ class FormatSpec:
     num_bits: int = 8  # INT bits; for floats the element bits are in ``element``
     element: tuple[int, int] | None = None  # (E, M) of float elements
     unsigned: bool = False
-    narrow_range: bool = True
+    narrow_range: bool = True  # config.py always passes the attribute config's value (default False, ModelOpt's)
     block: tuple[int, ...] | None = None
     dynamic: bool = False
     eps: float = 1e-10

@@ -82,7 +82,7 @@ class TensorQuantizer(nn.Module):
                 self.enable() if attrs["enable"] else self.disable()
             return
         new = make_attribute_config(attrs)
-        if new.format_spec() != self.spec or new.axis != self._attrs.axis:
+        if new.format_spec() != self.spec or new.axis != self._attrs.axis or new.is_dynamic != self._attrs.is_dynamic:
             self.reset_amax()
         self._attrs = new
         self._disabled = not new.enable
@@ -208,14 +208,14 @@ class TensorQuantizer(nn.Module):
         return self._calibrator.num_batches
 
     def _amax_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The amax the op uses: static (calibrated, or from ``x`` if never calibrated) or None."""
-        if not self.needs_calibration:
+        """The amax the op uses: static (calibrated, or from ``x`` if never calibrated or ``type`` is
+        "dynamic") or None where the op computes it (per block, per row, NVFP4's global amax)."""
+        spec = self.spec
+        if spec.kind == Kind.MX or (spec.dynamic and spec.kind != Kind.NVFP4):
             return None
-        amax = self.amax
-        if amax is None:
-            if self.spec.kind == Kind.NVFP4:
-                return None  # dynamic global amax
-            return static_amax(x, self.spec, self._attrs.axis, self._attrs.backend)
+        amax = self.amax if self.needs_calibration else None
+        if amax is None and spec.kind != Kind.NVFP4:
+            return static_amax(x, spec, self._attrs.axis, self._attrs.backend)
         return amax
 
     def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:

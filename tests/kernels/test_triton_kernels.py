@@ -207,6 +207,16 @@ def test_nan_block():
         assert_same_all(T().mx_cast(x, elem, 32, Rounding.RCEIL), R.mx_cast(x, elem, 32, Rounding.RCEIL), elem)
 
 
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_fp8_blockwise_nan_block_codes_are_0x7f_for_every_element(block):
+    """docs/numerics.md: every NaN code of an FP8 blockwise cast is 0x7F, whatever the NaN's sign."""
+    from .test_fp8_blockwise_nan_rule import assert_nan_rule, nan_rule_input
+
+    x = nan_rule_input(block)
+    codes, scales = T().fp8_blockwise_cast(x, block, 1e-10, False)
+    assert_nan_rule(x, codes, scales, block)
+
+
 def test_inf_block():
     x = edge_input((3, 64), torch.float32, seed=7)
     x[2, 3] = -INF

@@ -56,8 +56,8 @@ def test_standalone_accepts_a_dict_config():
 
 def test_calibrated_amax_is_used_instead_of_the_tensor_amax():
     q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8), amax=torch.tensor(127.0))
-    # values beyond amax saturate at 127
-    assert torch.equal(q(t([300.0, -1000.0, 1.5])), t([127.0, -127.0, 2.0]))
+    # values beyond amax saturate at 127 and, full range by default as in ModelOpt, at -128
+    assert torch.equal(q(t([300.0, -1000.0, 1.5])), t([127.0, -128.0, 2.0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

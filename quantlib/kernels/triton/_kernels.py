@@ -101,7 +101,8 @@ def block1d_kernel(
         if KIND == 1:
             d = fp8_block_scale(a, eps, QMAX, POW2)
             tl.store(scale_ptr + offs2, d, mask=mask2)
-            c = fp8_byte(fp8_block_round(x, d[:, :, None], QMAX, FP8E, POW2, HW), FP8E, HW)
+            r = fp8_block_round(x, d[:, :, None], QMAX, FP8E, POW2, HW)
+            c = tl.where(r != r, 0x7F, fp8_byte(r, FP8E, HW))  # every NaN code is 0x7F, whatever its sign
             tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
         elif KIND == 2:
             byte = e8m0_byte(a, QMAX, EMAX, FLOOR)
@@ -173,7 +174,8 @@ def block2d_kernel(
         d = fp8_block_scale(a, eps, QMAX, POW2)
         tl.store(scale_ptr + soff, d)
         d11 = tl.zeros((1, 1), dtype=tl.float32) + d
-        c = fp8_byte(fp8_block_round(x, d11, QMAX, FP8E, POW2, HW), FP8E, HW)
+        r = fp8_block_round(x, d11, QMAX, FP8E, POW2, HW)
+        c = tl.where(r != r, 0x7F, fp8_byte(r, FP8E, HW))  # every NaN code is 0x7F, whatever its sign
         tl.store(out_ptr + offs, c.to(tl.uint8), mask=mask)
 
 
