@@ -602,11 +602,20 @@ def test_plugin_refuses_grouped_linear_it_cannot_adapt(plugin_with, version, sig
 @pytest.mark.te
 @pytest.mark.gpu
 def test_te_grouped_linear_on_gpu(tmp_path):
-    """Real te.GroupedLinear: per-GEMM amax from each weight, outputs equal to separate linears,
-    save/restore round trip. Needs TE's torch binding and a CUDA GPU."""
+    """Real te.GroupedLinear: per-GEMM amax from each weight, outputs equal to the fake-quant reference,
+    save/restore round trip. Needs TE's torch binding and a CUDA GPU.
+
+    The reference runs the same TE GEMM (an unquantized GroupedLinear holding the fake-quantized weights,
+    fed the fake-quantized input) and must match bit for bit. TE runs fp32 GEMMs in TF32 (10 mantissa
+    bits) while torch's F.linear keeps fp32 by default: the per-GEMM F.linear reference of before differed
+    in 26% of elements by up to 1.3e-3 on the H200 for that reason alone (the INT8 weights' fp32 scales do
+    not fit TF32); it is kept as a check with the tolerance of TF32 against fp32."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    te = pytest.importorskip("transformer_engine.pytorch", reason="needs Transformer Engine's torch binding")
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as exc:  # ImportError, OSError or RuntimeError, by release
+        pytest.skip(f"needs Transformer Engine's torch binding ({exc})")
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -624,11 +633,18 @@ def test_te_grouped_linear_on_gpu(tmp_path):
         assert torch.equal(q.amax, getattr(model, f"weight{i}").detach().abs().amax(dim=1, keepdim=True))
     assert model.tokens_per_expert.tolist() == [32, 64, 0, 32]
     x = data[0]
+    reference = build()
     with torch.no_grad():
         out = model(x, splits)
         xq = model.input_quantizer(x)
-        ref = torch.cat([F.linear(xs, model.weight_quantizer[i](getattr(model, f"weight{i}")), getattr(model, f"bias{i}")) for i, xs in enumerate(torch.split(xq, splits))])
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        wq = [model.weight_quantizer[i](getattr(model, f"weight{i}")) for i in range(4)]
+        for i in range(4):
+            getattr(reference, f"weight{i}").copy_(wq[i])
+        assert torch.equal(out, reference(xq, splits))
+        fp32 = torch.cat([F.linear(xs.double(), wq[i].double(), getattr(model, f"bias{i}").double()) for i, xs in enumerate(torch.split(xq, splits))])
+    # TF32 products: relative error up to about 2**-10 of each |x_k w_k| term, summed over the 64 inputs
+    bound = 2.0**-10 * torch.cat([xs.abs() @ wq[i].abs().t() for i, xs in enumerate(torch.split(xq, splits))]).double() + 1e-6
+    assert ((out.double() - fp32).abs() <= bound).all()
     ql.save(model, tmp_path / "q.pt")
     fresh = ql.restore(build(), tmp_path / "q.pt")
     for a, b in zip(model.weight_quantizer, fresh.weight_quantizer):
