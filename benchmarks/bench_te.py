@@ -185,8 +185,10 @@ def run(args) -> dict:
             libs.append("modelopt")
         except Exception as exc:
             results["modelopt"] = f"unavailable: {type(exc).__name__}: {exc}"
-    kinds = ["GroupedLinear"]
+    kinds = [k for k in args.layers if k == "GroupedLinear"]
     try:
+        if "TEGroupedMLP" not in args.layers:
+            raise RuntimeError("not asked for")
         init_megatron()
         import megatron.core
 
@@ -249,6 +251,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    p.add_argument("--layers", nargs="+", default=["GroupedLinear", "TEGroupedMLP"], choices=["GroupedLinear", "TEGroupedMLP"])
     p.add_argument("--no-modelopt", action="store_true")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
