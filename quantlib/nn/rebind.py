@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 #: the per-module hook dicts of ``torch.nn.Module``
 HOOK_DICTS = (
@@ -31,6 +32,8 @@ HOOK_DICTS = (
 _NOT_ATTRIBUTES = frozenset(HOOK_DICTS) | {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
 #: how far into partials, closures and wrapped hooks a reference is followed
 _DEPTH = 4
+#: what ``_register_load_state_dict_pre_hook(hook, with_module=True)`` stores (torch-private: looked up)
+_WRAPPED_HOOK = getattr(_torch_module, "_WrappedHook", None)
 
 
 def rebind_hooks(old: nn.Module, new: nn.Module) -> int:
@@ -82,7 +85,7 @@ def _rebound(value: Any, old: nn.Module, new: nn.Module, depth: int) -> Any:
         if all(a is b for a, b in zip(items, value)):
             return value
         return type(value)(items) if type(value) in (list, tuple) else value
-    if hasattr(value, "hook") and hasattr(value, "with_module"):  # torch's _WrappedHook (private class)
+    if _WRAPPED_HOOK is not None and isinstance(value, _WRAPPED_HOOK):
         return _rebound_wrapped_hook(value, old, new, depth)
     return value
 

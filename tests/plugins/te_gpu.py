@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import quantlib as ql
-from quantlib.model_quant import iter_leaf_quantizers
-from quantlib.nn import GroupedQuantizer
+from quantlib.model_quant import iter_leaf_quantizers, leaves_of
+from quantlib.nn import GroupedQuantizer, TensorQuantizer
+from quantlib.nn.containers import QuantizerContainer
 from quantlib.plugins.te_adapters import swapped
 
 #: every preset TE modules are tested with (weight + activation, and weight-only ones)
@@ -40,7 +41,9 @@ def gpu_and_te() -> Optional[str]:
 
 
 def leaf_amaxes(module: nn.Module) -> list[Optional[torch.Tensor]]:
-    """The amax of every leaf quantizer of ``module``, in order."""
+    """The amax of every leaf quantizer of ``module`` (a model, or a quantizer itself), in order."""
+    if isinstance(module, (TensorQuantizer, QuantizerContainer)):
+        return [q.amax for _, q in leaves_of("q", module)]
     return [q.amax for _, q in iter_leaf_quantizers(module)]
 
 
