@@ -64,7 +64,7 @@ for bench in $benchmarks; do
         kernels) cmd=("$py" benchmarks/bench_kernels.py --no-reference --json "$logdir/bench_kernels.json") ;;
         calibrate) cmd=("$py" benchmarks/bench_calibrate.py --device cuda --dim 1024 --blocks 8 --tokens 4096 --batches 8 --warmup) ;;
         te) cmd=("$py" benchmarks/bench_te.py --json "$logdir/bench_te.json") ;;
-        *) echo "gpu_suite.sh: unknown benchmark $bench" >&2; status=${status:-1}; continue ;;
+        *) echo "gpu_suite.sh: unknown benchmark $bench" >&2; [ "$status" -eq 0 ] && status=2; continue ;;
     esac
     echo "+ ${cmd[*]}"
     if ! PYTHONUNBUFFERED=1 "${cmd[@]}" > "$logdir/bench_$bench.log" 2>&1; then

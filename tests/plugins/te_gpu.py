@@ -5,7 +5,6 @@ TE GEMM, and Megatron's single-GPU parallel state. Imports TE only when called."
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -110,21 +109,33 @@ def first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def init_megatron_tp1(seed: int = 0) -> None:
+def init_megatron_tp1(seed: int = 0) -> bool:
     """Megatron's parallel state for one GPU (TP = EP = PP = 1) on the running default group, or on a
-    new NCCL group of one rank; reinitialized each call, whatever ran before in the process."""
+    new NCCL group of one rank; reinitialized each call, whatever ran before in the process. Returns
+    whether it created the default group (then :func:`release_megatron` destroys it)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if not torch.distributed.is_initialized():
+    created = not torch.distributed.is_initialized()
+    if created:
         from ranks import free_port
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(seed)
+    return created
+
+
+def release_megatron(created: bool) -> None:
+    """Undo :func:`init_megatron_tp1`: later tests in the process must not calibrate over Megatron's
+    groups (``quantlib.distributed.discover_parallel_state`` finds them) nor fork ranks from a process
+    whose default group is initialized."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if created and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def qat_losses(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], steps: int = 6, lr: float = 1e-3) -> list[float]:

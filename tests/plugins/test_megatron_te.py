@@ -24,12 +24,13 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn import GroupedQuantizer, QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import megatron as qm  # noqa: E402
 from quantlib.plugins.te_adapters import QuantTEGroupedLinearBase  # noqa: E402
-from ranks import free_port  # noqa: E402
 
 try:
     from . import megatron_shims as shims
+    from . import te_gpu
 except ImportError:
     import megatron_shims as shims  # type: ignore[no-redef]
+    import te_gpu  # type: ignore[no-redef]
 
 NUM_EXPERTS, OUT, IN = 4, 8, 16
 INT8_W_FP8_IN = {
@@ -157,19 +158,17 @@ def test_te_wrappers_quantize_and_checkpoint(tmp_path):
     """A TE-spec GPT (TELayerNormColumnParallelLinear, TERowParallelLinear, TEColumn/RowParallelGroupedLinear
     experts) on one GPU: every wrapper is quantized, calibration fills every amax, and a dist checkpoint
     restores the amax and the logits into a fresh model."""
+    created = te_gpu.init_megatron_tp1()
+    try:
+        _te_spec_gpt_round_trip(tmp_path)
+    finally:
+        te_gpu.release_megatron(created)
+
+
+def _te_spec_gpt_round_trip(tmp_path) -> None:
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
 
     def build():
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)

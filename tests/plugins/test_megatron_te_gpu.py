@@ -47,8 +47,9 @@ ROLES = {
 
 @pytest.fixture(scope="module", autouse=True)
 def tp1():
-    te_gpu.init_megatron_tp1()
+    created = te_gpu.init_megatron_tp1()
     yield
+    te_gpu.release_megatron(created)
 
 
 def _config(**overrides) -> TransformerConfig:
