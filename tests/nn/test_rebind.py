@@ -24,7 +24,7 @@ class SelfHookedLinear(nn.Linear):
     """A linear whose hooks all refer to itself: a weak-module pre-hook on an unbound method (Megatron's
     ``_normalize_grouped_parameter_keys``), one on an ``__init__`` closure (``merge_extra_states``), a
     bound-method post hook and state-dict hook, a forward hook closing over ``weakref.ref(self)``, a
-    ``WeakMethod`` and a partial kept as attributes. Each records the module it ran on in ``seen``."""
+    ``WeakMethod``, a partial and a list of closures kept as attributes. Each records the module it ran on in ``seen``."""
 
     def __init__(self) -> None:
         super().__init__(8, 4)
@@ -45,6 +45,7 @@ class SelfHookedLinear(nn.Linear):
         self.register_forward_hook(forward_hook)
         self.on_event = weakref.WeakMethod(self._event)
         self.callback = functools.partial(SelfHookedLinear._event_of, self)
+        self.wgrad_hooks = [lambda: me()._event()]  # as TE's wgrad_accumulation_and_reduce_hooks list
         self.myself = me
 
     def _rename_keys(self, state_dict, prefix, *args):
@@ -88,6 +89,7 @@ def test_load_state_dict_after_conversion_runs_hooks_on_the_new_module(registere
     assert layer.seen == [("rename", id(layer)), ("merge", id(layer)), ("post", id(layer)), ("save", id(layer)), ("forward", id(layer))]
     assert torch.equal(layer.weight, state["0.w"])
     assert layer.on_event()() == id(layer) and layer.callback() == id(layer) and layer.myself() is layer
+    assert layer.wgrad_hooks[0]() == id(layer)
 
 
 def test_rebind_leaves_hooks_of_other_modules_alone():
