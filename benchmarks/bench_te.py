@@ -27,10 +27,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-#: preset -> (quantlib name, ModelOpt name or None: ModelOpt has no such preset, quantlib's dict is passed)
+#: preset -> (quantlib name, ModelOpt name); ModelOpt has FP8 128x128 weight blocks only for weight-only
+#: quantization: its input quantizer entry is replaced by quantlib's dynamic 1x128 blocks (modelopt_config)
 PRESETS = {
     "FP8": ("FP8_DEFAULT_CFG", "FP8_DEFAULT_CFG"),
-    "FP8-block": ("FP8_BLOCKWISE_CFG", None),
+    "FP8-block": ("FP8_BLOCKWISE_CFG", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
     "NVFP4": ("NVFP4_DEFAULT_CFG", "NVFP4_DEFAULT_CFG"),
     "MXFP8": ("MXFP8_DEFAULT_CFG", "MXFP8_DEFAULT_CFG"),
     "INT8": ("INT8_DEFAULT_CFG", "INT8_DEFAULT_CFG"),
@@ -129,11 +130,19 @@ def quantized(lib: str, layer: Layer, preset: str) -> torch.nn.Module:
         return ql.quantize(model, getattr(ql, ours), layer.loop)
     import modelopt.torch.quantization as mtq
 
-    import quantlib as ql
+    return mtq.quantize(model, modelopt_config(preset), layer.loop)
 
-    cfg = copy.deepcopy(getattr(mtq, theirs) if theirs else getattr(ql, ours))
+
+def modelopt_config(preset: str) -> dict:
+    """ModelOpt's config of ``preset`` (its list form), calibrated by max as quantlib's."""
+    import modelopt.torch.quantization as mtq
+
+    cfg = copy.deepcopy(getattr(mtq, PRESETS[preset][1]))
     cfg["algorithm"] = "max"  # (W4A8's AWQ search is not what is timed: both libraries calibrate by max)
-    return mtq.quantize(model, cfg, layer.loop)
+    if preset == "FP8-block":
+        entry = {"quantizer_name": "*input_quantizer", "cfg": {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}}}
+        cfg["quant_cfg"] = [entry if e.get("quantizer_name") == "*input_quantizer" else e for e in cfg["quant_cfg"]]
+    return cfg
 
 
 def time_layer(model: torch.nn.Module, layer: Layer) -> tuple[float, float]:
