@@ -57,6 +57,13 @@ class StandInGroupedLinear(nn.Module):
         full = shims.global_value("experts.linear_fc1.weight", (NUM_EXPERTS, OUT, IN), 0)
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", nn.Parameter(full[first + i].clone()))
+        # as Megatron's TEGroupedLinear registers its key-normalizing and _extra_state-merging hooks: bound
+        # to the module by weak reference (with_module=True), so conversion must rebind them (issue 14)
+        self.loads = 0
+        self._register_load_state_dict_pre_hook(type(self)._count_load, with_module=True)
+
+    def _count_load(self, state_dict, prefix, *args) -> None:
+        self.loads += 1
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -99,6 +106,7 @@ def _grouped_worker(rank: int, world: int, folder: str) -> dict:
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), folder))
     q = fresh.weight_quantizer
     return {
+        "loads": fresh.loads,
         "grouped": isinstance(q, GroupedQuantizer) and len(q) == NUM_EXPERTS,
         "weight_amax": [m.amax.clone() for m in q],
         "axis": [m.axis for m in q],
@@ -114,7 +122,7 @@ def test_grouped_linear_experts_restore_at_another_expert_parallel_size(tmp_path
     full = shims.global_value("experts.linear_fc1.weight", (NUM_EXPERTS, OUT, IN), 0)
     expected = [w.abs().amax(dim=1, keepdim=True) for w in full]
     for got in out:
-        assert got["grouped"] and got["axis"] == [(0,)] * NUM_EXPERTS
+        assert got["grouped"] and got["axis"] == [(0,)] * NUM_EXPERTS and got["loads"] == 1
         for e in range(NUM_EXPERTS):
             assert torch.equal(got["weight_amax"][e], expected[e]), e
         assert got["input_amax"].item() == 3.0
