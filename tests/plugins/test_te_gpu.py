@@ -144,7 +144,7 @@ def test_qat_steps_reduce_the_loss_and_reach_every_weight(kind, preset):
     def step(m):
         return torch.nn.functional.mse_loss(te_gpu.first(m(*args)).float(), target.float())
 
-    losses = te_gpu.qat_losses(model, step, steps=10, lr=1e-3)
+    losses = te_gpu.qat_losses(model, step, steps=10, lr=3e-3)  # (CPU model of this: loss x0.55-0.78)
     assert losses[-1] < 0.9 * losses[0], losses
     for name in te_gpu.weight_names(model):
         if kind == "grouped" and SPLITS[int(name[len("weight"):])] == 0:
