@@ -32,6 +32,8 @@ HOOK_DICTS = (
 _NOT_ATTRIBUTES = frozenset(HOOK_DICTS) | {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
 #: how far into partials, closures and wrapped hooks a reference is followed
 _DEPTH = 4
+#: longer lists or tuples are data, not hooks: not searched
+_MAX_ITEMS = 256
 #: what ``_register_load_state_dict_pre_hook(hook, with_module=True)`` stores (torch-private: looked up)
 _WRAPPED_HOOK = getattr(_torch_module, "_WrappedHook", None)
 
@@ -80,7 +82,7 @@ def _rebound(value: Any, old: nn.Module, new: nn.Module, depth: int) -> Any:
         return functools.partial(func, *args, **kwargs) if changed else value
     if isinstance(value, types.FunctionType):
         return _rebound_closure(value, old, new, depth)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and len(value) <= _MAX_ITEMS:
         items = [_rebound(v, old, new, depth - 1) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
