@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import QuantizerAttributeConfig
 from .containers import GroupedQuantizer
+from .rebind import rebind_hooks
 from .tensor_quantizer import TensorQuantizer
 
 
@@ -229,7 +230,8 @@ class QuantModuleRegistry:
 
     @classmethod
     def convert(cls, module: nn.Module) -> QuantModule:
-        """The quantized module, sharing the original's parameters, buffers, submodules and hooks."""
+        """The quantized module, sharing the original's parameters, buffers, submodules and hooks (rebound
+        to the new module where they referred to the original: :func:`~quantlib.nn.rebind.rebind_hooks`)."""
         qcls = cls.quantized_class(type(module))
         new = qcls.__new__(qcls)
         new.__dict__ = dict(module.__dict__)
@@ -238,6 +240,7 @@ class QuantModuleRegistry:
         for k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             if k in new.__dict__:
                 new.__dict__[k] = copy.copy(new.__dict__[k])
+        rebind_hooks(module, new)
         new._setup()
         return new
 

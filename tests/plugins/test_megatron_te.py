@@ -24,12 +24,13 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn import GroupedQuantizer, QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import megatron as qm  # noqa: E402
 from quantlib.plugins.te_adapters import QuantTEGroupedLinearBase  # noqa: E402
-from ranks import free_port  # noqa: E402
 
 try:
     from . import megatron_shims as shims
+    from . import te_gpu
 except ImportError:
     import megatron_shims as shims  # type: ignore[no-redef]
+    import te_gpu  # type: ignore[no-redef]
 
 NUM_EXPERTS, OUT, IN = 4, 8, 16
 INT8_W_FP8_IN = {
@@ -56,6 +57,13 @@ class StandInGroupedLinear(nn.Module):
         full = shims.global_value("experts.linear_fc1.weight", (NUM_EXPERTS, OUT, IN), 0)
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", nn.Parameter(full[first + i].clone()))
+        # as Megatron's TEGroupedLinear registers its key-normalizing and _extra_state-merging hooks: bound
+        # to the module by weak reference (with_module=True), so conversion must rebind them (issue 14)
+        self.loads = 0
+        self._register_load_state_dict_pre_hook(type(self)._count_load, with_module=True)
+
+    def _count_load(self, state_dict, prefix, *args) -> None:
+        self.loads += 1
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -98,6 +106,7 @@ def _grouped_worker(rank: int, world: int, folder: str) -> dict:
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), folder))
     q = fresh.weight_quantizer
     return {
+        "loads": fresh.loads,
         "grouped": isinstance(q, GroupedQuantizer) and len(q) == NUM_EXPERTS,
         "weight_amax": [m.amax.clone() for m in q],
         "axis": [m.axis for m in q],
@@ -113,7 +122,7 @@ def test_grouped_linear_experts_restore_at_another_expert_parallel_size(tmp_path
     full = shims.global_value("experts.linear_fc1.weight", (NUM_EXPERTS, OUT, IN), 0)
     expected = [w.abs().amax(dim=1, keepdim=True) for w in full]
     for got in out:
-        assert got["grouped"] and got["axis"] == [(0,)] * NUM_EXPERTS
+        assert got["grouped"] and got["axis"] == [(0,)] * NUM_EXPERTS and got["loads"] == 1
         for e in range(NUM_EXPERTS):
             assert torch.equal(got["weight_amax"][e], expected[e]), e
         assert got["input_amax"].item() == 3.0
@@ -157,19 +166,17 @@ def test_te_wrappers_quantize_and_checkpoint(tmp_path):
     """A TE-spec GPT (TELayerNormColumnParallelLinear, TERowParallelLinear, TEColumn/RowParallelGroupedLinear
     experts) on one GPU: every wrapper is quantized, calibration fills every amax, and a dist checkpoint
     restores the amax and the logits into a fresh model."""
+    created = te_gpu.init_megatron_tp1()
+    try:
+        _te_spec_gpt_round_trip(tmp_path)
+    finally:
+        te_gpu.release_megatron(created)
+
+
+def _te_spec_gpt_round_trip(tmp_path) -> None:
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
 
     def build():
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)

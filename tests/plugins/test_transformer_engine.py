@@ -4,8 +4,8 @@ stand-ins built from those signatures, and a GPU test for a machine with TE's bi
 
 The wheels are downloaded once (``pip download --no-deps``) into the pytest cache
 (``.pytest_cache/d/quantlib-te-wheels``); the tests that need them skip, saying why, where that fails.
-TE's torch binding cannot be built against a CPU torch, so nothing here imports ``transformer_engine``
-except :func:`test_te_grouped_linear_on_gpu` (marked ``te`` and ``gpu``).
+TE's torch binding cannot be built against a CPU torch, so nothing here imports ``transformer_engine``;
+the tests on real TE are in test_te_gpu.py and test_megatron_te_gpu.py (marked ``te`` and ``gpu``).
 """
 
 from __future__ import annotations
@@ -597,41 +597,3 @@ def test_plugin_refuses_grouped_linear_it_cannot_adapt(plugin_with, version, sig
 
 
 # ------------------------------------------------------------------------------ on a machine with TE
-
-
-@pytest.mark.te
-@pytest.mark.gpu
-def test_te_grouped_linear_on_gpu(tmp_path):
-    """Real te.GroupedLinear: per-GEMM amax from each weight, outputs equal to separate linears,
-    save/restore round trip. Needs TE's torch binding and a CUDA GPU."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    te = pytest.importorskip("transformer_engine.pytorch", reason="needs Transformer Engine's torch binding")
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        m = te.GroupedLinear(4, 64, 32, bias=True, params_dtype=torch.float32, device="cuda")
-        with torch.no_grad():
-            for i in range(4):
-                getattr(m, f"weight{i}").mul_(2.0**i)
-        return m
-
-    splits = [16, 32, 0, 16]
-    data = [torch.randn(64, 64, device="cuda") for _ in range(2)]
-    model = ql.quantize(build(), FP8_INPUT_INT8_WEIGHT, lambda m: [m(x, splits) for x in data])
-    assert type(model).__name__ == "QuantGroupedLinear"
-    for i, q in enumerate(model.weight_quantizer):
-        assert torch.equal(q.amax, getattr(model, f"weight{i}").detach().abs().amax(dim=1, keepdim=True))
-    assert model.tokens_per_expert.tolist() == [32, 64, 0, 32]
-    x = data[0]
-    with torch.no_grad():
-        out = model(x, splits)
-        xq = model.input_quantizer(x)
-        ref = torch.cat([F.linear(xs, model.weight_quantizer[i](getattr(model, f"weight{i}")), getattr(model, f"bias{i}")) for i, xs in enumerate(torch.split(xq, splits))])
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    ql.save(model, tmp_path / "q.pt")
-    fresh = ql.restore(build(), tmp_path / "q.pt")
-    for a, b in zip(model.weight_quantizer, fresh.weight_quantizer):
-        assert torch.equal(a.amax, b.amax)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(x, splits), out, rtol=0, atol=0)

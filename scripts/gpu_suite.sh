@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The whole GPU suite on a GPU machine, in one command: every test marked `gpu` (Transformer Engine and
+# Megatron-Core tests too where they import: they skip cleanly otherwise), then the GPU benchmarks.
+# Installs nothing from the network: build quantlib's CUDA extension first (`pip install
+# --no-build-isolation -e .` or `python setup.py build_ext --inplace`), with TE / Megatron-Core installed
+# or on PYTHONPATH. Logs, JUnit XML and benchmark JSON go to LOGDIR.
+#
+#   scripts/gpu_suite.sh LOGDIR [--tests "PATHS"] [--benchmarks "kernels calibrate te" | none] [--python PY]
+#
+# All GPU tests run in one pytest process (they must pass whatever ran before them in it). Exit status:
+# that of pytest, or 1 where a benchmark failed.
+set -uo pipefail
+if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
+    sed -n '2,11p' "$0" >&2
+    exit 2
+fi
+logdir=$1
+shift
+tests="tests"
+benchmarks="kernels calibrate te"
+py=python3
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --tests) tests=$2; shift 2 ;;
+        --benchmarks) benchmarks=$2; shift 2 ;;
+        --python) py=$2; shift 2 ;;
+        *) echo "gpu_suite.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+[ "$benchmarks" = none ] && benchmarks=""
+cd "$(dirname "$0")/.."
+mkdir -p "$logdir"
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"
+    "$py" - <<'EOF'
+import importlib, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
+for name in ("quantlib", "triton", "transformer_engine", "megatron.core", "modelopt"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"), "from", getattr(m, "__file__", "?"))
+    except Exception as exc:
+        print(name, "does not import:", type(exc).__name__, str(exc)[:200])
+try:
+    import transformer_engine.pytorch  # noqa: F401
+    print("transformer_engine.pytorch imports")
+except Exception as exc:
+    print("transformer_engine.pytorch does not import:", type(exc).__name__, str(exc)[:200])
+import quantlib.kernels.backends as b
+print("quantlib CUDA kernels:", b.has_cuda_kernels(), "Triton:", b.triton_available())
+EOF
+} > "$logdir/env.txt" 2>&1
+cat "$logdir/env.txt"
+
+# shellcheck disable=SC2086
+PYTHONUNBUFFERED=1 "$py" -m pytest -m gpu $tests -ra -q --junitxml="$logdir/pytest_gpu.xml" 2>&1 | tee "$logdir/pytest_gpu.log"
+status=${PIPESTATUS[0]}
+tail -1 "$logdir/pytest_gpu.log"
+
+for bench in $benchmarks; do
+    case "$bench" in
+        kernels) cmd=("$py" benchmarks/bench_kernels.py --no-reference --json "$logdir/bench_kernels.json") ;;
+        calibrate) cmd=("$py" benchmarks/bench_calibrate.py --device cuda --dim 1024 --blocks 8 --tokens 4096 --batches 8 --warmup) ;;
+        te) cmd=("$py" benchmarks/bench_te.py --json "$logdir/bench_te.json") ;;
+        *) echo "gpu_suite.sh: unknown benchmark $bench" >&2; [ "$status" -eq 0 ] && status=2; continue ;;
+    esac
+    echo "+ ${cmd[*]}"
+    if ! PYTHONUNBUFFERED=1 "${cmd[@]}" > "$logdir/bench_$bench.log" 2>&1; then
+        echo "benchmark $bench failed (see $logdir/bench_$bench.log)"
+        [ "$status" -eq 0 ] && status=1
+    fi
+    tail -30 "$logdir/bench_$bench.log"
+done
+exit "$status"
