@@ -13,7 +13,7 @@ import quantlib as ql
 from quantlib.distributed import AmaxSyncError
 
 from . import _layouts as L
-from ranks import RankFailure, RankTimeout, run_on_ranks
+from tests.ranks import RankFailure, RankTimeout, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 

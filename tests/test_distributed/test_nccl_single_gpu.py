@@ -11,7 +11,7 @@ from torch import nn
 
 import quantlib as ql
 
-from ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,

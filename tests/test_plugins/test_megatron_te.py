@@ -24,7 +24,7 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn import GroupedQuantizer, QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import megatron as qm  # noqa: E402
 from quantlib.plugins.te_adapters import QuantTEGroupedLinearBase  # noqa: E402
-from ranks import free_port  # noqa: E402
+from tests.ranks import free_port  # noqa: E402
 
 try:
     from . import megatron_shims as shims
