@@ -66,11 +66,11 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_sharded_tensor_fo
 from torch import nn
 
 from ..checkpoint import CheckpointError, _build, _quantizer_state
-from ..distributed import LayoutError, tp_shard_dim
-from ..model_quant import leaves_of
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
+from ..parallel_state import LayoutError, tp_shard_dim
+from ..traversal import leaves_of
 
 try:  # Megatron-Core 0.16 and later
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
