@@ -354,6 +354,32 @@ def _positions(starts: list[int], lengths: list[int], device: torch.device) -> t
     return torch.arange(int(n.sum()), device=device) + torch.repeat_interleave(first - before, n)
 
 
+_FIELDS = ("identity", "kind", "layer grouping", "expert", "format", "axis", "groups")  # of _Unit.describe
+
+
+def _first_difference(comm: _Comm, name: str, units: list[_Unit], settings: tuple) -> str:
+    """Error path only (the ranks of group ``name`` hold quantizers that differ): where this rank's list
+    first departs from that of the lowest group rank whose list differs, naming both quantizers."""
+    spec_reprs: dict = {}
+    mine = (settings, [(u.name, u.describe(spec_reprs).split("|")) for u in units])
+    everyone: list = [None] * comm.sizes[name]
+    dist.all_gather_object(everyone, mine, group=comm.state.group(name))
+    ranks = comm.state.global_ranks(name)
+    other = next((r for r, theirs in zip(ranks, everyone) if theirs != mine), None)
+    if other is None:
+        return "this rank's quantizers match every other rank's that differ from each other"
+    theirs = everyone[ranks.index(other)]
+    if theirs[0] != settings:
+        return f"expert_input_policy / sync_expert_weight_amax {settings} here, {theirs[0]} on rank {other}"
+    for i, ((n_mine, d_mine), (n_theirs, d_theirs)) in enumerate(zip(mine[1], theirs[1])):
+        if d_mine != d_theirs:
+            field_ = next((f for f, a, b in zip(_FIELDS, d_mine, d_theirs) if a != b), "description")
+            return f"first differing quantizer (#{i}, its {field_}): {n_mine} here, {n_theirs} on rank {other}"
+    i = min(len(mine[1]), len(theirs[1]))
+    extra, where = (mine[1][i][0], "here only") if len(mine[1]) > i else (theirs[1][i][0], f"on rank {other} only")
+    return f"first differing quantizer (#{i}): {extra} {where}"
+
+
 def _encode(code: str, lines: list[str]) -> bytes:
     data = (code + "; ".join(lines)).encode()[:_ROW_BYTES]
     return data.decode(errors="ignore").encode()
@@ -427,8 +453,10 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
 
     Call it on every rank of every group of ``parallel_state``, after calibration
     (:func:`quantlib.calibrate` does when given a ``parallel_state``). ``local_error`` is an error this
-    rank met while calibrating (calibrate passes its CalibrationError): instead of raising alone, which
-    would leave the other ranks waiting in a collective, the rank reports it here and every rank raises.
+    rank met while calibrating (calibrate passes any exception of its forward loop): instead of raising
+    alone, which would leave the other ranks waiting in a collective, the rank reports it here and every
+    rank raises at once: the others an :class:`AmaxSyncError` naming the rank and its error, this rank
+    the same AmaxSyncError for a CalibrationError, else its own exception (a bad batch, out of memory).
 
     Every enabled quantizer with a calibrated (static) amax takes part; disabled and dynamic ones (MX,
     dynamic blocks, per token) do not. It reduces with MAX (never an average):
@@ -455,12 +483,14 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     this rank has one, from the other ranks; if no rank has one, every rank raises), stays dynamic
     under "skip", and is an error under "error". Any other missing amax, any NaN/Inf, and ranks whose
     quantizers differ (names, formats, roles, amax sizes) make every rank raise the same
-    :class:`AmaxSyncError` naming the quantizers and ranks, with no amax changed anywhere.
+    :class:`AmaxSyncError` naming the quantizers and ranks (for quantizers that differ, the first
+    differing one of each rank), with no amax changed anywhere.
 
     Collectives, all MAX all-reduces, the same sequence on every rank; for each group of more than one
     rank, in :data:`GROUP_NAMES` order: one int64 all-reduce of 5 numbers (structure hash, payload
     size, error flag) over every group, then one flat fp32 all-reduce carrying every amax of the
-    group. On the error path, one more uint8 all-reduce per group carries the reports. Tensors live on
+    group. On the error path, one more uint8 all-reduce per group carries the reports (and, where the
+    quantizers differ, an ``all_gather_object`` of their descriptions finds the first difference). Tensors live on
     the amax's device (CUDA for NCCL). With no group of more than one rank it only checks and unifies
     the experts' amax locally.
     """
@@ -472,11 +502,16 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
         _assign_groups(u, parallel_state, problems)
         _prepare(u, policy, problems)
     _nonfinite(units, problems)
-    if local_error is not None:
-        problems = [str(local_error)]  # the other problems of this rank follow from it
+    # an error other than CalibrationError (a bad batch, out of memory) is re-raised on its own rank, after
+    # the others have learnt of it; a CalibrationError becomes the AmaxSyncError every rank raises
+    own = None if local_error is None or isinstance(local_error, CalibrationError) else local_error
+    if local_error is not None:  # the other problems of this rank follow from it
+        problems = [str(local_error) if own is None else f"{type(own).__name__} while calibrating: {own}"]
     preferred = next((u.value.device for u in units if u.value is not None), torch.device("cpu"))
     comm = _Comm(parallel_state, preferred)
     if not comm.active:
+        if own is not None:
+            raise own
         if problems:
             raise AmaxSyncError(_message({dist.get_rank() if dist.is_initialized() else 0: ("L", "; ".join(problems))})) from local_error
         everywhere = [u.have for u in units if u.layer]
@@ -491,9 +526,14 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
                 if v == "S" or (v == "N" and not problems):
                     what = "the quantizers differ (names, formats or parallel roles)" if v == "S" else "amax sizes differ"
                     lines.append(f"{what} between the ranks of its {name} group {parallel_state.global_ranks(name)}")
+                    if v == "S":
+                        lines.append(_first_difference(comm, name, units, (policy, sync_w)))
                     code = code or ("S" if v == "S" else "N")
             row = _encode(code, lines) if lines else b""
-            raise AmaxSyncError(_message(_exchange_reports(comm, row))) from local_error
+            reports = _exchange_reports(comm, row)
+            if own is not None:
+                raise own
+            raise AmaxSyncError(_message(reports)) from local_error
     missing = [u.name for u, anywhere in zip((u for u in units if u.layer), everywhere, strict=True) if u.fill and not anywhere]
     if missing:
         raise AmaxSyncError(

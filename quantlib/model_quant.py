@@ -158,10 +158,10 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forwa
             m.calibrate_weights()
         if forward_loop is not None:
             _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
-    except CalibrationError as exc:
+    except Exception as exc:  # a bad batch or OOM too: raised alone, it would leave the other ranks in the sync
         if parallel_state is None:
             raise
-        local_error = exc  # raised by the sync on every rank together: alone, this rank would hang the others
+        local_error = exc  # sync_amax makes every rank raise; this one re-raises exc
     if parallel_state is not None:
         from .distributed import sync_amax
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pytest
+
 from tests.ranks import run_on_ranks
 
 

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 import quantlib as ql
-
 from tests.ranks import run_on_ranks
 
 

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 
 import quantlib as ql
-
 from tests.ranks import run_on_ranks
 
 pytestmark = [

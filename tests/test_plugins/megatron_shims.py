@@ -10,6 +10,7 @@ import multiprocessing as mp
 from typing import Any, Callable, Optional
 
 import torch
+
 from tests.ranks import die_with_parent, run_on_ranks
 
 _SHIMS_APPLIED = False
