@@ -46,9 +46,10 @@ def _download(version: str, folder: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def te_source(request) -> Callable[[str, str], str]:
+def te_source(request, tmp_path_factory) -> Callable[[str, str], str]:
     """``te_source(version, module)``: the source of ``transformer_engine/pytorch/module/<module>.py``."""
-    cache = str(request.config.cache.mkdir("quantlib-te-wheels"))
+    store = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: a folder of this run then
+    cache = str(store.mkdir("quantlib-te-wheels") if store is not None else tmp_path_factory.mktemp("quantlib-te-wheels"))
 
     def get(version: str, module: str) -> str:
         folder = os.path.join(cache, version)
