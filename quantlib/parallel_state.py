@@ -29,7 +29,7 @@ from .nn.tensor_quantizer import TensorQuantizer
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means a group of one rank
 
-#: The order in which :func:`sync_amax` visits the groups (the same on every rank).
+#: The order in which :func:`quantlib.distributed.sync_amax` visits the groups (the same on every rank).
 GROUP_NAMES: tuple[str, ...] = ("data", "tensor", "expert", "expert_tensor")
 PARALLEL_ROLES: tuple[str, ...] = ("replicated", "column", "row")
 
@@ -207,7 +207,7 @@ class ParallelState:
         return f"ParallelState({parts})"
 
 
-# ---------------------------------------------------------------------------------- what syncs where
+# ---------------------------------------------------------------------------------- discovery
 
 
 def discover_parallel_state() -> Optional[ParallelState]:
