@@ -35,6 +35,9 @@ class AmaxSyncError(CalibrationError):
 
 
 
+# ---------------------------------------------------------------------------------- what syncs where
+
+
 def _kind(module: Optional[nn.Module], attr: str) -> str:
     if isinstance(module, QuantModule) and attr in module.weight_quantizer_names:
         return "weight"
@@ -440,9 +443,6 @@ def _commit(units: list[_Unit]) -> None:
                     leaf.amax = u.value.reshape(u.shape).to(current.device)
     for u, leaf in fills:
         leaf.amax = u.value.reshape(u.shape).to(u.device)
-
-
-# ---------------------------------------------------------------------------------- the routine
 
 
 # ---------------------------------------------------------------------------------- the routine
