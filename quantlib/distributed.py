@@ -34,7 +34,6 @@ class AmaxSyncError(CalibrationError):
     ranks at fault. When it is raised the sync has changed no amax on any rank."""
 
 
-
 # ---------------------------------------------------------------------------------- what syncs where
 
 

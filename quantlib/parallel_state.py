@@ -75,7 +75,6 @@ def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], ex
     return dim if dim in kept else None
 
 
-
 class ParallelState:
     """The process groups of a parallel layout; ``None`` stands for a group of one rank (this one).
 

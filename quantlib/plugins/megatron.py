@@ -346,6 +346,7 @@ class _TERowMixin(_MegatronQuantMixin):
 class _TELinearMixin(_MegatronQuantMixin):
     """``TELinear``: its role is TE's ``parallel_mode`` ("duplicated" layers have None)."""
 
+
 class _TEGroupedMixin(_MegatronQuantMixin):
     """``TE{Column,Row}ParallelGroupedLinear``: GEMM i is expert ``ep_rank * num_gemms + i``. Member i of
     each GroupedQuantizer is saved at that index of the expert axis (the keys SequentialMLP uses); the
