@@ -1,7 +1,7 @@
 """Build of quantlib: the pure-Python package plus the optional compiled extension ``quantlib._C``.
 
 The C++ CPU kernels (csrc/cpu) are always built; the CUDA kernels (csrc/cuda) when the installed torch
-has CUDA and nvcc is found. Install with ``pip install --no-build-isolation .`` so the build uses the
+has CUDA, nvcc is found, and a GPU is visible or TORCH_CUDA_ARCH_LIST names the architectures. Install with ``pip install --no-build-isolation .`` so the build uses the
 torch already installed (an isolated build would fetch another torch).
 """
 
@@ -25,6 +25,9 @@ def extensions():
     cxx = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    # torch picks the CUDA architectures from the visible GPUs or TORCH_CUDA_ARCH_LIST (its documented build
+    # variable); with neither (a CUDA build of torch on a CPU machine) it has none and the build fails
+    use_cuda = use_cuda and (torch.cuda.is_available() or bool(os.environ.get("TORCH_CUDA_ARCH_LIST")))
     kwargs = dict(name="quantlib._C", extra_link_args=["-fopenmp"])
     if use_cuda:
         ext = cpp_extension.CUDAExtension(

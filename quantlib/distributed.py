@@ -1,31 +1,16 @@
-"""ParallelState and the one amax sync routine (DESIGN section 5).
+"""The one amax sync routine (DESIGN section 5).
 
-:class:`ParallelState` names the process groups that matter to amax: data, tensor, expert and
-expert-tensor parallel (pipeline stages never share a quantizer). :func:`sync_amax` is the only routine
-that communicates: after calibration it makes every rank hold the amax its layout demands, or makes
-every rank raise the same :class:`AmaxSyncError`; no rank is left waiting in a collective.
-
-Layout conventions (Megatron-Core's; :meth:`ParallelState.from_megatron` builds exactly these):
-
-- ``data_group``: the ranks that hold the same dense (non-expert) parameters and calibrate on
-  different data -- Megatron's data-parallel group with context parallel. When expert parallelism
-  carves experts out of it (Megatron does), it contains ranks that hold *different* experts; the
-  replicas of an expert are the ranks of ``data_group`` at the same position of ``expert_group`` and
-  ``expert_tensor_group``.
-- ``tensor_group`` / ``expert_tensor_group``: the tensor-parallel shards of dense / expert linears.
-- ``expert_group``: the ranks that hold different experts of the same MoE layers.
-- The groups together form a grid (every rank of a pipeline stage is reached from every other by a
-  data step followed by a tensor step, as in Megatron); every rank of every group calls
-  :func:`sync_amax`, with a model of the same structure (same quantizer names up to the experts' local
-  indices, formats and amax sizes), and ranks of ``data_group`` hold the same tensor-parallel shard.
+:func:`sync_amax` is the only routine that communicates: after calibration it makes every rank hold the
+amax its layout demands (a :class:`~quantlib.parallel_state.ParallelState`, whose module docstring states
+the layout conventions), or makes every rank raise the same :class:`AmaxSyncError`; no rank is left
+waiting in a collective.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,16 +18,11 @@ from torch import nn
 
 from .config import QuantizeConfig
 from .formats import Kind
-from .model_quant import expert_group_key, iter_quantizers
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
-
-ProcessGroup = Any  # torch.distributed.ProcessGroup; None means a group of one rank
-
-#: The order in which :func:`sync_amax` visits the groups (the same on every rank).
-GROUP_NAMES: tuple[str, ...] = ("data", "tensor", "expert", "expert_tensor")
-PARALLEL_ROLES: tuple[str, ...] = ("replicated", "column", "row")
+from .parallel_state import GROUP_NAMES, PARALLEL_ROLES, LayoutError, ParallelState, ProcessGroup, discover_parallel_state, tp_shard_dim  # noqa: F401  (re-exported)
+from .traversal import expert_group_key, iter_quantizers
 
 _CPU = torch.device("cpu")
 _ROW_BYTES = 1024  # per-rank room for the error report exchanged when something is wrong
@@ -52,178 +32,6 @@ _MAX = dist.ReduceOp.MAX if dist.is_available() else None
 class AmaxSyncError(CalibrationError):
     """Raised by :func:`sync_amax` with the same message on every rank: it names the quantizers and the
     ranks at fault. When it is raised the sync has changed no amax on any rank."""
-
-
-class LayoutError(ValueError):
-    """An amax that has no layout-independent global form (a block straddles tensor-parallel shards)."""
-
-
-def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], extent: int, tp_size: int, where: str) -> Optional[int]:
-    """The dim of ``leaf``'s amax that is sharded over TP, or None where the amax is the same on every
-    TP rank (per tensor, or grouped over the whole split axis): the one rule of both the amax sync (which
-    MAX-reduces over TP exactly the amax this gives None for) and the checkpoints' global form.
-
-    ``split_axis`` is the axis of the quantized tensor that TP splits (None: not split) and ``extent``
-    its local size. The rule depends only on the config and the layout, never on the amax values, so
-    the same call maps a global amax shape back to the local one when loading.
-    """
-    if split_axis is None or ndim == 0 or leaf.spec.kind == Kind.NVFP4:
-        return None
-    dim = split_axis % ndim
-    block = leaf.spec.block
-    if block is not None:
-        blocked = {ndim - 1: block[-1]} if len(block) == 1 else {ndim - 2: block[0], ndim - 1: block[1]}
-        if dim not in blocked:
-            return dim
-        size = blocked[dim]
-        if tp_size == 1:
-            return dim
-        if extent <= 0:
-            raise LayoutError(
-                f"{where}: blocks of {size} along an axis split over TP={tp_size} whose local size is unknown "
-                "(no weight to read it from), so whether a block spans the shards cannot be told"
-            )
-        if extent % size == 0:
-            return dim  # every local block is a global block
-        if extent * tp_size <= size:
-            return None  # one block spans the whole axis: the synced amax is the global one
-        raise LayoutError(
-            f"{where}: blocks of {size} along an axis split over TP={tp_size} into {extent} per rank straddle the shards, "
-            f"so its amax has no layout-independent form; use a block size that divides {extent} or >= {extent * tp_size}"
-        )
-    kept = {a % ndim for a in (leaf.axis or ())}
-    return dim if dim in kept else None
-
-
-class ParallelState:
-    """The process groups of a parallel layout; ``None`` stands for a group of one rank (this one).
-
-    ``ParallelState(data_group=None, tensor_group=None, expert_group=None, expert_tensor_group=None)``
-    takes ``torch.distributed`` process groups (gloo or NCCL); see the module docstring for what each
-    group means. :meth:`from_megatron` reads them from Megatron-Core's ``parallel_state``. The calling
-    rank must belong to every group it passes.
-    """
-
-    def __init__(
-        self,
-        data_group: Optional[ProcessGroup] = None,
-        tensor_group: Optional[ProcessGroup] = None,
-        expert_group: Optional[ProcessGroup] = None,
-        expert_tensor_group: Optional[ProcessGroup] = None,
-    ) -> None:
-        self._groups: dict[str, Optional[ProcessGroup]] = {
-            "data": data_group,
-            "tensor": tensor_group,
-            "expert": expert_group,
-            "expert_tensor": expert_tensor_group,
-        }
-        for name, group in self._groups.items():
-            if group is None:
-                continue
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(f"ParallelState: a {name}_group was given but torch.distributed is not initialized")
-            if dist.get_rank(group) < 0:
-                raise ValueError(f"ParallelState: rank {dist.get_rank()} is not a member of the {name}_group it was given")
-
-    @classmethod
-    def from_megatron(cls) -> "ParallelState":
-        """The groups of Megatron-Core's initialized ``parallel_state``: data parallel with context
-        parallel, tensor model parallel, expert model parallel and expert tensor parallel.
-
-        Raises ImportError without megatron-core and RuntimeError when
-        ``megatron.core.parallel_state.initialize_model_parallel`` has not run.
-        """
-        try:
-            from megatron.core import parallel_state as mpu
-        except ImportError as exc:
-            raise ImportError(
-                "ParallelState.from_megatron() needs megatron-core (pip install megatron-core); "
-                "or pass the process groups to ParallelState(...)"
-            ) from exc
-        if not mpu.model_parallel_is_initialized():
-            raise RuntimeError(
-                "ParallelState.from_megatron(): Megatron-Core's parallel_state is not initialized; call "
-                "megatron.core.parallel_state.initialize_model_parallel(...) first, or pass the process groups to ParallelState(...)"
-            )
-        return cls(
-            data_group=mpu.get_data_parallel_group(with_context_parallel=True),
-            tensor_group=mpu.get_tensor_model_parallel_group(),
-            expert_group=mpu.get_expert_model_parallel_group(check_initialized=False),
-            expert_tensor_group=mpu.get_expert_tensor_parallel_group(check_initialized=False),
-        )
-
-    # ------------------------------------------------------------------ groups, sizes, ranks
-    def group(self, name: str) -> Optional[ProcessGroup]:
-        """The process group called ``name`` (one of :data:`GROUP_NAMES`), or None."""
-        return self._groups[name]
-
-    def size(self, name: str) -> int:
-        group = self._groups[name]
-        return 1 if group is None else dist.get_world_size(group)
-
-    def rank(self, name: str) -> int:
-        """This rank's index inside group ``name`` (0 for a group of one)."""
-        group = self._groups[name]
-        return 0 if group is None else dist.get_rank(group)
-
-    def global_ranks(self, name: str) -> list[int]:
-        """Global ranks of the members of group ``name``, in group order."""
-        group = self._groups[name]
-        if group is None:
-            return [dist.get_rank()] if dist.is_available() and dist.is_initialized() else [0]
-        return list(dist.get_process_group_ranks(group))
-
-    @property
-    def data_group(self) -> Optional[ProcessGroup]:
-        return self._groups["data"]
-
-    @property
-    def tensor_group(self) -> Optional[ProcessGroup]:
-        return self._groups["tensor"]
-
-    @property
-    def expert_group(self) -> Optional[ProcessGroup]:
-        return self._groups["expert"]
-
-    @property
-    def expert_tensor_group(self) -> Optional[ProcessGroup]:
-        return self._groups["expert_tensor"]
-
-    @property
-    def data_size(self) -> int:
-        return self.size("data")
-
-    @property
-    def data_rank(self) -> int:
-        return self.rank("data")
-
-    @property
-    def tensor_size(self) -> int:
-        return self.size("tensor")
-
-    @property
-    def tensor_rank(self) -> int:
-        return self.rank("tensor")
-
-    @property
-    def expert_size(self) -> int:
-        return self.size("expert")
-
-    @property
-    def expert_rank(self) -> int:
-        return self.rank("expert")
-
-    @property
-    def expert_tensor_size(self) -> int:
-        return self.size("expert_tensor")
-
-    @property
-    def expert_tensor_rank(self) -> int:
-        return self.rank("expert_tensor")
-
-    def __repr__(self) -> str:
-        parts = ", ".join(f"{n}={self.rank(n)}/{self.size(n)}" for n in GROUP_NAMES)
-        return f"ParallelState({parts})"
 
 
 # ---------------------------------------------------------------------------------- what syncs where
@@ -548,6 +356,32 @@ def _positions(starts: list[int], lengths: list[int], device: torch.device) -> t
     return torch.arange(int(n.sum()), device=device) + torch.repeat_interleave(first - before, n)
 
 
+_FIELDS = ("identity", "kind", "layer grouping", "expert", "format", "axis", "groups")  # of _Unit.describe
+
+
+def _first_difference(comm: _Comm, name: str, units: list[_Unit], settings: tuple) -> str:
+    """Error path only (the ranks of group ``name`` hold quantizers that differ): where this rank's list
+    first departs from that of the lowest group rank whose list differs, naming both quantizers."""
+    spec_reprs: dict = {}
+    mine = (settings, [(u.name, u.describe(spec_reprs).split("|")) for u in units])
+    everyone: list = [None] * comm.sizes[name]
+    dist.all_gather_object(everyone, mine, group=comm.state.group(name))
+    ranks = comm.state.global_ranks(name)
+    other = next((r for r, theirs in zip(ranks, everyone) if theirs != mine), None)
+    if other is None:
+        return "this rank's quantizers match every other rank's that differ from each other"
+    theirs = everyone[ranks.index(other)]
+    if theirs[0] != settings:
+        return f"expert_input_policy / sync_expert_weight_amax {settings} here, {theirs[0]} on rank {other}"
+    for i, ((n_mine, d_mine), (n_theirs, d_theirs)) in enumerate(zip(mine[1], theirs[1])):
+        if d_mine != d_theirs:
+            field_ = next((f for f, a, b in zip(_FIELDS, d_mine, d_theirs) if a != b), "description")
+            return f"first differing quantizer (#{i}, its {field_}): {n_mine} here, {n_theirs} on rank {other}"
+    i = min(len(mine[1]), len(theirs[1]))
+    extra, where = (mine[1][i][0], "here only") if len(mine[1]) > i else (theirs[1][i][0], f"on rank {other} only")
+    return f"first differing quantizer (#{i}): {extra} {where}"
+
+
 def _encode(code: str, lines: list[str]) -> bytes:
     data = (code + "; ".join(lines)).encode()[:_ROW_BYTES]
     return data.decode(errors="ignore").encode()
@@ -613,27 +447,15 @@ def _commit(units: list[_Unit]) -> None:
 # ---------------------------------------------------------------------------------- the routine
 
 
-def discover_parallel_state() -> Optional[ParallelState]:
-    """The layout calibration syncs over when none is passed: Megatron-Core's groups if its parallel
-    state is initialized, else the default group as data parallel if torch.distributed runs several
-    ranks, else None. Pass ``ParallelState()`` explicitly to calibrate each rank on its own."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    mpu = sys.modules.get("megatron.core.parallel_state")  # imported only by a Megatron user
-    if mpu is not None and mpu.model_parallel_is_initialized():
-        return ParallelState.from_megatron()
-    if dist.get_world_size() > 1:
-        return ParallelState(data_group=dist.group.WORLD)
-    return None
-
-
 def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: Optional[BaseException] = None) -> None:
     """Make the amax of ``model`` what the parallel layout demands, on every rank, or raise on all.
 
     Call it on every rank of every group of ``parallel_state``, after calibration
     (:func:`quantlib.calibrate` does when given a ``parallel_state``). ``local_error`` is an error this
-    rank met while calibrating (calibrate passes its CalibrationError): instead of raising alone, which
-    would leave the other ranks waiting in a collective, the rank reports it here and every rank raises.
+    rank met while calibrating (calibrate passes any exception of its forward loop): instead of raising
+    alone, which would leave the other ranks waiting in a collective, the rank reports it here and every
+    rank raises at once: the others an :class:`AmaxSyncError` naming the rank and its error, this rank
+    the same AmaxSyncError for a CalibrationError, else its own exception (a bad batch, out of memory).
 
     Every enabled quantizer with a calibrated (static) amax takes part; disabled and dynamic ones (MX,
     dynamic blocks, per token) do not. It reduces with MAX (never an average):
@@ -660,12 +482,14 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     this rank has one, from the other ranks; if no rank has one, every rank raises), stays dynamic
     under "skip", and is an error under "error". Any other missing amax, any NaN/Inf, and ranks whose
     quantizers differ (names, formats, roles, amax sizes) make every rank raise the same
-    :class:`AmaxSyncError` naming the quantizers and ranks, with no amax changed anywhere.
+    :class:`AmaxSyncError` naming the quantizers and ranks (for quantizers that differ, the first
+    differing one of each rank), with no amax changed anywhere.
 
     Collectives, all MAX all-reduces, the same sequence on every rank; for each group of more than one
     rank, in :data:`GROUP_NAMES` order: one int64 all-reduce of 5 numbers (structure hash, payload
     size, error flag) over every group, then one flat fp32 all-reduce carrying every amax of the
-    group. On the error path, one more uint8 all-reduce per group carries the reports. Tensors live on
+    group. On the error path, one more uint8 all-reduce per group carries the reports (and, where the
+    quantizers differ, an ``all_gather_object`` of their descriptions finds the first difference). Tensors live on
     the amax's device (CUDA for NCCL). With no group of more than one rank it only checks and unifies
     the experts' amax locally.
     """
@@ -677,11 +501,16 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
         _assign_groups(u, parallel_state, problems)
         _prepare(u, policy, problems)
     _nonfinite(units, problems)
-    if local_error is not None:
-        problems = [str(local_error)]  # the other problems of this rank follow from it
+    # an error other than CalibrationError (a bad batch, out of memory) is re-raised on its own rank, after
+    # the others have learnt of it; a CalibrationError becomes the AmaxSyncError every rank raises
+    own = None if local_error is None or isinstance(local_error, CalibrationError) else local_error
+    if local_error is not None:  # the other problems of this rank follow from it
+        problems = [str(local_error) if own is None else f"{type(own).__name__} while calibrating: {own}"]
     preferred = next((u.value.device for u in units if u.value is not None), torch.device("cpu"))
     comm = _Comm(parallel_state, preferred)
     if not comm.active:
+        if own is not None:
+            raise own
         if problems:
             raise AmaxSyncError(_message({dist.get_rank() if dist.is_initialized() else 0: ("L", "; ".join(problems))})) from local_error
         everywhere = [u.have for u in units if u.layer]
@@ -696,9 +525,14 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
                 if v == "S" or (v == "N" and not problems):
                     what = "the quantizers differ (names, formats or parallel roles)" if v == "S" else "amax sizes differ"
                     lines.append(f"{what} between the ranks of its {name} group {parallel_state.global_ranks(name)}")
+                    if v == "S":
+                        lines.append(_first_difference(comm, name, units, (policy, sync_w)))
                     code = code or ("S" if v == "S" else "N")
             row = _encode(code, lines) if lines else b""
-            raise AmaxSyncError(_message(_exchange_reports(comm, row))) from local_error
+            reports = _exchange_reports(comm, row)
+            if own is not None:
+                raise own
+            raise AmaxSyncError(_message(reports)) from local_error
     missing = [u.name for u, anywhere in zip((u for u in units if u.layer), everywhere, strict=True) if u.fill and not anywhere]
     if missing:
         raise AmaxSyncError(
@@ -708,4 +542,4 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     _commit(units)
 
 
-__all__ = ["GROUP_NAMES", "AmaxSyncError", "LayoutError", "ParallelState", "sync_amax", "tp_shard_dim"]
+__all__ = ["GROUP_NAMES", "AmaxSyncError", "LayoutError", "ParallelState", "discover_parallel_state", "sync_amax", "tp_shard_dim"]

@@ -6,7 +6,7 @@ import fnmatch
 import io
 import logging
 import sys
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -17,47 +17,10 @@ from .coverage import report_coverage
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
+from .traversal import expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
 
 ForwardLoop = Callable[[nn.Module], Any]
 _log = logging.getLogger("quantlib")
-
-
-# ------------------------------------------------------------------------------------ traversal
-
-
-def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
-    """(full name, parent module, attribute name, quantizer) of every top-level quantizer; the members
-    of a container are not listed separately (see :func:`iter_leaf_quantizers`)."""
-
-    def walk(module: nn.Module, prefix: str):
-        for attr, child in module.named_children():
-            full = f"{prefix}.{attr}" if prefix else attr
-            if isinstance(child, (TensorQuantizer, QuantizerContainer)):
-                yield full, module, attr, child
-            else:
-                yield from walk(child, full)
-
-    yield from walk(model, "")
-
-
-def leaves_of(name: str, q: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
-    """(name, TensorQuantizer) of ``q`` itself or of each member (``name.i``, depth first)."""
-    if isinstance(q, TensorQuantizer):
-        yield name, q
-        return
-    for i, m in enumerate(q):
-        yield from leaves_of(f"{name}.{i}", m)
-
-
-def iter_leaf_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
-    for name, _, _, q in iter_quantizers(model):
-        yield from leaves_of(name, q)
-
-
-def quant_modules(model: nn.Module) -> Iterator[tuple[str, QuantModule]]:
-    for name, m in model.named_modules():
-        if isinstance(m, QuantModule):
-            yield name, m
 
 
 def _weight_quantizer_ids(model: nn.Module) -> set[int]:
@@ -202,10 +165,10 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forwa
             _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
         else:
             _drop_activation_amax(model)
-    except CalibrationError as exc:
+    except Exception as exc:  # a bad batch or OOM too: raised alone, it would leave the other ranks in the sync
         if parallel_state is None:
             raise
-        local_error = exc  # raised by the sync on every rank together: alone, this rank would hang the others
+        local_error = exc  # sync_amax makes every rank raise; this one re-raises exc
     if parallel_state is not None:
         from .distributed import sync_amax
 
@@ -263,15 +226,6 @@ def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, l
             else:
                 _log.info("%s: tokens per expert %s", name, report[name])
     return report
-
-
-def expert_group_key(name: str) -> Optional[str]:
-    """Name with the expert index replaced by ``*`` (the last numeric path component), or None."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, -1, -1):
-        if parts[i].isdigit():
-            return ".".join(parts[:i] + ["*"] + parts[i + 1 :])
-    return None
 
 
 def _fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], policy: str) -> None:

@@ -1,12 +1,18 @@
-"""Run a function on N forked processes with torch.distributed: the one harness of the multi-process tests.
+"""Run a function on N processes with torch.distributed: the one harness of the multi-process tests.
 
-``run_on_ranks(fn, world_size, *args, timeout=60)`` forks ``world_size`` processes (the ``fork`` start
-method: children inherit the parent's imports, so 4 ranks start in well under a second), initialises a
+``run_on_ranks(fn, world_size, *args, timeout=60)`` starts ``world_size`` processes, initialises a
 process group in each on a free TCP port of 127.0.0.1, calls ``fn(rank, world_size, *args)`` and returns
 the per-rank return values. An exception on any rank is re-raised in the parent as :class:`RankFailure`
 carrying every rank's traceback; a rank that has not finished after ``timeout`` seconds is killed (only
 the processes this helper started) and the parent raises :class:`RankTimeout`, so a hanging collective
 fails the test instead of hanging the suite.
+
+How ranks start: gloo (CPU) ranks are forked (children inherit the parent's imports, so 4 ranks start
+in well under a second); NCCL ranks are spawned, because a process that has initialised CUDA (any
+earlier GPU test in the same pytest worker) cannot fork children that use CUDA. Spawned children import
+``fn`` (and ``setup`` / ``teardown``) by name, so these must be module-level functions of an importable
+module: test modules are, as ``tests.<folder>.<module>`` (pytest's importlib mode with the repository
+root on ``sys.path``, which spawned children inherit).
 
 Results travel as ``torch.save`` bytes, not as pickled tensors: a pickled tensor is sent as a file
 descriptor that the parent fetches from the child later, and a child that has exited by then leaves the
@@ -93,12 +99,36 @@ def _child(rank: int, world: int, port: int, pg_timeout: float, backend: str, se
         os._exit(0)  # no atexit handlers of the forked parent's state (pytest's, Megatron's)
 
 
+def start_method(backend: str) -> str:
+    """How ranks of ``backend`` start: "spawn" for NCCL (CUDA cannot be re-initialised in a forked
+    child), "fork" otherwise (much faster: nothing is re-imported)."""
+    return "spawn" if backend == "nccl" else "fork"
+
+
+def _check_importable(role: str, f: Optional[Callable]) -> None:
+    """A spawned child finds ``f`` by module and qualified name: refuse, naming it, what it cannot find."""
+    if f is None:
+        return
+    module, qualname = getattr(f, "__module__", None), getattr(f, "__qualname__", "")
+    if module in (None, "__main__") or "<" in qualname:
+        raise ValueError(
+            f"run_on_ranks: {role} {qualname or f!r} of module {module!r} cannot be imported by a spawned rank; "
+            "make it a module-level function of an importable module"
+        )
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, backend: str = "gloo",
-                 setup: Optional[Callable[[], None]] = None, teardown: Optional[Callable[[], None]] = None) -> list[Any]:  # fmt: skip
-    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own forked
+                 setup: Optional[Callable[[], None]] = None, teardown: Optional[Callable[[], None]] = None,
+                 method: Optional[str] = None) -> list[Any]:  # fmt: skip
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own
     process. ``setup`` runs in each child before the process group exists, ``teardown`` after it is gone.
-    ``backend="nccl"`` gives rank r the GPU r (the parent must not have initialised CUDA)."""
-    ctx = mp.get_context("fork")
+    ``backend="nccl"`` gives rank r the GPU r. ``method`` ("fork" / "spawn") overrides
+    :func:`start_method`; spawned ranks need ``fn``, ``setup``, ``teardown`` and ``args`` picklable."""
+    method = method or start_method(backend)
+    if method == "spawn":
+        for role, f in (("fn", fn), ("setup", setup), ("teardown", teardown)):
+            _check_importable(role, f)
+    ctx = mp.get_context(method)
     results = ctx.Queue()
     port = free_port()
     # not daemonic: a rank may start processes of its own (Megatron's checkpoint writer); die_with_parent

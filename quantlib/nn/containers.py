@@ -3,7 +3,7 @@ member per GEMM of a grouped linear, e.g. per MoE expert), sharing one base."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -125,7 +125,10 @@ class GroupedQuantizer(QuantizerContainer, nn.ModuleList):
     There is no chained forward; calibration, restore and reset act on each member with its own tensor.
     """
 
-    def __init__(self, quantizers: Sequence[nn.Module]) -> None:
+    def __init__(self, *quantizers: Union[nn.Module, Iterable[nn.Module]]) -> None:
+        """``GroupedQuantizer(q0, q1, ...)`` as ModelOpt writes it, or ``GroupedQuantizer([q0, q1, ...])``."""
+        if len(quantizers) == 1 and not isinstance(quantizers[0], nn.Module) and isinstance(quantizers[0], Iterable):
+            quantizers = tuple(quantizers[0])  # the list form
         if not quantizers:
             raise ValueError("GroupedQuantizer needs at least one member")
         for q in quantizers:

@@ -20,7 +20,7 @@ imports. What it registers:
   each (member i = GEMM i = global expert ``ep_rank * num_gemms + i``), tokens counted from ``m_splits``;
   the container itself needs no quantized class.
 
-Dist checkpointing (DESIGN §7). ``sharded_state_dict`` saves every amax in a layout-independent global
+Dist checkpointing (DESIGN §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`). ``sharded_state_dict`` saves every amax in a layout-independent global
 form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
 
 - a per-tensor amax (and the NVFP4 global amax) is replicated (the sync made it equal on all ranks);
@@ -55,9 +55,7 @@ import sys
 from typing import Any, Iterator, Optional
 
 import torch
-from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -65,12 +63,22 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size, make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from torch import nn
 
-from ..checkpoint import CheckpointError, _build, _quantizer_state
-from ..distributed import LayoutError, tp_shard_dim
-from ..model_quant import leaves_of
+from ..checkpoint import CheckpointError
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
+from ..parallel_state import LayoutError, tp_shard_dim
+from ..traversal import leaves_of
+from .megatron_state import (
+    EXTRA_STATE_KEY,
+    EXTRA_STATE_SCHEMA,
+    _extra_key,
+    apply_quantizer_extra_state,
+    merge_extra_states,
+    quantizer_extra_state,
+    restore_quantizer_config,
+    split_extra_state,
+)
 
 try:  # Megatron-Core 0.16 and later
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
@@ -86,26 +94,6 @@ except ImportError:  # releases whose layers read the data-parallel group from p
 _SWIGLU_PARAMS = frozenset(inspect.signature(apply_swiglu_sharded_factory).parameters)
 
 _log = logging.getLogger("quantlib")
-
-#: version of the quantizer state kept in ``_extra_state``
-EXTRA_STATE_SCHEMA = 1
-#: state-dict key (after the module prefix) of the quantizer config; a ShardedObject in dist checkpoints
-EXTRA_STATE_KEY = "_quantizer_extra_state"
-
-
-# ------------------------------------------------------------------------------------ layout rules
-
-
-def _local_shape(global_shape: tuple[int, ...], dim: Optional[int], tp_size: int, where: str) -> tuple[int, ...]:
-    if dim is None:
-        return tuple(global_shape)
-    if global_shape[dim] % tp_size:
-        raise CheckpointError(f"{where}: amax of global shape {tuple(global_shape)} cannot be split over TP={tp_size} along dim {dim}")
-    return tuple(s // tp_size if d == dim else s for d, s in enumerate(global_shape))
-
-
-def _global_shape(local_shape: tuple[int, ...], dim: Optional[int], tp_size: int) -> tuple[int, ...]:
-    return tuple(s * tp_size if d == dim else s for d, s in enumerate(local_shape))
 
 
 # ------------------------------------------------------------------------------------ the shared mixin
@@ -228,14 +216,6 @@ def _pop_extra_state(module: nn.Module, state_dict: dict, prefix: str, *args) ->
         apply_quantizer_extra_state(module, merge_extra_states(states))
 
 
-def _extra_key(key: str) -> tuple[Optional[str], int]:
-    """(owner prefix, piece) of a ``<owner prefix>_quantizer_extra_state[<piece>]`` key; (None, 0) for others."""
-    head, sep, tail = key.rpartition(EXTRA_STATE_KEY)
-    if not sep or (tail and not tail.isdigit()) or (head and not head.endswith(".")):
-        return None, 0
-    return head, int(tail or 0)
-
-
 # ------------------------------------------------------------------------------------ local linears
 
 
@@ -271,151 +251,6 @@ class _QuantColumnParallelLinear(_LocalLinearMixin):
 @QuantModuleRegistry.register(RowParallelLinear, "megatron.RowParallelLinear")
 class _QuantRowParallelLinear(_LocalLinearMixin):
     parallel_role = "row"
-
-
-# ------------------------------------------------------------------------------------ quantizer config
-
-
-def quantizer_extra_state(module: _MegatronQuantMixin) -> dict:
-    """The layout-independent config of ``module``'s quantizers.
-
-    ``{"quantlib_schema": 1, "quantizers": {attr: state}}``, a state being that of
-    :func:`quantlib.quantizer_state` with each ``_amax`` replaced by ``amax_shape``: the global shape of
-    the amax (None where there is none).
-    """
-    tp_size = module._ql_tp_size()
-    quantizers = {}
-    for qname in module.quantizer_names:
-        q = getattr(module, qname, None)
-        if q is None:
-            continue
-        axis, extent = module.tp_split(qname)
-        state = _quantizer_state(q)
-        for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(state)):
-            amax = leaf_state.pop("_amax")
-            shape = None
-            if amax is not None:
-                dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
-                shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
-            leaf_state["amax_shape"] = shape
-        quantizers[qname] = state
-    return {"quantlib_schema": EXTRA_STATE_SCHEMA, "quantizers": quantizers}
-
-
-def _leaf_states(state: dict) -> Iterator[dict]:
-    if state["type"] == "tensor":
-        yield state
-        return
-    for m in state["members"]:
-        yield from _leaf_states(m)
-
-
-def split_extra_state(state: dict, num: int) -> list[dict]:
-    """Per-expert pieces of a grouped module's state: piece i keeps member i of every grouped quantizer."""
-    pieces = []
-    for i in range(num):
-        quantizers = {}
-        for qname, qs in state["quantizers"].items():
-            if qs["type"] == "grouped":
-                if len(qs["members"]) != num:
-                    raise CheckpointError(f"{qname}: {len(qs['members'])} members for {num} experts")
-                qs = {"type": "grouped", "members": [qs["members"][i]]}
-            quantizers[qname] = qs
-        pieces.append({"quantlib_schema": state["quantlib_schema"], "quantizers": quantizers})
-    return pieces
-
-
-def merge_extra_states(states: list[Any]) -> Any:
-    """Inverse of :func:`split_extra_state` (one state is returned as it is)."""
-    if len(states) == 1:
-        return states[0]
-    if any(not isinstance(s, dict) or not isinstance(s.get("quantizers"), dict) for s in states):
-        raise CheckpointError(
-            f"per-expert quantizer states of a grouped module are not all quantlib states: {[type(s).__name__ for s in states]}"
-        )
-    merged = {"quantlib_schema": states[0].get("quantlib_schema"), "quantizers": {}}
-    for qname, qs in states[0]["quantizers"].items():
-        if qs.get("type") == "grouped":
-            qs = {"type": "grouped", "members": [m for s in states for m in s["quantizers"][qname]["members"]]}
-        merged["quantizers"][qname] = qs
-    return merged
-
-
-def apply_quantizer_extra_state(module: _MegatronQuantMixin, state: Any) -> None:
-    """Rebuild ``module``'s quantizers from a :func:`quantizer_extra_state` (saved at any layout), with
-    NaN amax placeholders of this layout's local shapes for the checkpoint's amax to load into (an
-    amax that never loads stays NaN, which the sync and the forward refuse)."""
-    kind = type(module).__name__
-    if not isinstance(state, dict) or not isinstance(state.get("quantizers"), dict):
-        raise CheckpointError(f"{kind}: not a quantlib quantizer state: {str(state)[:80]!r}")
-    if state.get("quantlib_schema") != EXTRA_STATE_SCHEMA:
-        raise CheckpointError(f"{kind}: quantizer state schema {state.get('quantlib_schema')!r}, expected {EXTRA_STATE_SCHEMA}")
-    unknown = set(state["quantizers"]) - set(module.quantizer_names)
-    if unknown:
-        raise CheckpointError(f"{kind}: the checkpoint has quantizers {sorted(unknown)} this module does not have")
-    tp_size = module._ql_tp_size()
-    weights = dict(module.weight_groups())
-    built = {}
-    for qname, qstate in state["quantizers"].items():
-        q = _build(qstate, qname)
-        base = _full_name(getattr(module, qname, None), qname)
-        axis, extent = module.tp_split(qname)
-        tensors = weights.get(qname)
-        if tensors is not None and isinstance(q, GroupedQuantizer) and len(q) != len(tensors):
-            raise CheckpointError(f"{kind}.{qname}: the checkpoint has {len(q)} members for {len(tensors)} weights")
-        for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(qstate)):
-            shape = leaf_state.get("amax_shape")
-            if shape is not None:
-                local = _local_shape(tuple(shape), tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
-                if tensors:
-                    weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
-                    expected = tuple(leaf.amax_shape(tuple(weight.shape)))
-                    if local != expected:
-                        raise CheckpointError(
-                            f"{kind}.{name}: the checkpoint's amax (local shape {local}) does not fit "
-                            f"weight {tuple(weight.shape)} (expected {expected})"
-                        )
-                leaf.amax = torch.full(local, float("nan"))
-            leaf._qname = base + name[len(qname) :]
-        built[qname] = q
-    device = next((t.device for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))), None)
-    for qname, q in built.items():
-        setattr(module, qname, q.to(device) if device is not None else q)
-
-
-def _full_name(old: Optional[nn.Module], qname: str) -> str:
-    """The full model name of quantizer ``qname`` as the old quantizer knew it (else ``qname``)."""
-    if old is None:
-        return qname
-    first = next(iter(old.leaves())) if hasattr(old, "leaves") else old
-    name = getattr(first, "_qname", "")
-    cut = name.rfind("." + qname)
-    return name[: cut + 1 + len(qname)] if cut >= 0 else qname
-
-
-def restore_quantizer_config(model: nn.Module, checkpoint_dir: str) -> nn.Module:
-    """Convert ``model`` (fresh, at any TP/EP layout) and configure its quantizers from a Megatron dist
-    checkpoint saved at any layout, with amax placeholders for ``dist_checkpointing.load`` to fill.
-
-    Then ``model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint_dir))``
-    restores the weights and the amax. Collective: every rank calls it. Layers the checkpoint holds no
-    quantizer state for keep the quantizers conversion gave them.
-    """
-    from ..model_quant import convert, iter_leaf_quantizers
-
-    model = convert(model)
-    wanted = {k: v for k, v in model.sharded_state_dict().items() if isinstance(v, ShardedObject) and _extra_key(k)[0] is not None}
-    pieces: dict[str, list[tuple[int, Any]]] = {}
-    for key, state in dist_checkpointing.load(wanted, checkpoint_dir).items():
-        owner, index = _extra_key(key)
-        pieces.setdefault(owner, []).append((index, state))
-    for owner, found in pieces.items():
-        states = [s for _, s in sorted(found, key=lambda t: t[0])]
-        if any(s is not None for s in states):
-            apply_quantizer_extra_state(model.get_submodule(owner.rstrip(".")), merge_extra_states(states))
-    for name, leaf in iter_leaf_quantizers(model):
-        leaf._qname = name
-    return model
 
 
 # ------------------------------------------------------------------------------------ experts
@@ -510,6 +345,7 @@ class _TERowMixin(_MegatronQuantMixin):
 
 class _TELinearMixin(_MegatronQuantMixin):
     """``TELinear``: its role is TE's ``parallel_mode`` ("duplicated" layers have None)."""
+
 
 class _TEGroupedMixin(_MegatronQuantMixin):
     """``TE{Column,Row}ParallelGroupedLinear``: GEMM i is expert ``ep_rank * num_gemms + i``. Member i of

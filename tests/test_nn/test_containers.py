@@ -236,3 +236,22 @@ def test_sequential_calibration_with_quant_off_passes_the_input_through():
     ref = w4a8()
     ref.calibrate(w)
     assert torch.equal(c[1].amax, ref[1].amax)  # yet member 1 saw member 0's output
+
+
+def test_grouped_takes_modelopts_varargs_form():
+    """``GroupedQuantizer(q0, q1)`` (ModelOpt's form) builds the same group as ``GroupedQuantizer([q0, q1])``,
+    also when the members are chains, and still refuses what the list form refuses."""
+    q0, q1 = TensorQuantizer(INT8_CH), TensorQuantizer(INT8_CH)
+    g = GroupedQuantizer(q0, q1)
+    assert len(g) == 2 and g[0] is q0 and g[1] is q1
+    chains = [w4a8(), w4a8()]
+    assert list(GroupedQuantizer(*chains)) == list(GroupedQuantizer(chains)) == chains
+    one = w4a8()  # a single chain is one member, not a list of its own members
+    assert list(GroupedQuantizer(one)) == [one]
+    w = [weight(), 2 * weight()]
+    g.calibrate(w)
+    assert torch.equal(g[1].amax.flatten(), w[1].abs().amax(dim=1))  # member i calibrated on tensor i alone
+    with pytest.raises(ValueError):
+        GroupedQuantizer()
+    with pytest.raises(TypeError, match="GroupedQuantizer"):
+        GroupedQuantizer(q0, GroupedQuantizer.from_config(FP8, 1))

@@ -14,10 +14,7 @@ import torch
 import quantlib as ql
 from quantlib.model_quant import iter_leaf_quantizers
 
-try:
-    from . import te_gpu
-except ImportError:
-    import te_gpu  # type: ignore[no-redef]
+from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te, pytest.mark.megatron]
 _WHY = te_gpu.gpu_and_te()

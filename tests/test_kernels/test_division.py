@@ -1,6 +1,6 @@
 """The division without a per-element divide (``div_exact`` of the Triton kernels, ``divide`` of the
 CUDA ones) is the correctly rounded quotient: checked here on the CPU with exact FMAs, on the GPU
-exhaustively (tests/kernels/test_gpu_kernels.py).
+exhaustively (tests/test_kernels/test_gpu_kernels.py).
 
 The interpreter cannot run it (its ``tl.fma`` rounds twice), so this model of the same five operations
 is what the CPU suite checks.

@@ -16,10 +16,7 @@ import torch.nn.functional as F
 import quantlib as ql
 from quantlib import checkpoint as ckpt
 
-try:
-    from . import te_gpu
-except ImportError:
-    import te_gpu  # type: ignore[no-redef]
+from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]
 _WHY = te_gpu.gpu_and_te()

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 import quantlib as ql
-
-from ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 
 
 def _quantize_without_state(rank: int, world: int, explicit_local: bool) -> float:

@@ -118,7 +118,7 @@ def init_megatron_tp1(seed: int = 0) -> bool:
 
     created = not torch.distributed.is_initialized()
     if created:
-        from ranks import free_port
+        from tests.ranks import free_port
 
         torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     mpu.destroy_model_parallel()

@@ -22,11 +22,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'q
 
 import quantlib as ql  # noqa: E402
 from quantlib.config import QuantizeConfig  # noqa: E402
-
-try:
-    from . import megatron_shims as shims  # tests/plugins as a package
-except ImportError:
-    import megatron_shims as shims  # type: ignore[no-redef]
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

@@ -10,8 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import quantlib as ql
-
-from ranks import run_on_ranks
+from tests.ranks import run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,6 +49,7 @@ def _sync_on_one_gpu(rank: int, world: int, preset: str, poison: bool) -> dict:
         "devices": sorted({a.device.type for a in amax.values()}),
         "input0_exact": bool(torch.equal(amax["0.input_quantizer"], expected_in0)),
         "payload_device": payload_device,
+        "collective_devices": sorted({device for device, _ in calls}),
         "num_collectives": len(calls),
     }
 

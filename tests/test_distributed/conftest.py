@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pytest
-from ranks import run_on_ranks
+
+from tests.ranks import run_on_ranks
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import quantlib as ql
 from quantlib.distributed import AmaxSyncError
+from tests.ranks import RankFailure, RankTimeout, run_on_ranks
 
 from . import _layouts as L
-from ranks import RankFailure, RankTimeout, run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -175,6 +175,46 @@ def test_structure_mismatch_raises_on_all_ranks():
     outs = run_on_ranks(_calibrate, 2, "TP2", "max_of_peers", False, L.all_tokens, None, (1, "layers.0.fc1.input_quantizer"), timeout=30)
     msg = _same_error_everywhere(outs)
     assert "quantizers differ" in msg and "tensor group [0, 1]" in msg
+
+
+def test_structure_mismatch_names_the_first_differing_quantizer():
+    """Rank 1 disabled one input quantizer: the error names it, not only the ranks."""
+    outs = run_on_ranks(_calibrate, 2, "TP2", "max_of_peers", False, L.all_tokens, None, (1, "layers.0.fc1.input_quantizer"), timeout=30)
+    msg = _same_error_everywhere(outs)
+    assert "first differing quantizer" in msg and "layers.0.fc1.input_quantizer" in msg, msg
+    assert "rank 0:" in msg and "rank 1:" in msg  # each side names where its list departs from the other's
+
+
+def _calibrate_with_bad_batch(rank: int, world: int, layout_name: str, bad_rank: int):
+    """Rank ``bad_rank``'s forward loop raises a KeyError (a bad batch) after its first forward."""
+    layout = L.LAYOUTS[layout_name]
+    state = L.parallel_state(layout, rank)
+    model, loop = L.build(layout, rank, L.config())
+
+    def failing_loop(m):
+        loop(m)
+        if rank == bad_rank:
+            raise KeyError("batch 3 has no 'input_ids'")
+
+    start = time.monotonic()
+    try:
+        ql.calibrate(model, "max", failing_loop, parallel_state=state)
+    except Exception as exc:  # noqa: BLE001  (which class each rank raises is the point)
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("layout_name, bad_rank", [("DP2", 1), ("TP2xEP2", 2)])
+def test_one_ranks_forward_loop_error_raises_promptly_on_every_rank(layout_name, bad_rank):
+    """A non-calibration error on one rank (bad batch, OOM) must not leave the others waiting in the sync
+    until the process-group timeout: that rank raises its own exception, every other rank an
+    AmaxSyncError naming it."""
+    outs = run_on_ranks(_calibrate_with_bad_batch, L.LAYOUTS[layout_name].world, layout_name, bad_rank, timeout=60)
+    assert outs[bad_rank][0] == "KeyError" and "no 'input_ids'" in outs[bad_rank][1]
+    others = [o for r, o in enumerate(outs) if r != bad_rank]
+    assert all(kind == "AmaxSyncError" for kind, _, _ in others), others
+    assert all(f"rank {bad_rank}: KeyError while calibrating" in msg and "input_ids" in msg for _, msg, _ in others), others
+    assert max(elapsed for _, _, elapsed in outs) < 20  # the process groups' timeout is 60 s
 
 
 # ------------------------------------------------------------------------------------ block amax over TP

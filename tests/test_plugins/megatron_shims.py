@@ -10,7 +10,8 @@ import multiprocessing as mp
 from typing import Any, Callable, Optional
 
 import torch
-from ranks import die_with_parent, run_on_ranks
+
+from tests.ranks import die_with_parent, run_on_ranks
 
 _SHIMS_APPLIED = False
 

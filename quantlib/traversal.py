@@ -1,0 +1,61 @@
+"""Walking a converted model's quantizers: the traversal that quantize(), the amax sync, checkpoints and
+plugins share (below all of them, so none has to import another for it)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from torch import nn
+
+from .nn.containers import QuantizerContainer
+from .nn.quant_module import QuantModule
+from .nn.tensor_quantizer import TensorQuantizer
+
+
+def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """(full name, parent module, attribute name, quantizer) of every top-level quantizer; the members
+    of a container are not listed separately (see :func:`iter_leaf_quantizers`)."""
+
+    def walk(module: nn.Module, prefix: str):
+        for attr, child in module.named_children():
+            full = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(child, (TensorQuantizer, QuantizerContainer)):
+                yield full, module, attr, child
+            else:
+                yield from walk(child, full)
+
+    yield from walk(model, "")
+
+
+def leaves_of(name: str, q: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
+    """(name, TensorQuantizer) of ``q`` itself or of each member (``name.i``, depth first)."""
+    if isinstance(q, TensorQuantizer):
+        yield name, q
+        return
+    for i, m in enumerate(q):
+        yield from leaves_of(f"{name}.{i}", m)
+
+
+def iter_leaf_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer]]:
+    """(name, TensorQuantizer) of every leaf quantizer, members of containers included, in model order."""
+    for name, _, _, q in iter_quantizers(model):
+        yield from leaves_of(name, q)
+
+
+def quant_modules(model: nn.Module) -> Iterator[tuple[str, QuantModule]]:
+    """(name, module) of every converted (QuantModule) submodule."""
+    for name, m in model.named_modules():
+        if isinstance(m, QuantModule):
+            yield name, m
+
+
+def expert_group_key(name: str) -> Optional[str]:
+    """Name with the expert index replaced by ``*`` (the last numeric path component), or None."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i] + ["*"] + parts[i + 1 :])
+    return None
+
+
+__all__ = ["expert_group_key", "iter_leaf_quantizers", "iter_quantizers", "leaves_of", "quant_modules"]
