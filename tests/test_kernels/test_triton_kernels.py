@@ -15,12 +15,16 @@ import sys
 
 import pytest
 
-# The interpreter must be on when triton is first imported (it decides at decoration time whether
-# a @triton.jit function, its own standard library's included, is interpreted).
-_FRESH = "triton" not in sys.modules
-os.environ["TRITON_INTERPRET"] = "1"
-
 import torch  # noqa: E402
+
+# The interpreter must be on when triton is first imported (it decides at decoration time whether
+# a @triton.jit function, its own standard library's included, is interpreted), and the switch is
+# process-wide: where a GPU is present, turning it on here would make every later GPU test of this
+# worker run interpreted (115 GPU failures on the H200, 2026-12-03), so there the module runs in a
+# subprocess (which inherits TRITON_INTERPRET=1 from test_module_in_a_fresh_interpreter).
+_FRESH = os.environ.get("TRITON_INTERPRET") == "1" or ("triton" not in sys.modules and not torch.cuda.is_available())
+if _FRESH:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
 

@@ -129,6 +129,7 @@ def build_gpt(seed: int = 0):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -138,7 +139,10 @@ def build_gpt(seed: int = 0):
         transformer_impl="transformer_engine",
     )  # fmt: skip
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda().eval()
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    # as Megatron trains a bf16 model: the wrapper casts every parameter and floating input to bf16 (the bare
+    # GPTModel fed TE's LayerNormLinear fp32 activations against bf16 norm weights on the H200, 2026-12-03)
+    return Float16Module(cfg, gpt).cuda().eval()
 
 
 def _tokens(n: int, seed: int) -> list[torch.Tensor]:

@@ -85,7 +85,8 @@ def test_quantized_te_output_equals_fake_quant_reference_through_the_same_gemm(k
 @pytest.mark.parametrize("preset", sorted(te_gpu.PRESETS))
 def test_grouped_weight_amax_comes_from_each_experts_own_weight(preset):
     model = ql.quantize(build("grouped"), te_gpu.PRESETS[preset], loop(inputs("grouped", 2)))
-    assert model.tokens_per_expert.tolist() == [2 * s for s in SPLITS]
+    if te_gpu.PRESETS[preset].get("algorithm") is not None:  # MX presets are dynamic, never calibrated (as in ModelOpt)
+        assert model.tokens_per_expert.tolist() == [2 * s for s in SPLITS]
     for i, member in enumerate(model.weight_quantizer):
         alone = build("linear")
         with torch.no_grad():
