@@ -1,0 +1,13 @@
+"""Export of quantized models in the formats inference engines and ``transformers`` load (DESIGN §9).
+
+``iter_packed`` streams each module's packed tensors; ``export_checkpoint`` writes a checkpoint
+directory atomically. Packing uses the quantizers' own amax and quantlib's kernels, so the consumer's
+weights are those the model was evaluated with.
+"""
+
+from .checkpoint import export_checkpoint
+from .iterate import iter_packed
+from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
+from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
+
+__all__ = ["GENERIC", "LAYOUTS", "LLAMA", "QWEN3", "QWEN3_MOE", "ExportError", "ExportFormat", "ExportManifest", "ModelLayout", "PackedWeight", "export_checkpoint", "iter_packed", "layout_for"]

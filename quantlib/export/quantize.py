@@ -1,0 +1,38 @@
+"""Real quantization of one weight with its quantizer's calibrated amax, through quantlib's kernels.
+
+The casts of :mod:`quantlib.kernels` (FP8 blockwise, MX, NVFP4) and the INT / FP8 formulas of
+:mod:`quantlib.formats` are the ones fake quantization runs, so ``dequantize(real_quantize(w))`` is the
+weight the model was evaluated with, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import kernels
+from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
+from ..formats.fp8_blockwise import fp8_blockwise_quantize
+
+
+def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto") -> QuantizedTensor:
+    """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it."""
+    shape, dtype = tuple(w.shape), w.dtype
+    if spec.kind == Kind.MX:
+        elem = "e4m3" if spec.element == (4, 3) else "e2m1"
+        codes, byte = kernels.mx_cast(w, elem, spec.block[0], spec.rounding, backend=backend)
+        return QuantizedTensor(codes, byte, spec, shape, dtype)
+    if spec.kind == Kind.NVFP4:
+        packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend)
+        return QuantizedTensor(packed, sb8, spec, shape, dtype, global_scale=s2)
+    if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
+        # The cast computes each block's amax from w; where the calibrated amax is that same amax
+        # (weights calibrate from themselves) it is the fast path, else the formula with the stored amax.
+        if spec.dynamic or amax is None or torch.equal(kernels.block_amax(w, spec.block, backend=backend), amax.to(w.device)):
+            codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend)
+        else:
+            codes, d = fp8_blockwise_quantize(w, spec.block, spec.element, spec.eps, spec.pow2, amax.to(w.device))
+        return QuantizedTensor(codes, d, spec, shape, dtype)
+    # INT and FP8 per tensor / channel: the reference formulas (what every fake-quant backend equals)
+    return quantize(w, spec, None if amax is None else amax.to(w.device))
