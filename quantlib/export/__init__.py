@@ -7,7 +7,8 @@ weights are those the model was evaluated with.
 
 from .checkpoint import export_checkpoint
 from .iterate import iter_packed
+from .siblings import share_sibling_amax
 from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
 from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
 
-__all__ = ["GENERIC", "LAYOUTS", "LLAMA", "QWEN3", "QWEN3_MOE", "ExportError", "ExportFormat", "ExportManifest", "ModelLayout", "PackedWeight", "export_checkpoint", "iter_packed", "layout_for"]
+__all__ = ["GENERIC", "LAYOUTS", "LLAMA", "QWEN3", "QWEN3_MOE", "ExportError", "ExportFormat", "ExportManifest", "ModelLayout", "PackedWeight", "export_checkpoint", "iter_packed", "layout_for", "share_sibling_amax"]

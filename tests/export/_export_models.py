@@ -49,12 +49,17 @@ def tokens(seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
 
 
-def quantized(model: nn.Module, cfg: dict, lm_head: bool = False) -> nn.Module:
+def quantized(model: nn.Module, cfg: dict, lm_head: bool = False, share_siblings: bool = True) -> nn.Module:
+    """A quantized copy; siblings (q/k/v, gate/up) share their per-tensor amax unless ``share_siblings`` is False."""
+    from quantlib.export import share_sibling_amax
+
     model = copy.deepcopy(model)
     ids = tokens(5)
     ql.quantize(model, cfg, lambda m: m(ids))
     if not lm_head:
         ql.disable_quantizer(model, "*lm_head*")
+    if share_siblings:
+        share_sibling_amax(model)
     return model
 
 
@@ -94,3 +99,22 @@ def loaded_weights(model: nn.Module, names) -> dict[str, torch.Tensor]:
         else:
             out[name] = model.get_submodule(name).weight
     return out
+
+
+@torch.no_grad()
+def reference_codes(model: nn.Module, name: str) -> torch.Tensor:
+    """Codes of checkpoint module ``name`` by quantlib's reference formulas (quantlib.formats.quantize)."""
+    from quantlib.formats import quantize
+
+    parts = name.split(".")
+    if len(parts) > 3 and parts[-3] == "experts":
+        experts, e, leaf = model.get_submodule(".".join(parts[:-2])), int(parts[-2]), parts[-1]
+        proj = "down_proj" if leaf == "down_proj" else "gate_up_proj"
+        q = getattr(experts, f"{proj}_weight_quantizer")[e]
+        codes = quantize(hf.expert_weight(experts, proj, e), q.spec, q.amax).codes
+        if proj == "gate_up_proj":
+            half = codes.shape[0] // 2
+            codes = codes[:half] if leaf == "gate_proj" else codes[half:]
+        return codes
+    m = model.get_submodule(name)
+    return quantize(m.weight, m.weight_quantizer.spec, m.weight_quantizer.amax).codes
