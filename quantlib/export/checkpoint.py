@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .formats import packer as get_packer
+from .formats import as_format, packer as get_packer
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
 from .plan import make_plan
@@ -126,7 +126,7 @@ def export_checkpoint(
     the directory appears whole or not at all. ``tp``: also check block divisibility at that TP degree."""
     from quantlib import __version__
 
-    fmt = ExportFormat(format)
+    fmt = as_format(format)
     p = get_packer(fmt)
     limit = parse_size(max_shard_size)
     plan = make_plan(model, p, layout or layout_for(model), unify_siblings=unify_siblings, tp=tp, version=__version__)

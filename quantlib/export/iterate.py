@@ -7,7 +7,7 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 
-from .formats import packer as get_packer
+from .formats import as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize
@@ -49,7 +49,7 @@ def iter_packed(
     Everything is checked first (:class:`ExportError`). With ``chunk_bytes``, yields lists of
     PackedWeights of at most that many bytes each (a single larger weight makes a list of one).
     """
-    fmt = ExportFormat(format)
+    fmt = as_format(format)
     if experts != "per_expert":
         raise ValueError(f"experts={experts!r}: only 'per_expert' is available (2-D tensors per expert)")
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings, tp=tp)

@@ -21,12 +21,17 @@ _PACKERS: dict[ExportFormat, Packer] = {p.fmt: p for p in (HFFP8Block(), HFFP8Bl
 assert set(_PACKERS) == set(ExportFormat), "every ExportFormat has one packer"
 
 
-def packer(fmt: "ExportFormat | str") -> Packer:
-    """The packer of ``fmt`` (an :class:`ExportFormat` or its value)."""
+def as_format(fmt: "ExportFormat | str") -> ExportFormat:
+    """``fmt`` as an :class:`ExportFormat`; an unknown name raises :class:`ExportError` listing the known ones."""
     try:
-        return _PACKERS[ExportFormat(fmt)]
+        return ExportFormat(fmt)
     except ValueError:
         raise ExportError(f"unknown export format {fmt!r}; one of {[f.value for f in ExportFormat]}") from None
 
 
-__all__ = ["ConfigInfo", "Packer", "packer"]
+def packer(fmt: "ExportFormat | str") -> Packer:
+    """The packer of ``fmt`` (an :class:`ExportFormat` or its value)."""
+    return _PACKERS[as_format(fmt)]
+
+
+__all__ = ["ConfigInfo", "Packer", "as_format", "packer"]
