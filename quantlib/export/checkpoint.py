@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from . import safetensors_io
 from .formats import as_format, packer as get_packer
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
@@ -71,13 +72,11 @@ class _ShardWriter:
         self.size += n
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
         path = os.path.join(self.tmp, f"shard-{len(self.shards):05d}.tmp")
         try:
-            save_file({k: v.cpu() for k, v in self.pending.items()}, path, metadata={"format": "pt"})
+            safetensors_io.save_file(self.pending, path, metadata={"format": "pt"})
         except Exception as exc:
             raise ExportError(f"writing {path}: {exc}") from exc
         self.shards.append((path, list(self.pending), self.size))

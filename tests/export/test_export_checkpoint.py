@@ -52,7 +52,7 @@ def test_hf_config_is_the_base_of_config_json(tmp_path):
 
 
 def test_failed_write_leaves_nothing_and_names_the_file(tmp_path, monkeypatch):
-    import safetensors.torch
+    from quantlib.export import safetensors_io
 
     calls = []
 
@@ -62,8 +62,8 @@ def test_failed_write_leaves_nothing_and_names_the_file(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(tensors, path, metadata=metadata)
 
-    real = safetensors.torch.save_file
-    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    real = safetensors_io.save_file
+    monkeypatch.setattr(safetensors_io, "save_file", failing)
     with pytest.raises(ExportError, match=r"writing .*shard-00001\.tmp: .*No space left"):
         export_checkpoint(mlp(), tmp_path / "c", "ct_fp8_block", max_shard_size=200_000)
     assert os.listdir(tmp_path) == []
@@ -102,3 +102,19 @@ def test_shard_and_expert_ids_of_qwen3_moe():
     assert ids["model.layers.1.mlp.experts.0.down_proj"] == ("expert", 0, "w2")
     assert ids["model.layers.0.mlp.gate"][0] == "unquantized"
     assert not any(n.endswith("experts") for n in ids)  # never a fused 3-D expert tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8, torch.int8, torch.int32, torch.int64])
+def test_safetensors_writer_read_by_safetensors(tmp_path, dtype):
+    from safetensors import safe_open
+
+    from quantlib.export import safetensors_io
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": (torch.randn(3, 5, generator=g) * 100).to(dtype), "scalar": torch.tensor(7).to(dtype), "empty": torch.zeros(0, 4, dtype=dtype), "col": torch.arange(6).reshape(2, 3).t().to(dtype)}
+    safetensors_io.save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(tensors)
+        for k, t in tensors.items():
+            got = f.get_tensor(k)
+            assert got.dtype == dtype and got.shape == t.shape and torch.equal(got.view(torch.uint8) if dtype == torch.float8_e4m3fn else got, t.contiguous().view(torch.uint8) if dtype == torch.float8_e4m3fn else t)
