@@ -9,6 +9,7 @@ from .checkpoint import export_checkpoint
 from .iterate import iter_packed
 from .siblings import share_sibling_amax
 from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
+from .weight_sync import chunk_by_bytes, serialize_weight
 from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
 
-__all__ = ["GENERIC", "LAYOUTS", "LLAMA", "QWEN3", "QWEN3_MOE", "ExportError", "ExportFormat", "ExportManifest", "ModelLayout", "PackedWeight", "export_checkpoint", "iter_packed", "layout_for", "share_sibling_amax"]
+__all__ = ["GENERIC", "LAYOUTS", "LLAMA", "QWEN3", "QWEN3_MOE", "ExportError", "ExportFormat", "ExportManifest", "ModelLayout", "PackedWeight", "export_checkpoint", "iter_packed", "layout_for", "chunk_by_bytes", "serialize_weight", "share_sibling_amax"]

@@ -40,6 +40,7 @@ class Item:
     shape: tuple[int, ...] = ()
     rows: Optional[tuple[int, int, int]] = None  # (r0, r1, rows) of a split fused-expert weight
     group: Optional[tuple[str, ...]] = None  # sibling group sharing a global amax in this format
+    fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
 
 
 @dataclass
@@ -53,8 +54,8 @@ class Plan:
         return [i.name for i in self.items if i.spec is not None]
 
 
-def _fused_experts_class() -> Optional[type]:
-    # the HF plugin imports transformers-free code only; it is the owner of the fused-experts class
+def _fused_experts_class() -> type:
+    # the HF plugin (importing no transformers code) owns the quantized fused-experts class
     from ..plugins.huggingface import QuantFusedExperts
 
     return QuantFusedExperts
@@ -98,7 +99,7 @@ def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
         direct = {k: t for k, t in _direct(module).items() if id(t) not in seen}
         seen.update(id(t) for t in direct.values())
         parent, _, leaf = name.rpartition(".")
-        if fused_cls is not None and isinstance(module, fused_cls):
+        if isinstance(module, fused_cls):
             items += _fused_items(module, name, layout, direct)
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
         elif isinstance(module, QuantModule) and "weight" in direct:
@@ -145,7 +146,8 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = _row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
-                                      parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows)))
+                                      parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows),
+                                      fused=layout.checkpoint_name(name)))
                 elif isinstance(q, SequentialQuantizer) and q.is_enabled:
                     raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
                 else:
