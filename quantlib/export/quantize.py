@@ -13,7 +13,7 @@ import torch
 
 from .. import kernels
 from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
-from ..formats.fp8_blockwise import fp8_blockwise_quantize
+from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
 
 
 def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto") -> QuantizedTensor:
@@ -27,12 +27,14 @@ def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor
         packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend)
         return QuantizedTensor(packed, sb8, spec, shape, dtype, global_scale=s2)
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
-        # The cast computes each block's amax from w; where the calibrated amax is that same amax
-        # (weights calibrate from themselves) it is the fast path, else the formula with the stored amax.
-        if spec.dynamic or amax is None or torch.equal(kernels.block_amax(w, spec.block, backend=backend), amax.to(w.device)):
-            codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend)
-        else:
-            codes, d = fp8_blockwise_quantize(w, spec.block, spec.element, spec.eps, spec.pow2, amax.to(w.device))
+        # The cast takes each block's scale d from w's own block amax; codes depend on d alone, so where
+        # that d is the one of the calibrated amax (weights calibrate from themselves) the cast's codes
+        # are the fake quant's; else the formula runs with the stored amax.
+        codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend)
+        if not spec.dynamic and amax is not None:
+            stored = blockwise_scale(amax.to(w.device), spec.element, spec.eps, spec.pow2)
+            if not torch.equal(d, stored):
+                codes, d = fp8_blockwise_quantize(w, spec.block, spec.element, spec.eps, spec.pow2, amax.to(w.device))
         return QuantizedTensor(codes, d, spec, shape, dtype)
     # INT and FP8 per tensor / channel: the reference formulas (what every fake-quant backend equals)
     return quantize(w, spec, None if amax is None else amax.to(w.device))

@@ -118,3 +118,16 @@ def test_safetensors_writer_read_by_safetensors(tmp_path, dtype):
         for k, t in tensors.items():
             got = f.get_tensor(k)
             assert got.dtype == dtype and got.shape == t.shape and torch.equal(got.view(torch.uint8) if dtype == torch.float8_e4m3fn else got, t.contiguous().view(torch.uint8) if dtype == torch.float8_e4m3fn else t)
+
+
+def test_fp8_block_packs_with_the_stored_amax_when_the_weight_changed():
+    from quantlib.export.quantize import real_quantize
+    from quantlib.formats import dequantize
+
+    model = mlp()
+    q = model[0].weight_quantizer
+    with torch.no_grad():
+        model[0].weight[:5].mul_(3.0)  # after calibration: the stored amax is no longer the weight's
+    packed = real_quantize(model[0].weight.detach(), q.spec, q.amax)
+    assert torch.equal(dequantize(packed, torch.float32), q(model[0].weight).float())
+    assert not torch.equal(packed.scale, ql.kernels.fp8_blockwise_cast(model[0].weight.detach(), (128, 128))[1])
