@@ -16,7 +16,7 @@ from . import safetensors_io
 from .formats import as_format, packer as get_packer
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
-from .plan import make_plan
+from .plan import Plan, make_plan
 from .types import ExportError, ExportFormat, ExportManifest
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -129,11 +129,16 @@ def export_checkpoint(
     p = get_packer(fmt)
     limit = parse_size(max_shard_size)
     plan = make_plan(model, p, layout or layout_for(model), unify_siblings=unify_siblings, tp=tp, version=__version__)
+    return write_plan(plan, fmt, out_dir, _base_config(model, hf_config), overwrite=overwrite, limit=limit, progress=progress)
+
+
+def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, overwrite: bool, limit: int, progress: Optional[bool]) -> ExportManifest:
+    """Pack and write a checked plan atomically; ``config`` is the base of config.json."""
+    p = get_packer(fmt)
     _check_out_dir(out_dir, overwrite)
-    config = _base_config(model, hf_config)
+    config = dict(config)
     config["quantization_config"] = p.config(plan.info)
     extra = p.extra_files(plan.info)
-
     parent = os.path.dirname(os.path.abspath(out_dir))
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
     try:
@@ -142,8 +147,7 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    manifest = ExportManifest(out_dir, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized, list(plan.info.ignore), plan.unified)
-    return manifest
+    return ExportManifest(out_dir, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized, list(plan.info.ignore), plan.unified)
 
 
 def _write_all(plan, fmt: ExportFormat, tmp: str, limit: int, config: dict, extra: dict, progress: Optional[bool]) -> list[str]:

@@ -79,7 +79,7 @@ def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optiona
     return q.spec, q.amax
 
 
-def _row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
+def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
     """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
     if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
         return amax
@@ -144,7 +144,7 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 full = f"{layout.checkpoint_name(name)}.{e}.{leaf}"
                 get = (lambda w=w, r0=r0, r1=r1: w.detach()[r0:r1])
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
-                    amax = _row_part(q.amax, q.spec, rows, r0, r1)
+                    amax = row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
                                       parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows),
                                       fused=layout.checkpoint_name(name)))
@@ -211,10 +211,14 @@ def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
-    items = walk(model, layout)
+    return check_items(walk(model, layout), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+
+
+def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "", what: str = "the model") -> Plan:
+    """Check the items of a walk (the plan of :func:`make_plan`, or a Megatron model's gathered items)."""
     quantized = [it for it in items if it.spec is not None]
     if not quantized:
-        raise ExportError(f"no enabled weight quantizer in {type(model).__name__}: nothing to export in {packer.fmt.value}")
+        raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
     for it in quantized:
         _check_item(it, packer, tp)
