@@ -13,7 +13,9 @@ import torch
 
 from .. import kernels
 from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
+from ..formats.fp8 import fp8_dtype, fp8_scale
 from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
+from ..formats.spec import FLOAT_FORMATS
 
 
 def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto") -> QuantizedTensor:
@@ -36,5 +38,21 @@ def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor
             if not torch.equal(d, stored):
                 codes, d = fp8_blockwise_quantize(w, spec.block, spec.element, spec.eps, spec.pow2, amax.to(w.device))
         return QuantizedTensor(codes, d, spec, shape, dtype)
-    # INT and FP8 per tensor / channel: the reference formulas (what every fake-quant backend equals)
+    if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2:
+        scale = fp8_scale(amax.to(w.device), spec.element)
+        return QuantizedTensor(_fp8_codes(w, scale, spec.element), torch.reciprocal(scale), spec, shape, dtype)
+    # INT: the reference formulas (what every fake-quant backend equals)
     return quantize(w, spec, None if amax is None else amax.to(w.device))
+
+
+def _fp8_codes(w: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula), on the CPU in row chunks whose fp32
+    temporaries stay in cache; ``scale`` is per tensor or per row."""
+    q = FLOAT_FORMATS[element][0]
+    out = torch.empty(w.shape, dtype=fp8_dtype(element), device=w.device)
+    step = w.shape[0] if w.device.type != "cpu" else max(1, (1 << 16) // max(1, w.shape[1]))
+    per_row = scale.dim() == 2 and scale.shape[0] == w.shape[0] and w.shape[0] > 1
+    for r0 in range(0, w.shape[0], step):
+        y = w[r0 : r0 + step].float() * (scale[r0 : r0 + step] if per_row else scale)
+        out[r0 : r0 + step] = y.clamp_(-q, q).to(out.dtype)
+    return out

@@ -131,3 +131,18 @@ def test_fp8_block_packs_with_the_stored_amax_when_the_weight_changed():
     packed = real_quantize(model[0].weight.detach(), q.spec, q.amax)
     assert torch.equal(dequantize(packed, torch.float32), q(model[0].weight).float())
     assert not torch.equal(packed.scale, ql.kernels.fp8_blockwise_cast(model[0].weight.detach(), (128, 128))[1])
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_codes_equal_the_reference(axis, dtype):
+    from quantlib.export.quantize import real_quantize
+    from quantlib.formats import FormatSpec, Kind, quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 700, generator=g) * 10).to(dtype)
+    w[3, 5], w[7, 9] = float("inf"), float("nan")
+    amax = w.float().abs().nan_to_num(0, 0, 0).amax(dim=1, keepdim=True) if axis == 0 else torch.tensor(5.0)
+    spec = FormatSpec(Kind.FP8, element=(4, 3))
+    ours, ref = real_quantize(w, spec, amax), quantize(w, spec, amax)
+    assert torch.equal(ours.codes.view(torch.uint8), ref.codes.view(torch.uint8)) and torch.equal(ours.scale, ref.scale)
