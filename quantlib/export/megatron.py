@@ -216,7 +216,8 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, specs: dict
         iamax = None if iamax is None or ispec is None else iamax[index]
         where_q = f"{where}.weight_quantizer"
         out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, _select(amax, wspec, w.shape[0], idx, where_q), ispec, iamax,
-                        expert=e, shard=shard, parent=hf, leaf=leaf or name.rpartition(".")[2], shape=(len(idx), w.shape[1]), fused=f"model.layers.{i}.mlp.experts"))  # fmt: skip
+                        expert=e, shard=shard, parent=hf, leaf=leaf or name.rpartition(".")[2], shape=(len(idx), w.shape[1]), fused=f"model.layers.{i}.mlp.experts",
+                        input_where=f"{where}.input_quantizer"))  # fmt: skip
     return out
 
 

@@ -41,6 +41,7 @@ class Item:
     rows: Optional[tuple[int, int, int]] = None  # (r0, r1, rows) of a split fused-expert weight
     group: Optional[tuple[str, ...]] = None  # sibling group sharing a global amax in this format
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
+    input_where: str = ""  # the input quantizer, for messages
 
 
 @dataclass
@@ -114,7 +115,8 @@ def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
                 ispec, iamax = _active_input(getattr(module, "input_quantizer", None))
                 extras = {k: _getter(t) for k, t in direct.items()}
                 items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), q.spec, q.amax, ispec, iamax, extras,
-                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape)))
+                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
+                                  input_where=f"{name}.input_quantizer"))
                 direct = {}
         if direct:
             items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _getter(t) for k, t in direct.items()}, parent=parent, leaf=leaf))
@@ -147,7 +149,7 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
                                       parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows),
-                                      fused=layout.checkpoint_name(name)))
+                                      fused=layout.checkpoint_name(name), input_where=f"{name}.{proj}_input_quantizer"))
                 elif isinstance(q, SequentialQuantizer) and q.is_enabled:
                     raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
                 else:
@@ -165,9 +167,9 @@ def _check_item(it: Item, packer: Packer, tp: int) -> None:
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
-    packer.check(spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.where.rsplit(".", 1)[0])
+    packer.check(spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
     if it.input_spec is not None and it.input_amax is None and not it.input_spec.dynamic:
-        raise ExportError(f"{it.where.rsplit('.', 1)[0]}.input_quantizer: static {describe(it.input_spec)} without an amax; calibrate with a forward_loop")
+        raise ExportError(f"{it.input_where}: static {describe(it.input_spec)} without an amax; calibrate with a forward_loop")
     _check_blocks(it, spec, tp)
 
 

@@ -98,3 +98,12 @@ def test_existing_non_empty_dir(tmp_path):
 def test_unknown_format():
     with pytest.raises(ExportError, match="unknown export format 'gguf'"):
         export_checkpoint(mlp(), "/nonexistent/out", "gguf")
+
+
+def test_format_cannot_carry_expert_quantizer_names_the_member(tmp_path):
+    pytest.importorskip("transformers")
+    from _export_models import qwen3_moe, quantized
+
+    cfg = {"quant_cfg": {"*experts*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"}
+    model = quantized(qwen3_moe(), cfg)
+    refused(tmp_path, model, "ct_mxfp8", r"^model.layers.0.mlp.experts.gate_up_proj_weight_quantizer\[0\] = int num_bits=8: format ct_mxfp8 cannot carry it")

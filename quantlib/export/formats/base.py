@@ -53,17 +53,17 @@ class Packer:
         """None if the format carries an (enabled) input quantizer of ``spec``; else why not."""
         return "this format has no activation quantization of that kind"
 
-    def check(self, weight: FormatSpec, amax_shape: tuple[int, ...], inp: Optional[FormatSpec], where: str) -> None:
-        """Refuse, naming ``where`` (module), the quantizer and its value, what the format cannot carry."""
+    def check(self, weight: FormatSpec, amax_shape: tuple[int, ...], inp: Optional[FormatSpec], weight_name: str, input_name: str) -> None:
+        """Refuse what the format cannot carry, naming the quantizer (full name) and its value."""
         why = self.weight_ok(weight, amax_shape)
         if why is not None:
-            raise ExportError(f"{where}.weight_quantizer = {describe(weight)}: format {self.fmt.value} cannot carry it ({why})")
+            raise ExportError(f"{weight_name} = {describe(weight)}: format {self.fmt.value} cannot carry it ({why})")
         if inp is None and self.input_required is not None:
-            raise ExportError(f"{where}.input_quantizer = disabled: format {self.fmt.value} needs {self.input_required}")
+            raise ExportError(f"{input_name} = disabled: format {self.fmt.value} needs {self.input_required}")
         if inp is not None:
             why = self.input_ok(inp)
             if why is not None:
-                raise ExportError(f"{where}.input_quantizer = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
+                raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one quantized weight (local names)."""
