@@ -26,7 +26,9 @@ from typing import Callable, Optional
 import torch
 
 import quantlib as ql
-from quantlib.export import export_checkpoint, iter_packed, share_sibling_amax
+from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax
+from quantlib.export.formats import packer
+from quantlib.export.plan import make_plan
 
 
 def build(hidden: int, layers: int, device: str) -> torch.nn.Module:
@@ -91,6 +93,7 @@ def main() -> None:
         ql.quantize(ours, cfg, lambda m: m(ids))
         ql.disable_quantizer(ours, "*lm_head*")
         share_sibling_amax(ours)
+        rows.append((f"{label}: quantlib checks only (make_plan)", timed(lambda m: make_plan(m, packer(fmt), layout_for(m)), args.runs, lambda: ours), None))
         rows.append((f"{label}: quantlib iter_packed (memory)", timed(lambda m: consume(m, fmt), args.runs, lambda: ours), None))
         with tempfile.TemporaryDirectory() as tmp:
             rows.append((f"{label}: quantlib export_checkpoint (disk)", timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours), None))

@@ -157,12 +157,18 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     return items
 
 
-def _check_item(it: Item, packer: Packer, tp: int) -> None:
+def all_finite(items: list[Item]) -> bool:
+    """Whether every amax of ``items`` is finite, with one device-to-host read for all of them."""
+    flags = [torch.isfinite(it.amax).all() for it in items if it.amax is not None and not it.amax.is_meta]
+    return not flags or bool(torch.stack([f.cpu() if f.device != flags[0].device else f for f in flags]).all())
+
+
+def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
     spec, where = it.spec, it.where
     if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
         what = f"expert {it.expert} " if it.expert is not None else ""
         raise ExportError(f"{where}: {what}weight quantizer has no amax; calibrate first (quantlib.calibrate / quantize)")
-    if it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
+    if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
         bad = "NaN" if bool(torch.isnan(it.amax).any()) else "Inf"
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
     if len(it.shape) != 2:
@@ -222,8 +228,9 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     if not quantized:
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
+    finite = all_finite(quantized)  # the per-item check (one read each) only runs to name the bad one
     for it in quantized:
-        _check_item(it, packer, tp)
+        _check_item(it, packer, tp, finite_known=finite)
         if _key(it.spec) != _key(first.spec) or _key(it.input_spec) != _key(first.input_spec):
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
         it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
