@@ -158,9 +158,12 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
 
 
 def all_finite(items: list[Item]) -> bool:
-    """Whether every amax of ``items`` is finite, with one device-to-host read for all of them."""
-    flags = [torch.isfinite(it.amax).all() for it in items if it.amax is not None and not it.amax.is_meta]
-    return not flags or bool(torch.stack([f.cpu() if f.device != flags[0].device else f for f in flags]).all())
+    """Whether every amax of ``items`` is finite: one reduction and one device-to-host read per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for it in items:
+        if it.amax is not None and not it.amax.is_meta:
+            by_device.setdefault(it.amax.device, []).append(it.amax.reshape(-1))
+    return all(bool(torch.isfinite(torch.cat(amaxes)).all()) for amaxes in by_device.values())
 
 
 def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
