@@ -29,7 +29,7 @@ def test_single_file_config_and_manifest(tmp_path):
     assert man.files == ["model.safetensors", "config.json"] and man.num_bytes > 256 * 512 * 2
     assert man.quantized_modules == ["0", "2"] and man.unquantized_modules == ["3"]
     qc = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
-    assert qc["modules_to_not_convert"] == ["3"] and qc["weight_block_size"] == [128, 128]
+    assert qc["ignored_layers"] == ["3"] and qc["weight_block_size"] == [128, 128]
 
 
 def test_shards_and_index(tmp_path):

@@ -39,7 +39,8 @@ def test_transformers_loads_export_bit_exact(bases, tmp_path, fmt, family):
     model = quantized(bases[family], CASES[fmt])
     export_checkpoint(model, tmp_path / "ckpt", fmt)
     qc = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
-    AutoQuantizationConfig.from_dict(dict(qc))  # transformers' own parser accepts it
+    parsed = AutoQuantizationConfig.from_dict(dict(qc))  # transformers' own parser accepts it
+    assert "lm_head" in parsed.modules_to_not_convert and "model.embed_tokens" in parsed.modules_to_not_convert
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
     expected = fake_quant_weights(model)
     assert len(expected) == (14 if family == "llama" else 8 + 2 * 3 * 4)

@@ -4,6 +4,8 @@
 dequant scale ``d`` (``w = fp8 * d`` per block). The ``ue8m0`` variant stores power-of-two scales as
 their E8M0 byte (the fp32 exponent field); it needs a ``pow2_scale`` quantizer. Activations are
 quantized dynamically by the consumer (``activation_scheme: "dynamic"``, all vLLM allows with blocks).
+Unquantized modules go to ``ignored_layers``: vLLM's key, which transformers reads as its
+``modules_to_not_convert``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class HFFP8Block(Packer):
         return {"weight": q.codes, "weight_scale_inv": scale}
 
     def config(self, info: ConfigInfo) -> dict:
-        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(info.weight_spec.block), "modules_to_not_convert": list(info.ignore)}
+        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(info.weight_spec.block), "ignored_layers": list(info.ignore)}
         if self.ue8m0:
             cfg["scale_fmt"] = "ue8m0"
         return cfg

@@ -28,4 +28,4 @@ class HFMXFP8(Packer):
         return {"weight": q.codes, "weight_scale_inv": q.scale}
 
     def config(self, info: ConfigInfo) -> dict:
-        return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "modules_to_not_convert": list(info.ignore)}
+        return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "ignored_layers": list(info.ignore)}
