@@ -10,19 +10,19 @@ from torch import nn
 from .formats import as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
-from .quantize import real_quantize
+from .quantize import real_quantize, static_scales
 from .types import ExportError, ExportFormat, PackedWeight
 
 T = TypeVar("T")
 
 
-def pack_item(it: Item, fmt: ExportFormat) -> PackedWeight:
-    """The packed tensors of one planned checkpoint module."""
+def pack_item(it: Item, fmt: ExportFormat, scale: Optional[torch.Tensor] = None) -> PackedWeight:
+    """The packed tensors of one planned checkpoint module (``scale``: its static scale, if computed)."""
     p = get_packer(fmt)
     tensors: dict[str, torch.Tensor] = {}
     if it.spec is not None:
         w = it.weight()
-        tensors.update(p.pack(real_quantize(w, it.spec, it.amax, backend="auto")))
+        tensors.update(p.pack(real_quantize(w, it.spec, it.amax, backend="auto", scale=scale)))
         if it.input_spec is not None:
             tensors.update(p.pack_input(it.input_spec, it.input_amax))
     for k, get in it.extras.items():
@@ -33,6 +33,9 @@ def pack_item(it: Item, fmt: ExportFormat) -> PackedWeight:
 def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False) -> Iterator[PackedWeight]:
     """Pack the plan's items in order; ``stacked`` gathers each fused-experts module's experts (3-D)."""
     with torch.no_grad():
+        quantized = [it for it in plan.items if it.spec is not None]
+        # every static scale in one pass per format and device, not a handful of small ops per weight
+        scales = dict(zip(map(id, quantized), static_scales([(it.spec, it.amax) for it in quantized])))
         pending: list[Item] = []
         for it in plan.items:
             if stacked and it.role == "expert":
@@ -44,7 +47,7 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False) -> Iterator[
             if pending:
                 yield from _stack(pending, fmt)
                 pending = []
-            yield pack_item(it, fmt)
+            yield pack_item(it, fmt, scales.get(id(it)))
         if pending:
             yield from _stack(pending, fmt)
 

@@ -146,3 +146,17 @@ def test_fp8_codes_equal_the_reference(axis, dtype):
     spec = FormatSpec(Kind.FP8, element=(4, 3))
     ours, ref = real_quantize(w, spec, amax), quantize(w, spec, amax)
     assert torch.equal(ours.codes.view(torch.uint8), ref.codes.view(torch.uint8)) and torch.equal(ours.scale, ref.scale)
+
+
+def test_static_scales_in_one_pass_equal_each_scale():
+    from quantlib.export.quantize import static_scale, static_scales
+    from quantlib.formats import FormatSpec, Kind
+
+    g = torch.Generator().manual_seed(0)
+    fp8 = FormatSpec(Kind.FP8, element=(4, 3))
+    blk = FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), pow2=True)
+    pairs = [(fp8, torch.rand((), generator=g)), (blk, torch.rand(2, 3, generator=g)), (fp8, torch.rand(5, 1, generator=g)), (blk, torch.zeros(1, 1)), (FormatSpec(Kind.INT, 8), torch.rand(()))]
+    got = static_scales(pairs)
+    assert got[-1] is None
+    for (spec, amax), sc in zip(pairs[:-1], got[:-1]):
+        assert torch.equal(sc, static_scale(amax, spec))
