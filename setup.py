@@ -46,6 +46,10 @@ TEST = ["pytest", "pytest-xdist", "hypothesis", "triton==3.6.0; platform_system 
 # psutil: Megatron-Core 0.16.1's dist checkpointing needs it but does not declare it (it hangs without)
 MEGATRON = ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.16.1; python_version >= '3.12'", "psutil"]
 TRANSFORMERS = ["transformers>=5.14"]
+# export consumers the CPU tests load exports with (tests/export): compressed-tensors' decompressors, transformers'
+# fine-grained FP8 loader (needs accelerate), ModelOpt's qtensors (0.47 imports requests without declaring it)
+EXPORT_CONSUMERS = ["compressed-tensors>=0.20.1,<0.21", "accelerate>=1.16", "nvidia-modelopt==0.47.0", "requests"]
+TEST = TEST + EXPORT_CONSUMERS
 
 setup(
     name="quantlib",

@@ -1,5 +1,6 @@
 """The main job: quantize a small built-in model with several presets, report the error, round-trip a
-checkpoint. No downloads; runs in seconds on a CPU."""
+checkpoint, export it for an inference engine and load the export back with compressed-tensors (when
+installed). No downloads; runs in seconds on a CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 
 from . import config as presets
 from .checkpoint import restore, save
-from .model_quant import print_quant_summary, quantize
+from .export import export_checkpoint
+from .model_quant import disable_quantizer, print_quant_summary, quantize
 
 DEMO_PRESETS = ("INT8_DEFAULT_CFG", "FP8_DEFAULT_CFG", "FP8_BLOCKWISE_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A8_AWQ_BETA_CFG", "MXFP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG")
 
@@ -79,4 +81,45 @@ def run_demo(names: tuple[str, ...] = DEMO_PRESETS) -> int:
     print()
     print(f"quantizers of the last preset ({names[-1]}):")
     print_quant_summary(last)
+    print()
+    failures += not export_demo(forward_loop)
     return 1 if failures else 0
+
+
+def export_demo(forward_loop) -> bool:
+    """Export an FP8-block model in compressed-tensors' format and load it back with compressed-tensors'
+    own decompressor (skipped, saying so, when compressed-tensors is not installed). True if it matched."""
+    model = build_model()
+    quantize(model, presets.FP8_BLOCKWISE_CFG, forward_loop)
+    disable_quantizer(model, "*stem*")  # export formats carry linear (2-D) weights, not the conv stem
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "export")
+        manifest = export_checkpoint(model, out, "ct_fp8_block")
+        print(f"exported {len(manifest.quantized_modules)} FP8-block linears ({manifest.num_bytes / 1e6:.2f} MB) to {', '.join(manifest.files)}; left unquantized: {', '.join(manifest.unquantized_modules)}")
+        try:
+            loaded = _decompress_with_compressed_tensors(out)
+        except ImportError:
+            print("compressed-tensors is not installed: skipped loading the export back (pip install compressed-tensors)")
+            return True
+    same = all(torch.equal(loaded[name], model.get_submodule(name).quantize_weight(model.get_submodule(name).weight)) for name in manifest.quantized_modules)
+    print(f"compressed-tensors decompressed {len(loaded)} weights: {'identical to' if same else 'MISMATCH with'} quantlib's fake-quantized weights")
+    return same
+
+
+def _decompress_with_compressed_tensors(out: str) -> dict[str, torch.Tensor]:
+    """Weights of a compressed-tensors checkpoint as its own decompressor gives them."""
+    import json
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    with open(os.path.join(out, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(qc["format"])
+    modules: dict[str, dict] = {}
+    for key, t in load_file(os.path.join(out, "model.safetensors")).items():
+        mod, _, local = key.rpartition(".")
+        modules.setdefault(mod, {})[local] = t
+    return {mod: compressor.decompress(local, scheme)["weight"].float() for mod, local in modules.items() if "weight_scale" in local}

@@ -1,0 +1,99 @@
+"""What every export format module provides: checks of the quantizers it can carry, ``pack`` and ``config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ...formats import FormatSpec, Kind, QuantizedTensor
+from ..types import ExportError, ExportFormat
+
+
+@dataclass
+class ConfigInfo:
+    """What a format's ``config`` needs to know about the export as a whole."""
+
+    weight_spec: FormatSpec
+    input_spec: Optional[FormatSpec]  # None: activations not quantized
+    weight_per_tensor: bool = False  # one amax per weight (no channels, no blocks)
+    ignore: list[str] = field(default_factory=list)  # full names of modules left unquantized
+    producer_version: str = ""
+
+
+def describe(spec: Optional[FormatSpec]) -> str:
+    """A short readable form of a spec for error messages."""
+    if spec is None:
+        return "disabled"
+    parts = [spec.kind.value, f"num_bits={spec.num_bits}" if spec.kind == Kind.INT else f"element={spec.element}"]
+    if spec.block is not None:
+        parts.append(f"block={spec.block}")
+    if spec.dynamic:
+        parts.append("dynamic")
+    if spec.pow2:
+        parts.append("pow2")
+    return " ".join(parts)
+
+
+class Packer:
+    """Base of the format modules. ``weight_ok`` / ``input_ok`` say what the format carries."""
+
+    fmt: ExportFormat
+    #: True where the consumer fuses siblings (q/k/v, gate/up) under one per-tensor (global) scale
+    siblings_share_global: bool = False
+    #: where the consumer needs a static input scale: the message that says which input quantizer to enable
+    input_required: Optional[str] = None
+
+    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
+        """None if the format carries a weight quantizer of ``spec``; else why not."""
+        raise NotImplementedError
+
+    def input_ok(self, spec: FormatSpec) -> Optional[str]:
+        """None if the format carries an (enabled) input quantizer of ``spec``; else why not."""
+        return "this format has no activation quantization of that kind"
+
+    def check(self, weight: FormatSpec, amax_shape: tuple[int, ...], inp: Optional[FormatSpec], weight_name: str, input_name: str) -> None:
+        """Refuse what the format cannot carry, naming the quantizer (full name) and its value."""
+        why = self.weight_ok(weight, amax_shape)
+        if why is not None:
+            raise ExportError(f"{weight_name} = {describe(weight)}: format {self.fmt.value} cannot carry it ({why})")
+        if inp is None and self.input_required is not None:
+            raise ExportError(f"{input_name} = disabled: format {self.fmt.value} needs {self.input_required}")
+        if inp is not None:
+            why = self.input_ok(inp)
+            if why is not None:
+                raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
+
+    def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of one quantized weight (local names)."""
+        raise NotImplementedError
+
+    def pack_input(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of a module's static input quantizer (none by default)."""
+        return {}
+
+    def config(self, info: ConfigInfo) -> dict:
+        """The ``quantization_config`` of config.json."""
+        raise NotImplementedError
+
+    def extra_files(self, info: ConfigInfo) -> dict[str, dict]:
+        return {}
+
+
+def is_fp8_block_2d(spec: FormatSpec) -> bool:
+    return spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3) and spec.block is not None and len(spec.block) == 2
+
+
+def is_mx(spec: FormatSpec, element: tuple[int, int]) -> bool:
+    return spec.kind == Kind.MX and spec.element == element and spec.block == (32,)
+
+
+def is_nvfp4(spec: FormatSpec) -> bool:
+    return spec.kind == Kind.NVFP4 and spec.block == (16,)
+
+
+def fp8_block_weight_ok(spec: FormatSpec) -> Optional[str]:
+    if not is_fp8_block_2d(spec):
+        return "needs FP8 E4M3 weights in 2-D blocks, e.g. block_sizes {-1: 128, -2: 128}"
+    return None

@@ -1,0 +1,40 @@
+"""ModelOpt ``NVFP4`` (W4A4) / ``W4A16_NVFP4``: ``weight`` uint8 [out, in/2] (low nibble = even element);
+``weight_scale`` float8_e4m3fn [out, in/16]; ``weight_scale_2`` fp32 scalar = quantlib's ``s2`` (a
+multiplier: ``w = code * (sb8 * s2)``, quantlib's own product); ``input_scale`` fp32 scalar =
+``A_in / 2688`` for W4A4."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...formats import FormatSpec, QuantizedTensor
+from ...formats.nvfp4 import nvfp4_global_scale
+from ..types import ExportFormat
+from . import modelopt_common
+from .base import ConfigInfo, Packer, is_nvfp4
+
+
+class ModelOptNVFP4(Packer):
+    fmt = ExportFormat.MODELOPT_NVFP4
+    siblings_share_global = True
+
+    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
+        return None if is_nvfp4(spec) else "needs NVFP4 weights (E2M1, E4M3 scales per 16)"
+
+    def input_ok(self, spec: FormatSpec) -> Optional[str]:
+        return None if is_nvfp4(spec) else "W4A4 takes NVFP4 activations; disable the input quantizer for W4A16_NVFP4"
+
+    def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        return {"weight": q.codes, "weight_scale": q.scale, "weight_scale_2": q.global_scale.float().reshape(())}
+
+    def pack_input(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {} if amax is None else {"input_scale": nvfp4_global_scale(amax)}
+
+    def config(self, info: ConfigInfo) -> dict:
+        return modelopt_common.config_json_form(self.extra_files(info)["hf_quant_config.json"])
+
+    def extra_files(self, info: ConfigInfo) -> dict[str, dict]:
+        algo = "W4A16_NVFP4" if info.input_spec is None else "NVFP4"
+        return {"hf_quant_config.json": modelopt_common.hf_quant_config(algo, info, group_size=16)}

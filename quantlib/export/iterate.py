@@ -1,0 +1,110 @@
+"""``iter_packed``: the streaming iterator under every export path (checkpoints, RL weight sync)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Literal, Optional, TypeVar, Union
+
+import torch
+from torch import nn
+
+from .formats import as_format, packer as get_packer
+from .layouts import ModelLayout, layout_for
+from .plan import Item, Plan, make_plan
+from .quantize import real_quantize, static_scales
+from .types import ExportError, ExportFormat, PackedWeight
+
+T = TypeVar("T")
+
+
+def pack_item(it: Item, fmt: ExportFormat, scale: Optional[torch.Tensor] = None) -> PackedWeight:
+    """The packed tensors of one planned checkpoint module (``scale``: its static scale, if computed)."""
+    p = get_packer(fmt)
+    tensors: dict[str, torch.Tensor] = {}
+    if it.spec is not None:
+        w = it.weight()
+        tensors.update(p.pack(real_quantize(w, it.spec, it.amax, backend="auto", scale=scale)))
+        if it.input_spec is not None:
+            tensors.update(p.pack_input(it.input_spec, it.input_amax))
+    for k, get in it.extras.items():
+        tensors[k] = get()
+    return PackedWeight(it.name, tensors, it.role, it.expert, it.shard)
+
+
+def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False) -> Iterator[PackedWeight]:
+    """Pack the plan's items in order; ``stacked`` gathers each fused-experts module's experts (3-D)."""
+    with torch.no_grad():
+        quantized = [it for it in plan.items if it.spec is not None]
+        # every static scale in one pass per format and device, not a handful of small ops per weight
+        scales = dict(zip(map(id, quantized), static_scales([(it.spec, it.amax) for it in quantized])))
+        pending: list[Item] = []
+        for it in plan.items:
+            if stacked and it.role == "expert":
+                if pending and pending[0].fused != it.fused:
+                    yield from _stack(pending, fmt)
+                    pending = []
+                pending.append(it)
+                continue
+            if pending:
+                yield from _stack(pending, fmt)
+                pending = []
+            yield pack_item(it, fmt, scales.get(id(it)))
+        if pending:
+            yield from _stack(pending, fmt)
+
+
+def _stack(items: list[Item], fmt: ExportFormat) -> Iterator[PackedWeight]:
+    """One fused-experts module's quantized experts as vLLM's fused-MoE parameters take them whole: per
+    shard (w1 gate, w3 up, w2 down) every expert stacked on dim 0, named ``w13_<suffix>`` / ``w2_<suffix>``."""
+    by_shard: dict = {}
+    for it in items:
+        by_shard.setdefault(it.shard, []).append(it)
+    for shard, group in by_shard.items():
+        packed = [pack_item(it, fmt) for it in sorted(group, key=lambda i: i.expert)]
+        prefix = "w2" if shard == "w2" else "w13"
+        tensors = {f"{prefix}_{k}": torch.stack([p.tensors[k] for p in packed]) for k in packed[0].tensors}
+        yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
+
+
+def iter_packed(
+    model: nn.Module,
+    format: Union[ExportFormat, str],
+    *,
+    layout: Optional[ModelLayout] = None,
+    experts: Literal["per_expert", "stacked"] = "per_expert",
+    chunk_bytes: Optional[int] = None,
+    unify_siblings: bool = False,
+    tp: int = 1,
+) -> Iterator[Union[PackedWeight, list[PackedWeight]]]:
+    """Yield each checkpoint module's packed tensors, module by module, on the model's device.
+
+    Everything is checked first (:class:`ExportError`). ``experts="stacked"`` yields each fused-experts
+    module's experts as 3-D tensors per vLLM shard id (for in-memory weight sync; an unsharded model gives
+    the TP1 tensors). With ``chunk_bytes``, yields lists of PackedWeights of at most that many bytes each
+    (a single larger weight makes a list of one).
+    """
+    fmt = as_format(format)
+    if experts not in ("per_expert", "stacked"):
+        raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings, tp=tp)
+    stream = iter_plan(plan, fmt, stacked=experts == "stacked")
+    if chunk_bytes is None:
+        yield from stream
+    else:
+        yield from chunked(stream, lambda pw: pw.nbytes, chunk_bytes)
+
+
+def chunked(items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """Consecutive lists of ``items`` of at most ``limit`` total ``size`` (an item larger than that alone)."""
+    if limit <= 0:
+        raise ExportError(f"chunk_bytes must be positive, got {limit}")
+    chunk: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if chunk and total + n > limit:
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(item)
+        total += n
+    if chunk:
+        yield chunk

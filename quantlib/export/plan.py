@@ -1,0 +1,249 @@
+"""The export plan: every checkpoint module of a model, what it holds, and every check, done before
+anything is packed or written (DESIGN §9)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..formats import FormatSpec, Kind
+from ..nn.containers import QuantizerContainer, SequentialQuantizer
+from ..nn.quant_module import QuantModule
+from ..nn.tensor_quantizer import TensorQuantizer
+from .formats import ConfigInfo, Packer
+from .formats.base import describe
+from .layouts import ModelLayout, Shard
+from .types import ExportError
+
+
+@dataclass
+class Item:
+    """One checkpoint module: a quantized weight (``spec`` set) or tensors passed through."""
+
+    name: str
+    role: str
+    where: str  # the quantizer, for messages: "model.layers.0.mlp.experts.gate_up_proj_weight_quantizer[3]"
+    weight: Optional[Callable[[], torch.Tensor]] = None
+    spec: Optional[FormatSpec] = None
+    amax: Optional[torch.Tensor] = None
+    input_spec: Optional[FormatSpec] = None
+    input_amax: Optional[torch.Tensor] = None
+    extras: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    expert: Optional[int] = None
+    shard: Shard = None
+    parent: str = ""
+    leaf: str = ""
+    tp_axis: Optional[int] = None
+    shape: tuple[int, ...] = ()
+    rows: Optional[tuple[int, int, int]] = None  # (r0, r1, rows) of a split fused-expert weight
+    group: Optional[tuple[str, ...]] = None  # sibling group sharing a global amax in this format
+    fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
+    input_where: str = ""  # the input quantizer, for messages
+
+
+@dataclass
+class Plan:
+    items: list[Item]
+    info: ConfigInfo
+    unified: dict[tuple[str, ...], float]
+
+    @property
+    def quantized(self) -> list[str]:
+        return [i.name for i in self.items if i.spec is not None]
+
+
+def _fused_experts_class() -> type:
+    # the HF plugin (importing no transformers code) owns the quantized fused-experts class
+    from ..plugins.huggingface import QuantFusedExperts
+
+    return QuantFusedExperts
+
+
+def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(module.named_parameters(recurse=False))
+    for k, b in module.named_buffers(recurse=False):
+        if b is not None and k not in module._non_persistent_buffers_set:
+            out[k] = b
+    return out
+
+
+def _getter(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t.detach()
+
+
+def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optional[torch.Tensor]]:
+    if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+        return None, None
+    return q.spec, q.amax
+
+
+def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
+    """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
+    if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
+        return amax
+    if spec.block is not None and len(spec.block) == 2:
+        return amax[r0 // spec.block[0] : -(-r1 // spec.block[0])]
+    return amax[r0:r1] if amax.shape[0] == rows else amax
+
+
+def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
+    """Every checkpoint module of ``model`` in module order (nothing checked yet)."""
+    fused_cls = _fused_experts_class()
+    items: list[Item] = []
+    seen: set[int] = set()  # tied parameters are written once, under their first name
+    for name, module in model.named_modules():
+        if isinstance(module, (TensorQuantizer, QuantizerContainer)):
+            continue
+        direct = {k: t for k, t in _direct(module).items() if id(t) not in seen}
+        seen.update(id(t) for t in direct.values())
+        parent, _, leaf = name.rpartition(".")
+        if isinstance(module, fused_cls):
+            items += _fused_items(module, name, layout, direct)
+            direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+        elif isinstance(module, QuantModule) and "weight" in direct:
+            groups = list(module.weight_groups())
+            q = getattr(module, "weight_quantizer", None)
+            if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not module.weight:
+                raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
+            if isinstance(q, SequentialQuantizer) and q.is_enabled:
+                raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
+            if isinstance(q, TensorQuantizer) and q.is_enabled:
+                w = direct.pop("weight")
+                ispec, iamax = _active_input(getattr(module, "input_quantizer", None))
+                extras = {k: _getter(t) for k, t in direct.items()}
+                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), q.spec, q.amax, ispec, iamax, extras,
+                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
+                                  input_where=f"{name}.input_quantizer"))
+                direct = {}
+        if direct:
+            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _getter(t) for k, t in direct.items()}, parent=parent, leaf=leaf))
+    return items
+
+
+def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict) -> list[Item]:
+    from ..plugins.huggingface import expert_weight
+
+    items = []
+    for e in range(module.num_experts):
+        for proj in module.projections:
+            if proj not in layout.expert_split:
+                raise ExportError(f"{name}.{proj}: layout {layout.name} does not say how to split this fused-experts projection")
+            parts = layout.expert_split[proj]
+            q = getattr(module, f"{proj}_weight_quantizer")[e]
+            w = expert_weight(module, proj, e)
+            rows = w.shape[0]
+            if rows % len(parts):
+                raise ExportError(f"{name}.{proj}: {rows} rows do not split into {len(parts)} equal parts")
+            step = rows // len(parts)
+            bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
+            ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
+            for i, (leaf, shard) in enumerate(parts):
+                r0, r1 = i * step, (i + 1) * step
+                extras = {} if bias is None else {"bias": _getter(bias[e, r0:r1])}
+                full = f"{layout.checkpoint_name(name)}.{e}.{leaf}"
+                get = (lambda w=w, r0=r0, r1=r1: w.detach()[r0:r1])
+                if isinstance(q, TensorQuantizer) and q.is_enabled:
+                    amax = row_part(q.amax, q.spec, rows, r0, r1)
+                    items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
+                                      parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows),
+                                      fused=layout.checkpoint_name(name), input_where=f"{name}.{proj}_input_quantizer"))
+                elif isinstance(q, SequentialQuantizer) and q.is_enabled:
+                    raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
+                else:
+                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=f"{name}.{e}", leaf=leaf))
+    return items
+
+
+def all_finite(items: list[Item]) -> bool:
+    """Whether every amax of ``items`` is finite: one reduction and one device-to-host read per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for it in items:
+        if it.amax is not None and not it.amax.is_meta:
+            by_device.setdefault(it.amax.device, []).append(it.amax.reshape(-1))
+    return all(bool(torch.isfinite(torch.cat(amaxes)).all()) for amaxes in by_device.values())
+
+
+def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
+    spec, where = it.spec, it.where
+    if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
+        what = f"expert {it.expert} " if it.expert is not None else ""
+        raise ExportError(f"{where}: {what}weight quantizer has no amax; calibrate first (quantlib.calibrate / quantize)")
+    if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
+        bad = "NaN" if bool(torch.isnan(it.amax).any()) else "Inf"
+        raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
+    if len(it.shape) != 2:
+        raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
+    packer.check(spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
+    if it.input_spec is not None and it.input_amax is None and not it.input_spec.dynamic:
+        raise ExportError(f"{it.input_where}: static {describe(it.input_spec)} without an amax; calibrate with a forward_loop")
+    _check_blocks(it, spec, tp)
+
+
+def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
+    block = spec.block or ()
+    rows, cols = it.shape
+    bm, bk = (block[0], block[1]) if len(block) == 2 else (1, block[0] if block else 1)
+    where = it.where
+    if rows % bm or cols % bk:
+        raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the scale grid and load it wrong")
+    r = it.rows
+    if r is not None and bm > 1 and (r[0] % bm or r[1] % bm):
+        raise ExportError(f"{where}: rows {r[0]}:{r[1]} of the fused {r[2]}-row expert weight straddle {bm}-row blocks; the split halves cannot keep their scales")
+    if tp > 1 and it.tp_axis is not None:
+        n, b = (rows, bm) if it.tp_axis == 0 else (cols, bk)
+        if n % tp or (n // tp) % b:
+            raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of {n / tp:g}, not a whole number of blocks of {b}")
+
+
+def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
+    """Siblings fused by consumers must share their per-tensor / global amax."""
+    groups: dict[tuple[str, tuple], list[Item]] = {}
+    for it in items:
+        if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None:
+            groups.setdefault((it.parent, it.group), []).append(it)
+    unified = {}
+    for (_, group), members in groups.items():
+        values = [float(m.amax.reshape(())) for m in members]
+        if len(set(values)) <= 1:
+            continue
+        names = tuple(m.name for m in members)
+        if not unify:
+            detail = ", ".join(f"{m.where} = {v!r}" for m, v in zip(members, values))
+            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass unify_siblings=True to use their max (the export then differs from the evaluated model)")
+        top = max(values)
+        for m in members:
+            m.amax = torch.full_like(m.amax, top)
+        unified[names] = top
+    return unified
+
+
+def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
+    """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
+    return check_items(walk(model, layout), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+
+
+def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "", what: str = "the model") -> Plan:
+    """Check the items of a walk (the plan of :func:`make_plan`, or a Megatron model's gathered items)."""
+    quantized = [it for it in items if it.spec is not None]
+    if not quantized:
+        raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
+    first = quantized[0]
+    finite = all_finite(quantized)  # the per-item check (one read each) only runs to name the bad one
+    for it in quantized:
+        _check_item(it, packer, tp, finite_known=finite)
+        if _key(it.spec) != _key(first.spec) or _key(it.input_spec) != _key(first.input_spec):
+            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
+        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
+    unified = _unify(quantized, unify_siblings)
+    ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
+    per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
+    info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version)
+    return Plan(items, info, unified)
+
+
+def _key(spec: Optional[FormatSpec]) -> Optional[tuple]:
+    return None if spec is None else (spec.kind, spec.num_bits, spec.element, spec.unsigned, spec.block, spec.dynamic, spec.pow2)
+

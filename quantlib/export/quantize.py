@@ -1,0 +1,92 @@
+"""Real quantization of one weight with its quantizer's calibrated amax, through quantlib's kernels.
+
+The casts of :mod:`quantlib.kernels` (FP8 blockwise, MX, NVFP4) and the INT / FP8 formulas of
+:mod:`quantlib.formats` are the ones fake quantization runs, so ``dequantize(real_quantize(w))`` is the
+weight the model was evaluated with, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import kernels
+from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
+from ..formats.fp8 import fp8_dtype, fp8_scale
+from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
+from ..formats.spec import FLOAT_FORMATS
+
+
+def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it.
+
+    ``scale``: :func:`static_scale` of ``amax``, when the caller computed it already (for many weights
+    at once, see :func:`static_scales`)."""
+    shape, dtype = tuple(w.shape), w.dtype
+    if spec.kind == Kind.MX:
+        elem = "e4m3" if spec.element == (4, 3) else "e2m1"
+        codes, byte = kernels.mx_cast(w, elem, spec.block[0], spec.rounding, backend=backend)
+        return QuantizedTensor(codes, byte, spec, shape, dtype)
+    if spec.kind == Kind.NVFP4:
+        packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend)
+        return QuantizedTensor(packed, sb8, spec, shape, dtype, global_scale=s2)
+    if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
+        # The cast takes each block's scale d from w's own block amax; codes depend on d alone, so where
+        # that d is the one of the calibrated amax (weights calibrate from themselves) the cast's codes
+        # are the fake quant's; else the formula runs with the stored amax.
+        codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend)
+        if not spec.dynamic and amax is not None:
+            stored = scale if scale is not None else static_scale(amax.to(w.device), spec)
+            if not torch.equal(d, stored):
+                codes, d = fp8_blockwise_quantize(w, spec.block, spec.element, spec.eps, spec.pow2, amax.to(w.device))
+        return QuantizedTensor(codes, d, spec, shape, dtype)
+    if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2:
+        scale = scale if scale is not None else static_scale(amax.to(w.device), spec)
+        return QuantizedTensor(_fp8_codes(w, scale, spec.element), torch.reciprocal(scale), spec, shape, dtype)
+    # INT: the reference formulas (what every fake-quant backend equals)
+    return quantize(w, spec, None if amax is None else amax.to(w.device))
+
+
+def has_static_scale(spec: FormatSpec) -> bool:
+    return spec.kind == Kind.FP8 or (spec.kind == Kind.FP8_BLOCK and not spec.dynamic)
+
+
+def static_scale(amax: torch.Tensor, spec: FormatSpec) -> Optional[torch.Tensor]:
+    """The scale a static FP8 (``Q / a``) or FP8-block (``d``) quantizer takes from its amax; None for others."""
+    if spec.kind == Kind.FP8:
+        return fp8_scale(amax, spec.element)
+    if has_static_scale(spec):
+        return blockwise_scale(amax, spec.element, spec.eps, spec.pow2)
+    return None
+
+
+def static_scales(pairs: list[tuple[FormatSpec, torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    """:func:`static_scale` of many (spec, amax), computed for each spec and device in one pass: the
+    formulas are elementwise, so one call over the concatenated amax gives every scale."""
+    out: list[Optional[torch.Tensor]] = [None] * len(pairs)
+    groups: dict[tuple, list[int]] = {}
+    for i, (spec, amax) in enumerate(pairs):
+        if amax is not None and has_static_scale(spec):
+            groups.setdefault((spec, amax.device), []).append(i)
+    for (spec, _), idx in groups.items():
+        flat = torch.cat([pairs[i][1].reshape(-1).float() for i in idx])
+        scales = static_scale(flat, spec).split([pairs[i][1].numel() for i in idx])
+        for i, sc in zip(idx, scales):
+            out[i] = sc.reshape(pairs[i][1].shape)
+    return out
+
+
+def _fp8_codes(w: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula), on the CPU in row chunks whose fp32
+    temporaries stay in cache; ``scale`` is per tensor or per row."""
+    q = FLOAT_FORMATS[element][0]
+    if w.device.type != "cpu":  # one pass of fused-enough kernels; no chunks
+        return (w.float() * scale).clamp_(-q, q).to(fp8_dtype(element))
+    step = max(1, (1 << 16) // max(1, w.shape[1]))
+    per_row = scale.dim() == 2 and scale.shape[0] == w.shape[0] and w.shape[0] > 1
+    out = torch.empty(w.shape, dtype=fp8_dtype(element), device=w.device)
+    for r0 in range(0, w.shape[0], step):
+        y = w[r0 : r0 + step].float() * (scale[r0 : r0 + step] if per_row else scale)
+        out[r0 : r0 + step] = y.clamp_(-q, q).to(out.dtype)
+    return out

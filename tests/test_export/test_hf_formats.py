@@ -1,0 +1,65 @@
+"""transformers loads quantlib's HF fine-grained FP8 (128x128, ue8m0) and MXFP8 exports of a tiny Llama and
+a tiny Qwen3-MoE (per-expert): every weight equals quantlib's fake-quantized weight bit for bit in fp32,
+and so do the logits. Needs transformers and accelerate (test extras)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.quantizers.auto import AutoQuantizationConfig  # noqa: E402
+
+import quantlib as ql  # noqa: E402
+from quantlib.export import export_checkpoint  # noqa: E402
+
+from tests.test_export._export_models import fake_quant_weights, llama, loaded_weights, quantized, qwen3_moe, tokens, weight_only  # noqa: E402
+
+FP8_POW2 = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+FP8_POW2["quant_cfg"]["*weight_quantizer"] = {**FP8_POW2["quant_cfg"]["*weight_quantizer"], "pow2_scale": True}
+CASES = {
+    "hf_fp8_block": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG),
+    "hf_fp8_block_ue8m0": FP8_POW2,
+    "hf_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG),
+}
+
+
+@pytest.fixture(scope="module")
+def bases():
+    return {"llama": llama(), "qwen3_moe": qwen3_moe()}
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_transformers_loads_export_bit_exact(bases, tmp_path, fmt, family):
+    model = quantized(bases[family], CASES[fmt])
+    export_checkpoint(model, tmp_path / "ckpt", fmt)
+    qc = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    parsed = AutoQuantizationConfig.from_dict(dict(qc))  # transformers' own parser accepts it
+    assert "lm_head" in parsed.modules_to_not_convert and "model.embed_tokens" in parsed.modules_to_not_convert
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    expected = fake_quant_weights(model)
+    assert len(expected) == (14 if family == "llama" else 8 + 2 * 3 * 4)
+    got = loaded_weights(loaded, expected)
+    for name, ref in expected.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], ref.float()), name
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_ue8m0_scales_are_bytes(bases, tmp_path):
+    from safetensors.torch import load_file
+
+    model = quantized(bases["llama"], FP8_POW2)
+    export_checkpoint(model, tmp_path / "c", "hf_fp8_block_ue8m0")
+    sd = load_file(tmp_path / "c" / "model.safetensors")
+    s = sd["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    assert s.dtype == torch.uint8 and tuple(s.shape) == (2, 2)
+    d = model.model.layers[0].self_attn.q_proj.weight_quantizer
+    assert torch.equal(torch.exp2(s.float() - 127), ql.kernels.fp8_blockwise_cast(model.model.layers[0].self_attn.q_proj.weight, (128, 128), pow2=True)[1]) and d.is_enabled

@@ -1,0 +1,66 @@
+"""ModelOpt's own qtensor ``dequantize`` on quantlib's ModelOpt-format exports (FP8, FP8_PB_WO, NVFP4,
+MXFP8): value-equal to quantlib's fake-quantized weights; config.json's quantization_config is what
+ModelOpt's ``convert_hf_quant_config_format`` makes of hf_quant_config.json. Needs nvidia-modelopt."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import quantlib as ql  # noqa: E402
+from quantlib.export import export_checkpoint  # noqa: E402
+
+from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
+
+CASES = {
+    "modelopt_fp8": ql.FP8_DEFAULT_CFG,
+    "modelopt_fp8_pb": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG),
+    "modelopt_nvfp4": weight_only(ql.NVFP4_DEFAULT_CFG),
+    "modelopt_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG),
+}
+
+
+@pytest.fixture(scope="module")
+def bases():
+    return {"llama": llama(), "qwen3_moe": qwen3_moe()}
+
+
+def _dequantize(fmt: str, t: dict, shape) -> torch.Tensor:
+    if fmt == "modelopt_nvfp4":
+        q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
+        return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
+    if fmt == "modelopt_mxfp8":
+        return qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
+    q = qtensor.FP8QTensor(shape, torch.float32, t["weight"])
+    if fmt == "modelopt_fp8_pb":
+        s = t["weight_scale"]
+        assert s.dim() == 4
+        return q.dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
+    assert t["weight_scale"].dim() == 0 and t["input_scale"].dim() == 0
+    return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_modelopt_dequantize_value_equal(bases, tmp_path, fmt, family):
+    model = quantized(bases[family], CASES[fmt])
+    export_checkpoint(model, tmp_path / "c", fmt)
+    hf_quant = json.loads((tmp_path / "c" / "hf_quant_config.json").read_text())
+    qc = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
+    assert qc == convert_hf_quant_config_format(hf_quant)
+    assert {"quant_algo", "kv_cache_quant_algo", "exclude_modules"} <= set(hf_quant["quantization"])
+    sd = load_file(tmp_path / "c" / "model.safetensors")
+    for name, ref in fake_quant_weights(model).items():
+        t = {k.rpartition(".")[2]: v for k, v in sd.items() if k.rpartition(".")[0] == name}
+        got = _dequantize(fmt, t, ref.shape)
+        assert torch.equal(got, ref.float()), name

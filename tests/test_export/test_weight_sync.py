@@ -1,0 +1,72 @@
+"""RL weight sync: serialize_weight (per tensor, also batched experts), iter_packed(experts="stacked")
+in vLLM's fused-MoE layout, chunking by a byte budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import quantlib as ql  # noqa: E402
+from quantlib.export import ExportError, chunk_by_bytes, iter_packed, serialize_weight  # noqa: E402
+from quantlib.formats.fp8_blockwise import fp8_blockwise_dequantize  # noqa: E402
+
+from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
+
+FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return quantized(qwen3_moe(), FP8_BLOCK)
+
+
+def test_serialize_weight_equals_iter_packed():
+    model = quantized(llama(), FP8_BLOCK)
+    packed = {p.name: p for p in iter_packed(model, "hf_fp8_block")}
+    q_proj = model.model.layers[1].self_attn.q_proj
+    pairs = dict(serialize_weight("model.layers.1.self_attn.q_proj.weight", q_proj.weight, q_proj.weight_quantizer, "hf_fp8_block"))
+    ref = packed["model.layers.1.self_attn.q_proj"].tensors
+    assert sorted(pairs) == ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight_scale_inv"]
+    assert torch.equal(pairs["model.layers.1.self_attn.q_proj.weight"].view(torch.uint8), ref["weight"].view(torch.uint8))
+    assert torch.equal(pairs["model.layers.1.self_attn.q_proj.weight_scale_inv"], ref["weight_scale_inv"])
+
+
+def test_serialize_weight_batched_experts(moe):
+    experts = moe.model.layers[0].mlp.experts
+    pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts.gate_up_proj_weight_quantizer, "hf_fp8_block", batched_experts=True))
+    codes = pairs["model.layers.0.mlp.experts.gate_up_proj.weight"]
+    scales = pairs["model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv"]
+    assert codes.shape == (4, 256, 256) and scales.shape == (4, 2, 2)
+    fq = fake_quant_weights(moe)
+    for e in range(4):
+        ref = torch.cat([fq[f"model.layers.0.mlp.experts.{e}.gate_proj"], fq[f"model.layers.0.mlp.experts.{e}.up_proj"]])
+        assert torch.equal(fp8_blockwise_dequantize(codes[e], scales[e], (128, 128)), ref)
+
+
+def test_stacked_experts_in_vllm_layout(moe):
+    stacked = [p for p in iter_packed(moe, "hf_fp8_block", experts="stacked") if p.role == "expert"]
+    assert [(p.name, p.shard) for p in stacked[:3]] == [("model.layers.0.mlp.experts", "w1"), ("model.layers.0.mlp.experts", "w3"), ("model.layers.0.mlp.experts", "w2")]
+    w1, w3, w2 = (p.tensors for p in stacked[:3])
+    assert sorted(w1) == ["w13_weight", "w13_weight_scale_inv"] and w1["w13_weight"].shape == (4, 128, 256) and w2["w2_weight"].shape == (4, 256, 128)
+    fq = fake_quant_weights(moe)
+    for e in range(4):
+        # what vLLM's w13 holds after loading shard w1 into rows [0, I) and w3 into [I, 2I)
+        w13 = torch.cat([fp8_blockwise_dequantize(w1["w13_weight"][e], w1["w13_weight_scale_inv"][e], (128, 128)), fp8_blockwise_dequantize(w3["w13_weight"][e], w3["w13_weight_scale_inv"][e], (128, 128))])
+        assert torch.equal(w13, torch.cat([fq[f"model.layers.0.mlp.experts.{e}.gate_proj"], fq[f"model.layers.0.mlp.experts.{e}.up_proj"]]))
+        assert torch.equal(fp8_blockwise_dequantize(w2["w2_weight"][e], w2["w2_weight_scale_inv"][e], (128, 128)), fq[f"model.layers.0.mlp.experts.{e}.down_proj"])
+
+
+def test_chunk_by_bytes():
+    pairs = [(str(i), torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate([40, 50, 20, 200, 10])]
+    assert [[k for k, _ in c] for c in chunk_by_bytes(pairs, 100)] == [["0", "1"], ["2"], ["3"], ["4"]]
+    with pytest.raises(ExportError, match="chunk_bytes must be positive"):
+        list(chunk_by_bytes(pairs, 0))
+
+
+def test_serialize_weight_refuses_disabled_quantizer():
+    lin = ql.quantize(torch.nn.Sequential(torch.nn.Linear(256, 256)), FP8_BLOCK)[0]
+    lin.weight_quantizer.disable()
+    with pytest.raises(ExportError, match=r"^w.weight_quantizer: TensorQuantizer disabled"):
+        list(serialize_weight("w", lin.weight, lin.weight_quantizer, "hf_fp8_block"))
