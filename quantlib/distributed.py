@@ -708,4 +708,13 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     _commit(units)
 
 
-__all__ = ["GROUP_NAMES", "AmaxSyncError", "LayoutError", "ParallelState", "sync_amax", "tp_shard_dim"]
+def all_reduce_search_loss(loss: torch.Tensor, parallel_state: ParallelState) -> torch.Tensor:
+    """SUM ``loss`` in place over ``data_group`` (a calibration search's per-candidate losses), so every
+    data-parallel rank picks the same candidate, the one the union of their data picks; returns it."""
+    group = parallel_state.group("data")
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)
+    return loss
+
+
+__all__ = ["GROUP_NAMES", "all_reduce_search_loss", "AmaxSyncError", "LayoutError", "ParallelState", "sync_amax", "tp_shard_dim"]

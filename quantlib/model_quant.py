@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .config import QuantizeConfig
+from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
+from .config import QuantizeConfig, algorithm_config
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -175,35 +176,57 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     return model
 
 
-def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
-    """(Re)calibrate an already converted model: weight amax from the weights, activation amax from
-    ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax). Amax are then
-    synced over ``parallel_state`` (None: discovered, see ``quantlib.distributed.discover_parallel_state``)."""
-    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
-    if method is None:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
+    """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
+    ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
+    from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
+    other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
+    ``quantlib.distributed.discover_parallel_state``)."""
+    algo = algorithm_config(algorithm)
+    if algo is None:
         return model
-    if method != "max":
-        raise ValueError(f"calibrate: algorithm {method!r} is not available (use 'max')")
     cfg: Optional[QuantizeConfig] = getattr(model, "_quantlib_config", None)
+    policy = cfg.expert_input_policy if cfg else "max_of_peers"
     if parallel_state is None:
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
+    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _sum_over_data(parallel_state), policy)
     local_error = None
     try:
-        for _, m in quant_modules(model):
-            m.calibrate_weights()
-        if forward_loop is not None:
-            _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
+        runner(algo.method)(model, algo, ctx)
     except CalibrationError as exc:
         if parallel_state is None:
             raise
         local_error = exc  # raised by the sync on every rank together: alone, this rank would hang the others
-    if parallel_state is not None:
+    if parallel_state is not None and algo.distributed_sync:
         from .distributed import sync_amax
 
         sync_amax(model, parallel_state, local_error=local_error)
+    elif local_error is not None:
+        raise local_error
     return model
+
+
+def _sum_over_data(parallel_state) -> Callable[[torch.Tensor], torch.Tensor]:
+    """In-place SUM all-reduce over the data-parallel ranks (the identity without any)."""
+    if parallel_state is None:
+        return lambda t: t
+    from .distributed import all_reduce_search_loss
+
+    return lambda t: all_reduce_search_loss(t, parallel_state)
+
+
+@register_runner("max")
+def _run_max(model: nn.Module, algo: AlgorithmConfig, ctx: CalibContext) -> None:
+    ctx.max_calibrate(model)
+
+
+def _max_calibrate(model: nn.Module, forward_loop: Optional[ForwardLoop], expert_policy: str) -> None:
+    for _, m in quant_modules(model):
+        m.calibrate_weights()
+    if forward_loop is not None:
+        _calibrate_activations(model, forward_loop, expert_policy)
 
 
 def _calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_policy: str) -> None:
