@@ -112,6 +112,29 @@ class TensorQuantizer(nn.Module):
         else:
             self.register_buffer("_amax", value)
 
+    # ------------------------------------------------------------------ pre_quant_scale
+    @property
+    def pre_quant_scale(self) -> Optional[torch.Tensor]:
+        """Per-input-channel factor the input is multiplied by before anything else (SmoothQuant /
+        AWQ: 1/s where the weight holds W*s), or None. Applied whenever set, even with quantization
+        disabled, because the module's weight was scaled to match it."""
+        return getattr(self, "_pre_quant_scale", None)
+
+    @pre_quant_scale.setter
+    def pre_quant_scale(self, value: Optional[torch.Tensor]) -> None:
+        if value is None:
+            self._buffers.pop("_pre_quant_scale", None)
+            return
+        value = torch.as_tensor(value).detach().clone()
+        if value.dim() != 1 or not value.is_floating_point():
+            raise ValueError(f"{self._qname}: pre_quant_scale must be a 1-D float tensor (one factor per input channel), got {value.dtype} of shape {tuple(value.shape)}")
+        if not value.is_meta and not bool(torch.isfinite(value).all() and (value > 0).all()):
+            raise ValueError(f"{self._qname}: pre_quant_scale must be finite and positive, got {value[:4].tolist()}...")
+        if "_pre_quant_scale" in self._buffers:
+            self._pre_quant_scale = value.to(self._pre_quant_scale.device)
+        else:
+            self.register_buffer("_pre_quant_scale", value)
+
     def reset_amax(self) -> None:
         self._buffers.pop("_amax", None)
         self._calibrator.reset()
@@ -164,6 +187,11 @@ class TensorQuantizer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pqs = self.pre_quant_scale
+        if pqs is not None:
+            if x.shape[-1] != pqs.numel():
+                raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.numel()} channels, the input's last dim is {x.shape[-1]}")
+            x = x * pqs.to(x.dtype)
         if self._disabled or x.numel() == 0:
             return x
         if self._if_calib:
@@ -174,9 +202,10 @@ class TensorQuantizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The amax buffer exists only once calibrated; a state dict that has one brings it along.
-        key = prefix + "_amax"
-        if key in state_dict and "_amax" not in self._buffers:
-            self.register_buffer("_amax", torch.empty_like(state_dict[key], dtype=torch.float32))
+        for name in ("_amax", "_pre_quant_scale"):
+            key = prefix + name
+            if key in state_dict and name not in self._buffers:
+                self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if name == "_amax" else state_dict[key].dtype))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
@@ -194,4 +223,6 @@ class TensorQuantizer(nn.Module):
         amax = self.amax
         if amax is not None:
             parts.append(f"amax={amax.item():.4g}" if amax.numel() == 1 else f"amax=[{tuple(amax.shape)}]")
+        if self.pre_quant_scale is not None:
+            parts.append(f"pre_quant_scale=[{self.pre_quant_scale.numel()}]")
         return " ".join(parts)
