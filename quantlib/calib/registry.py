@@ -66,6 +66,8 @@ class MseConfig(AlgorithmConfig):
             _in_range(self, key, 0.0, float("inf"), True, True)
         if self.stop_multiplier < self.start_multiplier:
             raise AlgorithmConfigError(f"algorithm 'mse': stop_multiplier={self.stop_multiplier!r} is below start_multiplier={self.start_multiplier!r}")
+        if self.fp8_scale_sweep:
+            raise AlgorithmConfigError("algorithm 'mse': fp8_scale_sweep=True needs static NVFP4 block scales, which quantlib's NVFP4 format does not have")
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class CalibContext:
 
 
 #: method name -> its config class; a name is here only where a runner implements it
-ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig,)}
+ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig)}
 
 _RUNNERS: dict[str, Callable[..., Any]] = {}
 
