@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .calib import mse  # noqa: F401  (registers its runner)
+from .calib import mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
 from .config import QuantizeConfig, algorithm_config
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
@@ -192,7 +192,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
-    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _sum_over_data(parallel_state), policy)
+    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy)
     local_error = None
     try:
         runner(algo.method)(model, algo, ctx)
@@ -209,13 +209,13 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     return model
 
 
-def _sum_over_data(parallel_state) -> Callable[[torch.Tensor], torch.Tensor]:
-    """In-place SUM all-reduce over the data-parallel ranks (the identity without any)."""
+def _over_data(parallel_state, op: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """In-place ``op`` all-reduce over the data-parallel ranks (the identity without any)."""
     if parallel_state is None:
         return lambda t: t
-    from .distributed import all_reduce_search_loss
+    from .distributed import all_reduce_over_data
 
-    return lambda t: all_reduce_search_loss(t, parallel_state)
+    return lambda t: all_reduce_over_data(t, parallel_state, op)
 
 
 @register_runner("max")

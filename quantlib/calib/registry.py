@@ -98,17 +98,19 @@ class AwqLiteConfig(AlgorithmConfig):
 class CalibContext:
     """What a runner gets besides the model and its config: the user's ``forward_loop`` (None: weights
     only), ``max_calibrate(model)`` (weights from the weights, activations from one forward_loop pass:
-    the max algorithm) and ``all_reduce_sum(tensor)`` (sums a search's loss over the data-parallel
-    ranks in place, so every rank makes the same choice; the identity on one rank)."""
+    the max algorithm) and ``all_reduce_sum`` / ``all_reduce_max(tensor)`` (in place over the
+    data-parallel ranks, for a search's statistics and losses, so every rank makes the same choice;
+    the identity on one rank)."""
 
     forward_loop: Optional[Callable[[Any], Any]]
     max_calibrate: Callable[[Any], None]
     all_reduce_sum: Callable[[Any], Any]
+    all_reduce_max: Callable[[Any], Any]
     expert_input_policy: str = "max_of_peers"
 
 
 #: method name -> its config class; a name is here only where a runner implements it
-ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig)}
+ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig)}
 
 _RUNNERS: dict[str, Callable[..., Any]] = {}
 
