@@ -404,10 +404,10 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = _preset({"num_bits": 4, "block_sizes": {-1: 128
 NVFP4_DEFAULT_CFG = _preset(dict(_NVFP4, effective_bits=4.5), dict(_NVFP4))
 MXFP8_DEFAULT_CFG = _preset(dict(_MXFP8), dict(_MXFP8))
 MXFP4_DEFAULT_CFG = _preset(dict(_MXFP4), dict(_MXFP4))
-# ModelOpt calibrates this recipe with AWQ; quantlib has no AWQ yet, so it uses max calibration.
 W4A8_AWQ_BETA_CFG = _preset(
     [{"num_bits": 4, "block_sizes": {-1: 128, "type": "static"}, "enable": True}, {"num_bits": (4, 3), "axis": None, "enable": True}],
     {"num_bits": (4, 3), "axis": None, "enable": True},
+    "awq_lite",
 )
 
 PRESETS: dict[str, dict] = {

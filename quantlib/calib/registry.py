@@ -110,7 +110,7 @@ class CalibContext:
 
 
 #: method name -> its config class; a name is here only where a runner implements it
-ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig)}
+ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig, AwqLiteConfig)}
 
 _RUNNERS: dict[str, Callable[..., Any]] = {}
 
