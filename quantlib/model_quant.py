@@ -171,6 +171,8 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     cfg = QuantizeConfig.from_any(config)
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
+    for _, leaf in iter_leaf_quantizers(model):
+        leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
         calibrate(model, cfg.algorithm, forward_loop, parallel_state)

@@ -59,4 +59,6 @@ CALIBRATION_PRESETS: tuple[str, ...] = (
     "MXFP8_EXPERTS_ONLY_CFG",
     "MXFP8_MLP_ONLY_CFG",
 )
+#: the presets that quantize only part of a model (by module names)
+SCOPED_PRESETS: tuple[str, ...] = tuple(n for n in CALIBRATION_PRESETS if "_ONLY_" in n)
 PRESETS.update({name: globals()[name] for name in CALIBRATION_PRESETS})

@@ -12,8 +12,8 @@ each served linear keeps its inputs and their per-channel mean |x| and max |x|. 
   1e4) / sqrt(max s * min s)`` and the loss ``sum over calls of mean((x/s) Q(W s)^T - x W^T)^2``,
   with ``Q`` the first weight quantizer using the amax of ``W s`` itself; losses are SUM-reduced
   over the data-parallel ranks, so every rank picks the same alpha (the first of least loss);
-- the input quantizer's ``pre_quant_scale`` becomes ``1/s``, the weight ``W s`` (its quantizers
-  recalibrated), a static input quantizer's amax ``max over channels of max|x| / s``.
+- the input quantizer's ``pre_quant_scale`` becomes ``1/s``, the weight quantizer's ``s`` (it
+  quantizes ``W s``; recalibrated), a static input quantizer's amax ``max over channels of max|x| / s``.
 
 This is ModelOpt's ``awq_lite`` computed from cached inputs instead of a second forward_loop pass
 (the same inputs: both see the unquantized upstream layers). Its alpha grid stops at 1 (ModelOpt's
@@ -37,7 +37,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .max import static_amax
 from .registry import AwqLiteConfig, CalibContext, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, served_linears
 
 _log = logging.getLogger("quantlib")
 
@@ -49,8 +49,7 @@ def alphas(step: float) -> list[float]:
 
 def search_quantizer(module: QuantModule) -> TensorQuantizer:
     """The weight quantizer the search quantizes with: the first of a chain (as ModelOpt)."""
-    q = module.weight_quantizer
-    return q if isinstance(q, TensorQuantizer) else next(iter(q.leaves()))
+    return first_leaf(module.weight_quantizer)
 
 
 def weight_scale(w: torch.Tensor, block: Optional[int]) -> torch.Tensor:
@@ -103,14 +102,18 @@ def _block_of(q: TensorQuantizer) -> Optional[int]:
 @register_runner("awq_lite")
 def run_awq_lite(model: nn.Module, cfg: AwqLiteConfig, ctx: CalibContext) -> None:
     """One forward_loop pass caching each linear's inputs, then the alpha search per linear."""
-    if ctx.forward_loop is None:
-        raise CalibrationError("awq_lite needs a forward_loop: its scales come from the activations")
+    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
+        _log.warning("awq_lite needs a forward_loop (its scales come from the activations): without one, weights get max calibration only")
+        ctx.max_calibrate(model)
+        return
     targets = []
     for name, m, w in served_linears(model, "awq_lite", needs_input=False):
         if m.input_quantizer.is_enabled and m.input_quantizer.axis is not None:
             _log.warning("%s: awq_lite needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, m.input_quantizer.axis)
             continue
         targets.append((name, m, w))
+    for _, m, _ in targets:
+        clear_scales(m)
     rec = InputRecorder([(n, m) for n, m, _ in targets], keep_inputs=True)
     collective_step(ctx, targets, lambda: _record(model, rec, ctx))
     device = targets[0][2].device if targets else torch.device("cpu")

@@ -92,4 +92,4 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
             for _, leaf, w in _static_weight_members(module):
                 if leaf.amax is None or leaf.amax.is_meta:
                     continue
-                leaf.amax, _ = search_amax(w, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
+                leaf.amax, _ = search_amax(leaf.pre_scale(w), leaf.spec, leaf.amax, candidates, leaf.attrs.backend)

@@ -2,8 +2,9 @@
 serve, one forward-loop pass that records each served linear's inputs, and applying a scale.
 
 Applying scales ``s`` to a linear ``y = x W^T`` sets the input quantizer's ``pre_quant_scale`` to
-``1/s`` and multiplies the weight's columns by ``s`` in place, so ``y`` is unchanged before
-quantization; the weight quantizers are then recalibrated (max) on the scaled weight.
+``1/s`` and the weight quantizer's to ``s`` (it quantizes ``W * s``), so ``y`` is unchanged before
+quantization and the weight parameter is untouched (re-quantizing starts from it); the weight
+quantizers are then recalibrated (max) on the scaled weight.
 """
 
 from __future__ import annotations
@@ -106,16 +107,28 @@ def check_finite(where: str, what: str, t: torch.Tensor) -> None:
         raise CalibrationError(f"{where}: calibration saw {bad} values in the {what}; check the model's activations or disable this quantizer")
 
 
+def first_leaf(q: nn.Module) -> TensorQuantizer:
+    """``q`` itself, or the first member of a chain (which sees the weight first)."""
+    return q if isinstance(q, TensorQuantizer) else next(iter(q.leaves()))
+
+
+def clear_scales(module: QuantModule) -> None:
+    """Drop the ``pre_quant_scale`` of the input and weight quantizers (a fresh search)."""
+    module.input_quantizer.pre_quant_scale = None
+    for leaf in module.weight_quantizer.leaves() if not isinstance(module.weight_quantizer, TensorQuantizer) else [module.weight_quantizer]:
+        leaf.pre_quant_scale = None
+
+
 @torch.no_grad()
 def apply_pre_quant_scale(module: QuantModule, pre_quant_scale: torch.Tensor, input_amax: Optional[torch.Tensor]) -> None:
-    """Input quantizer's ``pre_quant_scale`` := ``pre_quant_scale`` (fp32 math, stored in the weight's
-    dtype), weight columns times ``1 / pre_quant_scale`` (in place, so the weight cache sees it),
-    weight quantizers recalibrated; a static input quantizer gets the per-tensor amax of the scaled
-    input from its per-channel ``input_amax``."""
+    """Input quantizer's ``pre_quant_scale`` := ``pre_quant_scale`` (stored in the weight's dtype), the
+    weight quantizer's := its fp32 reciprocal (it quantizes ``W / pre_quant_scale``: the weight
+    parameter itself is never changed), weight quantizers recalibrated; a static input quantizer gets
+    the per-tensor amax of the scaled input from its per-channel ``input_amax``."""
     w = module.weight
     pqs = pre_quant_scale.float().to(w.device)
     module.input_quantizer.pre_quant_scale = pqs.to(w.dtype)
-    w.copy_((w.float() * (1.0 / pqs)[None, :]).to(w.dtype))
+    first_leaf(module.weight_quantizer).pre_quant_scale = 1.0 / pqs
     module.calibrate_weights()
     iq = module.input_quantizer
     if iq.is_enabled and iq.needs_calibration and input_amax is not None:

@@ -6,8 +6,8 @@ its input's per-channel max |x| (MAX-reduced over the data-parallel ranks). Then
 
     s = a^alpha / w^(1 - alpha)   (channels with a <= 2^-31: s = 1; then clamped to [1e-4, 1e4])
 
-the input quantizer's ``pre_quant_scale`` is ``1/s``, the weight becomes ``W * s`` (its quantizer is
-recalibrated on it) and the input's per-tensor amax is ``max(a / s)``, as ModelOpt computes them.
+the input quantizer's ``pre_quant_scale`` is ``1/s``, the weight quantizer's ``s`` (it quantizes
+``W * s``, recalibrated) and the input's per-tensor amax is ``max(a / s)``, as ModelOpt computes them.
 As ModelOpt, only INT8 inputs and weights are smoothed (other linears keep max calibration, with a
 warning). The scales stay in the input quantizer (folding them into a preceding norm is not done).
 """
@@ -22,7 +22,7 @@ from torch import nn
 from ..formats import Kind
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .registry import CalibContext, SmoothQuantConfig, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, served_linears
 
 _log = logging.getLogger("quantlib")
 
@@ -45,14 +45,18 @@ def _is_int8(q: TensorQuantizer) -> bool:
 @register_runner("smoothquant")
 def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext) -> None:
     """Max calibration with per-channel input statistics, then smoothing of every INT8 linear."""
-    if ctx.forward_loop is None:
-        raise CalibrationError("smoothquant needs a forward_loop: its scales come from the activations")
+    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
+        _log.warning("smoothquant needs a forward_loop (its scales come from the activations): without one, weights get max calibration only")
+        ctx.max_calibrate(model)
+        return
     targets = []
     for name, m, w in served_linears(model, "smoothquant", needs_input=True):
         if _is_int8(m.input_quantizer) and _is_int8(m.weight_quantizer) and m.input_quantizer.axis is None:
             targets.append((name, m, w))
         else:
             _log.warning("%s: smoothquant smooths per-tensor INT8 inputs with INT8 weights only; it keeps max calibration", name)
+    for _, m, _ in targets:
+        clear_scales(m)
     with InputRecorder([(n, m) for n, m, _ in targets]) as rec:
         ctx.max_calibrate(model)
     missing = [n for n, _, _ in targets if rec.calls[n] == 0]

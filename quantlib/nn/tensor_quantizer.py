@@ -115,9 +115,10 @@ class TensorQuantizer(nn.Module):
     # ------------------------------------------------------------------ pre_quant_scale
     @property
     def pre_quant_scale(self) -> Optional[torch.Tensor]:
-        """Per-input-channel factor the input is multiplied by before anything else (SmoothQuant /
-        AWQ: 1/s where the weight holds W*s), or None. Applied whenever set, even with quantization
-        disabled, because the module's weight was scaled to match it."""
+        """Factor along the last dim that the input is multiplied by before anything else, or None:
+        SmoothQuant / AWQ set ``1/s`` (per input channel) on a linear's input quantizer and ``s`` on its
+        weight quantizer, which then quantizes ``W * s``. Applied whenever set, even with quantization
+        disabled, since the module's function depends on both halves."""
         return getattr(self, "_pre_quant_scale", None)
 
     @pre_quant_scale.setter
@@ -135,6 +136,15 @@ class TensorQuantizer(nn.Module):
         else:
             self.register_buffer("_pre_quant_scale", value)
 
+    def pre_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times ``pre_quant_scale`` along its last dim (``x`` itself when there is none)."""
+        pqs = self.pre_quant_scale
+        if pqs is None:
+            return x
+        if x.shape[-1] != pqs.numel():
+            raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.numel()} channels, the input's last dim is {x.shape[-1]}")
+        return x * pqs.to(x.dtype)
+
     def reset_amax(self) -> None:
         self._buffers.pop("_amax", None)
         self._calibrator.reset()
@@ -144,7 +154,11 @@ class TensorQuantizer(nn.Module):
         return static_amax_shape(self.spec, self._attrs.axis, tuple(shape))
 
     def collect(self, x: torch.Tensor) -> None:
-        """Add ``x`` to the calibration statistics (an empty ``x``, e.g. an expert's 0-token split, adds nothing)."""
+        """Add ``x`` (times ``pre_quant_scale``) to the calibration statistics (an empty ``x``, e.g. an
+        expert's 0-token split, adds nothing)."""
+        self._collect(self.pre_scale(x))
+
+    def _collect(self, x: torch.Tensor) -> None:
         if self.needs_calibration and x.numel() > 0:
             self._calibrator.collect(static_amax(x, self.spec, self._attrs.axis, self._attrs.backend))
 
@@ -182,20 +196,17 @@ class TensorQuantizer(nn.Module):
 
     def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Fake quant with the statistics collected so far (for chained calibration)."""
+        x = self.pre_scale(x)
         amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
         return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pqs = self.pre_quant_scale
-        if pqs is not None:
-            if x.shape[-1] != pqs.numel():
-                raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.numel()} channels, the input's last dim is {x.shape[-1]}")
-            x = x * pqs.to(x.dtype)
+        x = self.pre_scale(x)
         if self._disabled or x.numel() == 0:
             return x
         if self._if_calib:
-            self.collect(x)
+            self._collect(x)
         if not self._if_quant:
             return x
         return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
