@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .calib import awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
+from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
 from .config import QuantizeConfig, algorithm_config
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits

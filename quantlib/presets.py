@@ -38,6 +38,8 @@ _MLP = ("*mlp*", "*.mixer.up_proj.", "*.mixer.down_proj.", "*block_sparse_moe*",
 INT4_AWQ_CFG = _preset(dict(_INT4_BLOCK128), None, {"method": "awq_lite", "alpha_step": 0.1})
 INT8_SMOOTHQUANT_CFG = _preset({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}, "smoothquant")
 NVFP4_AWQ_LITE_CFG = _preset(dict(_NVFP4_W), dict(_NVFP4_W), "awq_lite")
+NVFP4_AWQ_CLIP_CFG = _preset(dict(_NVFP4_W), dict(_NVFP4_W), {"method": "awq_clip"})
+NVFP4_AWQ_FULL_CFG = _preset(dict(_NVFP4_W), dict(_NVFP4_W), {"method": "awq_full", "alpha_step": 0.1})
 W4A16_NVFP4_CFG = _preset(dict(_NVFP4_W))
 NVFP4_EXPERTS_ONLY_CFG = _only(_EXPERTS, _NVFP4_W, _NVFP4_W)
 NVFP4_MLP_ONLY_CFG = _only(_MLP, _NVFP4_W, _NVFP4_W)
@@ -51,6 +53,8 @@ CALIBRATION_PRESETS: tuple[str, ...] = (
     "INT4_AWQ_CFG",
     "INT8_SMOOTHQUANT_CFG",
     "NVFP4_AWQ_LITE_CFG",
+    "NVFP4_AWQ_CLIP_CFG",
+    "NVFP4_AWQ_FULL_CFG",
     "W4A16_NVFP4_CFG",
     "NVFP4_EXPERTS_ONLY_CFG",
     "NVFP4_MLP_ONLY_CFG",

@@ -106,22 +106,33 @@ def run_awq_lite(model: nn.Module, cfg: AwqLiteConfig, ctx: CalibContext) -> Non
         _log.warning("awq_lite needs a forward_loop (its scales come from the activations): without one, weights get max calibration only")
         ctx.max_calibrate(model)
         return
+    targets, rec, calls = record_inputs(model, "awq_lite", ctx)
+    search(targets, rec, calls, cfg, ctx, keep_inputs=False)
+
+
+def record_inputs(model: nn.Module, method: str, ctx: CalibContext) -> tuple[list, InputRecorder, list[float]]:
+    """The served linears (their old scales dropped), their inputs from one max-calibration pass, and
+    each one's number of forward calls over every data-parallel rank (unreached ones handled)."""
     targets = []
-    for name, m, w in served_linears(model, "awq_lite", needs_input=False):
+    for name, m, w in served_linears(model, method, needs_input=False):
         if m.input_quantizer.is_enabled and m.input_quantizer.axis is not None:
-            _log.warning("%s: awq_lite needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, m.input_quantizer.axis)
+            _log.warning("%s: %s needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, method, m.input_quantizer.axis)
             continue
-        targets.append((name, m, w))
-    for _, m, _ in targets:
         clear_scales(m)
+        targets.append((name, m, w))
     rec = InputRecorder([(n, m) for n, m, _ in targets], keep_inputs=True)
     collective_step(ctx, targets, lambda: _record(model, rec, ctx))
     device = targets[0][2].device if targets else torch.device("cpu")
-    calls = ctx.all_reduce_sum(torch.tensor([float(rec.calls[n]) for n, _, _ in targets], device=device))
-    _handle_unreached([(n, m) for (n, m, _), c in zip(targets, calls.tolist()) if c == 0], ctx)
+    calls = ctx.all_reduce_sum(torch.tensor([float(rec.calls[n]) for n, _, _ in targets], device=device)).tolist()
+    _handle_unreached(method, [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx)
+    return targets, rec, calls
+
+
+def search(targets: list, rec: InputRecorder, calls: list[float], cfg: AwqLiteConfig, ctx: CalibContext, keep_inputs: bool) -> None:
+    """The alpha search of every target with calls; applies the chosen scales."""
     grid = alphas(cfg.alpha_step)
     with torch.no_grad():
-        for (name, m, w), n_calls in zip(targets, calls.tolist()):
+        for (name, m, w), n_calls in zip(targets, calls):
             if n_calls == 0:
                 continue
             mean_sum = rec.mean_abs_sum.get(name, torch.zeros(w.shape[1], device=w.device))
@@ -137,7 +148,8 @@ def run_awq_lite(model: nn.Module, cfg: AwqLiteConfig, ctx: CalibContext) -> Non
             m.awq_lite_alpha = grid[best]
             if cfg.debug:
                 m.awq_lite_losses = dict(zip(grid, losses.tolist()))
-            rec.inputs[name] = []  # free the cache as we go
+            if not keep_inputs:
+                rec.inputs[name] = []  # free the cache as we go
 
 
 def _record(model: nn.Module, rec: InputRecorder, ctx: CalibContext) -> None:
@@ -161,15 +173,15 @@ def collective_step(ctx: CalibContext, targets: list, step) -> None:
         raise CalibrationError("calibration failed on another data-parallel rank (its error is reported there)")
 
 
-def _handle_unreached(idle: list[tuple[str, QuantModule]], ctx: CalibContext) -> None:
+def _handle_unreached(method: str, idle: list[tuple[str, QuantModule]], ctx: CalibContext) -> None:
     """Linears no rank's input reached: experts follow the policy, anything else raises by name."""
     if not idle:
         return
     names = [n for n, m in idle if not m.is_expert]
     if names:
-        raise CalibrationError(f"awq_lite: forward_loop never reached {names[:5]}; feed data that reaches them or disable their quantizers")
+        raise CalibrationError(f"{method}: forward_loop never reached {names[:5]}; feed data that reaches them or disable their quantizers")
     if ctx.expert_input_policy == "error":
-        raise CalibrationError(f"awq_lite: no tokens reached expert(s) {[n for n, _ in idle][:5]} (expert_input_policy='error')")
+        raise CalibrationError(f"{method}: no tokens reached expert(s) {[n for n, _ in idle][:5]} (expert_input_policy='error')")
     for n, m in idle:
-        _log.warning("%s: no tokens reached this expert; awq_lite leaves it max-calibrated with a pre_quant_scale of ones", n)
+        _log.warning("%s: no tokens reached this expert; %s leaves it max-calibrated with a pre_quant_scale of ones", n, method)
         m.input_quantizer.pre_quant_scale = torch.ones(m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device)

@@ -109,8 +109,50 @@ class CalibContext:
     expert_input_policy: str = "max_of_peers"
 
 
+@dataclass(frozen=True)
+class AwqClipConfig(AlgorithmConfig):
+    """``awq_clip``: per weight group, the clip ratio of ``min_clip_ratio, + shrink_step, ..., 1`` of
+    its max amax that minimises the quantized linear's output error on (up to
+    ``max_tokens_per_batch`` tokens a call of) its own inputs; ``max_co_batch_size`` output channels
+    are searched at a time."""
+
+    method: ClassVar[str] = "awq_clip"
+    max_co_batch_size: int = 1024
+    max_tokens_per_batch: int = 64
+    min_clip_ratio: float = 0.5
+    shrink_step: float = 0.05
+    debug: bool = False
+
+    def check(self) -> None:
+        for key in ("max_co_batch_size", "max_tokens_per_batch"):
+            if getattr(self, key) < 1:
+                raise AlgorithmConfigError(f"algorithm {self.method!r}: {key}={getattr(self, key)!r} must be >= 1")
+        _in_range(self, "min_clip_ratio", 0.0, 1.0, True, True)
+        _in_range(self, "shrink_step", 0.0, 1.0, True, False)
+
+
+@dataclass(frozen=True)
+class AwqFullConfig(AwqClipConfig):
+    """``awq_full``: ``awq_lite`` (``alpha_step``), then ``awq_clip`` on the scaled weights."""
+
+    method: ClassVar[str] = "awq_full"
+    alpha_step: float = 0.1
+
+    def check(self) -> None:
+        super().check()
+        _in_range(self, "alpha_step", 0.0, 1.0, True, False)
+
+    def lite(self) -> AwqLiteConfig:
+        """The awq_lite half."""
+        return AwqLiteConfig(self.distributed_sync, self.alpha_step, self.debug)
+
+    def clip(self) -> AwqClipConfig:
+        """The awq_clip half."""
+        return AwqClipConfig(self.distributed_sync, self.max_co_batch_size, self.max_tokens_per_batch, self.min_clip_ratio, self.shrink_step, self.debug)
+
+
 #: method name -> its config class; a name is here only where a runner implements it
-ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig, AwqLiteConfig)}
+ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig, AwqLiteConfig, AwqClipConfig, AwqFullConfig)}
 
 _RUNNERS: dict[str, Callable[..., Any]] = {}
 

@@ -20,6 +20,8 @@ MEANINGS = {
     "W4A8_AWQ_BETA_CFG": (None, (Kind.FP8, (4, 3), None, None, False), "awq_lite"),
     "INT8_SMOOTHQUANT_CFG": ((Kind.INT, 8, (0,), None, False), (Kind.INT, 8, None, None, False), "smoothquant"),
     "NVFP4_AWQ_LITE_CFG": (NVFP4, NVFP4, "awq_lite"),
+    "NVFP4_AWQ_CLIP_CFG": (NVFP4, NVFP4, "awq_clip"),
+    "NVFP4_AWQ_FULL_CFG": (NVFP4, NVFP4, "awq_full"),
     "W4A16_NVFP4_CFG": (NVFP4, None, "max"),
 }
 # name: (quantized quantizer names, names left disabled)
@@ -80,7 +82,7 @@ def test_preset_calibrates_an_mlp_and_stays_close(name):
         out, ref = model(data[0]), mlp()(data[0])
     assert torch.isfinite(out).all()
     assert float((out - ref).norm() / ref.norm()) < 0.5
-    if MEANINGS[name][2] in ("awq_lite", "smoothquant"):
+    if MEANINGS[name][2] in ("awq_lite", "awq_full", "smoothquant"):
         assert model[0].input_quantizer.pre_quant_scale is not None
 
 
