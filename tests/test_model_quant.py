@@ -25,7 +25,11 @@ def _weight_amax_ok(model) -> None:
         first = q if isinstance(q, ql.TensorQuantizer) else q[0]
         if first.is_enabled and first.needs_calibration:
             assert tuple(first.amax.shape) == first.amax_shape(tuple(m.weight.shape))
-            assert torch.equal(first.amax.max(), first.pre_scale(m.weight.detach()).abs().max())  # AWQ: of W * s
+            w_max = first.pre_scale(m.weight.detach()).abs().max()  # AWQ: of W * s
+            if model._quantlib_config.algorithm_name in ("awq_clip", "awq_full"):
+                assert first.amax.max() <= w_max  # clipped
+            else:
+                assert torch.equal(first.amax.max(), w_max)
 
 
 @pytest.mark.parametrize("kind", KINDS)
