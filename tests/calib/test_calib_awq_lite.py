@@ -207,3 +207,20 @@ def test_dp2_ranks_choose_alike_and_as_one_process_on_the_global_data():
         assert torch.equal(outs[0]["pqs"][i], outs[1]["pqs"][i]) and torch.equal(outs[0]["amax"][i], outs[1]["amax"][i])
         torch.testing.assert_close(outs[0]["pqs"][i], single[j].input_quantizer.pre_quant_scale, rtol=1e-5, atol=0)
         torch.testing.assert_close(outs[0]["amax"][i], single[j].input_quantizer.amax, rtol=1e-5, atol=0)
+
+
+def test_calibrating_again_gives_the_same_scales():
+    data = outlier_data()
+    model = ql.quantize(mlp(), _cfg(), loop(data))
+    first = [model[i].input_quantizer.pre_quant_scale.clone() for i in (0, 2)]
+    ql.calibrate(model, "awq_lite", loop(data))  # starts from the weights again, not from W * s
+    assert all(torch.equal(a, model[i].input_quantizer.pre_quant_scale) for a, i in zip(first, (0, 2)))
+
+
+def test_bf16_model_keeps_bf16_scales_and_finite_outputs():
+    data = [x.bfloat16() for x in outlier_data()]
+    model = ql.quantize(mlp().bfloat16(), _cfg("awq_full"), loop(data))
+    assert model[0].input_quantizer.pre_quant_scale.dtype == torch.bfloat16
+    with torch.no_grad():
+        out = model(data[0])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
