@@ -194,7 +194,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
-    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy)
+    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
     local_error = None
     try:
         runner(algo.method)(model, algo, ctx)
@@ -209,6 +209,13 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     elif local_error is not None:
         raise local_error
     return model
+
+
+def _split_over_ranks(parallel_state) -> tuple[bool, bool]:
+    """(expert parallel, tensor parallel) of a layout (None: neither)."""
+    if parallel_state is None:
+        return False, False
+    return parallel_state.size("expert") > 1, parallel_state.size("tensor") > 1 or parallel_state.size("expert_tensor") > 1
 
 
 def _over_data(parallel_state, op: str) -> Callable[[torch.Tensor], torch.Tensor]:

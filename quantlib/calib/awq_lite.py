@@ -114,7 +114,7 @@ def record_inputs(model: nn.Module, method: str, ctx: CalibContext) -> tuple[lis
     """The served linears (their old scales dropped), their inputs from one max-calibration pass, and
     each one's number of forward calls over every data-parallel rank (unreached ones handled)."""
     targets = []
-    for name, m, w in served_linears(model, method, needs_input=False):
+    for name, m, w in served_linears(model, method, needs_input=False, expert_parallel=ctx.expert_parallel, tensor_parallel=ctx.tensor_parallel):
         if m.input_quantizer.is_enabled and m.input_quantizer.axis is not None:
             _log.warning("%s: %s needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, method, m.input_quantizer.axis)
             continue

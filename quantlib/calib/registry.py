@@ -107,6 +107,11 @@ class CalibContext:
     all_reduce_sum: Callable[[Any], Any]
     all_reduce_max: Callable[[Any], Any]
     expert_input_policy: str = "max_of_peers"
+    #: True when experts are spread over several ranks (expert parallelism): their replicas are not
+    #: the data-parallel group, which the reductions above span
+    expert_parallel: bool = False
+    #: True when linears are split over several ranks (tensor parallelism)
+    tensor_parallel: bool = False
 
 
 @dataclass(frozen=True)

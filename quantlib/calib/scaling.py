@@ -34,11 +34,12 @@ def linear_weight(module: QuantModule) -> Optional[torch.Tensor]:
     return w
 
 
-def served_linears(model: nn.Module, method: str, needs_input: bool) -> list[tuple[str, QuantModule, torch.Tensor]]:
+def served_linears(model: nn.Module, method: str, needs_input: bool, expert_parallel: bool = False, tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
     """(name, module, weight) of every quantized linear whose weight quantizer is enabled (and, with
     ``needs_input``, whose input quantizer too). A module the config quantizes that the algorithm
     cannot serve is named: weight-less ones are refused (CalibrationError), weights of another shape
-    (convolutions, grouped experts) keep max calibration with a warning."""
+    (convolutions, grouped experts) keep max calibration with a warning; expert linears under expert
+    parallelism and split linears under tensor parallelism are refused."""
     out, weightless = [], []
     for name, m in model.named_modules():
         if not isinstance(m, QuantModule):
@@ -53,6 +54,13 @@ def served_linears(model: nn.Module, method: str, needs_input: bool) -> list[tup
             continue
         if m.weight_quantizer.is_enabled and (m.input_quantizer.is_enabled or not needs_input):
             out.append((name, m, w))
+    split = [n for n, m, _ in out if m.parallel_role != "replicated"]
+    if tensor_parallel and split:
+        # a column-parallel rank sees only its rows of W, a row-parallel one only its input channels
+        raise CalibrationError(f"{method} under tensor parallelism is not supported: {split[:3]} are split over the tensor-parallel ranks; use 'max' or calibrate at TP=1")
+    if expert_parallel and any(m.is_expert for _, m, _ in out):
+        # the statistics of an expert must be reduced over its replicas only, which the data group is not
+        raise CalibrationError(f"{method} under expert parallelism is not supported: expert linears {[n for n, m, _ in out if m.is_expert][:3]} would mix other experts' statistics; disable their quantizers' {method} (use 'max') or calibrate without expert parallelism")
     if weightless:
         raise CalibrationError(f"{method} cannot serve {weightless[:5]}: they have no weight to take the per-channel scales; disable their input quantizers in the config or use algorithm 'max'")
     return out

@@ -50,7 +50,7 @@ def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext)
         ctx.max_calibrate(model)
         return
     targets = []
-    for name, m, w in served_linears(model, "smoothquant", needs_input=True):
+    for name, m, w in served_linears(model, "smoothquant", needs_input=True, expert_parallel=ctx.expert_parallel, tensor_parallel=ctx.tensor_parallel):
         if _is_int8(m.input_quantizer) and _is_int8(m.weight_quantizer) and m.input_quantizer.axis is None:
             targets.append((name, m, w))
         else:
