@@ -52,24 +52,19 @@ def clippable(q: nn.Module) -> bool:
 
 
 def _quantize(q: TensorQuantizer, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``q``'s fake quant of ``w`` with ``amax``."""
     return ops.fake_quant(w, q.spec, amax, q.attrs.backend)
 
 
-def _block_losses(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, block: int, co_batch: int) -> torch.Tensor:
-    """[co, n_blocks]: per output channel and block, the mean over tokens of the squared error of the
-    block's partial dot product."""
-    co, ci = w.shape
-    pad = -ci % block
-    if pad:
-        w, wq, x = F.pad(w, (0, pad)), F.pad(wq, (0, pad)), F.pad(x, (0, pad))
-    xb = x.reshape(1, x.shape[0], -1, block)
-    wb, wqb = w.reshape(co, 1, -1, block), wq.reshape(co, 1, -1, block)
-    out = []
-    for start in range(0, co, co_batch):
-        ref = (xb * wb[start : start + co_batch]).sum(dim=-1)
-        cur = (xb * wqb[start : start + co_batch]).sum(dim=-1)
-        out.append((cur - ref).float().pow(2).mean(dim=1))
-    return torch.cat(out)
+def _blocked(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[co, 1, n_blocks, block] view of ``w`` [co, ci] (zero-padded)."""
+    pad = -w.shape[-1] % block
+    return (F.pad(w, (0, pad)) if pad else w).reshape(w.shape[0], 1, -1, block)
+
+
+def _block_outputs(xb: torch.Tensor, wb: torch.Tensor, co_batch: int) -> list[torch.Tensor]:
+    """Per output-channel batch, [co_batch, tokens, n_blocks]: each block's partial dot products."""
+    return [(xb * wb[start : start + co_batch]).sum(dim=-1) for start in range(0, wb.shape[0], co_batch)]
 
 
 def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig) -> torch.Tensor:
@@ -89,10 +84,15 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     for x in xs:
         x = x.reshape(-1, x.shape[-1])
         tokens.append(x[0 :: max(1, x.shape[0] // cfg.max_tokens_per_batch)])
-    for k, r in enumerate(ratios):
-        wq = _quantize(q, w, w_amax * r)
-        for x in tokens:
-            losses[k] += _block_losses(x, w, wq, q.spec.block[0], cfg.max_co_batch_size)
+    block, co_batch = q.spec.block[0], cfg.max_co_batch_size
+    for x in tokens:
+        pad = -x.shape[-1] % block
+        xb = (F.pad(x, (0, pad)) if pad else x).reshape(1, x.shape[0], -1, block)
+        refs = _block_outputs(xb, _blocked(w, block), co_batch)  # once per call, as ModelOpt's org_out
+        for k, r in enumerate(ratios):
+            # one quantized copy at a time: quantizing is ~1/tokens of the products below
+            cur = _block_outputs(xb, _blocked(_quantize(q, w, w_amax * r), block), co_batch)
+            losses[k] += torch.cat([(c - ref).float().pow(2).mean(dim=1) for c, ref in zip(cur, refs)])
     return losses
 
 
