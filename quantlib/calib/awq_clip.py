@@ -57,14 +57,15 @@ def _quantize(q: TensorQuantizer, w: torch.Tensor, amax: torch.Tensor) -> torch.
 
 
 def _blocked(w: torch.Tensor, block: int) -> torch.Tensor:
-    """[co, 1, n_blocks, block] view of ``w`` [co, ci] (zero-padded)."""
+    """[n_blocks, block, rows] of ``w`` [rows, ci] (zero-padded along ci)."""
     pad = -w.shape[-1] % block
-    return (F.pad(w, (0, pad)) if pad else w).reshape(w.shape[0], 1, -1, block)
+    return (F.pad(w, (0, pad)) if pad else w).reshape(w.shape[0], -1, block).permute(1, 2, 0)
 
 
 def _block_outputs(xb: torch.Tensor, wb: torch.Tensor, co_batch: int) -> list[torch.Tensor]:
-    """Per output-channel batch, [co_batch, tokens, n_blocks]: each block's partial dot products."""
-    return [(xb * wb[start : start + co_batch]).sum(dim=-1) for start in range(0, wb.shape[0], co_batch)]
+    """Per output-channel batch, [co_batch, tokens, n_blocks]: each block's partial dot products, one
+    batched matmul over the blocks (``xb``: [n_blocks, tokens, block])."""
+    return [torch.bmm(xb, wb[:, :, start : start + co_batch]).permute(2, 1, 0) for start in range(0, wb.shape[-1], co_batch)]
 
 
 def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig) -> torch.Tensor:
@@ -87,7 +88,7 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     block, co_batch = q.spec.block[0], cfg.max_co_batch_size
     for x in tokens:
         pad = -x.shape[-1] % block
-        xb = (F.pad(x, (0, pad)) if pad else x).reshape(1, x.shape[0], -1, block)
+        xb = (F.pad(x, (0, pad)) if pad else x).reshape(x.shape[0], -1, block).transpose(0, 1)
         refs = _block_outputs(xb, _blocked(w, block), co_batch)  # once per call, as ModelOpt's org_out
         for k, r in enumerate(ratios):
             # one quantized copy at a time: quantizing is ~1/tokens of the products below
