@@ -166,3 +166,16 @@ def test_same_amax_as_modelopt_int4_blocks():
     for i in (0, 2):
         a, b = theirs[i].weight_quantizer.amax, ours[i].weight_quantizer.amax
         assert torch.equal(a.reshape(b.shape).float(), b)
+
+
+def test_grouped_members_are_searched_each_on_its_own_weight(two_experts):
+    cfg = {"quant_cfg": {"default": {"enable": False}, "*weight_quantizer": {"num_bits": 4, "axis": 0}}, "algorithm": "mse"}
+    model = ql.quantize(two_experts(), cfg, None)
+    attrs = QuantizerAttributeConfig(num_bits=4, axis=0)
+    cands = multipliers(MseConfig())
+    for member, w in zip(model.weight_quantizer, (model.w0, model.w1)):
+        w = w.detach()
+        want, _ = search_amax(w, attrs.format_spec(), w.abs().amax(1, keepdim=True), cands)
+        assert torch.equal(member.amax, want)
+    assert not torch.equal(model.weight_quantizer[0].amax, model.weight_quantizer[1].amax)
+    assert any(not torch.equal(m.amax, w.detach().abs().amax(1, keepdim=True)) for m, w in zip(model.weight_quantizer, (model.w0, model.w1)))
