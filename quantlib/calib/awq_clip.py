@@ -33,6 +33,7 @@ from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
 from .max import static_amax
 from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
+from .scaling import progress
 
 _log = logging.getLogger("quantlib")
 
@@ -101,7 +102,7 @@ def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float
     """The clip search of every clippable target with calls; sets the chosen amax."""
     ratios = clip_ratios(cfg)
     with torch.no_grad():
-        for (name, m, _), n_calls in zip(targets, calls):
+        for (name, m, _), n_calls in progress(zip(targets, calls), "awq_clip search", len(targets)):
             q = m.weight_quantizer
             if n_calls == 0:
                 continue

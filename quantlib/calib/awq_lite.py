@@ -37,7 +37,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .max import static_amax
 from .registry import AwqLiteConfig, CalibContext, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, progress, served_linears
 
 _log = logging.getLogger("quantlib")
 
@@ -132,7 +132,7 @@ def search(targets: list, rec: InputRecorder, calls: list[float], cfg: AwqLiteCo
     """The alpha search of every target with calls; applies the chosen scales."""
     grid = alphas(cfg.alpha_step)
     with torch.no_grad():
-        for (name, m, w), n_calls in zip(targets, calls):
+        for (name, m, w), n_calls in progress(zip(targets, calls), "awq_lite search", len(targets)):
             if n_calls == 0:
                 continue
             mean_sum = rec.mean_abs_sum.get(name, torch.zeros(w.shape[1], device=w.device))

@@ -26,6 +26,7 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .registry import CalibContext, MseConfig, register_runner
+from .scaling import progress
 
 _log = logging.getLogger("quantlib")
 
@@ -85,11 +86,9 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
     """Max calibration, then the MSE search of every static weight quantizer's amax."""
     ctx.max_calibrate(model)
     candidates = multipliers(cfg)
+    members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf, w in _static_weight_members(module)]
     with torch.no_grad():
-        for _, module in model.named_modules():
-            if not isinstance(module, QuantModule):
+        for leaf, w in progress(members, "mse search", len(members)):
+            if leaf.amax is None or leaf.amax.is_meta:
                 continue
-            for _, leaf, w in _static_weight_members(module):
-                if leaf.amax is None or leaf.amax.is_meta:
-                    continue
-                leaf.amax, _ = search_amax(leaf.pre_scale(w), leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
+            leaf.amax, _ = search_amax(leaf.pre_scale(w), leaf.spec, leaf.amax, candidates, leaf.attrs.backend)

@@ -10,7 +10,8 @@ quantizers are then recalibrated (max) on the scaled weight.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import sys
+from typing import Iterable, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +21,14 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 
 _log = logging.getLogger("quantlib")
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], desc: str, total: int) -> Iterable[T]:
+    """``items`` with a progress bar for one phase of an algorithm, shown only if it takes a while."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=f"quantlib {desc}", total=total, unit="layer", delay=2.0, leave=False, file=sys.stderr)
 
 
 def linear_weight(module: QuantModule) -> Optional[torch.Tensor]:
