@@ -19,6 +19,20 @@ from .config import (
     QuantizerAttributeConfig,
 )
 from .coverage import WeightCoverage, weight_coverage
+from .presets import (
+    INT4_AWQ_CFG,
+    INT8_SMOOTHQUANT_CFG,
+    MXFP4_MLP_WEIGHT_ONLY_CFG,
+    MXFP8_EXPERTS_ONLY_CFG,
+    MXFP8_MLP_ONLY_CFG,
+    NVFP4_AWQ_CLIP_CFG,
+    NVFP4_AWQ_FULL_CFG,
+    NVFP4_AWQ_LITE_CFG,
+    NVFP4_EXPERTS_ONLY_CFG,
+    NVFP4_MLP_ONLY_CFG,
+    NVFP4_OMLP_ONLY_CFG,
+    W4A16_NVFP4_CFG,
+)
 from .distributed import AmaxSyncError, ParallelState, sync_amax
 from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
@@ -38,6 +52,18 @@ __all__ = [
     "NVFP4_DEFAULT_CFG",
     "PRESETS",
     "W4A8_AWQ_BETA_CFG",
+    "INT4_AWQ_CFG",
+    "INT8_SMOOTHQUANT_CFG",
+    "MXFP4_MLP_WEIGHT_ONLY_CFG",
+    "MXFP8_EXPERTS_ONLY_CFG",
+    "MXFP8_MLP_ONLY_CFG",
+    "NVFP4_AWQ_CLIP_CFG",
+    "NVFP4_AWQ_FULL_CFG",
+    "NVFP4_AWQ_LITE_CFG",
+    "NVFP4_EXPERTS_ONLY_CFG",
+    "NVFP4_MLP_ONLY_CFG",
+    "NVFP4_OMLP_ONLY_CFG",
+    "W4A16_NVFP4_CFG",
     "AmaxSyncError",
     "CalibrationError",
     "CheckpointError",

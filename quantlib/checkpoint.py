@@ -1,9 +1,10 @@
 """Quantizer state: capture, atomic save, validated restore into a fresh model, schema migrations.
 
-State (schema 2)::
+State (schema 3)::
 
-    {"schema": 2, "config": <QuantizeConfig.to_dict() or None>,
-     "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None}
+    {"schema": 3, "config": <QuantizeConfig.to_dict() or None>,
+     "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None,
+                                "_pre_quant_scale": Tensor | None}
                               | {"type": "sequential" | "grouped", "members": [<member state>, ...]}}}
 
 Everything is plain containers and tensors, so ``torch.load(weights_only=True)`` reads it. The file is
@@ -12,7 +13,8 @@ Everything is plain containers and tensors, so ``torch.load(weights_only=True)``
 
 Schema history: 1 allowed a grouped linear's weight quantizer (one member per GEMM / expert) to be a
 single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always stores it as
-``"grouped"`` with one member per GEMM (:func:`migrate_v1_to_v2`).
+``"grouped"`` with one member per GEMM (:func:`migrate_v1_to_v2`); 3 adds each tensor quantizer's
+``_pre_quant_scale`` (SmoothQuant / AWQ, :func:`migrate_v2_to_v3`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class CheckpointError(ValueError):
@@ -71,8 +73,25 @@ def migrate_v1_to_v2(state: dict, layout: Optional[ModelLayout] = None) -> dict:
     return {**state, "schema": 2, "quantizers": quantizers}
 
 
+def _with_pre_quant_scale(qstate: Any) -> Any:
+    if not isinstance(qstate, dict):
+        return qstate  # malformed: left for restore to refuse by name
+    if qstate.get("type") == "tensor":
+        return {**qstate, "_pre_quant_scale": qstate.get("_pre_quant_scale")}
+    if isinstance(qstate.get("members"), list):
+        return {**qstate, "members": [_with_pre_quant_scale(m) for m in qstate["members"]]}
+    return qstate
+
+
+def migrate_v2_to_v3(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+    """Schema 2 -> 3: every tensor quantizer entry (members of containers included) gets
+    ``"_pre_quant_scale": None``: schema 2 had no pre_quant_scale, so none was in use. ``layout`` is
+    not needed; ``state`` is not modified."""
+    return {**state, "schema": 3, "quantizers": {name: _with_pre_quant_scale(q) for name, q in state["quantizers"].items()}}
+
+
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3}
 
 
 # ------------------------------------------------------------------------------------ capture
@@ -87,7 +106,15 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
                 f"{name or q._qname}: _amax is on the meta device and holds no values (calibrated on meta weights); "
                 "materialise the model (to_empty + load_state_dict of its weights) and calibrate it before saving"
             )
-        return {"type": "tensor", "attrs": q.attrs.to_dict() | {"enable": q.is_enabled}, "_amax": None if amax is None else amax.detach().cpu().clone()}
+        pqs = q.pre_quant_scale_values
+        if pqs is None and q.pre_quant_scale is not None:
+            raise CheckpointError(f"{name or q._qname}: _pre_quant_scale is on the meta device and holds no values; materialise and calibrate the model before saving")
+        return {
+            "type": "tensor",
+            "attrs": q.attrs.to_dict() | {"enable": q.is_enabled},
+            "_amax": None if amax is None else amax.detach().cpu().clone(),
+            "_pre_quant_scale": None if pqs is None else pqs.detach().cpu().clone(),
+        }
     kind = "grouped" if isinstance(q, GroupedQuantizer) else "sequential"
     return {"type": kind, "members": [_quantizer_state(m, None if name is None else f"{name}.{i}") for i, m in enumerate(q)]}
 
@@ -240,6 +267,15 @@ def _build(qstate: Any, where: str) -> nn.Module:
             if per_tensor and q.needs_calibration and amax.dim() != 0:
                 raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
             q.amax = amax
+        pqs = qstate.get("_pre_quant_scale")
+        if pqs is not None:
+            if not isinstance(pqs, torch.Tensor):
+                raise CheckpointError(f"{where}: _pre_quant_scale must be a tensor, got {type(pqs).__name__}")
+            q._qname = where
+            try:
+                q.pre_quant_scale = pqs
+            except ValueError as exc:
+                raise CheckpointError(f"{where}: invalid _pre_quant_scale: {exc}") from None
         return q
     members = [_build(m, f"{where}.{i}") for i, m in enumerate(qstate.get("members") or [])]
     if not members:

@@ -11,6 +11,7 @@ import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
+from .calib.registry import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
 from .formats.spec import MIN_EPS
 from .kernels.backends import BACKENDS
@@ -247,6 +248,14 @@ class QuantCfgEntry:
         return {"quantizer_name": self.pattern, "cfg": attrs, "enable": self.enable, "module_class": self.module_class}
 
 
+def algorithm_config(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
+    """The typed config of an ``algorithm`` value; invalid ones raise ConfigError naming the key."""
+    try:
+        return parse_algorithm(value)
+    except AlgorithmConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 EXPERT_INPUT_POLICIES = ("error", "max_of_peers", "skip")
 
 
@@ -255,14 +264,12 @@ class QuantizeConfig:
     """A whole quantization recipe: ordered rules (later win) and the calibration algorithm."""
 
     quant_cfg: list[QuantCfgEntry] = field(default_factory=list)
-    algorithm: Union[str, dict, None] = "max"
+    algorithm: Union[str, dict, AlgorithmConfig, None] = "max"
     expert_input_policy: str = "max_of_peers"
     sync_expert_weight_amax: bool = False
 
     def __post_init__(self) -> None:
-        method = self.algorithm_name
-        if method not in ("max", None):
-            raise ConfigError(f"algorithm={self.algorithm!r}: available algorithms are 'max' and None")
+        self._algorithm = algorithm_config(self.algorithm)
         if not isinstance(self.expert_input_policy, str) or self.expert_input_policy not in EXPERT_INPUT_POLICIES:
             raise ConfigError(f"expert_input_policy={self.expert_input_policy!r}: expected one of {EXPERT_INPUT_POLICIES}")
         if not isinstance(self.sync_expert_weight_amax, bool):  # bool("no") would be True
@@ -270,11 +277,12 @@ class QuantizeConfig:
 
     @property
     def algorithm_name(self) -> Optional[str]:
-        if isinstance(self.algorithm, dict):
-            if "method" not in self.algorithm:
-                raise ConfigError(f"algorithm dict needs a 'method' key, got {self.algorithm!r}")
-            return self.algorithm["method"]
-        return self.algorithm
+        return None if self._algorithm is None else self._algorithm.method
+
+    @property
+    def algorithm_config(self) -> Optional[AlgorithmConfig]:
+        """The typed algorithm (see ``quantlib.calib.registry``), None for no calibration."""
+        return self._algorithm
 
     @classmethod
     def from_any(cls, cfg: Union[dict, "QuantizeConfig"]) -> "QuantizeConfig":
@@ -298,7 +306,7 @@ class QuantizeConfig:
         """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads."""
         return {
             "quant_cfg": [e.to_dict() for e in self.quant_cfg],
-            "algorithm": copy.deepcopy(self.algorithm),
+            "algorithm": self.algorithm.to_dict() if isinstance(self.algorithm, AlgorithmConfig) else copy.deepcopy(self.algorithm),
             "expert_input_policy": self.expert_input_policy,
             "sync_expert_weight_amax": self.sync_expert_weight_amax,
         }

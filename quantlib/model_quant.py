@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from .atomic import atomic, check_weight_quantizers
-from .config import QuantizeConfig
 from .coverage import report_coverage
+from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
+from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
+from .config import QuantizeConfig, algorithm_config
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -136,6 +138,8 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
     check_weight_quantizers(model)
+    for _, leaf in iter_leaf_quantizers(model):
+        leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
         calibrate(model, cfg.algorithm, forward_loop, parallel_state)
@@ -143,36 +147,35 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     return model
 
 
-def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
-    """(Re)calibrate an already converted model: weight amax from the weights, activation amax from
-    ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax). Amax are then
-    synced over ``parallel_state`` (None: discovered, see ``quantlib.distributed.discover_parallel_state``)."""
-    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
-    if method is None:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
+    """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
+    ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
+    from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
+    other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
+    ``quantlib.distributed.discover_parallel_state``)."""
+    algo = algorithm_config(algorithm)
+    if algo is None:
         return model
-    if method != "max":
-        raise ValueError(f"calibrate: algorithm {method!r} is not available (use 'max')")
     cfg: Optional[QuantizeConfig] = getattr(model, "_quantlib_config", None)
+    policy = cfg.expert_input_policy if cfg else "max_of_peers"
     if parallel_state is None:
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
+    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
     local_error = None
     try:
-        for _, m in quant_modules(model):
-            m.calibrate_weights()
-        if forward_loop is not None:
-            _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
-        else:
-            _drop_activation_amax(model)
+        runner(algo.method)(model, algo, ctx)
     except Exception as exc:  # a bad batch or OOM too: raised alone, it would leave the other ranks in the sync
         if parallel_state is None:
             raise
         local_error = exc  # sync_amax makes every rank raise; this one re-raises exc
-    if parallel_state is not None:
+    if parallel_state is not None and algo.distributed_sync:
         from .distributed import sync_amax
 
         sync_amax(model, parallel_state, local_error=local_error)
+    elif local_error is not None:
+        raise local_error
     return model
 
 
@@ -183,6 +186,36 @@ def _drop_activation_amax(model: nn.Module) -> None:
     for _, q in iter_leaf_quantizers(model):
         if id(q) not in weight_ids:
             q.reset_amax()
+
+
+def _split_over_ranks(parallel_state) -> tuple[bool, bool]:
+    """(expert parallel, tensor parallel) of a layout (None: neither)."""
+    if parallel_state is None:
+        return False, False
+    return parallel_state.size("expert") > 1, parallel_state.size("tensor") > 1 or parallel_state.size("expert_tensor") > 1
+
+
+def _over_data(parallel_state, op: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """In-place ``op`` all-reduce over the data-parallel ranks (the identity without any)."""
+    if parallel_state is None:
+        return lambda t: t
+    from .distributed import all_reduce_over_data
+
+    return lambda t: all_reduce_over_data(t, parallel_state, op)
+
+
+@register_runner("max")
+def _run_max(model: nn.Module, algo: AlgorithmConfig, ctx: CalibContext) -> None:
+    ctx.max_calibrate(model)
+
+
+def _max_calibrate(model: nn.Module, forward_loop: Optional[ForwardLoop], expert_policy: str) -> None:
+    for _, m in quant_modules(model):
+        m.calibrate_weights()
+    if forward_loop is not None:
+        _calibrate_activations(model, forward_loop, expert_policy)
+    else:
+        _drop_activation_amax(model)
 
 
 def _calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_policy: str) -> None:

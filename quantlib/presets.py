@@ -1,5 +1,11 @@
 """Preset recipes: plain dicts in ModelOpt's dict form, with ModelOpt's names and meanings.
 
+The presets that need a calibration algorithm beyond max, or quantize only part of a model, follow the
+base ones. Not here because quantlib has no such format: ModelOpt's ``W4A8_NVFP4_FP8_CFG`` and
+``NVFP4_MLP_WEIGHT_ONLY_CFG`` (E2M1 with E4M3 scales over blocks of 32), ``MXFP6_DEFAULT_CFG`` (E3M2
+elements), ``MXINT8_DEFAULT_CFG`` (integers with E8M0 scales) and
+``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` (static NVFP4 block scales).
+
 Each attribute dict is the one ModelOpt 0.47 resolves its preset of the same name to (its YAML recipes
 through ``model_dump(exclude_unset=True)``), so a preset means here what it means there, defaults
 included (INT ``narrow_range`` False, for one). Where quantlib differs the comment says so. Copy and edit
@@ -81,8 +87,7 @@ NVFP4_DEFAULT_CFG = preset(NVFP4, NVFP4)
 # dynamic formats: nothing to calibrate, hence no algorithm (as in ModelOpt)
 MXFP8_DEFAULT_CFG = preset(MXFP8, MXFP8, algorithm=None)
 MXFP4_DEFAULT_CFG = preset(MXFP4, MXFP4, algorithm=None)
-# ModelOpt calibrates this recipe with "awq_lite"; until quantlib has AWQ it uses max calibration.
-W4A8_AWQ_BETA_CFG = preset([INT4_PER_BLOCK, FP8], FP8)
+W4A8_AWQ_BETA_CFG = preset([INT4_PER_BLOCK, FP8], FP8, "awq_lite")
 
 PRESETS: dict[str, dict] = {
     "INT8_DEFAULT_CFG": INT8_DEFAULT_CFG,
@@ -97,3 +102,51 @@ PRESETS: dict[str, dict] = {
     "MXFP4_DEFAULT_CFG": MXFP4_DEFAULT_CFG,
     "W4A8_AWQ_BETA_CFG": W4A8_AWQ_BETA_CFG,
 }
+
+
+def only(patterns: tuple[str, ...], weight: AttrCfg, inp: AttrCfg | None = None, algorithm: Any = "max") -> dict:
+    """A recipe quantizing only the quantizers under ``patterns`` (wildcards before ``*weight_quantizer``
+    / ``*input_quantizer``); everything else stays disabled."""
+    quant_cfg: dict = {}
+    for p in patterns:
+        quant_cfg[f"{p}weight_quantizer"] = copy.deepcopy(weight)
+        if inp is not None:
+            quant_cfg[f"{p}input_quantizer"] = copy.deepcopy(inp)
+    quant_cfg.update(copy.deepcopy(DEFAULT_DISABLED))
+    return {"quant_cfg": quant_cfg, "algorithm": algorithm}
+
+
+_EXPERTS = ("*block_sparse_moe*", "*.experts.*")
+_MLP = ("*mlp*", "*.mixer.up_proj.", "*.mixer.down_proj.", "*block_sparse_moe*", "*.experts.*")
+
+INT4_AWQ_CFG = preset(INT4_PER_BLOCK, None, {"method": "awq_lite", "alpha_step": 0.1})
+INT8_SMOOTHQUANT_CFG = preset(INT8_PER_CHANNEL, INT8, "smoothquant")
+NVFP4_AWQ_LITE_CFG = preset(NVFP4, NVFP4, "awq_lite")
+NVFP4_AWQ_CLIP_CFG = preset(NVFP4, NVFP4, {"method": "awq_clip"})
+NVFP4_AWQ_FULL_CFG = preset(NVFP4, NVFP4, {"method": "awq_full", "alpha_step": 0.1})
+W4A16_NVFP4_CFG = preset(NVFP4)
+NVFP4_EXPERTS_ONLY_CFG = only(_EXPERTS, NVFP4, NVFP4)
+NVFP4_MLP_ONLY_CFG = only(_MLP, NVFP4, NVFP4)
+NVFP4_OMLP_ONLY_CFG = only(("*o_proj*",) + _MLP, NVFP4, NVFP4)
+MXFP4_MLP_WEIGHT_ONLY_CFG = only(("*mlp*", "*block_sparse_moe*"), MXFP4, None, None)
+# not in ModelOpt 0.47: its NVFP4 experts-only / MLP-only presets with MXFP8 (what RL trainers run)
+MXFP8_EXPERTS_ONLY_CFG = only(_EXPERTS, MXFP8, MXFP8, None)
+MXFP8_MLP_ONLY_CFG = only(_MLP, MXFP8, MXFP8, None)
+
+CALIBRATION_PRESETS: tuple[str, ...] = (
+    "INT4_AWQ_CFG",
+    "INT8_SMOOTHQUANT_CFG",
+    "NVFP4_AWQ_LITE_CFG",
+    "NVFP4_AWQ_CLIP_CFG",
+    "NVFP4_AWQ_FULL_CFG",
+    "W4A16_NVFP4_CFG",
+    "NVFP4_EXPERTS_ONLY_CFG",
+    "NVFP4_MLP_ONLY_CFG",
+    "NVFP4_OMLP_ONLY_CFG",
+    "MXFP4_MLP_WEIGHT_ONLY_CFG",
+    "MXFP8_EXPERTS_ONLY_CFG",
+    "MXFP8_MLP_ONLY_CFG",
+)
+#: the presets that quantize only part of a model (by module names)
+SCOPED_PRESETS: tuple[str, ...] = tuple(n for n in CALIBRATION_PRESETS if "_ONLY_" in n)
+PRESETS.update({name: globals()[name] for name in CALIBRATION_PRESETS})

@@ -162,8 +162,8 @@ INVALID_QUANTIZE_CONFIGS = {
     "missing_quant_cfg": ({"algorithm": "max"}, ["quant_cfg"]),
     "not_a_dict": (["*", {"enable": False}], ["list"]),
     "quant_cfg_string": ({"quant_cfg": "*"}, ["quant_cfg", "str"]),
-    "algorithm_unknown": ({"quant_cfg": {}, "algorithm": "awq_full"}, ["algorithm", "'awq_full'"]),
-    "algorithm_dict_unknown": ({"quant_cfg": {}, "algorithm": {"method": "smoothquant"}}, ["algorithm", "'smoothquant'"]),
+    "algorithm_unknown": ({"quant_cfg": {}, "algorithm": "gptq"}, ["algorithm", "'gptq'"]),
+    "algorithm_dict_unknown": ({"quant_cfg": {}, "algorithm": {"method": "svdquant"}}, ["algorithm", "'svdquant'"]),
     "algorithm_dict_without_method": ({"quant_cfg": {}, "algorithm": {"alpha": 0.5}}, ["method", "alpha"]),
     "expert_input_policy": ({"quant_cfg": {}, "expert_input_policy": "zero"}, ["expert_input_policy", "'zero'"]),
     "dict_value_not_dict": ({"quant_cfg": {"*weight_quantizer": 8}}, ["*weight_quantizer", "8"]),
@@ -311,7 +311,9 @@ def test_presets_parse_and_round_trip_through_to_dict(name):
     back = QuantizeConfig.from_any(torch.load(buf, weights_only=True))
     for qname in ("fc1.weight_quantizer", "fc1.input_quantizer", "fc1.output_quantizer", "lm_head.weight_quantizer", "router.input_quantizer"):
         assert back.resolve(qname, ("Linear",)) == cfg.resolve(qname, ("Linear",)), qname
-    assert back.algorithm_name == cfg.algorithm_name == ql.PRESETS[name]["algorithm"]  # None for MX, as in ModelOpt
+    algorithm = ql.PRESETS[name]["algorithm"]  # None for MX, as in ModelOpt; a name or ModelOpt's {"method": ...}
+    assert back.algorithm_name == cfg.algorithm_name == (algorithm["method"] if isinstance(algorithm, dict) else algorithm)
+    assert back.algorithm_config == cfg.algorithm_config
 
 
 # (preset, weight (kind, num_bits or element, axis, block, dynamic), input same or None for disabled)

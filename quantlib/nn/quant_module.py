@@ -185,9 +185,10 @@ def _quantizer_token(q: nn.Module) -> Optional[tuple]:
         if leaf._if_calib and leaf.is_enabled:
             return None
         amax = leaf.amax
-        if amax is not None and amax.is_inference():
+        if (amax is not None and amax.is_inference()) or (leaf.pre_quant_scale is not None and leaf.pre_quant_scale.is_inference()):
             return None
-        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), None if amax is None else (id(amax), amax._version)))
+        pqs = leaf.pre_quant_scale
+        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), None if amax is None else (id(amax), amax._version), None if pqs is None else (id(pqs), pqs._version)))
     return tuple(token)
 
 

@@ -31,6 +31,10 @@ def _raise_named(exc: Exception, qname: str) -> NoReturn:
     raise type(exc)(f"{qname}: {exc}") from exc
 
 
+#: buffers whose values survive a round trip through the meta device (TensorQuantizer._apply)
+_KEPT_ON_META = ("_amax", "_pre_quant_scale")
+
+
 class TensorQuantizer(nn.Module):
     """Fake-quantizes one tensor as its :class:`QuantizerAttributeConfig` says.
 
@@ -120,50 +124,99 @@ class TensorQuantizer(nn.Module):
         if value is None:
             self.reset_amax()
             return
-        value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
-        self.__dict__.pop("_meta_amax_values", None)
-        if "_amax" in self._buffers:
-            if self._amax.is_meta and not value.is_meta:
-                self._meta_amax_values = value  # see _apply: the values come back when materialised
-            self._amax = value.to(self._amax.device)
-        else:
-            self.register_buffer("_amax", value)
+        self._set_kept_buffer("_amax", torch.as_tensor(value, dtype=torch.float32).detach().clone())
+
+    def _set_kept_buffer(self, name: str, value: torch.Tensor) -> None:
+        """Write buffer ``name`` on its device; on the meta device its values are kept aside (see _apply)."""
+        kept = self.__dict__.setdefault("_meta_values", {})
+        kept.pop(name, None)
+        current = self._buffers.get(name)
+        if current is None:
+            self.register_buffer(name, value)
+            return
+        if current.is_meta and not value.is_meta:
+            kept[name] = value  # the values come back when to_empty materialises the buffer
+        self._buffers[name] = value.to(current.device)
+
+    def _drop_kept_buffer(self, name: str) -> None:
+        self._buffers.pop(name, None)
+        self.__dict__.get("_meta_values", {}).pop(name, None)
+
+    # ------------------------------------------------------------------ pre_quant_scale
+    @property
+    def pre_quant_scale(self) -> Optional[torch.Tensor]:
+        """Factor along the last dim that the input is multiplied by before anything else, or None:
+        SmoothQuant / AWQ set ``1/s`` (per input channel) on a linear's input quantizer and ``s`` on its
+        weight quantizer, which then quantizes ``W * s``. Applied whenever set, even with quantization
+        disabled, since the module's function depends on both halves."""
+        return getattr(self, "_pre_quant_scale", None)
+
+    @pre_quant_scale.setter
+    def pre_quant_scale(self, value: Optional[torch.Tensor]) -> None:
+        if value is None:
+            self._drop_kept_buffer("_pre_quant_scale")
+            return
+        value = torch.as_tensor(value).detach().clone()
+        if value.dim() != 1 or not value.is_floating_point():
+            raise ValueError(f"{self._qname}: pre_quant_scale must be a 1-D float tensor (one factor per input channel), got {value.dtype} of shape {tuple(value.shape)}")
+        if not value.is_meta and not bool(torch.isfinite(value).all() and (value > 0).all()):
+            raise ValueError(f"{self._qname}: pre_quant_scale must be finite and positive, got {value[:4].tolist()}...")
+        self._set_kept_buffer("_pre_quant_scale", value)
+
+    def pre_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times ``pre_quant_scale`` along its last dim (``x`` itself when there is none)."""
+        pqs = self.pre_quant_scale
+        if pqs is None:
+            return x
+        if x.shape[-1] != pqs.numel():
+            raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.numel()} channels, the input's last dim is {x.shape[-1]}")
+        return x * pqs.to(x.dtype)
 
     def reset_amax(self) -> None:
-        self._buffers.pop("_amax", None)
-        self.__dict__.pop("_meta_amax_values", None)
+        self._drop_kept_buffer("_amax")
         self._calibrator.reset()
 
     def _apply(self, fn, recurse: bool = True):
-        """``nn.Module._apply`` (``to``, ``to_empty``, ``half``...) that keeps the amax values across the
-        meta device: an amax sent to meta (a model built on meta, then restored, as large models are)
-        keeps its values aside, and gets them back when ``to_empty`` materialises the buffer, instead
-        of uninitialised memory. A meta amax that never had values (calibrated on meta weights) is
-        dropped there: uninitialised memory is no amax, and an uncalibrated quantizer is well defined."""
-        before = self._buffers.get("_amax")
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``half``...) that keeps the amax and
+        pre_quant_scale values across the meta device: a buffer sent to meta (a model built on meta, then
+        restored, as large models are) keeps its values aside, and gets them back when ``to_empty``
+        materialises it, instead of uninitialised memory. A meta buffer that never had values (calibrated
+        on meta weights) is dropped there: uninitialised memory is no amax, and an uncalibrated quantizer
+        is well defined."""
+        before = {name: self._buffers.get(name) for name in _KEPT_ON_META}
         super()._apply(fn, recurse)
-        after = self._buffers.get("_amax")
-        if before is None or after is None or before.is_meta == after.is_meta:
-            return self
-        if after.is_meta:
-            self._meta_amax_values = before.detach()
-            return self
-        held = self.__dict__.pop("_meta_amax_values", None)
-        if held is None:
-            self._buffers.pop("_amax")
-        else:
-            with torch.no_grad():
-                after.copy_(held)
+        kept = self.__dict__.setdefault("_meta_values", {})
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is None or new is None or old.is_meta == new.is_meta:
+                continue
+            if new.is_meta:
+                kept[name] = old.detach()
+                continue
+            held = kept.pop(name, None)
+            if held is None:
+                self._buffers.pop(name)
+            else:
+                with torch.no_grad():
+                    new.copy_(held)
         return self
 
     @property
     def amax_values(self) -> Optional[torch.Tensor]:
         """The amax with values: the buffer, or for a quantizer on the meta device the values it keeps
         aside (None where it has none: an uncalibrated quantizer, or an amax calibrated on meta)."""
-        amax = self.amax
-        if amax is not None and amax.is_meta:
-            return self.__dict__.get("_meta_amax_values")
-        return amax
+        return self._values_of("_amax")
+
+    @property
+    def pre_quant_scale_values(self) -> Optional[torch.Tensor]:
+        """``pre_quant_scale`` with values, as :attr:`amax_values`."""
+        return self._values_of("_pre_quant_scale")
+
+    def _values_of(self, name: str) -> Optional[torch.Tensor]:
+        buf = self._buffers.get(name)
+        if buf is not None and buf.is_meta:
+            return self.__dict__.get("_meta_values", {}).get(name)
+        return buf
 
     def amax_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of the static amax for an input of ``shape``."""
@@ -179,7 +232,11 @@ class TensorQuantizer(nn.Module):
             raise ValueError(f"{self._qname}: {key}={value!r} does not fit a tensor of shape {tuple(shape)}: {exc}") from None
 
     def collect(self, x: torch.Tensor) -> None:
-        """Add ``x`` to the calibration statistics (an empty ``x``, e.g. an expert's 0-token split, adds nothing)."""
+        """Add ``x`` (times ``pre_quant_scale``) to the calibration statistics (an empty ``x``, e.g. an
+        expert's 0-token split, adds nothing)."""
+        self._collect(self.pre_scale(x))
+
+    def _collect(self, x: torch.Tensor) -> None:
         if self.needs_calibration and x.numel() > 0:
             self._calibrator.collect(static_amax(x, self.spec, self._attrs.axis, self._attrs.backend))
 
@@ -221,6 +278,7 @@ class TensorQuantizer(nn.Module):
     def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Fake quant with the statistics collected so far (for chained calibration)."""
         try:
+            x = self.pre_scale(x)
             amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
             return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
         except Exception as exc:
@@ -228,12 +286,13 @@ class TensorQuantizer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre_scale(x)
         if self._disabled or x.numel() == 0:
             return x
         # the try costs (next to) nothing until something raises; the name is formatted only then
         try:
             if self._if_calib:
-                self.collect(x)
+                self._collect(x)  # x is already pre-scaled
             if not self._if_quant:
                 return x
             return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
@@ -242,9 +301,10 @@ class TensorQuantizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The amax buffer exists only once calibrated; a state dict that has one brings it along.
-        key = prefix + "_amax"
-        if key in state_dict and "_amax" not in self._buffers:
-            self.register_buffer("_amax", torch.empty_like(state_dict[key], dtype=torch.float32))
+        for name in ("_amax", "_pre_quant_scale"):
+            key = prefix + name
+            if key in state_dict and name not in self._buffers:
+                self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if name == "_amax" else state_dict[key].dtype))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
@@ -262,4 +322,6 @@ class TensorQuantizer(nn.Module):
         amax = self.amax
         if amax is not None:
             parts.append(f"amax={amax.item():.4g}" if amax.numel() == 1 else f"amax=[{tuple(amax.shape)}]")
+        if self.pre_quant_scale is not None:
+            parts.append(f"pre_quant_scale=[{self.pre_quant_scale.numel()}]")
         return " ".join(parts)

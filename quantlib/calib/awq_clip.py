@@ -1,0 +1,145 @@
+"""AWQ clip: per weight group, the fraction of its max amax that minimises the quantized linear's
+output error on that linear's own inputs; ``awq_full`` runs awq_lite first, on the same inputs.
+
+Statistics: one forward_loop pass (the max calibration's, on the unquantized model) keeping each
+served linear's inputs. Then, per linear whose first weight quantizer has a static amax over blocks
+along the last dim (INT / FP8 blocks) or is NVFP4 (its global amax is clipped), with ``W'`` the
+weight its quantizer sees (``W s`` after awq_lite) and ``x'`` the input times its
+``pre_quant_scale``, for each ratio ``r`` of ``min_clip_ratio, + shrink_step, ..., 1`` (ModelOpt's
+grid, rounded to 2 decimals):
+
+- blocks: per (output channel, block), the mean over (at most ``max_tokens_per_batch`` per call,
+  evenly strided) tokens of ``(sum over the block of x' (Q_r(W') - W'))^2``, summed over calls;
+- NVFP4: the mean of ``(x' Q_r(W')^T - x' W'^T)^2`` summed over calls;
+
+``Q_r`` quantizing with ``r`` times the max amax of ``W'``. Losses are SUM-reduced over the
+data-parallel ranks; each group keeps the first ratio of least loss. As ModelOpt's ``awq_clip``,
+computed from cached inputs instead of another forward_loop pass. Chains of weight quantizers (W4A8)
+and other layouts keep their amax, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats import Kind
+from ..kernels import ops
+from ..nn.quant_module import QuantModule
+from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
+from .awq_lite import record_inputs, search
+from .max import static_amax
+from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
+from .scaling import progress
+
+_log = logging.getLogger("quantlib")
+
+
+def clip_ratios(cfg: AwqClipConfig) -> list[float]:
+    """ModelOpt's ratios: ``arange(min_clip_ratio, 1, shrink_step)`` rounded to 2 decimals, then 1
+    (once: fp32 steps can land on 0.99999..., which rounds to 1 as well)."""
+    return list(dict.fromkeys([round(float(k), 2) for k in torch.arange(cfg.min_clip_ratio, 1.0, cfg.shrink_step)] + [1.0]))
+
+
+def clippable(q: nn.Module) -> bool:
+    """Whether awq_clip can search ``q``: one quantizer with a static amax over 1-D blocks, or NVFP4."""
+    if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+        return False
+    s = q.spec
+    return s.kind == Kind.NVFP4 or (s.block is not None and len(s.block) == 1 and not s.dynamic)
+
+
+def _quantize(q: TensorQuantizer, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``q``'s fake quant of ``w`` with ``amax``."""
+    return ops.fake_quant(w, q.spec, amax, q.attrs.backend)
+
+
+def _blocked(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[n_blocks, block, rows] of ``w`` [rows, ci] (zero-padded along ci)."""
+    pad = -w.shape[-1] % block
+    return (F.pad(w, (0, pad)) if pad else w).reshape(w.shape[0], -1, block).permute(1, 2, 0)
+
+
+def _block_outputs(xb: torch.Tensor, wb: torch.Tensor, co_batch: int) -> list[torch.Tensor]:
+    """Per output-channel batch, [co_batch, tokens, n_blocks]: each block's partial dot products, one
+    batched matmul over the blocks (``xb``: [n_blocks, tokens, block])."""
+    return [torch.bmm(xb, wb[:, :, start : start + co_batch]).permute(2, 1, 0) for start in range(0, wb.shape[-1], co_batch)]
+
+
+def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig) -> torch.Tensor:
+    """fp32 [len(ratios), *w_amax.shape] (NVFP4: [len(ratios)]), summed over ``inputs``."""
+    w = q.pre_scale(module.weight.detach())
+    xs = [module.input_quantizer.pre_scale(x) for x in inputs]
+    per_tensor = q.spec.kind == Kind.NVFP4
+    losses = torch.zeros((len(ratios),) + (() if per_tensor else tuple(w_amax.shape)), dtype=torch.float32, device=w.device)
+    if per_tensor:
+        refs = [x @ w.T for x in xs]
+        for k, r in enumerate(ratios):
+            wq = _quantize(q, w, w_amax * r)
+            for x, ref in zip(xs, refs):
+                losses[k] += (x @ wq.T - ref).float().pow(2).mean()
+        return losses
+    tokens = []
+    for x in xs:
+        x = x.reshape(-1, x.shape[-1])
+        tokens.append(x[0 :: max(1, x.shape[0] // cfg.max_tokens_per_batch)])
+    block, co_batch = q.spec.block[0], cfg.max_co_batch_size
+    for x in tokens:
+        pad = -x.shape[-1] % block
+        xb = (F.pad(x, (0, pad)) if pad else x).reshape(x.shape[0], -1, block).transpose(0, 1)
+        refs = _block_outputs(xb, _blocked(w, block), co_batch)  # once per call, as ModelOpt's org_out
+        for k, r in enumerate(ratios):
+            # one quantized copy at a time: quantizing is ~1/tokens of the products below
+            cur = _block_outputs(xb, _blocked(_quantize(q, w, w_amax * r), block), co_batch)
+            losses[k] += torch.cat([(c - ref).float().pow(2).mean(dim=1) for c, ref in zip(cur, refs)])
+    return losses
+
+
+def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float], cfg: AwqClipConfig, ctx: CalibContext) -> None:
+    """The clip search of every clippable target with calls; sets the chosen amax."""
+    ratios = clip_ratios(cfg)
+    with torch.no_grad():
+        for (name, m, _), n_calls in progress(zip(targets, calls), "awq_clip search", len(targets)):
+            q = m.weight_quantizer
+            if n_calls == 0:
+                continue
+            if not clippable(q):
+                _log.warning("%s: awq_clip searches one weight quantizer with static 1-D blocks or NVFP4; %s keeps its amax", name, type(q).__name__)
+                continue
+            w_amax = static_amax(q.pre_scale(m.weight.detach()), q.spec, q.axis, q.attrs.backend)
+            losses = ctx.all_reduce_sum(clip_losses(m, q, inputs[name], w_amax, ratios, cfg))
+            if not bool(torch.isfinite(losses).all()):
+                raise CalibrationError(f"{name}.weight_quantizer: awq_clip's search loss is not finite (NaN/Inf in the weight or inputs)")
+            best = torch.argmin(losses, dim=0)  # first least loss: the smaller ratio wins ties
+            ratio = torch.tensor(ratios, dtype=torch.float32, device=w_amax.device)[best]
+            q.amax = w_amax * ratio.reshape(w_amax.shape)
+            m.awq_clip_ratio = ratio
+            inputs[name] = []
+
+
+def _needs_loop(method: str, model: nn.Module, ctx: CalibContext) -> bool:
+    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
+        _log.warning("%s needs a forward_loop (it searches on the activations): without one, weights get max calibration only", method)
+        ctx.max_calibrate(model)
+        return False
+    return True
+
+
+@register_runner("awq_clip")
+def run_awq_clip(model: nn.Module, cfg: AwqClipConfig, ctx: CalibContext) -> None:
+    """One forward_loop pass caching each linear's inputs, then the clip search per linear."""
+    if _needs_loop("awq_clip", model, ctx):
+        targets, rec, calls = record_inputs(model, "awq_clip", ctx)
+        clip(targets, rec.inputs, calls, cfg, ctx)
+
+
+@register_runner("awq_full")
+def run_awq_full(model: nn.Module, cfg: AwqFullConfig, ctx: CalibContext) -> None:
+    """awq_lite, then awq_clip on the scaled weights, from one forward_loop pass."""
+    if _needs_loop("awq_full", model, ctx):
+        targets, rec, calls = record_inputs(model, "awq_full", ctx)
+        search(targets, rec, calls, cfg.lite(), ctx, keep_inputs=True)
+        clip(targets, rec.inputs, calls, cfg.clip(), ctx)

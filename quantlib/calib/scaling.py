@@ -1,0 +1,152 @@
+"""What the per-input-channel scaling algorithms (SmoothQuant, AWQ) share: which modules they can
+serve, one forward-loop pass that records each served linear's inputs, and applying a scale.
+
+Applying scales ``s`` to a linear ``y = x W^T`` sets the input quantizer's ``pre_quant_scale`` to
+``1/s`` and the weight quantizer's to ``s`` (it quantizes ``W * s``), so ``y`` is unchanged before
+quantization and the weight parameter is untouched (re-quantizing starts from it); the weight
+quantizers are then recalibrated (max) on the scaled weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterable, Optional, TypeVar
+
+import torch
+from torch import nn
+
+from ..nn.containers import GroupedQuantizer
+from ..nn.quant_module import QuantModule
+from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
+
+_log = logging.getLogger("quantlib")
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], desc: str, total: int) -> Iterable[T]:
+    """``items`` with a progress bar for one phase of an algorithm, shown only if it takes a while."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=f"quantlib {desc}", total=total, unit="layer", delay=2.0, leave=False, file=sys.stderr)
+
+
+def linear_weight(module: QuantModule) -> Optional[torch.Tensor]:
+    """The ``[out, in]`` weight of a linear-like quantized module (one plain weight quantizer, a 2-D
+    weight, an ``input_quantizer`` on the ``in`` features), else None."""
+    groups = list(module.weight_groups())
+    if len(groups) != 1 or len(groups[0][1]) != 1 or not isinstance(getattr(module, "input_quantizer", None), TensorQuantizer):
+        return None
+    name, (w,) = groups[0]
+    if name != "weight_quantizer" or isinstance(getattr(module, name), GroupedQuantizer) or w.dim() != 2:
+        return None
+    return w
+
+
+def served_linears(model: nn.Module, method: str, needs_input: bool, expert_parallel: bool = False, tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
+    """(name, module, weight) of every quantized linear whose weight quantizer is enabled (and, with
+    ``needs_input``, whose input quantizer too). A module the config quantizes that the algorithm
+    cannot serve is named: weight-less ones are refused (CalibrationError), weights of another shape
+    (convolutions, grouped experts) keep max calibration with a warning; expert linears under expert
+    parallelism and split linears under tensor parallelism are refused."""
+    out, weightless = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantModule):
+            continue
+        w = linear_weight(m)
+        if w is None:
+            enabled = [qn for qn in m.quantizer_names if getattr(getattr(m, qn, None), "is_enabled", False)]
+            if not list(m.weight_groups()) and any("input" in qn for qn in enabled):
+                weightless.append(name)
+            elif any(qn in m.weight_quantizer_names for qn in enabled):
+                _log.warning("%s: %s serves linear layers only; %s (%s) keeps max calibration", name, method, name, type(m).__name__)
+            continue
+        if m.weight_quantizer.is_enabled and (m.input_quantizer.is_enabled or not needs_input):
+            out.append((name, m, w))
+    split = [n for n, m, _ in out if m.parallel_role != "replicated"]
+    if tensor_parallel and split:
+        # a column-parallel rank sees only its rows of W, a row-parallel one only its input channels
+        raise CalibrationError(f"{method} under tensor parallelism is not supported: {split[:3]} are split over the tensor-parallel ranks; use 'max' or calibrate at TP=1")
+    if expert_parallel and any(m.is_expert for _, m, _ in out):
+        # the statistics of an expert must be reduced over its replicas only, which the data group is not
+        raise CalibrationError(f"{method} under expert parallelism is not supported: expert linears {[n for n, m, _ in out if m.is_expert][:3]} would mix other experts' statistics; disable their quantizers' {method} (use 'max') or calibrate without expert parallelism")
+    if weightless:
+        raise CalibrationError(f"{method} cannot serve {weightless[:5]}: they have no weight to take the per-channel scales; disable their input quantizers in the config or use algorithm 'max'")
+    return out
+
+
+class InputRecorder:
+    """Forward pre-hooks that record, per module, every input's per-channel max |x| and mean |x|
+    (and the inputs themselves with ``keep_inputs``), detached, on the input's device."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], keep_inputs: bool = False) -> None:
+        self.modules = modules
+        self.keep_inputs = keep_inputs
+        self.amax: dict[str, torch.Tensor] = {}
+        self.mean_abs_sum: dict[str, torch.Tensor] = {}
+        self.calls: dict[str, int] = {name: 0 for name, _ in modules}
+        self.inputs: dict[str, list[torch.Tensor]] = {name: [] for name, _ in modules}
+        self._handles: list = []
+
+    def __enter__(self) -> "InputRecorder":
+        for name, m in self.modules:
+            self._handles.append(m.register_forward_pre_hook(self._hook(name)))
+        return self
+
+    def _hook(self, name: str):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            x = args[0].detach()
+            if x.numel() == 0:
+                return None
+            a = x.abs().reshape(-1, x.shape[-1])
+            amax = a.amax(dim=0).float()
+            self.amax[name] = amax if name not in self.amax else torch.maximum(self.amax[name], amax)
+            mean = a.mean(dim=0, dtype=torch.float32) if a.dtype != torch.float32 else a.mean(dim=0)
+            self.mean_abs_sum[name] = mean if name not in self.mean_abs_sum else self.mean_abs_sum[name] + mean
+            self.calls[name] += 1
+            if self.keep_inputs:
+                self.inputs[name].append(x)
+            return None
+
+        return hook
+
+    def __exit__(self, *exc) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+def check_finite(where: str, what: str, t: torch.Tensor) -> None:
+    """NaN / Inf in a calibration statistic raise, naming the quantizer; no such scale is stored."""
+    if not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+        raise CalibrationError(f"{where}: calibration saw {bad} values in the {what}; check the model's activations or disable this quantizer")
+
+
+def first_leaf(q: nn.Module) -> TensorQuantizer:
+    """``q`` itself, or the first member of a chain (which sees the weight first)."""
+    return q if isinstance(q, TensorQuantizer) else next(iter(q.leaves()))
+
+
+def clear_scales(module: QuantModule) -> None:
+    """Drop the ``pre_quant_scale`` of the input and weight quantizers (a fresh search)."""
+    module.input_quantizer.pre_quant_scale = None
+    for leaf in module.weight_quantizer.leaves() if not isinstance(module.weight_quantizer, TensorQuantizer) else [module.weight_quantizer]:
+        leaf.pre_quant_scale = None
+
+
+@torch.no_grad()
+def apply_pre_quant_scale(module: QuantModule, pre_quant_scale: torch.Tensor, input_amax: Optional[torch.Tensor]) -> None:
+    """Input quantizer's ``pre_quant_scale`` := ``pre_quant_scale`` (stored in the weight's dtype), the
+    weight quantizer's := its fp32 reciprocal (it quantizes ``W / pre_quant_scale``: the weight
+    parameter itself is never changed), weight quantizers recalibrated; a static input quantizer gets
+    the per-tensor amax of the scaled input from its per-channel ``input_amax``."""
+    w = module.weight
+    pqs = pre_quant_scale.float().to(w.device)
+    module.input_quantizer.pre_quant_scale = pqs.to(w.dtype)
+    first_leaf(module.weight_quantizer).pre_quant_scale = 1.0 / pqs
+    module.calibrate_weights()
+    iq = module.input_quantizer
+    if iq.is_enabled and iq.needs_calibration and input_amax is not None:
+        iq.amax = (input_amax.float().to(pqs.device) * pqs).amax()

@@ -1,0 +1,71 @@
+"""SmoothQuant: per-input-channel scales that move activation outliers into the weights.
+
+Statistics: one forward_loop pass (the max calibration's), during which each served linear records
+its input's per-channel max |x| (MAX-reduced over the data-parallel ranks). Then, per linear, with
+``a`` that amax and ``w`` the per-input-channel max |W|::
+
+    s = a^alpha / w^(1 - alpha)   (channels with a <= 2^-31: s = 1; then clamped to [1e-4, 1e4])
+
+the input quantizer's ``pre_quant_scale`` is ``1/s``, the weight quantizer's ``s`` (it quantizes
+``W * s``, recalibrated) and the input's per-tensor amax is ``max(a / s)``, as ModelOpt computes them.
+As ModelOpt, only INT8 inputs and weights are smoothed (other linears keep max calibration, with a
+warning). The scales stay in the input quantizer (folding them into a preceding norm is not done).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..formats import Kind
+from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
+from .registry import CalibContext, SmoothQuantConfig, register_runner
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, served_linears
+
+_log = logging.getLogger("quantlib")
+
+#: activation amax at or below this leaves its channel unscaled (ModelOpt's 1 / 2^31)
+ZERO_AMAX = 1.0 / (1 << 31)
+
+
+def smoothing_scale(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """fp32 ``pre_quant_scale`` = 1/s = w^(1-alpha) / a^alpha per input channel, ModelOpt's guards."""
+    a, w = act_amax.float(), weight_amax.float()
+    scale = w.pow(1 - alpha) / a.pow(alpha)
+    scale = torch.where(a <= ZERO_AMAX, torch.ones_like(scale), scale)
+    return scale.clamp(min=1e-4, max=1e4)
+
+
+def _is_int8(q: TensorQuantizer) -> bool:
+    return isinstance(q, TensorQuantizer) and q.spec.kind == Kind.INT and q.spec.num_bits == 8
+
+
+@register_runner("smoothquant")
+def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext) -> None:
+    """Max calibration with per-channel input statistics, then smoothing of every INT8 linear."""
+    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
+        _log.warning("smoothquant needs a forward_loop (its scales come from the activations): without one, weights get max calibration only")
+        ctx.max_calibrate(model)
+        return
+    targets = []
+    for name, m, w in served_linears(model, "smoothquant", needs_input=True, expert_parallel=ctx.expert_parallel, tensor_parallel=ctx.tensor_parallel):
+        if _is_int8(m.input_quantizer) and _is_int8(m.weight_quantizer) and m.input_quantizer.axis is None:
+            targets.append((name, m, w))
+        else:
+            _log.warning("%s: smoothquant smooths per-tensor INT8 inputs with INT8 weights only; it keeps max calibration", name)
+    for _, m, _ in targets:
+        clear_scales(m)
+    with InputRecorder([(n, m) for n, m, _ in targets]) as rec:
+        ctx.max_calibrate(model)
+    missing = [n for n, _, _ in targets if rec.calls[n] == 0]
+    if missing:
+        raise CalibrationError(f"smoothquant: forward_loop never reached {missing[:5]}; feed data that reaches them or disable their quantizers")
+    with torch.no_grad():
+        for name, m, w in targets:
+            act_amax = ctx.all_reduce_max(rec.amax[name].clone())
+            check_finite(f"{name}.input_quantizer", "input's per-channel amax", act_amax)
+            weight_amax = w.detach().abs().amax(dim=0).float()
+            check_finite(f"{name}.weight_quantizer", "weight", weight_amax)
+            apply_pre_quant_scale(m, smoothing_scale(act_amax, weight_amax, cfg.alpha), act_amax)
