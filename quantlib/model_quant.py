@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import QuantizeConfig
+from .kv_cache import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -169,6 +170,7 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     cfg = QuantizeConfig.from_any(config)
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
+    check_kv_reach(model, cfg)
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
         calibrate(model, cfg.algorithm, forward_loop, parallel_state)

@@ -14,6 +14,7 @@ PLUGINS = {
     "quantlib.plugins.transformer_engine": "transformer_engine.pytorch",
     "quantlib.plugins.megatron": "megatron.core",
     "quantlib.plugins.huggingface": "transformers",
+    "quantlib.plugins.hf_attention": "transformers",
 }
 _loaded: set[str] = set()
 
