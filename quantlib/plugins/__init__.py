@@ -15,6 +15,7 @@ PLUGINS = {
     "quantlib.plugins.megatron": "megatron.core",
     "quantlib.plugins.huggingface": "transformers",
     "quantlib.plugins.hf_attention": "transformers",
+    "quantlib.plugins.megatron_attention": "megatron.core",
 }
 _loaded: set[str] = set()
 
