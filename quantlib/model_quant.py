@@ -162,10 +162,11 @@ def clear_weight_cache(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------ calibration
 
 
-def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
+def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential=None) -> nn.Module:
     """Convert ``model`` and calibrate it with ``config``'s algorithm on ``forward_loop(model)``.
 
     Calling it again with another config re-configures and recalibrates. Returns the model.
+    ``sequential`` (True, a dict or ``quantlib.calib.sequential.SequentialOptions``): calibrate one decoder layer at a time.
     """
     cfg = QuantizeConfig.from_any(config)
     model = convert(model)
@@ -173,11 +174,11 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     check_kv_reach(model, cfg)
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
-        calibrate(model, cfg.algorithm, forward_loop, parallel_state)
+        calibrate(model, cfg.algorithm, forward_loop, parallel_state, sequential=sequential)
     return model
 
 
-def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential=None) -> nn.Module:
     """(Re)calibrate an already converted model: weight amax from the weights, activation amax from
     ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax). Amax are then
     synced over ``parallel_state`` (None: discovered, see ``quantlib.distributed.discover_parallel_state``)."""
@@ -193,10 +194,15 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forwa
         parallel_state = discover_parallel_state()
     local_error = None
     try:
-        for _, m in quant_modules(model):
-            m.calibrate_weights()
-        if forward_loop is not None:
-            _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
+        if sequential:
+            from .calib.sequential import calibrate_sequential
+
+            calibrate_sequential(model, forward_loop, sequential, cfg.expert_input_policy if cfg else "max_of_peers")
+        else:
+            for _, m in quant_modules(model):
+                m.calibrate_weights()
+            if forward_loop is not None:
+                _calibrate_activations(model, forward_loop, cfg.expert_input_policy if cfg else "max_of_peers")
     except CalibrationError as exc:
         if parallel_state is None:
             raise
