@@ -104,10 +104,24 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return cls.__name__.endswith("Attention") or ("k_proj" in children and "v_proj" in children)
 
 
-def unreached_attention(model: nn.Module) -> list[str]:
-    """Names (with class) of the attention-like modules of ``model`` (class name ending in
-    ``Attention``, or children ``k_proj`` and ``v_proj``) that hold no KV quantizer themselves and have
-    no ancestor or descendant that does: the attention quantlib cannot reach."""
+def _class_names(module: nn.Module) -> tuple[str, ...]:
+    from .nn.quant_module import QuantModuleRegistry
+
+    return tuple(c.__name__ for c in QuantModuleRegistry.original_class_of(module).__mro__ if issubclass(c, nn.Module))
+
+
+def _would_enable(config: QuantizeConfig, name: str, module: nn.Module) -> bool:
+    attrs, enable = config.resolve(name, _class_names(module))
+    if enable is not None:
+        return enable
+    return attrs is not None and all(a.enable for a in (attrs if isinstance(attrs, list) else [attrs]))
+
+
+def unreached_attention(model: nn.Module, config: Optional[QuantizeConfig] = None) -> list[str]:
+    """Names (with class) of the attention-like modules of ``model`` (class name ending in ``Attention``,
+    or children ``k_proj`` and ``v_proj``) that hold no KV quantizer themselves and have no ancestor or
+    descendant that does: the attention quantlib cannot reach. With ``config``, only those where it would
+    enable a ``k_bmm_quantizer`` or ``v_bmm_quantizer`` (so a disabled vision tower does not count)."""
     reached = [name for name, m in model.named_modules() if all(hasattr(m, q) for q in KV_QUANTIZER_NAMES)]
     missing = []
     for name, m in model.named_modules():
@@ -115,19 +129,21 @@ def unreached_attention(model: nn.Module) -> list[str]:
             continue
         if any(r == name or r.startswith(name + ".") or name.startswith(r + ".") or r == "" or name == "" for r in reached):
             continue
+        if config is not None and not any(_would_enable(config, f"{name}.{q}" if name else q, m) for q in KV_QUANTIZER_NAMES):
+            continue
         missing.append(f"{name or '<root>'} ({type(m).__name__})")
     return missing
 
 
 def check_kv_reach(model: nn.Module, config: Union[QuantizeConfig, dict]) -> None:
     """Raise :class:`ConfigError` if ``config`` enables KV quantizers but some attention module of
-    ``model`` has none (named in the message), or the model has no KV quantizer at all: a KV preset is
-    never silently skipped."""
+    ``model`` where they would be enabled has none (named in the message), or the model has no KV
+    quantizer at all: a KV preset is never silently skipped."""
     cfg = QuantizeConfig.from_any(config)
     rules = kv_rules(cfg)
     if not rules:
         return
-    missing = unreached_attention(model)
+    missing = unreached_attention(model, cfg)
     if missing:
         raise ConfigError(
             f"KV-cache rule(s) {rules} cannot reach the attention of {len(missing)} module(s): {missing[:5]}; quantlib inserts k/v quantizers "

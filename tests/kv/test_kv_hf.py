@@ -186,6 +186,21 @@ def test_kv_preset_refused_on_unreachable_attention():
     ql.quantize(nn.Sequential(nn.Linear(8, 8), MyAttention()), ql.FP8_DEFAULT_CFG, lambda m: m(torch.randn(2, 8)))  # no KV rule: fine
 
 
+def test_kv_preset_ignores_unreachable_attention_it_disables():
+    """An attention module the config would not quantize (a vision tower, disabled by pattern) is no reason to refuse."""
+    model = nn.Sequential()
+    model.add_module("text", nn.Sequential(nn.Linear(8, 8)))
+    model.add_module("visual", MyAttention())
+    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_KV_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": "*visual*", "enable": False})
+    with pytest.raises(ql.ConfigError, match="no attention module"):  # refused anyway: no k/v quantizer anywhere
+        ql.quantize(model, cfg, lambda m: m.text(torch.randn(2, 8)))
+    hf = build("llama", "sdpa")
+    hf.model.add_module("visual", MyAttention())
+    ql.quantize(hf, cfg, forward_loop(batches(1)))
+    assert hf.model.layers[0].self_attn.k_bmm_quantizer.amax is not None
+
+
 def test_kv_preset_refused_on_model_without_attention():
     with pytest.raises(ql.ConfigError, match="no attention module"):
         ql.quantize(nn.Sequential(nn.Linear(8, 8)), ql.merge_kv_config(None, ql.FP8_KV_CFG), lambda m: m(torch.randn(2, 8)))
