@@ -8,6 +8,9 @@ names, disabled until a config enables them) and then runs Megatron's own forwar
 Tensor parallelism splits the heads (dim 2): :meth:`QuantDotProductAttention.tp_split` says so, so the
 amax sync MAX-reduces over TP every amax that does not keep the heads axis (per tensor, the NVFP4
 global amax, per head-dim channel) and leaves per-head amax to their rank (:func:`quantlib.distributed.tp_shard_dim`).
+Megatron dist checkpoints carry these amax and their config like those of the parallel linears (the
+class shares the linears' ``sharded_state_dict`` and ``_quantizer_extra_state``, so
+:func:`quantlib.plugins.megatron.restore_quantizer_config` restores them at any TP).
 Transformer Engine's ``TEDotProductAttention`` runs a fused kernel quantlib cannot reach: a KV rule on
 a model built with it is refused by :func:`quantlib.kv_cache.check_kv_reach`, naming the module.
 """
@@ -23,22 +26,28 @@ from ..config import QuantizerAttributeConfig
 from ..kv_cache import ATTENTION_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
+from .megatron import _MegatronQuantMixin
 
 #: the axis of [s, b, heads, head dim] that tensor parallelism splits
 HEADS_AXIS = 2
 
 
-@QuantModuleRegistry.register(DotProductAttention, "megatron.DotProductAttention")
-class QuantDotProductAttention(QuantModule):
-    """Megatron-Core's ``DotProductAttention`` with q/k/v bmm quantizers on its inputs."""
+class _AttentionQuantizers(QuantModule):
+    """The q/k/v bmm quantizers (disabled until a config enables them), no weights."""
 
     quantizer_names = ATTENTION_QUANTIZER_NAMES
     weight_quantizer_names = ()
-    parallel_role = "column"  # heads are split over tensor-parallel ranks (see tp_split)
 
     def _setup(self) -> None:
         for name in self.quantizer_names:
             setattr(self, name, TensorQuantizer(QuantizerAttributeConfig(enable=False)))
+
+
+@QuantModuleRegistry.register(DotProductAttention, "megatron.DotProductAttention")
+class QuantDotProductAttention(_MegatronQuantMixin, _AttentionQuantizers):
+    """Megatron-Core's ``DotProductAttention`` with q/k/v bmm quantizers on its inputs."""
+
+    parallel_role = "column"  # heads are split over tensor-parallel ranks (see tp_split)
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         return iter(())  # no weights: the projections are the parallel linears around it

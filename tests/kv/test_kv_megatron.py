@@ -3,7 +3,8 @@ groups) on 2 gloo ranks, at TP=2 (one group per rank) and at TP=1.
 
 The reference is an unquantized copy of the model whose ``DotProductAttention.forward`` records max|k|,
 max|v| per layer (MAX-reduced over TP by hand) and then fake-quantizes k and v by hand with them; the
-quantized model's amax and logits must equal it bit for bit.
+quantized model's amax and logits must equal it bit for bit. A dist checkpoint saved at TP=2 restores
+the k/v amax at TP=1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins"))
@@ -68,7 +70,34 @@ def _reference(preset: str, tp: int, data, tokens):
     return amax, logits
 
 
-def _run(rank: int, world: int, preset: str) -> dict:
+def _save(model, folder: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), folder)
+
+
+def _load_tp1(folder: str) -> dict:
+    """A fresh TP=1 model (other weights) configured and loaded from the checkpoint: its k/v amax."""
+    from megatron.core import dist_checkpointing
+
+    from quantlib.plugins.megatron import restore_quantizer_config
+
+    shims.set_layout(1, 1)
+    model = restore_quantizer_config(shims.build_gpt(1, 1, SEED + 1, num_query_groups=GROUPS), folder)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), folder))
+    out = {}
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        for tag in ("k", "v"):
+            q = getattr(core, f"{tag}_bmm_quantizer")
+            assert q.is_enabled
+            out[f"{core.layer_number}{tag}"] = q.amax
+    shims.gpt_logits(model, shims.token_batches(1, 99)[0])  # runs with the restored quantizers
+    return out
+
+
+def _run(rank: int, world: int, preset: str, folder: str) -> dict:
     out = {}
     for tp in (2, 1):
         shims.set_layout(tp, 1)
@@ -90,12 +119,15 @@ def _run(rank: int, world: int, preset: str) -> dict:
             "changed": not torch.equal(got, plain),
             "amax": {f"{k[0]}{k[1]}": v for k, v in amax.items()},
         }
+        if tp == 2:
+            _save(model, folder)
+    out["restored_tp1"] = _load_tp1(folder)
     return out
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_kv_megatron_tp2_logits_equal_hand_fake_quant(preset):
-    results = shims.run_distributed(_run, 2, preset)
+def test_kv_megatron_tp2_logits_equal_hand_fake_quant(tmp_path, preset):
+    results = shims.run_distributed(_run, 2, preset, str(tmp_path))
     for rank, res in enumerate(results):
         for tp in (2, 1):
             assert res[tp]["amax_equal_hand"], (rank, tp)
@@ -110,6 +142,11 @@ def test_kv_megatron_tp2_logits_equal_hand_fake_quant(preset):
                 assert torch.equal(results[rank][2]["amax"][key], value), key
             else:
                 torch.testing.assert_close(results[rank][2]["amax"][key], value, rtol=1e-5, atol=0)
+    # a dist checkpoint saved at TP=2 restores the same k/v amax at TP=1
+    for rank in (0, 1):
+        restored = results[rank]["restored_tp1"]
+        assert restored.keys() == results[0][2]["amax"].keys()
+        assert all(torch.equal(restored[k], results[0][2]["amax"][k]) for k in restored)
 
 
 def _te_free_unreachable(rank: int, world: int) -> str:
