@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from torch import nn
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from ..model_quant import _fill_missing, _weight_quantizer_ids, clear_weight_cache, iter_leaf_quantizers, leaves_of, quant_modules, tokens_per_expert_report
+from ..model_quant import _fill_missing, _weight_quantizer_ids, clear_weight_cache, iter_leaf_quantizers, quant_modules, tokens_per_expert_report
 from ..nn.containers import QuantizerContainer
 from ..nn.tensor_quantizer import TensorQuantizer
 

@@ -4,7 +4,6 @@ and a resume."""
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -161,3 +160,19 @@ def test_sequential_refuses_past_key_values():
 
     with pytest.raises(ValueError, match="past tokens"):
         ql.quantize(model, CONFIGS["fp8"], loop, sequential=True)
+
+
+def test_sequential_with_device_and_disk_equal_in_memory(tmp_path, in_memory):
+    """The device path (layers loaded from disk straight to ``device``, cached inputs moved there); on the
+    CPU here, on the GPU where one exists."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build("qwen3_moe")
+    offload_to_disk(model, str(tmp_path))
+    model.to(device)  # the resident part (the layers' weights are on meta)
+    batches = [x.to(device) for x in data()]
+    model = ql.quantize(model, CONFIGS["fp8"], loop_over(batches), sequential={"offload_folder": str(tmp_path), "device": device})
+    if device == "cpu":
+        assert_same_amax(amax_of(model), in_memory[("qwen3_moe", "fp8")])
+    else:  # the GPU's GEMMs differ from the CPU's: compare with in-memory calibration on the GPU
+        assert_same_amax(amax_of(model), amax_of(ql.quantize(build("qwen3_moe").to(device), CONFIGS["fp8"], loop_over(batches))))
+    assert all(p.device.type == "meta" for p in model.model.layers.parameters())
