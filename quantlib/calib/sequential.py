@@ -14,9 +14,10 @@ The forward loop is run once per decoder layer, plus once at the end; in pass ``
 
 Every quantizer therefore sees exactly the tensors of in-memory calibration (the unquantized model, the
 same batches in the same order), so the amax are bit-identical; the memory held at once is the
-resident part of the model, one layer and two layers' worth of cached inputs. The forward loop must not
-use the model's output (a stopped pass returns None) and must not feed past key values (an empty cache
-is dropped, which changes nothing).
+resident part of the model, one layer and two layers' worth of cached inputs. The forward loop must feed
+the same batches in the same order on every call (a batch of another shape raises), must not use the
+model's output (a stopped pass returns None) and must not feed past key values (an empty cache is
+dropped, which changes nothing).
 
 Resume: after each layer the state (finished layers' amax, the next layer's cached inputs) is written
 atomically to ``resume_file``; a later call with the same model, config and file continues after the
@@ -297,6 +298,11 @@ class _Driver:
                 if self.position >= len(self.cached):
                     raise RuntimeError(f"sequential calibration: the forward loop ran more batches than in the pass that captured {self.name}.{idx}'s inputs")
                 cargs, ckwargs = self.cached[self.position]
+                if _hidden(args, kwargs).shape != _hidden(cargs, ckwargs).shape:
+                    raise RuntimeError(
+                        f"sequential calibration: batch {self.position} of this pass has hidden states of shape {tuple(_hidden(args, kwargs).shape)} at "
+                        f"{self.name}.{idx}, the pass that recorded its inputs {tuple(_hidden(cargs, ckwargs).shape)}: the forward loop must feed the same batches in the same order every time"
+                    )
                 self.position += 1
                 out = original(*cargs, **ckwargs)
                 self.templates[idx] = _template(out)

@@ -178,3 +178,15 @@ def test_sequential_with_device_and_disk_equal_in_memory(tmp_path, in_memory):
     else:  # the GPU's GEMMs differ from the CPU's: compare with in-memory calibration on the GPU
         assert_same_amax(amax_of(model), amax_of(ql.quantize(build("qwen3_moe").to(device), CONFIGS["fp8"], loop_over(batches))))
     assert all(p.device.type == "meta" for p in model.model.layers.parameters())
+
+
+def test_sequential_refuses_a_loop_that_changes_its_batches():
+    calls = []
+
+    def shuffled(m):
+        calls.append(1)
+        for x in data()[:: 1 if len(calls) % 2 else -1]:  # every other call in reverse order (other lengths)
+            m(x)
+
+    with pytest.raises(RuntimeError, match="same batches in the same order"):
+        ql.quantize(build("llama"), CONFIGS["fp8"], shuffled, sequential=True)
