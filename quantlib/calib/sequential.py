@@ -48,7 +48,7 @@ RESUME_SCHEMA = 1
 @dataclass
 class SequentialOptions:
     """How layer-by-layer calibration runs: ``layers`` is the dotted name of the decoder layers'
-    ``nn.ModuleList`` (None: the longest ModuleList of one class); ``device`` where a layer runs (None: where
+    ``nn.ModuleList`` (None: found by :func:`decoder_layers`); ``device`` where a layer runs (None: where
     its weights are); ``offload_folder`` where :func:`offload_to_disk` put the layers whose parameters are on
     ``meta``; ``resume_file`` the state written after each layer (None: none)."""
 
@@ -80,16 +80,21 @@ class _StopForward(Exception):
 
 
 def decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[str, nn.ModuleList]:
-    """(name, ModuleList) of the decoder layers: ``path`` or the longest ModuleList whose members share one class."""
+    """(name, ModuleList) of the decoder layers: ``path``, or the ModuleList of members of one class that
+    holds the most parameters."""
     if path is not None:
         found = model.get_submodule(path)
         if not isinstance(found, nn.ModuleList):
             raise ValueError(f"sequential calibration: {path!r} is a {type(found).__name__}, not an nn.ModuleList of layers")
         return path, found
-    best = None
+    # the list of repeated blocks that holds the most parameters: the decoder layers, not the experts
+    # list inside each of them (which can be longer)
+    best, most = None, -1
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1 and (best is None or len(m) > len(best[1])):
-            best = (name, m)
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1:
+            size = sum(p.numel() for p in m.parameters())
+            if size > most:
+                best, most = (name, m), size
     if best is None:
         raise ValueError(f"sequential calibration: no nn.ModuleList of repeated layers in {type(model).__name__}; pass SequentialOptions(layers=...)")
     return best
@@ -260,6 +265,17 @@ def _strip_cache(kwargs: dict, where: str) -> dict:
     return out
 
 
+def _copy(value: Any) -> Any:
+    """``value`` with every tensor in it (in tuples, lists, dicts) detached and cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
 def _skip_output(template: Any, hidden: torch.Tensor) -> Any:
     if template == "tensor":
         return hidden
@@ -292,7 +308,8 @@ class _Driver:
     def layer_forward(self, idx: int, original: Callable) -> Callable:
         def forward(*args, **kwargs):
             if idx == self.capture_idx:
-                self.captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), _strip_cache(kwargs, f"{self.name}.{idx}")))
+                # copies: the model may reuse the memory of what it hands a layer (Megatron's global buffers)
+                self.captured.append((_copy(args), _copy(_strip_cache(kwargs, f"{self.name}.{idx}"))))
                 raise _StopForward
             if idx == self.run_idx:
                 if self.position >= len(self.cached):
