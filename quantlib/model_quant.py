@@ -6,7 +6,7 @@ import fnmatch
 import io
 import logging
 import sys
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -18,6 +18,8 @@ from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
 
 ForwardLoop = Callable[[nn.Module], Any]
+if TYPE_CHECKING:
+    from .calib.sequential import SequentialOptions
 _log = logging.getLogger("quantlib")
 
 
@@ -162,7 +164,7 @@ def clear_weight_cache(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------ calibration
 
 
-def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential=None) -> nn.Module:
+def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """Convert ``model`` and calibrate it with ``config``'s algorithm on ``forward_loop(model)``.
 
     Calling it again with another config re-configures and recalibrates. Returns the model.
@@ -178,10 +180,11 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     return model
 
 
-def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential=None) -> nn.Module:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """(Re)calibrate an already converted model: weight amax from the weights, activation amax from
     ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax). Amax are then
-    synced over ``parallel_state`` (None: discovered, see ``quantlib.distributed.discover_parallel_state``)."""
+    synced over ``parallel_state`` (None: discovered, see ``quantlib.distributed.discover_parallel_state``).
+    ``sequential``: calibrate one decoder layer at a time (``quantlib.calib.sequential``)."""
     method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
     if method is None:
         return model
