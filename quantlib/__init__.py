@@ -34,6 +34,7 @@ from .presets import (
     W4A16_NVFP4_CFG,
 )
 from .distributed import AmaxSyncError, ParallelState, sync_amax
+from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
 from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
 
@@ -41,8 +42,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "FP8_AFFINE_KV_CFG",
     "FP8_BLOCKWISE_CFG",
     "FP8_DEFAULT_CFG",
+    "FP8_KV_CFG",
     "FP8_PER_CHANNEL_PER_TOKEN_CFG",
     "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
     "INT8_DEFAULT_CFG",
@@ -50,6 +53,7 @@ __all__ = [
     "MXFP4_DEFAULT_CFG",
     "MXFP8_DEFAULT_CFG",
     "NVFP4_DEFAULT_CFG",
+    "NVFP4_KV_CFG",
     "PRESETS",
     "W4A8_AWQ_BETA_CFG",
     "INT4_AWQ_CFG",
@@ -82,6 +86,7 @@ __all__ = [
     "convert",
     "disable_quantizer",
     "enable_quantizer",
+    "merge_kv_config",
     "print_quant_summary",
     "quant_summary",
     "quantize",

@@ -6,7 +6,7 @@ import fnmatch
 import io
 import logging
 import sys
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -15,23 +15,18 @@ from .atomic import atomic, check_weight_quantizers
 from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
-from .config import QuantizeConfig, algorithm_config
+from .config import ConfigError, QuantizeConfig, algorithm_config
+from .kv_cache import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
-from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .traversal import expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
+from .nn.tensor_quantizer import TensorQuantizer
+from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
+from .traversal import clear_weight_cache, expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
 
 ForwardLoop = Callable[[nn.Module], Any]
+if TYPE_CHECKING:
+    from .calib.sequential import SequentialOptions
 _log = logging.getLogger("quantlib")
-
-
-def _weight_quantizer_ids(model: nn.Module) -> set[int]:
-    ids = set()
-    for _, m in quant_modules(model):
-        for qname in m.weight_quantizer_names:
-            for _, leaf in leaves_of(qname, getattr(m, qname)):
-                ids.add(id(leaf))
-    return ids
 
 
 # ------------------------------------------------------------------------------------ conversion
@@ -112,47 +107,37 @@ def disable_quantizer(model: nn.Module, pattern: str) -> int:
     return _set_enabled(model, pattern, False)
 
 
-def clear_weight_cache(model: nn.Module) -> int:
-    """Drop every cached fake-quantized weight; returns how many. Needed only after writes that bypass
-    the version counter the cache keys on (``weight.data.mul_(...)``); ordinary in-place writes,
-    optimizer steps and ``load_state_dict`` invalidate it by themselves."""
-    n = 0
-    for _, m in quant_modules(model):
-        cache = m.__dict__.get("_weight_cache")
-        if cache:
-            n += len(cache)
-            cache.clear()
-    return n
-
-
 # ------------------------------------------------------------------------------------ calibration
 
 
 @atomic  # a failed quantize() leaves the model exactly as it was
-def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
+def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """Convert ``model`` and calibrate it with ``config``'s algorithm on ``forward_loop(model)``.
 
     Calling it again with another config re-configures and recalibrates. Returns the model.
+    ``sequential`` (True, a dict or ``quantlib.calib.sequential.SequentialOptions``): calibrate one decoder layer at a time.
     """
     cfg = QuantizeConfig.from_any(config)
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
     check_weight_quantizers(model)
+    check_kv_reach(model, cfg)
     for _, leaf in iter_leaf_quantizers(model):
         leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
-        calibrate(model, cfg.algorithm, forward_loop, parallel_state)
+        calibrate(model, cfg.algorithm, forward_loop, parallel_state, sequential=sequential)
     report_coverage(model, cfg)
     return model
 
 
-def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None) -> nn.Module:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
     ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
     from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
     other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
-    ``quantlib.distributed.discover_parallel_state``)."""
+    ``quantlib.distributed.discover_parallel_state``). ``sequential``: calibrate one decoder layer at a
+    time (``quantlib.calib.sequential``; max only)."""
     algo = algorithm_config(algorithm)
     if algo is None:
         return model
@@ -162,10 +147,17 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
-    ctx = CalibContext(forward_loop, lambda m: _max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
+    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
     local_error = None
     try:
-        runner(algo.method)(model, algo, ctx)
+        if sequential:
+            if algo.method != "max":
+                raise ConfigError(f"sequential calibration runs algorithm 'max' only, got {algo.method!r}")
+            from .calib.sequential import calibrate_sequential
+
+            calibrate_sequential(model, forward_loop, sequential, policy)
+        else:
+            runner(algo.method)(model, algo, ctx)
     except Exception as exc:  # a bad batch or OOM too: raised alone, it would leave the other ranks in the sync
         if parallel_state is None:
             raise
@@ -177,15 +169,6 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     elif local_error is not None:
         raise local_error
     return model
-
-
-def _drop_activation_amax(model: nn.Module) -> None:
-    """Without a forward loop, activation quantizers use the amax of each tensor they see: an amax
-    left by an earlier calibration (another config) would otherwise stay in use."""
-    weight_ids = _weight_quantizer_ids(model)
-    for _, q in iter_leaf_quantizers(model):
-        if id(q) not in weight_ids:
-            q.reset_amax()
 
 
 def _split_over_ranks(parallel_state) -> tuple[bool, bool]:
@@ -209,105 +192,7 @@ def _run_max(model: nn.Module, algo: AlgorithmConfig, ctx: CalibContext) -> None
     ctx.max_calibrate(model)
 
 
-def _max_calibrate(model: nn.Module, forward_loop: Optional[ForwardLoop], expert_policy: str) -> None:
-    for _, m in quant_modules(model):
-        m.calibrate_weights()
-    if forward_loop is not None:
-        _calibrate_activations(model, forward_loop, expert_policy)
-    else:
-        _drop_activation_amax(model)
-
-
-def _calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_policy: str) -> None:
-    weight_ids = _weight_quantizer_ids(model)
-    leaves = list(iter_leaf_quantizers(model))
-    active = [(n, q) for n, q in leaves if id(q) not in weight_ids and q.is_enabled and q.needs_calibration]
-    enabled = [q for _, q in leaves if q.is_enabled]
-    for _, q in active:
-        q.reset_amax()
-        q.enable_calib()
-    for q in enabled:
-        q.disable_quant()  # as ModelOpt: activations are calibrated on the unquantized model
-    try:
-        with torch.no_grad(), _progress(model):
-            forward_loop(model)
-    finally:
-        for _, q in active:
-            q.disable_calib()
-        for q in enabled:
-            q.enable_quant()
-    for _, q in active:
-        q.load_calib_amax()
-    tokens_per_expert_report(model)
-    missing = [(n, q) for n, q in active if q.amax is None]
-    if missing:
-        _fill_missing(model, missing, expert_policy)
-
-
-def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, list[int]]:
-    """Tokens each expert received in the last calibration, by module name, from every QuantModule that
-    counts them (``tokens_per_expert``); logged at the end of calibration, experts with none as warnings
-    (their weight amax still comes from their own weights)."""
-    report = {}
-    for name, m in quant_modules(model):
-        counts = getattr(m, "tokens_per_expert", None)
-        if isinstance(counts, torch.Tensor):
-            report[name] = counts.tolist()
-            idle = [e for e, c in enumerate(report[name]) if c == 0]
-            if warn and idle:
-                _log.warning("%s: no calibration tokens reached expert(s) %s of %d", name, idle, len(report[name]))
-            else:
-                _log.info("%s: tokens per expert %s", name, report[name])
-    return report
-
-
-def _fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], policy: str) -> None:
-    """Quantizers the forward loop never reached: experts follow the policy, anything else raises."""
-    experts = {id(leaf) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names for _, leaf in leaves_of(qn, getattr(m, qn))}
-    # a module with grouped weights holds all local experts of its layer: its quantizers have no local
-    # peers (expert_group_key of their names would replace the layer index instead)
-    alone = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert and any(isinstance(getattr(m, w, None), GroupedQuantizer) for w in m.weight_quantizer_names) for qn in m.quantizer_names}
-    not_experts = [n for n, q in missing if id(q) not in experts]
-    if not_experts:
-        raise CalibrationError(f"calibration data never reached {len(not_experts)} quantizer(s): {not_experts[:5]}; feed data that reaches them or disable them in the config")
-    if policy == "skip":
-        for n, _ in missing:
-            _log.warning("%s: no tokens reached this expert; its input quantizer uses a dynamic amax", n)
-        return
-    if policy == "error":
-        raise CalibrationError(f"no tokens reached {len(missing)} expert input quantizer(s): {[n for n, _ in missing][:5]} (expert_input_policy='error')")
-    peers: dict[str, list[torch.Tensor]] = {}
-    for n, q in iter_leaf_quantizers(model):
-        if id(q) in experts and id(q) not in alone and q.amax is not None:
-            peers.setdefault(expert_group_key(n), []).append(q.amax)
-    for n, q in missing:
-        found = None if id(q) in alone else peers.get(expert_group_key(n))
-        if found:
-            q.amax = torch.stack([a.reshape(found[0].shape) for a in found]).amax(dim=0)
-            _log.info("%s: no tokens reached this expert; input amax set to the max of %d peers", n, len(found))
         # else: left unset; the distributed sync fills it from the other ranks' experts or raises
-
-
-class _progress:
-    """A progress bar over forward calls of the root module, shown only if calibration takes a while."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(desc="quantlib calibration", unit="batch", delay=2.0, leave=False, file=sys.stderr)
-        self.handle = self.model.register_forward_hook(self._tick)
-        return self
-
-    def _tick(self, *_) -> None:
-        self.bar.update(1)  # returns None: a forward hook's return value would replace the output
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-        self.bar.close()
-        return False
 
 
 # ------------------------------------------------------------------------------------ summary

@@ -59,3 +59,26 @@ def expert_group_key(name: str) -> Optional[str]:
 
 
 __all__ = ["expert_group_key", "iter_leaf_quantizers", "iter_quantizers", "leaves_of", "quant_modules"]
+
+
+def weight_quantizer_ids(model: nn.Module) -> set[int]:
+    """ids of every weight quantizer leaf (members of containers included): what is not one quantizes activations."""
+    ids = set()
+    for _, m in quant_modules(model):
+        for qname in m.weight_quantizer_names:
+            for _, leaf in leaves_of(qname, getattr(m, qname)):
+                ids.add(id(leaf))
+    return ids
+
+
+def clear_weight_cache(model: nn.Module) -> int:
+    """Drop every cached fake-quantized weight; returns how many. Needed only after writes that bypass
+    the version counter the cache keys on (``weight.data.mul_(...)``); ordinary in-place writes,
+    optimizer steps and ``load_state_dict`` invalidate it by themselves."""
+    n = 0
+    for _, m in quant_modules(model):
+        cache = m.__dict__.get("_weight_cache")
+        if cache:
+            n += len(cache)
+            cache.clear()
+    return n

@@ -14,6 +14,8 @@ PLUGINS = {
     "quantlib.plugins.transformer_engine": "transformer_engine.pytorch",
     "quantlib.plugins.megatron": "megatron.core",
     "quantlib.plugins.huggingface": "transformers",
+    "quantlib.plugins.hf_attention": "transformers",
+    "quantlib.plugins.megatron_attention": "megatron.core",
 }
 _loaded: set[str] = set()
 

@@ -1,0 +1,64 @@
+"""KV-cache quantizers in Megatron-Core's local core attention (``DotProductAttention``).
+
+``DotProductAttention.forward(query, key, value, attention_mask, ...)`` receives the states in
+Megatron's [sequence, batch, heads, head dim] layout, after RoPE and the inference cache; the quantized
+class passes them through ``q_bmm_quantizer``, ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (ModelOpt's
+names, disabled until a config enables them) and then runs Megatron's own forward unchanged.
+
+Tensor parallelism splits the heads (dim 2): :meth:`QuantDotProductAttention.tp_split` says so, so the
+amax sync MAX-reduces over TP every amax that does not keep the heads axis (per tensor, the NVFP4
+global amax, per head-dim channel) and leaves per-head amax to their rank (:func:`quantlib.distributed.tp_shard_dim`).
+Megatron dist checkpoints carry these amax and their config like those of the parallel linears (the
+class shares the linears' ``sharded_state_dict`` and ``_quantizer_extra_state``, so
+:func:`quantlib.plugins.megatron.restore_quantizer_config` restores them at any TP).
+Transformer Engine's ``TEDotProductAttention`` runs a fused kernel quantlib cannot reach: a KV rule on
+a model built with it is refused by :func:`quantlib.kv_cache.check_kv_reach`, naming the module.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from ..config import QuantizerAttributeConfig
+from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+from ..nn.quant_module import QuantModule, QuantModuleRegistry
+from ..nn.tensor_quantizer import TensorQuantizer
+from .megatron import _MegatronQuantMixin
+
+#: the axis of [s, b, heads, head dim] that tensor parallelism splits
+HEADS_AXIS = 2
+
+
+class _AttentionQuantizers(QuantModule):
+    """The q/k/v bmm quantizers (disabled until a config enables them), no weights."""
+
+    quantizer_names = ATTENTION_QUANTIZER_NAMES
+    weight_quantizer_names = ()
+
+    def _setup(self) -> None:
+        for name in self.quantizer_names:
+            setattr(self, name, TensorQuantizer(QuantizerAttributeConfig(enable=False)))
+
+
+@QuantModuleRegistry.register(DotProductAttention, "megatron.DotProductAttention")
+class QuantDotProductAttention(_MegatronQuantMixin, _AttentionQuantizers):
+    """Megatron-Core's ``DotProductAttention`` with q/k/v bmm quantizers on its inputs."""
+
+    parallel_role = "column"  # heads are split over tensor-parallel ranks (see tp_split)
+
+    def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        return iter(())  # no weights: the projections are the parallel linears around it
+
+    def tp_split(self, qname: str) -> tuple[Optional[int], int]:
+        """The heads axis, with this rank's number of query heads (q) or key/value groups (k, v)."""
+        heads = self.num_attention_heads_per_partition if qname == "q_bmm_quantizer" else self.num_query_groups_per_partition
+        return HEADS_AXIS, int(heads)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+        return super().forward(self.q_bmm_quantizer(query), self.k_bmm_quantizer(key), self.v_bmm_quantizer(value), *args, **kwargs)
+
+
+__all__ = ["HEADS_AXIS", "QuantDotProductAttention"]

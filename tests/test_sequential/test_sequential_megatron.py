@@ -1,0 +1,41 @@
+"""Layer-by-layer calibration of a Megatron-Core MoE GPT (local spec, 4 SequentialMLP experts a layer) at
+TP=2 on gloo: the amax equal in-memory calibration's bit for bit, synced over TP the same way. The
+experts' ModuleList is longer than the layers' and must not be taken for the decoder layers."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
+
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
+
+import quantlib as ql  # noqa: E402
+from quantlib.calib.sequential import decoder_layers  # noqa: E402
+from quantlib.model_quant import iter_leaf_quantizers  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+
+def _run(rank: int, world: int) -> dict:
+    shims.set_layout(2, 1)
+    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_KV_CFG)
+    data = shims.token_batches(3, 1)
+    state = ql.ParallelState.from_megatron()
+    name, _ = decoder_layers(shims.build_gpt(2, 1, 0))
+    memory = ql.quantize(shims.build_gpt(2, 1, 0), cfg, shims.forward_loop(data), parallel_state=state)
+    layered = ql.quantize(shims.build_gpt(2, 1, 0), cfg, shims.forward_loop(data), parallel_state=state, sequential=True)
+    a = {n: q.amax for n, q in iter_leaf_quantizers(memory) if q.amax is not None}
+    b = {n: q.amax for n, q in iter_leaf_quantizers(layered) if q.amax is not None}
+    return {"layers": name, "same_keys": a.keys() == b.keys(), "differ": [n for n in a if n in b and not torch.equal(a[n], b[n])], "count": len(a)}
+
+
+def test_sequential_megatron_tp2_amax_equal_in_memory():
+    for res in shims.run_distributed(_run, 2):
+        assert res["layers"] == "decoder.layers"
+        assert res["same_keys"] and res["count"] > 40
+        assert not res["differ"], res["differ"][:5]
