@@ -139,7 +139,7 @@ def check_kv_reach(model: nn.Module, config: Union[QuantizeConfig, dict]) -> Non
     """Raise :class:`ConfigError` if ``config`` enables KV quantizers but some attention module of
     ``model`` where they would be enabled has none (named in the message), or the model has no KV
     quantizer at all: a KV preset is never silently skipped."""
-    cfg = QuantizeConfig.from_any(config)
+    cfg = config if isinstance(config, QuantizeConfig) else QuantizeConfig.from_any(config)
     rules = kv_rules(cfg)
     if not rules:
         return
