@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import copy
 import os
-import uuid
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils.serialization import config as serialization_config
 
+from ._atomic_io import atomic_torch_save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .formats import Kind
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
@@ -135,23 +134,7 @@ def save(model: nn.Module, path: Union[str, os.PathLike]) -> None:
     """Write :func:`quantizer_state` atomically (temp file in the same folder, fsync, rename), with the
     archive's CRC-32 checksums; a symlink at ``path`` stays a link and its target gets the file."""
     state = quantizer_state(model)  # before any file exists: a model that cannot be saved leaves none
-    # like open(path, "wb"), write through a symlink (renaming onto the link would replace it by a file)
-    path = os.path.realpath(os.fspath(path))
-    folder = os.path.dirname(path)
-    tmp = os.path.join(folder, f".quantlib-{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    # created like open(path, "wb") would (mode 0o666 & ~umask), not 0o600 as tempfile.mkstemp does
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        # the checksums load_state verifies, even where a user turned torch's off
-        with os.fdopen(fd, "wb") as f, serialization_config.patch({"save.compute_crc32": True}):
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_torch_save(state, path)
 
 
 # ------------------------------------------------------------------------------------ restore

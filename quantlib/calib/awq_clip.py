@@ -120,18 +120,10 @@ def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float
             inputs[name] = []
 
 
-def _needs_loop(method: str, model: nn.Module, ctx: CalibContext) -> bool:
-    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
-        _log.warning("%s needs a forward_loop (it searches on the activations): without one, weights get max calibration only", method)
-        ctx.max_calibrate(model)
-        return False
-    return True
-
-
 @register_runner("awq_clip")
 def run_awq_clip(model: nn.Module, cfg: AwqClipConfig, ctx: CalibContext) -> None:
     """One forward_loop pass caching each linear's inputs, then the clip search per linear."""
-    if _needs_loop("awq_clip", model, ctx):
+    if not ctx.max_only_without_loop("awq_clip", model, "it searches on the activations"):
         targets, rec, calls = record_inputs(model, "awq_clip", ctx)
         clip(targets, rec.inputs, calls, cfg, ctx)
 
@@ -139,7 +131,7 @@ def run_awq_clip(model: nn.Module, cfg: AwqClipConfig, ctx: CalibContext) -> Non
 @register_runner("awq_full")
 def run_awq_full(model: nn.Module, cfg: AwqFullConfig, ctx: CalibContext) -> None:
     """awq_lite, then awq_clip on the scaled weights, from one forward_loop pass."""
-    if _needs_loop("awq_full", model, ctx):
+    if not ctx.max_only_without_loop("awq_full", model, "it searches on the activations"):
         targets, rec, calls = record_inputs(model, "awq_full", ctx)
         search(targets, rec, calls, cfg.lite(), ctx, keep_inputs=True)
         clip(targets, rec.inputs, calls, cfg.clip(), ctx)

@@ -102,9 +102,7 @@ def _block_of(q: TensorQuantizer) -> Optional[int]:
 @register_runner("awq_lite")
 def run_awq_lite(model: nn.Module, cfg: AwqLiteConfig, ctx: CalibContext) -> None:
     """One forward_loop pass caching each linear's inputs, then the alpha search per linear."""
-    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
-        _log.warning("awq_lite needs a forward_loop (its scales come from the activations): without one, weights get max calibration only")
-        ctx.max_calibrate(model)
+    if ctx.max_only_without_loop("awq_lite", model, "its scales come from the activations"):
         return
     targets, rec, calls = record_inputs(model, "awq_lite", ctx)
     search(targets, rec, calls, cfg, ctx, keep_inputs=False)

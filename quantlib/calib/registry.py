@@ -9,6 +9,7 @@ touched. Each algorithm module (``calib/mse.py``, ...) registers the function th
 
 from __future__ import annotations
 
+import logging
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, Optional, Union
@@ -16,6 +17,9 @@ from typing import Any, Callable, ClassVar, Optional, Union
 
 class AlgorithmConfigError(ValueError):
     """An invalid ``algorithm`` value; ``config.py`` re-raises it as its ConfigError."""
+
+
+_log = logging.getLogger("quantlib")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,15 @@ class CalibContext:
     expert_parallel: bool = False
     #: True when linears are split over several ranks (tensor parallelism)
     tensor_parallel: bool = False
+
+    def max_only_without_loop(self, method: str, model: Any, why: str) -> bool:
+        """True where there is no ``forward_loop``: then ``method`` is skipped with a warning saying ``why`` it
+        needs one, and ``model`` gets max calibration (as ModelOpt, which skips the algorithm with a warning)."""
+        if self.forward_loop is not None:
+            return False
+        _log.warning("%s needs a forward_loop (%s): without one, weights get max calibration only", method, why)
+        self.max_calibrate(model)
+        return True
 
 
 @dataclass(frozen=True)

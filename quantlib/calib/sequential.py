@@ -31,13 +31,13 @@ import ctypes.util
 import functools
 import os
 import sys
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
+from .._atomic_io import atomic_torch_save
 from ..traversal import clear_weight_cache, iter_leaf_quantizers, quant_modules, weight_quantizer_ids
 from .activations import fill_missing, tokens_per_expert_report
 from ..nn.containers import QuantizerContainer
@@ -124,20 +124,6 @@ def layer_file(folder: str, name: str) -> str:
     return os.path.join(folder, f"{name}.pt")
 
 
-def _atomic_save(obj: Any, path: str) -> None:
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _to_meta(layer: nn.Module, only: Optional[set] = None) -> None:
     """Parameters and buffers of ``layer`` outside its quantizers onto ``meta`` (``only``: those (module id, name))."""
     for m, kind, n, t in list(_own_tensors(layer)):
@@ -156,7 +142,7 @@ def offload_layer(layer: nn.Module, path: str) -> None:
         if t.device.type == "meta":
             raise ValueError(f"offload_layer: {key} is already on meta")
         state[key] = t.detach().cpu()
-    _atomic_save(state, path)
+    atomic_torch_save(state, path, crc32=False)  # nothing reads the checksums of an offloaded layer
     _to_meta(layer)
 
 
@@ -439,7 +425,7 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
             if opts.resume_file is not None and p < len(layers):
                 done = {n: q.amax.detach().cpu() for n, q in iter_leaf_quantizers(model) if id(q) in in_layers and q.amax is not None and _layer_of(n, name) < p}
                 inputs = [(_to_device(e, torch.device("cpu"))) for e in driver.captured]
-                _atomic_save({"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": p, "amax": done, "templates": driver.templates[:p], "inputs": inputs}, opts.resume_file)
+                atomic_torch_save({"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": p, "amax": done, "templates": driver.templates[:p], "inputs": inputs}, opts.resume_file, crc32=False)
     finally:
         for layer in layers:
             del layer.forward

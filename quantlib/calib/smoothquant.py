@@ -45,9 +45,7 @@ def _is_int8(q: TensorQuantizer) -> bool:
 @register_runner("smoothquant")
 def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext) -> None:
     """Max calibration with per-channel input statistics, then smoothing of every INT8 linear."""
-    if ctx.forward_loop is None:  # as ModelOpt, which skips the algorithm with a warning
-        _log.warning("smoothquant needs a forward_loop (its scales come from the activations): without one, weights get max calibration only")
-        ctx.max_calibrate(model)
+    if ctx.max_only_without_loop("smoothquant", model, "its scales come from the activations"):
         return
     targets = []
     for name, m, w in served_linears(model, "smoothquant", needs_input=True, expert_parallel=ctx.expert_parallel, tensor_parallel=ctx.tensor_parallel):

@@ -26,10 +26,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..config import QuantizerAttributeConfig
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
-from ..nn.quant_module import QuantModule, QuantModuleRegistry
-from ..nn.tensor_quantizer import TensorQuantizer
+from ..nn.quant_module import QuantModuleRegistry
+from .attention_quantizers import AttentionQuantizers
 
 _scanned: set[str] = set()
 
@@ -38,19 +36,12 @@ class KVQuantizationError(RuntimeError):
     """An attention module with enabled KV quantizers ran an attention function quantlib did not wrap."""
 
 
-class QuantHFAttention(QuantModule):
+class QuantHFAttention(AttentionQuantizers):
     """Mixin for a transformers attention class that calls the attention interface."""
 
-    quantizer_names = ATTENTION_QUANTIZER_NAMES
-    weight_quantizer_names = ()
-
     def _setup(self) -> None:
-        for name in self.quantizer_names:
-            setattr(self, name, TensorQuantizer(QuantizerAttributeConfig(enable=False)))
+        super()._setup()
         self._kv_reached = False
-
-    def weight_groups(self):
-        return iter(())  # no weights of its own: its linears are quantized as nn.Linear
 
     def quantize_qkv(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(query, key, value) through their quantizers (the wrapped attention function calls this)."""

@@ -27,6 +27,7 @@ from ..config import QuantizerAttributeConfig
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .expert_tokens import count_tokens
 
 #: the instance attributes ``use_experts_implementation`` sets, which describe the layout, with the
 #: decorator's defaults (which also apply to classes registered by hand that leave one out)
@@ -131,17 +132,6 @@ class QuantFusedExperts(QuantModule):
                     return leaf._if_calib or not leaf._if_quant
         return False
 
-    def _record_tokens(self, counts: torch.Tensor, input_quantizer: TensorQuantizer) -> None:
-        # counting restarts with each calibration: when the input quantizer has collected nothing
-        # yet (calibrate resets it), or at the first calibrating forward after any other
-        if input_quantizer.is_enabled and input_quantizer._if_calib:
-            fresh = input_quantizer.num_calib_batches == 0
-        else:
-            fresh = not self._was_calibrating
-        if fresh:
-            self.tokens_per_expert.zero_()
-        self.tokens_per_expert += counts.to(self.tokens_per_expert.device)
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.quantizers_off():
             # the original class's forward (transformers' eager loop or the kernel its config names)
@@ -154,10 +144,7 @@ class QuantFusedExperts(QuantModule):
             expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
             counts = expert_mask[:num_experts].sum(dim=(-1, -2))
         up_input = getattr(self, f"{up}_input_quantizer")
-        calibrating = self._calibrating()
-        if calibrating:
-            self._record_tokens(counts, up_input)
-        self._was_calibrating = calibrating
+        count_tokens(self, counts, up_input, self._calibrating())
         x = up_input(hidden_states)
         out = torch.zeros_like(hidden_states)
         for e in torch.nonzero(counts > 0).flatten().tolist():

@@ -22,35 +22,23 @@ from typing import Iterator, Optional
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from ..config import QuantizerAttributeConfig
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
-from ..nn.quant_module import QuantModule, QuantModuleRegistry
-from ..nn.tensor_quantizer import TensorQuantizer
+from ..nn.quant_module import QuantModuleRegistry
+from .attention_quantizers import AttentionQuantizers
 from .megatron import _MegatronQuantMixin
 
 #: the axis of [s, b, heads, head dim] that tensor parallelism splits
 HEADS_AXIS = 2
 
 
-class _AttentionQuantizers(QuantModule):
-    """The q/k/v bmm quantizers (disabled until a config enables them), no weights."""
-
-    quantizer_names = ATTENTION_QUANTIZER_NAMES
-    weight_quantizer_names = ()
-
-    def _setup(self) -> None:
-        for name in self.quantizer_names:
-            setattr(self, name, TensorQuantizer(QuantizerAttributeConfig(enable=False)))
-
-
 @QuantModuleRegistry.register(DotProductAttention, "megatron.DotProductAttention")
-class QuantDotProductAttention(_MegatronQuantMixin, _AttentionQuantizers):
+class QuantDotProductAttention(_MegatronQuantMixin, AttentionQuantizers):
     """Megatron-Core's ``DotProductAttention`` with q/k/v bmm quantizers on its inputs."""
 
     parallel_role = "column"  # heads are split over tensor-parallel ranks (see tp_split)
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
-        return iter(())  # no weights: the projections are the parallel linears around it
+        # no weights; written here because the Megatron mixin's weight_groups comes first in the MRO
+        return AttentionQuantizers.weight_groups(self)
 
     def tp_split(self, qname: str) -> tuple[Optional[int], int]:
         """The heads axis, with this rank's number of query heads (q) or key/value groups (k, v)."""

@@ -28,6 +28,7 @@ from ..config import QuantizerAttributeConfig
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .expert_tokens import count_tokens
 
 QuantizeInput = Callable[[torch.Tensor], torch.Tensor]
 QuantizeWeight = Callable[[int, torch.Tensor], torch.Tensor]
@@ -380,16 +381,7 @@ def record_tokens(module: nn.Module, counts: Any, input_quantizer: TensorQuantiz
     calibration runs. Call it before ``input_quantizer`` sees the forward's input. Counting starts from
     zero with each calibration: where ``input_quantizer`` collects statistics, when it has collected
     none yet (calibrate resets it first); otherwise at the first calibrating forward after any other."""
-    calibrating = _calibrating(module)
-    if calibrating:
-        if input_quantizer.is_enabled and input_quantizer._if_calib:
-            fresh = input_quantizer.num_calib_batches == 0
-        else:
-            fresh = not module._was_calibrating
-        if fresh:
-            module.tokens_per_expert.zero_()
-        module.tokens_per_expert += torch.as_tensor(counts, dtype=torch.int64).reshape(-1).to(module.tokens_per_expert.device)
-    module._was_calibrating = calibrating
+    count_tokens(module, counts, input_quantizer, _calibrating(module))
 
 
 __all__ = [

@@ -12,7 +12,7 @@ T = pytest.importorskip("transformers", reason="needs transformers (pip install 
 import quantlib as ql  # noqa: E402
 from quantlib.nn import quant_module  # noqa: E402
 from quantlib.nn.tensor_quantizer import TensorQuantizer  # noqa: E402
-from quantlib.plugins import hf_experts  # noqa: E402
+from quantlib.plugins import expert_tokens  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def calls(monkeypatch):
 
     monkeypatch.setattr(TensorQuantizer, "forward", counted("quantizer", TensorQuantizer.forward))
     monkeypatch.setattr(quant_module, "_quantizer_token", counted("cache_key", quant_module._quantizer_token))
-    monkeypatch.setattr(hf_experts.QuantFusedExperts, "_record_tokens", counted("tokens", hf_experts.QuantFusedExperts._record_tokens))
+    monkeypatch.setattr(expert_tokens, "add_tokens", counted("tokens", expert_tokens.add_tokens))
     return counts
 
 

@@ -97,3 +97,34 @@ def fp8_block_weight_ok(spec: FormatSpec) -> Optional[str]:
     if not is_fp8_block_2d(spec):
         return "needs FP8 E4M3 weights in 2-D blocks, e.g. block_sizes {-1: 128, -2: 128}"
     return None
+
+
+class MXFP8Packer(Packer):
+    """MXFP8 weights (E4M3 elements, E8M0 scales per 32) and activations, as plain codes and scale bytes;
+    a format names its scale tensor (``scale_key``) and says how it takes activations (``input_why``)."""
+
+    scale_key: str = "weight_scale"
+    input_why: str = "activations must be MXFP8 (dynamic, per 32)"
+
+    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
+        return None if is_mx(spec, (4, 3)) else "needs MXFP8 weights (E4M3 elements, E8M0 scales per 32)"
+
+    def input_ok(self, spec: FormatSpec) -> Optional[str]:
+        return None if is_mx(spec, (4, 3)) else self.input_why
+
+    def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        return {"weight": q.codes, self.scale_key: q.scale}
+
+
+class NVFP4Packer(Packer):
+    """NVFP4 weights (E2M1, E4M3 scales per 16) and activations; siblings share the global scale. A format
+    packs its own tensors (names, form of the global scale) and says how it takes activations (``input_why``)."""
+
+    siblings_share_global = True
+    input_why: str
+
+    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
+        return None if is_nvfp4(spec) else "needs NVFP4 weights (E2M1, E4M3 scales per 16)"
+
+    def input_ok(self, spec: FormatSpec) -> Optional[str]:
+        return None if is_nvfp4(spec) else self.input_why

@@ -3,27 +3,13 @@ uint8 E8M0 [out, in/32]."""
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
-from .base import ConfigInfo, Packer, is_mx
+from .base import ConfigInfo, MXFP8Packer
 
 
-class CTMXFP8(Packer):
+class CTMXFP8(MXFP8Packer):
     fmt = ExportFormat.CT_MXFP8
-
-    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
-        return None if is_mx(spec, (4, 3)) else "needs MXFP8 weights (E4M3 elements, E8M0 scales per 32)"
-
-    def input_ok(self, spec: FormatSpec) -> Optional[str]:
-        return None if is_mx(spec, (4, 3)) else "activations must be MXFP8 (dynamic, per 32)"
-
-    def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        return {"weight": q.codes, "weight_scale": q.scale}
 
     def config(self, info: ConfigInfo) -> dict:
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": None}

@@ -16,18 +16,12 @@ import torch
 from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
-from .base import ConfigInfo, Packer, is_nvfp4
+from .base import ConfigInfo, NVFP4Packer
 
 
-class CTNVFP4(Packer):
+class CTNVFP4(NVFP4Packer):
     fmt = ExportFormat.CT_NVFP4
-    siblings_share_global = True
-
-    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
-        return None if is_nvfp4(spec) else "needs NVFP4 weights (E2M1, E4M3 scales per 16)"
-
-    def input_ok(self, spec: FormatSpec) -> Optional[str]:
-        return None if is_nvfp4(spec) else "W4A4 NVFP4 takes NVFP4 activations; disable the input quantizer for W4A16"
+    input_why = "W4A4 NVFP4 takes NVFP4 activations; disable the input quantizer for W4A16"
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         return {"weight_packed": q.codes, "weight_scale": q.scale, "weight_global_scale": torch.reciprocal(q.global_scale.float()).reshape(1)}

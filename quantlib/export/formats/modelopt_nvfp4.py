@@ -13,18 +13,12 @@ from ...formats import FormatSpec, QuantizedTensor
 from ...formats.nvfp4 import nvfp4_global_scale
 from ..types import ExportFormat
 from . import modelopt_common
-from .base import ConfigInfo, Packer, is_nvfp4
+from .base import ConfigInfo, NVFP4Packer
 
 
-class ModelOptNVFP4(Packer):
+class ModelOptNVFP4(NVFP4Packer):
     fmt = ExportFormat.MODELOPT_NVFP4
-    siblings_share_global = True
-
-    def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
-        return None if is_nvfp4(spec) else "needs NVFP4 weights (E2M1, E4M3 scales per 16)"
-
-    def input_ok(self, spec: FormatSpec) -> Optional[str]:
-        return None if is_nvfp4(spec) else "W4A4 takes NVFP4 activations; disable the input quantizer for W4A16_NVFP4"
+    input_why = "W4A4 takes NVFP4 activations; disable the input quantizer for W4A16_NVFP4"
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         return {"weight": q.codes, "weight_scale": q.scale, "weight_scale_2": q.global_scale.float().reshape(())}
