@@ -50,6 +50,9 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False) -> Iterator[
             yield pack_item(it, fmt, scales.get(id(it)))
         if pending:
             yield from _stack(pending, fmt)
+        p = get_packer(fmt)
+        for kv in plan.kv:
+            yield PackedWeight(kv.name, p.pack_kv(kv.spec, kv.k_amax, kv.v_amax), "kv")
 
 
 def _stack(items: list[Item], fmt: ExportFormat) -> Iterator[PackedWeight]:

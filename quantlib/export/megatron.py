@@ -221,6 +221,16 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, specs: dict
     return out
 
 
+def _refuse_kv(model: nn.Module) -> None:
+    # every rank holds the same KV quantizer settings, so every rank raises before the gather (no hang)
+    from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+
+    on = [f"{n}.{q}" for n, m in model.named_modules() for q in ATTENTION_QUANTIZER_NAMES if isinstance(getattr(m, q, None), TensorQuantizer) and getattr(m, q).is_enabled]
+    if on:
+        raise ExportError(f"{on[0]} = enabled ({len(on)} KV-cache quantizers): the Megatron export does not write KV-cache scales yet; "
+                          "disable them (quantlib.disable_quantizer(model, '*_bmm_quantizer')) or export a transformers model")
+
+
 def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *, group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
                                max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None, unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
     """Collective over ``group`` (default: the world): gather the sharded model to rank 0, which checks
@@ -228,6 +238,7 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
     from quantlib import __version__
 
     fmt = as_format(format)
+    _refuse_kv(model)
     pieces = _pieces(model)
     specs = _specs(model)
     rank = dist.get_rank(group)

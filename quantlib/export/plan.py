@@ -15,6 +15,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .formats import ConfigInfo, Packer
 from .formats.base import describe
+from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard
 from .types import ExportError
 
@@ -49,6 +50,7 @@ class Plan:
     items: list[Item]
     info: ConfigInfo
     unified: dict[tuple[str, ...], float]
+    kv: list[KVItem] = field(default_factory=list)  # attention modules whose KV-cache scales are written
 
     @property
     def quantized(self) -> list[str]:
@@ -222,7 +224,10 @@ def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
-    return check_items(walk(model, layout), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    kv, kv_spec = plan_kv(model, packer, layout)
+    plan = check_items(walk(model, layout), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    plan.kv, plan.info.kv_spec = kv, kv_spec
+    return plan
 
 
 def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "", what: str = "the model") -> Plan:

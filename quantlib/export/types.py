@@ -31,7 +31,8 @@ class ExportFormat(str, enum.Enum):
     MODELOPT_MXFP8 = "modelopt_mxfp8"  # ModelOpt MXFP8
 
 
-#: "linear" (a quantized dense weight), "expert" (one expert's quantized weight), "unquantized" (passed through)
+#: "linear" (a quantized dense weight), "expert" (one expert's quantized weight), "unquantized" (passed through),
+#: "kv" (an attention module's KV-cache scales)
 Role = str
 
 

@@ -20,6 +20,7 @@ class ConfigInfo:
     weight_per_tensor: bool = False  # one amax per weight (no channels, no blocks)
     ignore: list[str] = field(default_factory=list)  # full names of modules left unquantized
     producer_version: str = ""
+    kv_spec: Optional[FormatSpec] = None  # the KV-cache quantizers' spec; None: KV cache not quantized
 
 
 def describe(spec: Optional[FormatSpec]) -> str:
@@ -72,6 +73,14 @@ class Packer:
     def pack_input(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of a module's static input quantizer (none by default)."""
         return {}
+
+    def kv_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
+        """None if the format carries a KV-cache quantizer of ``spec``; else why not (here: no place at all)."""
+        return "this format has no place for KV-cache scales"
+
+    def pack_kv(self, spec: FormatSpec, k_amax: torch.Tensor, v_amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The attention module's KV scale tensors (local names); only called where ``kv_ok`` accepted."""
+        raise NotImplementedError
 
     def config(self, info: ConfigInfo) -> dict:
         """The ``quantization_config`` of config.json."""

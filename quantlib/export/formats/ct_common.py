@@ -11,6 +11,7 @@ from ...formats import FormatSpec, Kind
 from ...formats.fp8 import fp8_scale
 from ...formats.int import int_scale
 from .base import ConfigInfo, is_mx, is_nvfp4
+from .kv_cache import ct_kv_scheme
 
 
 def fp8_args(strategy: str, dynamic, **extra) -> dict:
@@ -59,7 +60,7 @@ def ct_config(fmt: str, weights: dict, info: ConfigInfo) -> dict:
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": list(info.ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": ct_kv_scheme(info.kv_spec),
         "global_compression_ratio": None,
         "moe_sparsity_config": None,
     }

@@ -14,9 +14,10 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, fp8_block_weight_ok
+from .kv_cache import CTKVCache
 
 
-class CTFP8Block(Packer):
+class CTFP8Block(CTKVCache, Packer):
     fmt = ExportFormat.CT_FP8_BLOCK
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:

@@ -12,9 +12,10 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common, ct_int
 from .base import ConfigInfo, Packer
+from .kv_cache import CTKVCache
 
 
-class CTInt8(Packer):
+class CTInt8(CTKVCache, Packer):
     fmt = ExportFormat.CT_INT8
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:

@@ -16,6 +16,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common, ct_int
 from .base import ConfigInfo, Packer
+from .kv_cache import CTKVCache
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -31,7 +32,7 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return words[:, : -(-n * bits // 32)].to(torch.int32).contiguous()
 
 
-class CTIntPack(Packer):
+class CTIntPack(CTKVCache, Packer):
     fmt = ExportFormat.CT_INT_PACK
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:

@@ -11,9 +11,10 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, is_mx
+from .kv_cache import CTKVCache
 
 
-class CTMXFP4(Packer):
+class CTMXFP4(CTKVCache, Packer):
     fmt = ExportFormat.CT_MXFP4
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:

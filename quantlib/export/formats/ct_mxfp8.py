@@ -6,9 +6,10 @@ from __future__ import annotations
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, MXFP8Packer
+from .kv_cache import CTKVCache
 
 
-class CTMXFP8(MXFP8Packer):
+class CTMXFP8(CTKVCache, MXFP8Packer):
     fmt = ExportFormat.CT_MXFP8
 
     def config(self, info: ConfigInfo) -> dict:

@@ -17,9 +17,10 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, NVFP4Packer
+from .kv_cache import CTKVCache
 
 
-class CTNVFP4(NVFP4Packer):
+class CTNVFP4(CTKVCache, NVFP4Packer):
     fmt = ExportFormat.CT_NVFP4
     input_why = "W4A4 NVFP4 takes NVFP4 activations; disable the input quantizer for W4A16"
 

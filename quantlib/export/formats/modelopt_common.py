@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .base import ConfigInfo
+from .kv_cache import modelopt_kv_algo
 
 _FP8_GROUP = {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"}, "weights": {"dynamic": False, "num_bits": 8, "type": "float"}, "targets": ["Linear"]}
 
@@ -18,7 +19,7 @@ def _fp4_args(group_size: int) -> dict:
 
 def hf_quant_config(quant_algo: str, info: ConfigInfo, group_size: Optional[int] = None) -> dict:
     """The ``hf_quant_config.json`` dict."""
-    quant = {"quant_algo": quant_algo, "kv_cache_quant_algo": None}
+    quant = {"quant_algo": quant_algo, "kv_cache_quant_algo": modelopt_kv_algo(info.kv_spec)}
     if group_size is not None:
         quant["group_size"] = group_size
     quant["exclude_modules"] = list(info.ignore)
@@ -40,6 +41,9 @@ def config_json_form(hf_quant: dict) -> dict:
         out["config_groups"] = {"group_0": {"weights": _fp4_args(g), "targets": ["Linear"]}}
     out["ignore"] = list(quant["exclude_modules"])
     out["quant_algo"] = algo
+    kv = quant["kv_cache_quant_algo"]
+    if kv is not None:  # ModelOpt's config.json form: FP8 as QuantizationArgs-like fields, other algorithms by name
+        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"} if kv == "FP8" else kv
     out["producer"] = hf_quant["producer"]
     out["quant_method"] = "modelopt"
     return out

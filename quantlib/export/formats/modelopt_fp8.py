@@ -14,13 +14,14 @@ from ...formats.fp8 import fp8_scale
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer
+from .kv_cache import ModelOptKVCache
 
 
 def _per_tensor_fp8(spec: FormatSpec) -> bool:
     return spec.kind == Kind.FP8 and spec.element == (4, 3) and not spec.dynamic
 
 
-class ModelOptFP8(Packer):
+class ModelOptFP8(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_FP8
     siblings_share_global = True
     input_required = "a calibrated FP8 E4M3 per-tensor input quantizer (e.g. FP8_DEFAULT_CFG)"

@@ -11,9 +11,10 @@ from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer, is_fp8_block_2d
+from .kv_cache import ModelOptKVCache
 
 
-class ModelOptFP8PB(Packer):
+class ModelOptFP8PB(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_FP8_PB
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:

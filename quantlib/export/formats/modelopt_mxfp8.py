@@ -5,9 +5,10 @@ from __future__ import annotations
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, MXFP8Packer
+from .kv_cache import ModelOptKVCache
 
 
-class ModelOptMXFP8(MXFP8Packer):
+class ModelOptMXFP8(ModelOptKVCache, MXFP8Packer):
     fmt = ExportFormat.MODELOPT_MXFP8
 
     def config(self, info: ConfigInfo) -> dict:

@@ -14,9 +14,10 @@ from ...formats.nvfp4 import nvfp4_global_scale
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, NVFP4Packer
+from .kv_cache import ModelOptKVCache
 
 
-class ModelOptNVFP4(NVFP4Packer):
+class ModelOptNVFP4(ModelOptKVCache, NVFP4Packer):
     fmt = ExportFormat.MODELOPT_NVFP4
     input_why = "W4A4 takes NVFP4 activations; disable the input quantizer for W4A16_NVFP4"
 

@@ -1,0 +1,73 @@
+"""The KV-cache part of an export plan: every attention module whose ``k_bmm_quantizer`` /
+``v_bmm_quantizer`` are enabled, checked against the format before anything is written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..formats import FormatSpec
+from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+from ..nn.tensor_quantizer import TensorQuantizer
+from .formats import Packer
+from .formats.base import describe
+from .layouts import ModelLayout
+from .types import ExportError
+
+_DISABLE = "quantlib.disable_quantizer(model, '*_bmm_quantizer')"
+
+
+@dataclass
+class KVItem:
+    """One attention module's calibrated key and value quantizers."""
+
+    name: str  # checkpoint name of the attention module
+    where: str  # its module name, for messages
+    spec: FormatSpec
+    k_amax: torch.Tensor
+    v_amax: torch.Tensor
+
+
+def _enabled(module: nn.Module, qname: str) -> Optional[TensorQuantizer]:
+    q = getattr(module, qname, None)
+    return q if isinstance(q, TensorQuantizer) and q.is_enabled else None
+
+
+def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer) -> None:
+    why = packer.kv_ok(q.spec, tuple(q.amax.shape) if q.amax is not None else ())
+    if why is not None:
+        raise ExportError(f"{full} = {describe(q.spec)}: format {packer.fmt.value} cannot carry this KV-cache quantizer ({why}); disable it ({_DISABLE}) or pick another format")
+    if q.amax is None:
+        raise ExportError(f"{full}: KV-cache quantizer has no amax; calibrate with a forward_loop (quantlib.quantize / quantlib.calibrate)")
+    if not q.amax.is_meta and not bool(torch.isfinite(q.amax).all()):
+        raise ExportError(f"{full}: amax holds a non-finite value ({q.amax.flatten()[:4].tolist()}); recalibrate")
+
+
+def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list[KVItem], Optional[FormatSpec]]:
+    """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
+    :class:`ExportError` naming the quantizer where the format cannot carry it."""
+    items: list[KVItem] = []
+    first: Optional[tuple[str, FormatSpec]] = None
+    for name, module in model.named_modules():
+        qs = {n: _enabled(module, n) for n in ATTENTION_QUANTIZER_NAMES}
+        if not any(qs.values()):
+            continue
+        prefix = f"{name}." if name else ""
+        if qs["q_bmm_quantizer"] is not None:
+            raise ExportError(f"{prefix}q_bmm_quantizer = {describe(qs['q_bmm_quantizer'].spec)}: no export format carries query quantization; disable it ({_DISABLE})")
+        for qname in ("k_bmm_quantizer", "v_bmm_quantizer"):
+            if qs[qname] is None:
+                other = "v_bmm_quantizer" if qname == "k_bmm_quantizer" else "k_bmm_quantizer"
+                raise ExportError(f"{prefix}{qname} = disabled while {prefix}{other} is enabled: a KV cache is quantized as keys and values together; enable both or neither")
+            _check_quantizer(qs[qname], prefix + qname, packer)
+        k, v = qs["k_bmm_quantizer"], qs["v_bmm_quantizer"]
+        for qname, q in (("k_bmm_quantizer", k), ("v_bmm_quantizer", v)):
+            if first is None:
+                first = (prefix + qname, q.spec)
+            elif q.spec != first[1]:
+                raise ExportError(f"{prefix}{qname} = {describe(q.spec)} differs from {first[0]} = {describe(first[1])}; one export carries one KV-cache scheme")
+        items.append(KVItem(layout.checkpoint_name(name), name, k.spec, k.amax, v.amax))
+    return items, (first[1] if first is not None else None)
