@@ -77,6 +77,24 @@ class _StopForward(Exception):
     """Raised by the layer that records its inputs: the rest of the pass is not needed."""
 
 
+_NO_FORWARD = object()
+
+
+def _patch_forward(module: nn.Module, fn: Callable) -> Callable[[], None]:
+    """Set ``module.forward = fn`` on the instance; returns what puts back the instance ``forward`` it had
+    (one that wrappers such as accelerate's hooks install), or removes ``fn`` where it had none."""
+    saved = module.__dict__.get("forward", _NO_FORWARD)
+    module.forward = fn
+
+    def restore() -> None:
+        if saved is _NO_FORWARD:
+            del module.forward
+        else:
+            module.forward = saved
+
+    return restore
+
+
 # ---------------------------------------------------------------------------------- layers
 
 
@@ -327,12 +345,12 @@ class _Driver:
             except _StopForward:
                 return None
 
-        self.model.forward = stopping_forward
+        restore = _patch_forward(self.model, stopping_forward)
         try:
             with torch.no_grad():
                 forward_loop(self.model)
         finally:
-            del self.model.forward
+            restore()
         if self.run_idx is not None and self.position != len(self.cached):
             raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.cached)} cached batches but the loop ran {self.position}")
 
@@ -377,9 +395,7 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
     fingerprint = _fingerprint(model, layers)
     resume = _read_resume(opts.resume_file, fingerprint)
     driver = _Driver(model, name, layers)
-    originals = [layer.forward for layer in layers]
-    for i, layer in enumerate(layers):
-        layer.forward = driver.layer_forward(i, originals[i])
+    restores = [_patch_forward(layer, driver.layer_forward(i, layer.forward)) for i, layer in enumerate(layers)]
     for _, q in active:
         q.reset_amax()
     for q in enabled:
@@ -427,8 +443,8 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
                 inputs = [(_to_device(e, torch.device("cpu"))) for e in driver.captured]
                 atomic_torch_save({"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": p, "amax": done, "templates": driver.templates[:p], "inputs": inputs}, opts.resume_file, crc32=False)
     finally:
-        for layer in layers:
-            del layer.forward
+        for restore in restores:
+            restore()
         for q in enabled:
             q.enable_quant()
     tokens_per_expert_report(model)
