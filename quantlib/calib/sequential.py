@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from .._atomic_io import atomic_torch_save
-from ..traversal import clear_weight_cache, iter_leaf_quantizers, quant_modules, weight_quantizer_ids
-from .activations import fill_missing, tokens_per_expert_report
+from ..traversal import clear_weight_cache, iter_leaf_quantizers, quant_modules
+from .activations import activation_leaves, finish_activations
 from ..nn.containers import QuantizerContainer
 from ..nn.tensor_quantizer import TensorQuantizer
 
@@ -359,11 +359,6 @@ def _leaf_ids(module: nn.Module) -> set[int]:
     return {id(q) for _, q in iter_leaf_quantizers(module)}
 
 
-def _activation_leaves(model: nn.Module) -> list[tuple[str, TensorQuantizer]]:
-    weights = weight_quantizer_ids(model)
-    return [(n, q) for n, q in iter_leaf_quantizers(model) if id(q) not in weights and q.is_enabled and q.needs_calibration]
-
-
 def _fingerprint(model: nn.Module, layers: nn.ModuleList) -> dict:
     cfg = getattr(model, "_quantlib_config", None)
     return {"layers": len(layers), "quantizers": [n for n, _ in iter_leaf_quantizers(model)], "config": repr(cfg.to_dict()) if cfg is not None else None}
@@ -390,7 +385,7 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
     for _, m in quant_modules(model):
         if id(m) not in layer_modules:
             m.calibrate_weights()  # resident modules; a layer's weights calibrate when it is loaded
-    active = _activation_leaves(model)
+    active = activation_leaves(model)
     enabled = [q for _, q in iter_leaf_quantizers(model) if q.is_enabled]
     fingerprint = _fingerprint(model, layers)
     resume = _read_resume(opts.resume_file, fingerprint)
@@ -423,7 +418,8 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
             try:
                 for _, m in quant_modules(layer):
                     m.calibrate_weights()
-                mine = [(n, q) for n, q in active if id(q) in _leaf_ids(layer)]
+                here = _leaf_ids(layer)
+                mine = [(n, q) for n, q in active if id(q) in here]
                 if p == len(layers):  # the last pass runs past the layers: the quantizers outside them
                     mine += [(n, q) for n, q in active if id(q) not in in_layers]  # see the real hidden states
                 for _, q in mine:
@@ -447,10 +443,7 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
             restore()
         for q in enabled:
             q.enable_quant()
-    tokens_per_expert_report(model)
-    missing = [(n, q) for n, q in active if q.amax is None]
-    if missing:
-        fill_missing(model, missing, expert_policy)
+    finish_activations(model, active, expert_policy)
     if opts.resume_file is not None and os.path.exists(opts.resume_file):
         os.unlink(opts.resume_file)  # finished: a later run starts over
 
