@@ -46,12 +46,15 @@ class Item:
 
 @dataclass
 class Plan:
+    """The checked items of a model, the ``quantization_config`` inputs, and the siblings unified."""
+
     items: list[Item]
     info: ConfigInfo
     unified: dict[tuple[str, ...], float]
 
     @property
     def quantized(self) -> list[str]:
+        """Checkpoint names of the quantized items."""
         return [i.name for i in self.items if i.spec is not None]
 
 
