@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import config as presets
+from . import presets
 from .checkpoint import restore, save
 from .export import export_checkpoint
 from .model_quant import disable_quantizer, print_quant_summary, quantize
