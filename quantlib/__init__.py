@@ -1,36 +1,32 @@
 """quantlib: post-training quantization and QAT of PyTorch models, ModelOpt-compatible configs."""
 
 from .checkpoint import CheckpointError, quantizer_state, restore, restore_state, save
-from .config import (
+from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
+from .coverage import WeightCoverage, weight_coverage
+from .presets import (
     FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
     FP8_BLOCKWISE_CFG,
     FP8_DEFAULT_CFG,
     FP8_PER_CHANNEL_PER_TOKEN_CFG,
+    INT4_AWQ_CFG,
     INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
     INT8_DEFAULT_CFG,
+    INT8_SMOOTHQUANT_CFG,
     INT8_WEIGHT_ONLY_CFG,
     MXFP4_DEFAULT_CFG,
-    MXFP8_DEFAULT_CFG,
-    NVFP4_DEFAULT_CFG,
-    PRESETS,
-    W4A8_AWQ_BETA_CFG,
-    ConfigError,
-    QuantizeConfig,
-    QuantizerAttributeConfig,
-)
-from .coverage import WeightCoverage, weight_coverage
-from .presets import (
-    INT4_AWQ_CFG,
-    INT8_SMOOTHQUANT_CFG,
     MXFP4_MLP_WEIGHT_ONLY_CFG,
+    MXFP8_DEFAULT_CFG,
     MXFP8_EXPERTS_ONLY_CFG,
     MXFP8_MLP_ONLY_CFG,
     NVFP4_AWQ_CLIP_CFG,
     NVFP4_AWQ_FULL_CFG,
     NVFP4_AWQ_LITE_CFG,
+    NVFP4_DEFAULT_CFG,
     NVFP4_EXPERTS_ONLY_CFG,
     NVFP4_MLP_ONLY_CFG,
     NVFP4_OMLP_ONLY_CFG,
+    PRESETS,
+    W4A8_AWQ_BETA_CFG,
     W4A16_NVFP4_CFG,
 )
 from .distributed import AmaxSyncError, ParallelState, sync_amax

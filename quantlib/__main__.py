@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--presets", nargs="*", help="preset names (default: a representative set)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .config import PRESETS
+        from .presets import PRESETS
         from .demo import DEMO_PRESETS, run_demo
 
         names = tuple(args.presets or DEMO_PRESETS)

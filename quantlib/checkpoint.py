@@ -254,7 +254,6 @@ def _build(qstate: Any, where: str) -> nn.Module:
         if pqs is not None:
             if not isinstance(pqs, torch.Tensor):
                 raise CheckpointError(f"{where}: _pre_quant_scale must be a tensor, got {type(pqs).__name__}")
-            q._qname = where
             try:
                 q.pre_quant_scale = pqs
             except ValueError as exc:

@@ -20,6 +20,7 @@ from .config import QuantizeConfig
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule, QuantModuleRegistry, all_disabled
 from .nn.tensor_quantizer import TensorQuantizer
+from .traversal import class_names
 
 _log = logging.getLogger("quantlib")
 
@@ -54,10 +55,6 @@ def _is_embedding(module: nn.Module) -> bool:
     return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or "Embedding" in QuantModuleRegistry.original_class_of(module).__name__
 
 
-def _class_names(module: nn.Module) -> tuple[str, ...]:
-    return tuple(c.__name__ for c in QuantModuleRegistry.original_class_of(module).__mro__ if issubclass(c, nn.Module))
-
-
 def _named_off(cfg: Optional[QuantizeConfig], qname: str, module: nn.Module) -> bool:
     """Whether the last config rule deciding ``qname`` (real or the name a weight quantizer of ``module``
     would have) disables it and is more than the blanket ``*`` rule."""
@@ -65,7 +62,7 @@ def _named_off(cfg: Optional[QuantizeConfig], qname: str, module: nn.Module) -> 
         return False
     decided = None
     for e in cfg.quant_cfg:
-        if e.matches(qname, _class_names(module)) and (e.attrs is not None or e.enable is not None):
+        if e.matches(qname, class_names(module)) and (e.attrs is not None or e.enable is not None):
             decided = e
     if decided is None or decided.pattern == "*":
         return False
@@ -79,7 +76,7 @@ def _unmatched(cfg: QuantizeConfig, model: nn.Module) -> list[str]:
     for mname, m in model.named_modules():
         for attr, child in m._modules.items():
             if isinstance(child, (TensorQuantizer, QuantizerContainer)):
-                names.append((f"{mname}.{attr}" if mname else attr, _class_names(m)))
+                names.append((f"{mname}.{attr}" if mname else attr, class_names(m)))
     out = []
     for e in cfg.quant_cfg:
         attrs = e.attrs[0] if isinstance(e.attrs, list) else e.attrs

@@ -8,11 +8,12 @@ import copy
 import os
 import tempfile
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
-from . import config as presets
+from . import presets
 from .checkpoint import restore, save
 from .export import export_checkpoint
 from .model_quant import disable_quantizer, print_quant_summary, quantize
@@ -86,7 +87,7 @@ def run_demo(names: tuple[str, ...] = DEMO_PRESETS) -> int:
     return 1 if failures else 0
 
 
-def export_demo(forward_loop) -> bool:
+def export_demo(forward_loop: Callable[[nn.Module], None]) -> bool:
     """Export an FP8-block model in compressed-tensors' format and load it back with compressed-tensors'
     own decompressor (skipped, saying so, when compressed-tensors is not installed). True if it matched."""
     model = build_model()

@@ -21,6 +21,7 @@ from typing import Optional, Union
 from torch import nn
 
 from .config import ConfigError, QuantizeConfig
+from .traversal import class_names
 
 #: the quantizers a KV preset configures, by their attribute name on the attention module
 KV_QUANTIZER_NAMES: tuple[str, ...] = ("k_bmm_quantizer", "v_bmm_quantizer")
@@ -104,14 +105,8 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return cls.__name__.endswith("Attention") or ("k_proj" in children and "v_proj" in children)
 
 
-def _class_names(module: nn.Module) -> tuple[str, ...]:
-    from .nn.quant_module import QuantModuleRegistry
-
-    return tuple(c.__name__ for c in QuantModuleRegistry.original_class_of(module).__mro__ if issubclass(c, nn.Module))
-
-
 def _would_enable(config: QuantizeConfig, name: str, module: nn.Module) -> bool:
-    attrs, enable = config.resolve(name, _class_names(module))
+    attrs, enable = config.resolve(name, class_names(module))
     if enable is not None:
         return enable
     return attrs is not None and all(a.enable for a in (attrs if isinstance(attrs, list) else [attrs]))

@@ -21,7 +21,7 @@ from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
-from .traversal import clear_weight_cache, expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
+from .traversal import class_names, clear_weight_cache, expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
 
 ForwardLoop = Callable[[nn.Module], Any]
 if TYPE_CHECKING:
@@ -60,16 +60,12 @@ def _convert(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
     return new
 
 
-def _class_names(module: nn.Module) -> tuple[str, ...]:
-    return tuple(c.__name__ for c in QuantModuleRegistry.original_class_of(module).__mro__ if issubclass(c, nn.Module))
-
-
 def set_quantizer_by_cfg(model: nn.Module, config: Union[QuantizeConfig, dict]) -> None:
     """Apply a config's rules to every quantizer; a list config makes a SequentialQuantizer, a single
     one a TensorQuantizer (members of a GroupedQuantizer each get it). A parsed config is used as is."""
     cfg = config if isinstance(config, QuantizeConfig) else QuantizeConfig.from_any(config)
     for name, parent, attr, q in list(iter_quantizers(model)):
-        attrs, enable = cfg.resolve(name, _class_names(parent))
+        attrs, enable = cfg.resolve(name, class_names(parent))
         if attrs is not None:
             if isinstance(q, GroupedQuantizer):
                 for i, m in enumerate(q):

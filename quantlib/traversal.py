@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 from torch import nn
 
 from .nn.containers import QuantizerContainer
-from .nn.quant_module import QuantModule
+from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 
 
@@ -49,6 +49,12 @@ def quant_modules(model: nn.Module) -> Iterator[tuple[str, QuantModule]]:
             yield name, m
 
 
+def class_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of the nn.Module classes of ``module``'s original (unquantized) class and its bases: what a
+    config rule's ``module_class`` is matched against."""
+    return tuple(c.__name__ for c in QuantModuleRegistry.original_class_of(module).__mro__ if issubclass(c, nn.Module))
+
+
 def expert_group_key(name: str) -> Optional[str]:
     """Name with the expert index replaced by ``*`` (the last numeric path component), or None."""
     parts = name.split(".")
@@ -58,7 +64,7 @@ def expert_group_key(name: str) -> Optional[str]:
     return None
 
 
-__all__ = ["expert_group_key", "iter_leaf_quantizers", "iter_quantizers", "leaves_of", "quant_modules"]
+__all__ = ["class_names", "expert_group_key", "iter_leaf_quantizers", "iter_quantizers", "leaves_of", "quant_modules"]
 
 
 def weight_quantizer_ids(model: nn.Module) -> set[int]:

@@ -20,6 +20,8 @@ _log = logging.getLogger("quantlib")
 
 
 def max_calibrate(model: nn.Module, forward_loop: Optional[ForwardLoop], expert_policy: str) -> None:
+    """The ``max`` algorithm: weight amax from the weights, activation amax from ``forward_loop`` (None:
+    activations keep no amax and use each tensor's own)."""
     for _, m in quant_modules(model):
         m.calibrate_weights()
     if forward_loop is not None:
@@ -37,11 +39,25 @@ def drop_activation_amax(model: nn.Module) -> None:
             q.reset_amax()
 
 
-def calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_policy: str) -> None:
+def activation_leaves(model: nn.Module) -> list[tuple[str, TensorQuantizer]]:
+    """(name, quantizer) of every enabled leaf quantizer of an activation (not a weight) that calibrates an amax."""
     weight_ids = weight_quantizer_ids(model)
-    leaves = list(iter_leaf_quantizers(model))
-    active = [(n, q) for n, q in leaves if id(q) not in weight_ids and q.is_enabled and q.needs_calibration]
-    enabled = [q for _, q in leaves if q.is_enabled]
+    return [(n, q) for n, q in iter_leaf_quantizers(model) if id(q) not in weight_ids and q.is_enabled and q.needs_calibration]
+
+
+def finish_activations(model: nn.Module, active: list[tuple[str, TensorQuantizer]], expert_policy: str) -> None:
+    """After the forward loop: log the tokens per expert, and give the ``active`` quantizers that no data
+    reached an amax as ``expert_policy`` says (or raise)."""
+    tokens_per_expert_report(model)
+    missing = [(n, q) for n, q in active if q.amax is None]
+    if missing:
+        fill_missing(model, missing, expert_policy)
+
+
+def calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_policy: str) -> None:
+    """Activation amax from one ``forward_loop(model)`` pass over the unquantized model."""
+    active = activation_leaves(model)
+    enabled = [q for _, q in iter_leaf_quantizers(model) if q.is_enabled]
     for _, q in active:
         q.reset_amax()
         q.enable_calib()
@@ -57,10 +73,7 @@ def calibrate_activations(model: nn.Module, forward_loop: ForwardLoop, expert_po
             q.enable_quant()
     for _, q in active:
         q.load_calib_amax()
-    tokens_per_expert_report(model)
-    missing = [(n, q) for n, q in active if q.amax is None]
-    if missing:
-        fill_missing(model, missing, expert_policy)
+    finish_activations(model, active, expert_policy)
 
 
 def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, list[int]]:

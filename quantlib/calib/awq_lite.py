@@ -25,7 +25,7 @@ reached follow ``expert_input_policy``: "error" raises, otherwise they keep max 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -155,7 +155,7 @@ def _record(model: nn.Module, rec: InputRecorder, ctx: CalibContext) -> None:
         ctx.max_calibrate(model)
 
 
-def collective_step(ctx: CalibContext, targets: list, step) -> None:
+def collective_step(ctx: CalibContext, targets: list, step: Callable[[], Any]) -> None:
     """Run ``step``; a CalibrationError on any data-parallel rank is raised on every rank here, before
     the search's collectives, so no rank waits in one the others never reach."""
     error = None

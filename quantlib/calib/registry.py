@@ -208,7 +208,10 @@ def _type_ok(value: Any, annotation: Any) -> bool:
 def parse_algorithm(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
     """The typed config of an ``algorithm`` value (None: no calibration); unknown methods, unknown
     fields and ill-typed or out-of-range values raise AlgorithmConfigError naming the key."""
-    if value is None or isinstance(value, AlgorithmConfig):
+    if value is None:
+        return None
+    if isinstance(value, AlgorithmConfig):  # built directly: its ranges are checked as a parsed one's
+        value.check()
         return value
     if isinstance(value, str):
         value = {"method": value}

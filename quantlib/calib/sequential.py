@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from .._atomic_io import atomic_torch_save
-from ..traversal import clear_weight_cache, iter_leaf_quantizers, quant_modules, weight_quantizer_ids
-from .activations import fill_missing, tokens_per_expert_report
+from ..traversal import clear_weight_cache, iter_leaf_quantizers, quant_modules
+from .activations import activation_leaves, finish_activations
 from ..nn.containers import QuantizerContainer
 from ..nn.tensor_quantizer import TensorQuantizer
 
@@ -75,6 +75,24 @@ class SequentialOptions:
 
 class _StopForward(Exception):
     """Raised by the layer that records its inputs: the rest of the pass is not needed."""
+
+
+_NO_FORWARD = object()
+
+
+def _patch_forward(module: nn.Module, fn: Callable) -> Callable[[], None]:
+    """Set ``module.forward = fn`` on the instance; returns what puts back the instance ``forward`` it had
+    (one that wrappers such as accelerate's hooks install), or removes ``fn`` where it had none."""
+    saved = module.__dict__.get("forward", _NO_FORWARD)
+    module.forward = fn
+
+    def restore() -> None:
+        if saved is _NO_FORWARD:
+            del module.forward
+        else:
+            module.forward = saved
+
+    return restore
 
 
 # ---------------------------------------------------------------------------------- layers
@@ -327,23 +345,18 @@ class _Driver:
             except _StopForward:
                 return None
 
-        self.model.forward = stopping_forward
+        restore = _patch_forward(self.model, stopping_forward)
         try:
             with torch.no_grad():
                 forward_loop(self.model)
         finally:
-            del self.model.forward
+            restore()
         if self.run_idx is not None and self.position != len(self.cached):
             raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.cached)} cached batches but the loop ran {self.position}")
 
 
 def _leaf_ids(module: nn.Module) -> set[int]:
     return {id(q) for _, q in iter_leaf_quantizers(module)}
-
-
-def _activation_leaves(model: nn.Module) -> list[tuple[str, TensorQuantizer]]:
-    weights = weight_quantizer_ids(model)
-    return [(n, q) for n, q in iter_leaf_quantizers(model) if id(q) not in weights and q.is_enabled and q.needs_calibration]
 
 
 def _fingerprint(model: nn.Module, layers: nn.ModuleList) -> dict:
@@ -372,14 +385,12 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
     for _, m in quant_modules(model):
         if id(m) not in layer_modules:
             m.calibrate_weights()  # resident modules; a layer's weights calibrate when it is loaded
-    active = _activation_leaves(model)
+    active = activation_leaves(model)
     enabled = [q for _, q in iter_leaf_quantizers(model) if q.is_enabled]
     fingerprint = _fingerprint(model, layers)
     resume = _read_resume(opts.resume_file, fingerprint)
     driver = _Driver(model, name, layers)
-    originals = [layer.forward for layer in layers]
-    for i, layer in enumerate(layers):
-        layer.forward = driver.layer_forward(i, originals[i])
+    restores = [_patch_forward(layer, driver.layer_forward(i, layer.forward)) for i, layer in enumerate(layers)]
     for _, q in active:
         q.reset_amax()
     for q in enabled:
@@ -407,7 +418,8 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
             try:
                 for _, m in quant_modules(layer):
                     m.calibrate_weights()
-                mine = [(n, q) for n, q in active if id(q) in _leaf_ids(layer)]
+                here = _leaf_ids(layer)
+                mine = [(n, q) for n, q in active if id(q) in here]
                 if p == len(layers):  # the last pass runs past the layers: the quantizers outside them
                     mine += [(n, q) for n, q in active if id(q) not in in_layers]  # see the real hidden states
                 for _, q in mine:
@@ -427,14 +439,11 @@ def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.M
                 inputs = [(_to_device(e, torch.device("cpu"))) for e in driver.captured]
                 atomic_torch_save({"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": p, "amax": done, "templates": driver.templates[:p], "inputs": inputs}, opts.resume_file, crc32=False)
     finally:
-        for layer in layers:
-            del layer.forward
+        for restore in restores:
+            restore()
         for q in enabled:
             q.enable_quant()
-    tokens_per_expert_report(model)
-    missing = [(n, q) for n, q in active if q.amax is None]
-    if missing:
-        fill_missing(model, missing, expert_policy)
+    finish_activations(model, active, expert_policy)
     if opts.resume_file is not None and os.path.exists(opts.resume_file):
         os.unlink(opts.resume_file)  # finished: a later run starts over
 

@@ -22,7 +22,7 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from .checkpoint import parse_size, write_plan
 from .formats import as_format, packer as get_packer
 from .layouts import ModelLayout
-from .plan import Item, check_items
+from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale
 from .types import ExportError, ExportFormat, ExportManifest
 
 #: HF names of a decoder layer's tensors, by Megatron key (after ``decoder.layers.``)
@@ -92,6 +92,7 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
     for name, module in model.named_modules():
         if not isinstance(module, QuantModule) or not name.startswith("decoder.layers."):
             continue
+        refuse_pre_quant_scale(module_quantizers(module, name))
         q = getattr(module, "weight_quantizer", None)
         if q is None or not q.is_enabled:
             continue

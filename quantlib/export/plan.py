@@ -47,6 +47,8 @@ class Item:
 
 @dataclass
 class Plan:
+    """The checked items of a model, the ``quantization_config`` inputs, and the siblings unified."""
+
     items: list[Item]
     info: ConfigInfo
     unified: dict[tuple[str, ...], float]
@@ -54,6 +56,7 @@ class Plan:
 
     @property
     def quantized(self) -> list[str]:
+        """Checkpoint names of the quantized items."""
         return [i.name for i in self.items if i.spec is not None]
 
 
@@ -82,6 +85,24 @@ def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optiona
     return q.spec, q.amax
 
 
+def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
+    """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
+    ``pre_quant_scale`` (SmoothQuant / AWQ): no export format writes one, and the weights packed
+    without it would not compute what the calibrated model computes."""
+    for name, q in quantizers:
+        for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
+            if leaf.pre_quant_scale is not None:
+                raise ExportError(
+                    f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which no export format carries; "
+                    "export a model calibrated with 'max' or 'mse'"
+                )
+
+
+def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optional[nn.Module]]]:
+    """(full name, quantizer) of every quantizer of the quantized module ``name``."""
+    return [(f"{name}.{qn}", getattr(module, qn, None)) for qn in module.quantizer_names]
+
+
 def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
     """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
     if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
@@ -102,6 +123,8 @@ def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
         direct = {k: t for k, t in _direct(module).items() if id(t) not in seen}
         seen.update(id(t) for t in direct.values())
         parent, _, leaf = name.rpartition(".")
+        if isinstance(module, QuantModule):
+            refuse_pre_quant_scale(module_quantizers(module, name))
         if isinstance(module, fused_cls):
             items += _fused_items(module, name, layout, direct)
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}

@@ -49,6 +49,7 @@ def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor
 
 
 def has_static_scale(spec: FormatSpec) -> bool:
+    """Whether the format's scale comes from a calibrated amax (FP8, static FP8 blocks)."""
     return spec.kind == Kind.FP8 or (spec.kind == Kind.FP8_BLOCK and not spec.dynamic)
 
 

@@ -12,7 +12,7 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
 from .formats import as_format, packer as get_packer
 from .iterate import chunked, pack_item
-from .plan import Item, _check_item
+from .plan import Item, _check_item, refuse_pre_quant_scale
 from .types import ExportError, ExportFormat
 
 
@@ -39,6 +39,7 @@ def serialize_weight(name: str, tensor: torch.Tensor, quantizer: nn.Module, form
 def _pack_one(prefix: str, w: torch.Tensor, q: nn.Module, fmt: ExportFormat, where: str) -> dict[str, torch.Tensor]:
     if not isinstance(q, TensorQuantizer) or not q.is_enabled:
         raise ExportError(f"{where}: {type(q).__name__} {'disabled' if isinstance(q, TensorQuantizer) else ''}: serialize_weight packs enabled TensorQuantizers")
+    refuse_pre_quant_scale([(where, q)])
     item = Item(prefix, "linear", where, lambda: w.detach(), q.spec, q.amax, shape=tuple(w.shape))
     _check_item(item, get_packer(fmt), 1)
     with torch.no_grad():

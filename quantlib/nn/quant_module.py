@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -149,7 +149,7 @@ class QuantModule(nn.Module):
 _CACHES = ("_weight_cache", "_expert_views")
 
 
-def all_disabled(quantizers) -> bool:
+def all_disabled(quantizers: Iterable[nn.Module]) -> bool:
     """True when no leaf quantizer of ``quantizers`` (TensorQuantizers or containers) is enabled; reads
     one flag per plain quantizer, so a disabled module can afford it on every forward."""
     for q in quantizers:

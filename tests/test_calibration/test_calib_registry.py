@@ -71,3 +71,9 @@ def test_calibrate_refuses_a_bad_field_before_touching_the_model():
 
 def test_distributed_sync_false_is_accepted():
     assert _cfg({"method": "max", "distributed_sync": False}).algorithm_config.distributed_sync is False
+
+
+@pytest.mark.parametrize("built", [registry.AwqLiteConfig(alpha_step=5.0), registry.MseConfig(start_multiplier=2.0, stop_multiplier=1.0)])
+def test_a_directly_built_config_is_range_checked_too(built):
+    with pytest.raises(ConfigError, match=built.method):
+        QuantizeConfig([], built)

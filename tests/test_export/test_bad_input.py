@@ -107,3 +107,16 @@ def test_format_cannot_carry_expert_quantizer_names_the_member(tmp_path):
     cfg = {"quant_cfg": {"*experts*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"}
     model = quantized(qwen3_moe(), cfg)
     refused(tmp_path, model, "ct_mxfp8", r"^model.layers.0.mlp.experts.gate_up_proj_weight_quantizer\[0\] = int num_bits=8: format ct_mxfp8 cannot carry it")
+
+
+def test_pre_quant_scale_refused(tmp_path):
+    """A SmoothQuant / AWQ scale on a quantizer: no format carries it, so the export must not drop it silently."""
+    from quantlib.export.weight_sync import serialize_weight
+
+    model = mlp()
+    model[2].input_quantizer.pre_quant_scale = torch.full((512,), 0.5)
+    refused(tmp_path, model, "ct_fp8_block", r"^2.input_quantizer: pre_quant_scale is set")
+    model = mlp()
+    model[0].weight_quantizer.pre_quant_scale = torch.full((256,), 2.0)
+    with pytest.raises(ExportError, match=r"^0.weight_quantizer: pre_quant_scale is set"):
+        list(serialize_weight("0.weight", model[0].weight, model[0].weight_quantizer, "ct_fp8_block"))

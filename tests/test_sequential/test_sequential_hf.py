@@ -190,3 +190,15 @@ def test_sequential_refuses_a_loop_that_changes_its_batches():
 
     with pytest.raises(RuntimeError, match="same batches in the same order"):
         ql.quantize(build("llama"), CONFIGS["fp8"], shuffled, sequential=True)
+
+
+def test_sequential_keeps_instance_forwards_of_wrappers():
+    """A forward set on the instance (as accelerate's hooks do) is the same object after calibration."""
+    model = build("llama")
+    wrapped = [model, model.model.layers[1]]
+    for m in wrapped:
+        m.forward = (lambda original: lambda *a, **k: original(*a, **k))(m.forward)
+    before = [m.__dict__["forward"] for m in wrapped]
+    ql.quantize(model, CONFIGS["fp8"], loop_over(data()), sequential=True)
+    assert [m.__dict__.get("forward") for m in wrapped] == before
+    assert "forward" not in model.model.layers[0].__dict__  # an unwrapped layer gets its class's forward back

@@ -91,18 +91,22 @@ class Packer:
 
 
 def is_fp8_block_2d(spec: FormatSpec) -> bool:
+    """FP8 E4M3 in 2-D blocks."""
     return spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3) and spec.block is not None and len(spec.block) == 2
 
 
 def is_mx(spec: FormatSpec, element: tuple[int, int]) -> bool:
+    """MX of ``element`` (e.g. (4, 3) for MXFP8) in OCP blocks of 32."""
     return spec.kind == Kind.MX and spec.element == element and spec.block == (32,)
 
 
 def is_nvfp4(spec: FormatSpec) -> bool:
+    """NVFP4 in blocks of 16."""
     return spec.kind == Kind.NVFP4 and spec.block == (16,)
 
 
 def fp8_block_weight_ok(spec: FormatSpec) -> Optional[str]:
+    """Why a 2-D FP8-block format cannot carry this weight quantizer, or None where it can."""
     if not is_fp8_block_2d(spec):
         return "needs FP8 E4M3 weights in 2-D blocks, e.g. block_sizes {-1: 128, -2: 128}"
     return None

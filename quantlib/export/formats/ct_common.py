@@ -3,7 +3,7 @@ activation arguments it can carry; shared by the ``ct_*`` format modules."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -14,7 +14,8 @@ from .base import ConfigInfo, is_mx, is_nvfp4
 from .kv_cache import ct_kv_scheme
 
 
-def fp8_args(strategy: str, dynamic, **extra) -> dict:
+def fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict:
+    """compressed-tensors' ``QuantizationArgs`` of symmetric FP8 E4M3 with ``strategy`` (plus ``extra`` keys)."""
     return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic, **extra}
 
 

@@ -15,6 +15,7 @@ from ...formats import FormatSpec, Kind, QuantizedTensor
 
 
 def int_weight_ok(spec: FormatSpec, amax_shape: tuple[int, ...], bits: tuple[int, ...]) -> Optional[str]:
+    """Why compressed-tensors cannot carry this INT weight quantizer of ``bits`` bits, or None where it can."""
     if spec.kind != Kind.INT or spec.num_bits not in bits:
         return f"needs INT weights of {' or '.join(map(str, bits))} bits"
     if spec.unsigned:
