@@ -30,8 +30,9 @@ def pack_item(it: Item, fmt: ExportFormat, scale: Optional[torch.Tensor] = None)
     return PackedWeight(it.name, tensors, it.role, it.expert, it.shard)
 
 
-def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False) -> Iterator[PackedWeight]:
-    """Pack the plan's items in order; ``stacked`` gathers each fused-experts module's experts (3-D)."""
+def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[int, int] = (0, 1)) -> Iterator[PackedWeight]:
+    """Pack the plan's items in order; ``stacked`` gathers each fused-experts module's experts (3-D),
+    as TP rank ``tp[0]`` of ``tp[1]`` holds them."""
     with torch.no_grad():
         quantized = [it for it in plan.items if it.spec is not None]
         # every static scale in one pass per format and device, not a handful of small ops per weight
@@ -40,32 +41,52 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False) -> Iterator[
         for it in plan.items:
             if stacked and it.role == "expert":
                 if pending and pending[0].fused != it.fused:
-                    yield from _stack(pending, fmt)
+                    yield from _stack(pending, fmt, tp)
                     pending = []
                 pending.append(it)
                 continue
             if pending:
-                yield from _stack(pending, fmt)
+                yield from _stack(pending, fmt, tp)
                 pending = []
             yield pack_item(it, fmt, scales.get(id(it)))
         if pending:
-            yield from _stack(pending, fmt)
+            yield from _stack(pending, fmt, tp)
         p = get_packer(fmt)
         for kv in plan.kv:
             yield PackedWeight(kv.name, p.pack_kv(kv.spec, kv.k_amax, kv.v_amax), "kv")
 
 
-def _stack(items: list[Item], fmt: ExportFormat) -> Iterator[PackedWeight]:
+def _stack(items: list[Item], fmt: ExportFormat, tp: tuple[int, int]) -> Iterator[PackedWeight]:
     """One fused-experts module's quantized experts as vLLM's fused-MoE parameters take them whole: per
-    shard (w1 gate, w3 up, w2 down) every expert stacked on dim 0, named ``w13_<suffix>`` / ``w2_<suffix>``."""
+    shard (w1 gate, w3 up, w2 down) every expert stacked on dim 0, named ``w13_<suffix>`` / ``w2_<suffix>``,
+    TP rank ``tp[0]``'s rows of w1 / w3 and columns of w2 (vLLM's 3-D load does not narrow them)."""
     by_shard: dict = {}
     for it in items:
         by_shard.setdefault(it.shard, []).append(it)
     for shard, group in by_shard.items():
         packed = [pack_item(it, fmt) for it in sorted(group, key=lambda i: i.expert)]
         prefix = "w2" if shard == "w2" else "w13"
-        tensors = {f"{prefix}_{k}": torch.stack([p.tensors[k] for p in packed]) for k in packed[0].tensors}
+        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where) for k in packed[0].tensors}
         yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
+
+
+def _tp_part(key: str, t: torch.Tensor, dim: int, tp: tuple[int, int], where: str) -> torch.Tensor:
+    """Rank ``tp[0]``'s part of a stacked packed tensor split over ``dim`` (1: rows, 2: columns). Codes and
+    block / channel scales scale with the split axis; per-tensor scales (no such axis, or one entry) are
+    replicated; CT's ``weight_shape`` [E, 2] holds the weight's shape, so the shard's shape is written."""
+    rank, size = tp
+    if size == 1:
+        return t
+    if key == "weight_shape":
+        out = t.clone()
+        out[:, dim - 1] //= size
+        return out
+    if t.dim() <= dim or t.shape[dim] == 1:
+        return t
+    if t.shape[dim] % size:
+        raise ExportError(f"{where}: packed {key} {tuple(t.shape)} does not split into {size} tensor-parallel parts on dim {dim}")
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n).contiguous()
 
 
 def iter_packed(
@@ -77,19 +98,24 @@ def iter_packed(
     chunk_bytes: Optional[int] = None,
     unify_siblings: bool = False,
     tp: int = 1,
+    tp_rank: Optional[int] = None,
 ) -> Iterator[Union[PackedWeight, list[PackedWeight]]]:
     """Yield each checkpoint module's packed tensors, module by module, on the model's device.
 
     Everything is checked first (:class:`ExportError`). ``experts="stacked"`` yields each fused-experts
     module's experts as 3-D tensors per vLLM shard id (for in-memory weight sync; an unsharded model gives
     the TP1 tensors). With ``chunk_bytes``, yields lists of PackedWeights of at most that many bytes each
-    (a single larger weight makes a list of one).
+    (a single larger weight makes a list of one). ``tp`` checks blocks against that tensor-parallel degree;
+    with ``experts="stacked"`` and ``tp > 1``, ``tp_rank`` picks the rank whose shard of the stacked experts
+    is yielded (vLLM's fused-MoE loader takes 3-D tensors as that rank's shard).
     """
     fmt = as_format(format)
     if experts not in ("per_expert", "stacked"):
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
+    if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
+        raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings, tp=tp)
-    stream = iter_plan(plan, fmt, stacked=experts == "stacked")
+    stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:
         yield from stream
     else:

@@ -6,6 +6,9 @@ it with its global amax exactly as at TP1. The export then cannot depend on the 
 at, and the consumer's tensors come whole: a rank's rows of ``linear_qkv`` interleave q, k and v per
 query group and its gate / up halves of ``linear_fc1`` are separate slices, which per-rank pieces
 would not tile. Rank 0 holds one copy of the model's weights while it writes.
+KV-cache scales (``core_attention.k_bmm_quantizer`` / ``v_bmm_quantizer``) are written as the
+transformers export writes them, under ``model.layers.{i}.self_attn``; their amax are MAX-reduced over
+TP by calibration, so rank 0's are every rank's.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from ..formats import FormatSpec
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checkpoint import parse_size, write_plan
-from .formats import as_format, packer as get_packer
+from .formats import Packer, as_format, packer as get_packer
+from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout
 from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale
 from .types import ExportError, ExportFormat, ExportManifest
@@ -222,14 +226,16 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, specs: dict
     return out
 
 
-def _refuse_kv(model: nn.Module) -> None:
-    # every rank holds the same KV quantizer settings, so every rank raises before the gather (no hang)
-    from ..kv_cache import ATTENTION_QUANTIZER_NAMES
-
-    on = [f"{n}.{q}" for n, m in model.named_modules() for q in ATTENTION_QUANTIZER_NAMES if isinstance(getattr(m, q, None), TensorQuantizer) and getattr(m, q).is_enabled]
-    if on:
-        raise ExportError(f"{on[0]} = enabled ({len(on)} KV-cache quantizers): the Megatron export does not write KV-cache scales yet; "
-                          "disable them (quantlib.disable_quantizer(model, '*_bmm_quantizer')) or export a transformers model")
+def _kv_items(model: nn.Module, packer: Packer) -> tuple[dict[int, KVItem], Optional[FormatSpec]]:
+    """This rank's KV items by global layer, under HF names, and their spec. Every rank holds the same KV
+    quantizer settings and (MAX-reduced over TP) amax, so a refusal raises on every rank before the gather."""
+    items, spec = plan_kv(model, packer, MEGATRON_GPT)
+    out = {}
+    for kv in items:
+        layer = int(model.get_submodule(kv.where).layer_number) - 1  # Megatron's layer_number: global, from 1
+        kv.name = f"model.layers.{layer}.self_attn"
+        out[layer] = kv
+    return out, spec
 
 
 def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *, group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
@@ -239,18 +245,23 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
     from quantlib import __version__
 
     fmt = as_format(format)
-    _refuse_kv(model)
+    packer = get_packer(fmt)
+    kv, kv_spec = _kv_items(model, packer)
     pieces = _pieces(model)
     specs = _specs(model)
     rank = dist.get_rank(group)
     gathered = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object((pieces, specs), gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    dist.gather_object((pieces, specs, kv), gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if rank != 0:
         return None
     all_specs: dict = {}
-    for _, s in gathered:
+    all_kv: dict[int, KVItem] = {}
+    for _, s, k in gathered:
         all_specs.update(s)
-    full, prepend, order = _assemble([p for p, _ in gathered])
+        for layer, item in k.items():
+            all_kv.setdefault(layer, item)  # TP ranks hold the same amax: the first rank's (rank 0's) is kept
+    full, prepend, order = _assemble([p for p, _, _ in gathered])
     items = _items(full, prepend, order, all_specs, model.config)
-    plan = check_items(items, get_packer(fmt), MEGATRON_GPT, unify_siblings=unify_siblings, version=__version__, what=type(model).__name__)
+    plan = check_items(items, packer, MEGATRON_GPT, unify_siblings=unify_siblings, version=__version__, what=type(model).__name__)
+    plan.kv, plan.info.kv_spec = [all_kv[i] for i in sorted(all_kv)], kv_spec
     return write_plan(plan, fmt, out_dir, dict(hf_config or {}), overwrite=overwrite, limit=parse_size(max_shard_size), progress=False)

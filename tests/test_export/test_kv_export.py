@@ -183,7 +183,6 @@ def test_query_quantizer_refused(base, tmp_path):
         export_checkpoint(model, tmp_path / "c", "ct_nvfp4")
 
 
-
 @pytest.mark.parametrize("fmt", ["ct_nvfp4", "modelopt_fp8"])
 def test_fp8_kv_scale_is_reciprocal_not_amax_over_448(base, tmp_path, fmt):
     # amaxes where amax / 448 and 1 / (448 / amax) round to different fp32 values (EXPORT.md §1e)
@@ -200,28 +199,3 @@ def test_fp8_kv_scale_is_reciprocal_not_amax_over_448(base, tmp_path, fmt):
         for n in "kv":
             key = f"model.layers.{i}.self_attn.{n}_scale" if fmt.startswith("ct") else f"model.layers.{i}.self_attn.{n}_proj.{n}_scale"
             _assert_fp8_multiplier(getattr(_attn(model, i), f"{n}_bmm_quantizer"), sd[key])
-
-
-def _megatron_kv_export(rank: int, world: int, tmp: str) -> str:
-    from tests.test_plugins import megatron_shims as shims
-    from quantlib.export.megatron import export_megatron_checkpoint
-
-    shims.set_layout(2, 1)
-    model = shims.build_gpt(2, 1, 0)
-    cfg = merge_kv_config(weight_only(ql.NVFP4_DEFAULT_CFG), FP8_KV_CFG)
-    ql.quantize(model, cfg, shims.forward_loop(shims.token_batches(2, 1)), parallel_state=ql.ParallelState.from_megatron())
-    try:
-        export_megatron_checkpoint(model, f"{tmp}/c", "ct_nvfp4")
-    except ExportError as exc:
-        return str(exc)
-    return "written"
-
-
-def test_megatron_export_refuses_kv_quantizers_on_every_rank(tmp_path):
-    pytest.importorskip("megatron.core")
-    from tests.test_plugins import megatron_shims as shims
-
-    results = shims.run_distributed(_megatron_kv_export, 2, str(tmp_path), timeout=240)
-    for msg in results:  # every rank raises before the gather: none waits for the others
-        assert "k_bmm_quantizer = enabled" in msg and "does not write KV-cache scales" in msg, msg
-    assert not (tmp_path / "c").exists()

@@ -1,5 +1,6 @@
 """RL weight sync: serialize_weight (per tensor, also batched experts), iter_packed(experts="stacked")
-in vLLM's fused-MoE layout, chunking by a byte budget."""
+in vLLM's fused-MoE layout (whole at TP1; at tp=2 each rank's shard, the two tiling the TP1 tensors),
+chunking by a byte budget."""
 
 from __future__ import annotations
 
@@ -70,3 +71,41 @@ def test_serialize_weight_refuses_disabled_quantizer():
     lin.weight_quantizer.disable()
     with pytest.raises(ExportError, match=r"^w.weight_quantizer: TensorQuantizer disabled"):
         list(serialize_weight("w", lin.weight, lin.weight_quantizer, "hf_fp8_block"))
+
+
+INT4_G32 = {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 32}}, "default": {"enable": False}}, "algorithm": "max"}
+
+
+@pytest.mark.parametrize("fmt", ["ct_nvfp4", "modelopt_nvfp4", "ct_int8", "ct_int_pack"])
+def test_stacked_experts_tp_shards_tile_the_tp1_tensors(fmt):
+    cfg = {"ct_int8": weight_only(ql.INT8_WEIGHT_ONLY_CFG), "ct_int_pack": INT4_G32}.get(fmt, weight_only(ql.NVFP4_DEFAULT_CFG))
+    model = quantized(qwen3_moe(), cfg)
+    full = [p for p in iter_packed(model, fmt, experts="stacked") if p.role == "expert"]
+    ranks = [[p for p in iter_packed(model, fmt, experts="stacked", tp=2, tp_rank=r) if p.role == "expert"] for r in range(2)]
+    assert [(p.name, p.shard) for p in ranks[0]] == [(p.name, p.shard) for p in full] == [(p.name, p.shard) for p in ranks[1]]
+    split = []
+    for whole, p0, p1 in zip(full, *ranks):
+        dim = 2 if whole.shard == "w2" else 1  # vLLM's w13 rows / w2 columns are what TP splits
+        for k, t in whole.tensors.items():
+            a, b = p0.tensors[k], p1.tensors[k]
+            if k.endswith("weight_shape"):  # [E, 2]: each rank's shard shape
+                half = t.clone()
+                half[:, dim - 1] //= 2
+                assert torch.equal(a, half) and torch.equal(b, half), (p0.name, p0.shard, k)
+            elif t.dim() > dim and t.shape[dim] > 1:
+                assert a.shape[dim] * 2 == t.shape[dim] and torch.equal(torch.cat([a, b], dim).view(torch.uint8), t.view(torch.uint8)), (p0.name, p0.shard, k)
+                split.append((whole.shard, k))
+            else:  # per-tensor scales: every rank holds them whole
+                assert torch.equal(a, t) and torch.equal(b, t), (p0.name, p0.shard, k)
+    codes = {"w13_weight", "w2_weight", "w13_weight_packed", "w2_weight_packed"}
+    assert sorted(k for _, k in split if k in codes) == sorted(k for p in full for k in p.tensors if k in codes)  # every stacked code tensor split
+    assert any(k.startswith("w13_weight_scale") for _, k in split)  # and the rows' scales with them
+    w1 = ranks[1][0].tensors
+    assert w1[next(k for k in w1 if k in ("w13_weight", "w13_weight_packed"))].shape[:2] == (4, 64)
+
+
+def test_stacked_experts_tp_needs_rank_and_whole_blocks(moe):
+    with pytest.raises(ExportError, match=r"tp_rank=None: experts='stacked' at tp=2 yields one rank's shard"):
+        list(iter_packed(moe, "hf_fp8_block", experts="stacked", tp=2))
+    with pytest.raises(ExportError, match=r"at tensor parallel 2 the (rows|columns) \(128\) split into shards of 64, not a whole number of blocks of 128"):
+        list(iter_packed(moe, "hf_fp8_block", experts="stacked", tp=2, tp_rank=0))
