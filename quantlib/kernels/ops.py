@@ -80,11 +80,17 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     """Where the straight-through gradient passes (``|x| <= amax``), or None where it passes everywhere."""
     if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
         return None
-    mag = x.detach().abs().float()
+    # |x| stays in x's dtype: comparing it with a dimensioned fp32 amax promotes each element to fp32
+    # inside the comparison (exact for bf16/fp16), without an fp32 copy of x; a 0-dim amax would not
+    # promote (the comparison would round amax to x's dtype), hence the reshape
+    mag = x.detach().abs()
+    bound = amax.detach().float()
     if spec.block is not None and spec.kind != Kind.NVFP4:
-        inside = to_blocks(mag, spec.block) <= amax.float().unsqueeze(-1)
+        inside = to_blocks(mag, spec.block) <= bound.unsqueeze(-1)
         return from_blocks(inside, spec.block, x.shape)
-    return mag <= amax.float()
+    if bound.dim() == 0 and x.dim() > 0:
+        bound = bound.reshape(1)
+    return mag <= bound
 
 
 def _setup_context(ctx, inputs, output):
@@ -99,7 +105,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     if ctx.has_mask:
         (mask,) = ctx.saved_tensors
-        grad = grad * mask.to(grad.dtype)
+        grad = torch.where(mask, grad, 0.0)  # one pass; no mask copy in grad's dtype
     return (grad,) + (None,) * 12
 
 
