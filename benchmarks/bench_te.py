@@ -5,7 +5,9 @@ Layers: ``te.GroupedLinear`` (E experts, hidden -> ffn) and Megatron-Core's ``TE
 fc2 as TE grouped linears; TP = EP = 1), bf16, the tokens split evenly over the experts. For each preset:
 forward (no grad: quantlib reuses its fake-quantized weights) and forward + backward (QAT: weights
 quantized every step), median of ``triton.testing.do_bench``; ratios to the unquantized layer, and
-quantlib's speed-up over ModelOpt. Calibration (max, on two batches) is not timed.
+quantlib's speed-up over ModelOpt. Calibration (max, on two batches) is not timed. Each library runs
+in child processes of its own (ModelOpt's plugin patches TE process-wide); ``--profile FP8`` prints the
+top CUDA kernels of a preset's GroupedLinear forward + backward.
 
 The first section measures what TE's GEMM does with fp32 inputs (TF32 or not): the cause of the
 difference between TE's GroupedLinear and a torch fp32 reference (issue 14).
@@ -20,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import traceback
 
@@ -69,7 +72,11 @@ def init_megatron() -> None:
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
+        import socket
+
+        with socket.socket() as sock:  # a free port: the children run one after another
+            sock.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(1, 1)
@@ -175,7 +182,60 @@ def time_layer(model: torch.nn.Module, layer: Layer) -> tuple[float, float]:
     return t_f, t_fb
 
 
+def profile(model: torch.nn.Module, layer: Layer, label: str) -> None:
+    """Print the 15 CUDA kernels that take the most time over 5 forward + backward steps."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    x = layer.args(2)[0].detach().requires_grad_(True)
+    model.train()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            y = _out(model(x, *layer.args(2)[1:]))
+            y.backward(torch.ones_like(y))
+        torch.cuda.synchronize()
+    print(f"--- profile: {label}, 5 forward + backward steps", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70), flush=True)
+
+
+def child(args) -> None:
+    """One process: one layer kind and library, the presets given; a JSON row per line to ``--rows``.
+    Each library runs in processes of its own: ModelOpt's TE plugin patches TE's autograd functions
+    process-wide (a quantlib layer built after it would run ModelOpt's patch) and keeps device memory
+    across models."""
+    kind, lib, presets = args._child[0], args._child[1], args._child[2:]
+    if kind == "TEGroupedMLP":
+        init_megatron()
+    layer = Layer(kind, args.experts, args.hidden, args.ffn, args.tokens)
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with open(args.rows, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    if lib == "bf16":
+        t = time_layer(layer.build(), layer)
+        emit({"layer": kind, "preset": "none", "lib": "bf16", "fwd_ms": t[0], "fwd_bwd_ms": t[1]})
+        return
+    for preset in presets:
+        row = {"layer": kind, "preset": preset, "lib": lib}
+        try:
+            model = quantized(lib, layer, preset)
+            row.update(zip(("fwd_ms", "fwd_bwd_ms"), time_layer(model, layer)))
+            if preset in args.profile and kind == "GroupedLinear":
+                profile(model, layer, f"{lib} {kind} {preset}")
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            traceback.print_exc()
+        emit(row)
+        model = None
+        torch.cuda.empty_cache()
+
+
 def run(args) -> dict:
+    """The parent: versions, the GEMM precision check, then one child process per (layer, library)
+    (per preset for ModelOpt); a child that fails or times out leaves its rows as errors."""
+    import tempfile
+
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     import transformer_engine
 
@@ -184,47 +244,42 @@ def run(args) -> dict:
         results["gemm_precision"] = gemm_precision()
     except Exception as exc:
         results["gemm_precision"] = {"error": f"{type(exc).__name__}: {exc}"}
-    libs = ["quantlib"]
-    if not args.no_modelopt:
+    jobs = []
+    for kind in args.layers:
+        jobs += [(kind, "bf16", []), (kind, "quantlib", list(args.presets))]
+        if not args.no_modelopt:
+            jobs += [(kind, "modelopt", [p]) for p in args.presets]
+    for name in ("modelopt", "megatron.core"):
         try:
-            import modelopt
-            import modelopt.torch.quantization  # noqa: F401
-
-            results["modelopt"] = modelopt.__version__
-            libs.append("modelopt")
+            module = __import__(name, fromlist=["__version__"])
+            results[name.replace(".", "_")] = module.__version__
         except Exception as exc:
-            results["modelopt"] = f"unavailable: {type(exc).__name__}: {exc}"
-    kinds = [k for k in args.layers if k == "GroupedLinear"]
-    try:
-        if "TEGroupedMLP" not in args.layers:
-            raise RuntimeError("not asked for")
-        init_megatron()
-        import megatron.core
+            results[name.replace(".", "_")] = f"unavailable: {type(exc).__name__}: {exc}"
+    sizes = ["--experts", str(args.experts), "--hidden", str(args.hidden), "--ffn", str(args.ffn), "--tokens", str(args.tokens)]
+    for kind, lib, presets in jobs:
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as rows:
+            cmd = [sys.executable, os.path.abspath(__file__), *sizes, "--rows", rows.name, "--profile", *args.profile, "--_child", kind, lib, *presets]
+            try:
+                done = subprocess.run(cmd, timeout=args.child_timeout).returncode
+            except subprocess.TimeoutExpired:
+                done = f"timed out after {args.child_timeout} s"
+            got = [json.loads(line) for line in rows.read().splitlines() if line.strip()]
+        seen = {r["preset"] for r in got}
+        got += [{"layer": kind, "preset": p, "lib": lib, "error": f"child process: {done}"} for p in (presets or ["none"]) if p not in seen]
+        results["rows"] += got
+        if args.json:  # after every child: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(add_ratios(results), f, indent=1)
+    return add_ratios(results)
 
-        results["megatron_core"] = megatron.core.__version__
-        kinds.append("TEGroupedMLP")
-    except Exception as exc:
-        results["megatron_core"] = f"unavailable: {type(exc).__name__}: {exc}"
-    for kind in kinds:
-        layer = Layer(kind, args.experts, args.hidden, args.ffn, args.tokens)
-        base = time_layer(layer.build(), layer)
-        results["rows"].append({"layer": kind, "preset": "none", "lib": "bf16", "fwd_ms": base[0], "fwd_bwd_ms": base[1]})
-        print(f"{kind}: unquantized fwd {base[0]:.3f} ms, fwd+bwd {base[1]:.3f} ms", flush=True)
-        for preset in args.presets:
-            for lib in libs:
-                row = {"layer": kind, "preset": preset, "lib": lib}
-                try:
-                    t = time_layer(quantized(lib, layer, preset), layer)
-                    row.update(fwd_ms=t[0], fwd_bwd_ms=t[1], fwd_ratio=t[0] / base[0], fwd_bwd_ratio=t[1] / base[1])
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    traceback.print_exc()
-                results["rows"].append(row)
-                print(json.dumps(row), flush=True)
-                if args.json:  # after every row: a run cut short keeps what it measured
-                    with open(args.json, "w") as f:
-                        json.dump(results, f, indent=1)
-                torch.cuda.empty_cache()
+
+def add_ratios(results: dict) -> dict:
+    """Each quantized row's ratios to the unquantized layer of its kind."""
+    base = {r["layer"]: r for r in results["rows"] if r["lib"] == "bf16" and "fwd_ms" in r}
+    for r in results["rows"]:
+        b = base.get(r["layer"])
+        if r["lib"] != "bf16" and b and "fwd_ms" in r:
+            r["fwd_ratio"], r["fwd_bwd_ratio"] = r["fwd_ms"] / b["fwd_ms"], r["fwd_bwd_ms"] / b["fwd_bwd_ms"]
     return results
 
 
@@ -263,9 +318,16 @@ def main() -> None:
     p.add_argument("--layers", nargs="+", default=["GroupedLinear", "TEGroupedMLP"], choices=["GroupedLinear", "TEGroupedMLP"])
     p.add_argument("--no-modelopt", action="store_true")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", nargs="*", default=[], choices=list(PRESETS), help="print the top CUDA kernels of these presets' GroupedLinear forward + backward")
+    p.add_argument("--child-timeout", type=int, default=300, help="seconds one child process may take")
+    p.add_argument("--rows", help=argparse.SUPPRESS)
+    p.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_te.py needs a CUDA GPU")
+    if args._child:
+        child(args)
+        return
     results = run(args)
     results["args"] = vars(args)
     print(json.dumps(results.get("gemm_precision")))
