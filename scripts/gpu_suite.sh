@@ -4,6 +4,8 @@
 # Installs nothing from the network: build quantlib's CUDA extension first (`pip install
 # --no-build-isolation -e .` or `python setup.py build_ext --inplace`), with TE / Megatron-Core installed
 # or on PYTHONPATH. Logs, JUnit XML and benchmark JSON go to LOGDIR.
+# Benchmark "sequential" (not in the default list): peak GPU memory of layer-by-layer calibration
+# (benchmarks/bench_sequential.py --device cuda, about a minute).
 #
 #   scripts/gpu_suite.sh LOGDIR [--tests "PATHS"] [--benchmarks "kernels calibrate te" | none] [--python PY]
 #
@@ -11,7 +13,7 @@
 # that of pytest, or 1 where a benchmark failed.
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,11p' "$0" >&2
+    sed -n '2,13p' "$0" >&2
     exit 2
 fi
 logdir=$1
@@ -64,6 +66,7 @@ for bench in $benchmarks; do
         kernels) cmd=("$py" benchmarks/bench_kernels.py --no-reference --json "$logdir/bench_kernels.json") ;;
         calibrate) cmd=("$py" benchmarks/bench_calibrate.py --device cuda --dim 1024 --blocks 8 --tokens 4096 --batches 8 --warmup) ;;
         te) cmd=("$py" benchmarks/bench_te.py --json "$logdir/bench_te.json") ;;
+        sequential) cmd=("$py" benchmarks/bench_sequential.py --device cuda --json "$logdir/bench_sequential.json") ;;
         *) echo "gpu_suite.sh: unknown benchmark $bench" >&2; [ "$status" -eq 0 ] && status=2; continue ;;
     esac
     echo "+ ${cmd[*]}"

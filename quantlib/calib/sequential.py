@@ -49,8 +49,10 @@ RESUME_SCHEMA = 1
 @dataclass
 class SequentialOptions:
     """How layer-by-layer calibration runs: ``layers`` is the dotted name of the decoder layers'
-    ``nn.ModuleList`` (None: found by :func:`decoder_layers`); ``device`` where a layer runs (None: where
-    its weights are); ``offload_folder`` where :func:`offload_to_disk` put the layers whose parameters are on
+    ``nn.ModuleList`` (None: found by :func:`decoder_layers`); ``device`` where each layer runs: moved (or
+    loaded from the offload folder) there for its pass and sent back after it, so one layer is on the device
+    at a time; the rest of the model must be there already (None: where its weights are, the CPU for layers
+    on ``meta``); ``offload_folder`` where :func:`offload_to_disk` put the layers whose parameters are on
     ``meta``; ``resume_file`` the state written after each layer (None: none)."""
 
     layers: Optional[str] = None

@@ -202,3 +202,36 @@ def test_sequential_keeps_instance_forwards_of_wrappers():
     ql.quantize(model, CONFIGS["fp8"], loop_over(data()), sequential=True)
     assert [m.__dict__.get("forward") for m in wrapped] == before
     assert "forward" not in model.model.layers[0].__dict__  # an unwrapped layer gets its class's forward back
+
+
+_NO_GPU = not torch.cuda.is_available()
+_ON_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(_NO_GPU, reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", _ON_DEVICES)
+def test_sequential_runs_resident_layers_on_device_one_at_a_time(in_memory, device):
+    """Layers held on the CPU, the rest of the model on ``device`` (``SequentialOptions(device=...)``): each
+    layer runs on ``device`` alone, once per batch, and goes back to the CPU with its quantizers; the amax
+    equal in-memory calibration on ``device`` bit for bit."""
+    model = build("llama")
+    for name, child in list(model.model.named_children()) + [("lm_head", model.lm_head)]:
+        if name != "layers":
+            child.to(device)
+    batches = [x.to(device) for x in data()]
+    layers = model.model.layers
+    runs = []  # (layer index, the device type of every layer's first weight) when a layer's attention runs
+    for i, layer in enumerate(layers):
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: runs.append((i, [m.input_layernorm.weight.device.type for m in layers])))
+    model = ql.quantize(model, CONFIGS["fp8"], loop_over(batches), sequential=SequentialOptions(device=device))
+    assert [i for i, _ in runs] == [i for i in range(len(layers)) for _ in batches]  # each layer once per batch, in order
+    assert all(where[i] == device for i, where in runs)
+    if device != "cpu":  # only the running layer is on the GPU
+        assert all(where.count(device) == 1 for _, where in runs)
+    assert all(t.device.type == "cpu" for t in layers.parameters())
+    layer_amax = [q.amax for _, q in iter_leaf_quantizers(layers) if q.amax is not None]
+    assert len(layer_amax) == 4 * 16 and all(a.device.type == "cpu" for a in layer_amax)
+    if device == "cpu":
+        expected = in_memory[("llama", "fp8")]
+    else:  # the GPU's GEMMs differ from the CPU's: in-memory calibration on the GPU
+        expected = amax_of(ql.quantize(build("llama").to(device), CONFIGS["fp8"], loop_over(batches)))
+    assert_same_amax(amax_of(model), expected)
