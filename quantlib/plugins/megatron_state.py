@@ -9,6 +9,7 @@ and state-dict hooks call the functions here); this module imports none of them.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Iterator, Optional
 
 import torch
@@ -26,6 +27,20 @@ from ..traversal import iter_leaf_quantizers, leaves_of
 EXTRA_STATE_SCHEMA = 1
 #: state-dict key (after the module prefix) of the quantizer config; a ShardedObject in dist checkpoints
 EXTRA_STATE_KEY = "_quantizer_extra_state"
+
+# While restore_quantizer_config builds model.sharded_state_dict(): id(ShardedObject) -> (module, piece)
+# of every quantizer config object, so each maps back to its layer whatever its dict key says (wrappers
+# such as Float16Module or Megatron's DDP delegate without adding their ``module.`` to the keys).
+_EMITTED: ContextVar[Optional[dict[int, tuple[nn.Module, int]]]] = ContextVar("quantlib_megatron_emitted", default=None)
+
+
+def record_extra_state_objects(module: nn.Module, objects: list[Any]) -> None:
+    """Note that ``module`` emitted ``objects`` (its config ShardedObjects, piece i at i) while a
+    :func:`restore_quantizer_config` collects them; does nothing otherwise."""
+    emitted = _EMITTED.get()
+    if emitted is not None:
+        for index, obj in enumerate(objects):
+            emitted[id(obj)] = (module, index)
 
 
 def _local_shape(global_shape: tuple[int, ...], dim: Optional[int], tp_size: int, where: str) -> tuple[int, ...]:
@@ -175,16 +190,24 @@ def restore_quantizer_config(model: nn.Module, checkpoint_dir: str) -> nn.Module
     """
     from ..model_quant import convert  # quantize() -> plugins -> this module: imported when called
 
+    if not callable(getattr(model, "sharded_state_dict", None)):
+        raise CheckpointError(f"restore_quantizer_config: {type(model).__name__} has no sharded_state_dict(); pass the Megatron model (or its Megatron wrapper)")
     model = convert(model)
-    wanted = {k: v for k, v in model.sharded_state_dict().items() if isinstance(v, ShardedObject) and _extra_key(k)[0] is not None}
-    pieces: dict[str, list[tuple[int, Any]]] = {}
-    for key, state in dist_checkpointing.load(wanted, checkpoint_dir).items():
-        owner, index = _extra_key(key)
-        pieces.setdefault(owner, []).append((index, state))
-    for owner, found in pieces.items():
+    emitted: dict[int, tuple[nn.Module, int]] = {}
+    token = _EMITTED.set(emitted)
+    try:
+        sharded = model.sharded_state_dict()
+    finally:
+        _EMITTED.reset(token)
+    owners = {k: emitted[id(v)] for k, v in sharded.items() if isinstance(v, ShardedObject) and id(v) in emitted}
+    pieces: dict[int, tuple[nn.Module, list[tuple[int, Any]]]] = {}
+    for key, state in dist_checkpointing.load({k: sharded[k] for k in owners}, checkpoint_dir).items():
+        module, index = owners[key]
+        pieces.setdefault(id(module), (module, []))[1].append((index, state))
+    for module, found in pieces.values():
         states = [s for _, s in sorted(found, key=lambda t: t[0])]
         if any(s is not None for s in states):
-            apply_quantizer_extra_state(model.get_submodule(owner.rstrip(".")), merge_extra_states(states))
+            apply_quantizer_extra_state(module, merge_extra_states(states))
     for name, leaf in iter_leaf_quantizers(model):
         leaf._qname = name
     return model
@@ -196,6 +219,7 @@ __all__ = [
     "apply_quantizer_extra_state",
     "merge_extra_states",
     "quantizer_extra_state",
+    "record_extra_state_objects",
     "restore_quantizer_config",
     "split_extra_state",
 ]
