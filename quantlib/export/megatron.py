@@ -66,6 +66,25 @@ MEGATRON_GPT = ModelLayout(
 )
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The GPTModel inside Megatron's training wrappers (Float16Module, Megatron's DDP / FSDP, torch's DDP):
+    their ``sharded_state_dict`` delegates to it without their ``module.``, which the names here must match."""
+    from megatron.core.transformer.module import Float16Module
+
+    wrappers: tuple[type, ...] = (Float16Module, nn.parallel.DistributedDataParallel)
+    try:
+        from megatron.core.distributed.data_parallel_base import _BaseDataParallel  # DDP and FSDP of Megatron
+
+        wrappers += (_BaseDataParallel,)
+    except ImportError:  # releases before the common base
+        from megatron.core.distributed import DistributedDataParallel
+
+        wrappers += (DistributedDataParallel,)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
 def _sharded_tensors(model: nn.Module) -> list:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -241,11 +260,13 @@ def _kv_items(model: nn.Module, packer: Packer) -> tuple[dict[int, KVItem], Opti
 def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *, group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
                                max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None, unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
     """Collective over ``group`` (default: the world): gather the sharded model to rank 0, which checks
-    and writes ``out_dir``; returns the manifest on rank 0, None elsewhere."""
+    and writes ``out_dir``; returns the manifest on rank 0, None elsewhere. ``model`` may be wrapped
+    (Float16Module, DistributedDataParallel): the wrapped GPTModel is exported."""
     from quantlib import __version__
 
     fmt = as_format(format)
     packer = get_packer(fmt)
+    model = _unwrap(model)
     kv, kv_spec = _kv_items(model, packer)
     pieces = _pieces(model)
     specs = _specs(model)

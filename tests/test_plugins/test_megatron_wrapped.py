@@ -1,6 +1,8 @@
 """Megatron-Core models wrapped as Megatron training wraps them (``Float16Module``, bf16) on the CPU with
-gloo: quantized, dist-checkpointed and restored into a freshly built wrapped model through
-:func:`quantlib.plugins.megatron.restore_quantizer_config`, at TP=1 (DP=2) and TP=2.
+gloo, at TP=1 (DP=2) and TP=2: quantized (the amax sync runs through the wrapper), dist-checkpointed and
+restored into a freshly built wrapped model through
+:func:`quantlib.plugins.megatron.restore_quantizer_config`, exported, and saved / restored with
+``quantlib.save`` / ``quantlib.restore``.
 
 The wrapper's ``sharded_state_dict`` delegates to the GPTModel, so the checkpoint keys carry no
 ``module.`` prefix while the wrapper's submodule paths do: the restore must not turn keys into paths.
@@ -8,6 +10,7 @@ The wrapper's ``sharded_state_dict`` delegates to the GPTModel, so the checkpoin
 
 from __future__ import annotations
 
+import filecmp
 import os
 
 import pytest
@@ -61,7 +64,36 @@ def _round_trips(rank: int, world: int, root: str) -> dict:
         fresh = restore_quantizer_config(_wrapped(tp, SEED + 1), folder)
         fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), folder))
         out[layout] = {"saved": saved, "loaded": _snapshot(fresh), "dtype": next(fresh.parameters()).dtype}
+        out[layout]["export"] = _export_same_as_inner(model, folder, rank)
+        out[layout].update(_quantlib_save_restore(model, tp, folder, rank))
     return out if rank == 0 else {}
+
+
+def _export_same_as_inner(model, folder: str, rank: int):
+    """(files, whether the wrapper's export equals the inner GPTModel's byte for byte, quantized modules)."""
+    from quantlib.export.megatron import export_megatron_checkpoint
+
+    wrapped = export_megatron_checkpoint(model, os.path.join(folder, "export_wrapped"), "modelopt_fp8")
+    inner = export_megatron_checkpoint(model.module, os.path.join(folder, "export_inner"), "modelopt_fp8")
+    if rank != 0:
+        return None
+    same = [filecmp.cmp(os.path.join(wrapped.out_dir, f), os.path.join(inner.out_dir, f), shallow=False) for f in inner.files]
+    return wrapped.files, all(same), len(wrapped.quantized_modules)
+
+
+def _quantlib_save_restore(model, tp: int, folder: str, rank: int) -> dict:
+    """``quantlib.save`` of the wrapped model, restored into a fresh wrapped model and into a bare GPTModel."""
+    path = os.path.join(folder, f"quantizers_rank{rank}.pt")
+    ql.save(model, path)
+    fresh = ql.restore(_wrapped(tp, SEED + 1), path)
+    ours = {n: b for n, b in model.named_buffers() if n.endswith("_amax")}
+    theirs = {n: b for n, b in fresh.named_buffers() if n.endswith("_amax")}
+    try:
+        ql.restore(shims.build_gpt(tp, 1, SEED + 1, bf16=True), path)
+        bare = None
+    except ql.CheckpointError as exc:
+        bare = str(exc)
+    return {"ql_restore_equal": bool(ours) and ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours), "ql_restore_bare": bare}
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +113,29 @@ def test_float16_module_restores_every_amax_and_the_logits(round_trips, layout):
     for key in saved["amax"]:
         assert torch.equal(loaded["amax"][key], saved["amax"][key]), key
     assert torch.equal(loaded["logits"], saved["logits"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float16_module_amax_synced_through_the_wrapper(round_trips, layout):
+    """Calibrated on other data per data-parallel rank (TP1) and on TP shards (TP2): every replica of
+    every amax holds the same value after quantize()'s sync on the wrapped model."""
+    snap = round_trips[layout]["saved"]
+    assert snap["amax"] and snap["problems"] == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float16_module_export_equals_the_inner_models(round_trips, layout):
+    files, same, quantized = round_trips[layout]["export"]
+    assert "model.safetensors" in files and quantized > 0
+    assert same
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantlib_restore_into_the_same_wrapper(round_trips, layout):
+    assert round_trips[layout]["ql_restore_equal"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantlib_restore_into_an_unwrapped_model_names_the_wrapper(round_trips, layout):
+    message = round_trips[layout]["ql_restore_bare"]
+    assert message is not None and "extra prefix 'module.'" in message and "Float16Module" in message, message
