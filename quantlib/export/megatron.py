@@ -66,25 +66,6 @@ MEGATRON_GPT = ModelLayout(
 )
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The GPTModel inside Megatron's training wrappers (Float16Module, Megatron's DDP / FSDP, torch's DDP):
-    their ``sharded_state_dict`` delegates to it without their ``module.``, which the names here must match."""
-    from megatron.core.transformer.module import Float16Module
-
-    wrappers: tuple[type, ...] = (Float16Module, nn.parallel.DistributedDataParallel)
-    try:
-        from megatron.core.distributed.data_parallel_base import _BaseDataParallel  # DDP and FSDP of Megatron
-
-        wrappers += (_BaseDataParallel,)
-    except ImportError:  # releases before the common base
-        from megatron.core.distributed import DistributedDataParallel
-
-        wrappers += (DistributedDataParallel,)
-    while isinstance(model, wrappers):
-        model = model.module
-    return model
-
-
 def _sharded_tensors(model: nn.Module) -> list:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -266,7 +247,9 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
 
     fmt = as_format(format)
     packer = get_packer(fmt)
-    model = _unwrap(model)
+    from ..plugins.megatron_state import unwrap_megatron  # (imports Megatron)
+
+    model = unwrap_megatron(model)
     kv, kv_spec = _kv_items(model, packer)
     pieces = _pieces(model)
     specs = _specs(model)

@@ -180,23 +180,43 @@ def _full_name(old: Optional[nn.Module], qname: str) -> str:
     return name[: cut + 1 + len(qname)] if cut >= 0 else qname
 
 
+def unwrap_megatron(model: nn.Module) -> nn.Module:
+    """The model inside Megatron's training wrappers (Float16Module, Megatron's DDP / FSDP, torch's DDP), as
+    Megatron-LM unwraps it before ``sharded_state_dict()``: the keys its checkpoints hold are the inner model's."""
+    from megatron.core.transformer.module import Float16Module
+
+    wrappers: tuple[type, ...] = (Float16Module, nn.parallel.DistributedDataParallel)
+    try:
+        from megatron.core.distributed.data_parallel_base import _BaseDataParallel  # Megatron's DDP and FSDP
+
+        wrappers += (_BaseDataParallel,)
+    except ImportError:  # releases before their common base
+        from megatron.core.distributed import DistributedDataParallel
+
+        wrappers += (DistributedDataParallel,)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
 def restore_quantizer_config(model: nn.Module, checkpoint_dir: str) -> nn.Module:
     """Convert ``model`` (fresh, at any TP/EP layout) and configure its quantizers from a Megatron dist
     checkpoint saved at any layout, with amax placeholders for ``dist_checkpointing.load`` to fill.
 
     Then ``model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint_dir))``
     restores the weights and the amax. Collective: every rank calls it. Layers the checkpoint holds no
-    quantizer state for keep the quantizers conversion gave them.
+    quantizer state for keep the quantizers conversion gave them. ``model`` may be wrapped (Float16Module,
+    DistributedDataParallel): the checkpoint holds the keys of the model inside (:func:`unwrap_megatron`).
     """
     from ..model_quant import convert  # quantize() -> plugins -> this module: imported when called
 
-    if not callable(getattr(model, "sharded_state_dict", None)):
+    if not callable(getattr(unwrap_megatron(model), "sharded_state_dict", None)):
         raise CheckpointError(f"restore_quantizer_config: {type(model).__name__} has no sharded_state_dict(); pass the Megatron model (or its Megatron wrapper)")
     model = convert(model)
     emitted: dict[int, tuple[nn.Module, int]] = {}
     token = _EMITTED.set(emitted)
-    try:
-        sharded = model.sharded_state_dict()
+    try:  # Megatron's DDP prefixes its own module. to the keys (Megatron-LM checkpoints the unwrapped model)
+        sharded = unwrap_megatron(model).sharded_state_dict()
     finally:
         _EMITTED.reset(token)
     owners = {k: emitted[id(v)] for k, v in sharded.items() if isinstance(v, ShardedObject) and id(v) in emitted}
@@ -222,4 +242,5 @@ __all__ = [
     "record_extra_state_objects",
     "restore_quantizer_config",
     "split_extra_state",
+    "unwrap_megatron",
 ]

@@ -28,11 +28,14 @@ WORLD, SEED, EVAL_SEED = 2, 0, 99
 LAYOUTS = ("tp1", "tp2")
 
 
-def _wrapped(tp: int, seed: int):
+def _wrapped(tp: int, seed: int, ddp: bool = False):
+    """Float16Module(GPTModel) in bf16, inside Megatron's DistributedDataParallel where ``ddp``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     inner = shims.build_gpt(tp, 1, seed, bf16=True)
-    return Float16Module(inner.config, inner).eval()
+    model = Float16Module(inner.config, inner)
+    return (DistributedDataParallel(inner.config, DistributedDataParallelConfig(), model) if ddp else model).eval()
 
 
 def _snapshot(model) -> dict:
@@ -64,6 +67,11 @@ def _round_trips(rank: int, world: int, root: str) -> dict:
         fresh = restore_quantizer_config(_wrapped(tp, SEED + 1), folder)
         fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), folder))
         out[layout] = {"saved": saved, "loaded": _snapshot(fresh), "dtype": next(fresh.parameters()).dtype}
+        # Megatron's DDP does not delegate sharded_state_dict (it adds its module.): Megatron-LM saves and
+        # loads the unwrapped model, and restore_quantizer_config reads the keys of the model inside
+        ddp = restore_quantizer_config(_wrapped(tp, SEED + 1, ddp=True), folder)
+        ddp.module.load_state_dict(dist_checkpointing.load(ddp.module.sharded_state_dict(), folder))
+        out[layout]["loaded_ddp"] = _snapshot(ddp.module)  # (DDP's own keys carry its module.)
         out[layout]["export"] = _export_same_as_inner(model, folder, rank)
         out[layout].update(_quantlib_save_restore(model, tp, folder, rank))
     return out if rank == 0 else {}
@@ -112,6 +120,14 @@ def test_float16_module_restores_every_amax_and_the_logits(round_trips, layout):
     assert set(loaded["amax"]) == set(saved["amax"])
     for key in saved["amax"]:
         assert torch.equal(loaded["amax"][key], saved["amax"][key]), key
+    assert torch.equal(loaded["logits"], saved["logits"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ddp_around_float16_module_restores_every_amax_and_the_logits(round_trips, layout):
+    saved, loaded = round_trips[layout]["saved"], round_trips[layout]["loaded_ddp"]
+    assert loaded["problems"] == [] and set(loaded["amax"]) == set(saved["amax"])
+    assert all(torch.equal(loaded["amax"][k], saved["amax"][k]) for k in saved["amax"])
     assert torch.equal(loaded["logits"], saved["logits"])
 
 
