@@ -79,6 +79,7 @@ from .megatron_state import (
     record_extra_state_objects,
     restore_quantizer_config,
     split_extra_state,
+    unwrap_megatron,
 )
 
 try:  # Megatron-Core 0.16 and later
@@ -454,4 +455,5 @@ __all__ = [
     "quantizer_extra_state",
     "restore_quantizer_config",
     "split_extra_state",
+    "unwrap_megatron",
 ]
