@@ -245,10 +245,10 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
     (Float16Module, DistributedDataParallel): the wrapped GPTModel is exported."""
     from quantlib import __version__
 
-    fmt = as_format(format)
-    packer = get_packer(fmt)
     from ..plugins.megatron_state import unwrap_megatron  # (imports Megatron)
 
+    fmt = as_format(format)
+    packer = get_packer(fmt)
     model = unwrap_megatron(model)
     kv, kv_spec = _kv_items(model, packer)
     pieces = _pieces(model)

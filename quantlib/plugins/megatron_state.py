@@ -29,8 +29,8 @@ EXTRA_STATE_SCHEMA = 1
 EXTRA_STATE_KEY = "_quantizer_extra_state"
 
 # While restore_quantizer_config builds model.sharded_state_dict(): id(ShardedObject) -> (module, piece)
-# of every quantizer config object, so each maps back to its layer whatever its dict key says (wrappers
-# such as Float16Module or Megatron's DDP delegate without adding their ``module.`` to the keys).
+# of every quantizer config object, so each maps back to its layer whatever its dict key says (a wrapper
+# such as Float16Module delegates without adding its ``module.``: keys are not submodule paths of the model).
 _EMITTED: ContextVar[Optional[dict[int, tuple[nn.Module, int]]]] = ContextVar("quantlib_megatron_emitted", default=None)
 
 

@@ -155,3 +155,10 @@ def test_quantlib_restore_into_the_same_wrapper(round_trips, layout):
 def test_quantlib_restore_into_an_unwrapped_model_names_the_wrapper(round_trips, layout):
     message = round_trips[layout]["ql_restore_bare"]
     assert message is not None and "extra prefix 'module.'" in message and "Float16Module" in message, message
+
+
+def test_restore_quantizer_config_refuses_a_model_without_sharded_state_dict(tmp_path):
+    from quantlib.plugins.megatron import restore_quantizer_config
+
+    with pytest.raises(ql.CheckpointError, match="Sequential has no sharded_state_dict"):
+        restore_quantizer_config(torch.nn.Sequential(torch.nn.Linear(4, 4)), str(tmp_path))
