@@ -1,6 +1,6 @@
 """Megatron-Core models wrapped as Megatron training wraps them (``Float16Module``, bf16) on the CPU with
 gloo, at TP=1 (DP=2) and TP=2: quantized (the amax sync runs through the wrapper), dist-checkpointed and
-restored into a freshly built wrapped model through
+restored into a freshly built wrapped model (and into DistributedDataParallel(Float16Module(...))) through
 :func:`quantlib.plugins.megatron.restore_quantizer_config`, exported, and saved / restored with
 ``quantlib.save`` / ``quantlib.restore``.
 
