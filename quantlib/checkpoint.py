@@ -329,6 +329,19 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
                     raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
 
 
+def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Say so where the two sides' names differ by one leading prefix: a wrapper module on one side only."""
+    for longer, shorter, whose in ((unexpected, missing, "checkpoint"), (missing, unexpected, "model")):
+        if longer and len(longer) == len(shorter) and longer[0].endswith("." + shorter[0]):
+            extra = longer[0][: -len(shorter[0])]
+            if all(a == extra + b for a, b in zip(longer, shorter)):  # (a common prefix keeps the sorted order)
+                return (
+                    f"; the {whose}'s names all carry the extra prefix {extra!r}: one side is wrapped in another module "
+                    "(Megatron's Float16Module, a DistributedDataParallel) and the other is not: restore into a model wrapped the same way"
+                )
+    return ""
+
+
 def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrate_experts: bool = False) -> nn.Module:
     """Restore quantizers from ``state`` into ``model`` (fresh or already quantized). Everything is
     validated first: on any mismatch CheckpointError is raised and the model is unchanged.
@@ -345,7 +358,10 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
         raise CheckpointError("'quantizers' must be a dict")
     missing, unexpected = sorted(set(plan) - set(saved)), sorted(set(saved) - set(plan))
     if unexpected or (strict and missing):
-        raise CheckpointError(f"checkpoint does not match the model: {len(missing)} quantizer(s) missing from it {missing[:3]}, {len(unexpected)} unknown to the model {unexpected[:3]}")
+        raise CheckpointError(
+            f"checkpoint does not match the model: {len(missing)} quantizer(s) missing from it {missing[:3]}, "
+            f"{len(unexpected)} unknown to the model {unexpected[:3]}{_wrapper_hint(missing, unexpected)}"
+        )
     built = {name: _build(qs, name) for name, qs in saved.items()}
     for name, q in built.items():
         _check_structure(name, q, *plan[name])

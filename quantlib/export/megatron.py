@@ -241,11 +241,15 @@ def _kv_items(model: nn.Module, packer: Packer) -> tuple[dict[int, KVItem], Opti
 def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *, group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
                                max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None, unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
     """Collective over ``group`` (default: the world): gather the sharded model to rank 0, which checks
-    and writes ``out_dir``; returns the manifest on rank 0, None elsewhere."""
+    and writes ``out_dir``; returns the manifest on rank 0, None elsewhere. ``model`` may be wrapped
+    (Float16Module, DistributedDataParallel): the wrapped GPTModel is exported."""
     from quantlib import __version__
+
+    from ..plugins.megatron_state import unwrap_megatron  # (imports Megatron)
 
     fmt = as_format(format)
     packer = get_packer(fmt)
+    model = unwrap_megatron(model)
     kv, kv_spec = _kv_items(model, packer)
     pieces = _pieces(model)
     specs = _specs(model)

@@ -76,8 +76,10 @@ from .megatron_state import (
     apply_quantizer_extra_state,
     merge_extra_states,
     quantizer_extra_state,
+    record_extra_state_objects,
     restore_quantizer_config,
     split_extra_state,
+    unwrap_megatron,
 )
 
 try:  # Megatron-Core 0.16 and later
@@ -182,7 +184,9 @@ class _MegatronQuantMixin(QuantModule):
         for key in [k for k in sd if k.startswith(prefix) and k[len(prefix) :].split(".", 1)[0] in mine]:
             del sd[key]  # Megatron wrapped the quantizer buffers as replicated local tensors
         sd.update(self._ql_sharded_amax(prefix, sharded_offsets, metadata))
-        sd.update(self._ql_sharded_config(prefix, sharded_offsets, metadata))
+        config = self._ql_sharded_config(prefix, sharded_offsets, metadata)
+        record_extra_state_objects(self, list(config.values()))  # piece i of a grouped layer at i
+        sd.update(config)
         return sd
 
 
@@ -451,4 +455,5 @@ __all__ = [
     "quantizer_extra_state",
     "restore_quantizer_config",
     "split_extra_state",
+    "unwrap_megatron",
 ]

@@ -9,6 +9,7 @@ and state-dict hooks call the functions here); this module imports none of them.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Iterator, Optional
 
 import torch
@@ -26,6 +27,20 @@ from ..traversal import iter_leaf_quantizers, leaves_of
 EXTRA_STATE_SCHEMA = 1
 #: state-dict key (after the module prefix) of the quantizer config; a ShardedObject in dist checkpoints
 EXTRA_STATE_KEY = "_quantizer_extra_state"
+
+# While restore_quantizer_config builds model.sharded_state_dict(): id(ShardedObject) -> (module, piece)
+# of every quantizer config object, so each maps back to its layer whatever its dict key says (a wrapper
+# such as Float16Module delegates without adding its ``module.``: keys are not submodule paths of the model).
+_EMITTED: ContextVar[Optional[dict[int, tuple[nn.Module, int]]]] = ContextVar("quantlib_megatron_emitted", default=None)
+
+
+def record_extra_state_objects(module: nn.Module, objects: list[Any]) -> None:
+    """Note that ``module`` emitted ``objects`` (its config ShardedObjects, piece i at i) while a
+    :func:`restore_quantizer_config` collects them; does nothing otherwise."""
+    emitted = _EMITTED.get()
+    if emitted is not None:
+        for index, obj in enumerate(objects):
+            emitted[id(obj)] = (module, index)
 
 
 def _local_shape(global_shape: tuple[int, ...], dim: Optional[int], tp_size: int, where: str) -> tuple[int, ...]:
@@ -165,26 +180,54 @@ def _full_name(old: Optional[nn.Module], qname: str) -> str:
     return name[: cut + 1 + len(qname)] if cut >= 0 else qname
 
 
+def unwrap_megatron(model: nn.Module) -> nn.Module:
+    """The model inside Megatron's training wrappers (Float16Module, Megatron's DDP / FSDP, torch's DDP), as
+    Megatron-LM unwraps it before ``sharded_state_dict()``: the keys its checkpoints hold are the inner model's."""
+    from megatron.core.transformer.module import Float16Module
+
+    wrappers: tuple[type, ...] = (Float16Module, nn.parallel.DistributedDataParallel)
+    try:
+        from megatron.core.distributed.data_parallel_base import _BaseDataParallel  # Megatron's DDP and FSDP
+
+        wrappers += (_BaseDataParallel,)
+    except ImportError:  # releases before their common base
+        from megatron.core.distributed import DistributedDataParallel
+
+        wrappers += (DistributedDataParallel,)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
 def restore_quantizer_config(model: nn.Module, checkpoint_dir: str) -> nn.Module:
     """Convert ``model`` (fresh, at any TP/EP layout) and configure its quantizers from a Megatron dist
     checkpoint saved at any layout, with amax placeholders for ``dist_checkpointing.load`` to fill.
 
     Then ``model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint_dir))``
     restores the weights and the amax. Collective: every rank calls it. Layers the checkpoint holds no
-    quantizer state for keep the quantizers conversion gave them.
+    quantizer state for keep the quantizers conversion gave them. ``model`` may be wrapped (Float16Module,
+    DistributedDataParallel): the checkpoint holds the keys of the model inside (:func:`unwrap_megatron`).
     """
     from ..model_quant import convert  # quantize() -> plugins -> this module: imported when called
 
+    if not callable(getattr(unwrap_megatron(model), "sharded_state_dict", None)):
+        raise CheckpointError(f"restore_quantizer_config: {type(model).__name__} has no sharded_state_dict(); pass the Megatron model (or its Megatron wrapper)")
     model = convert(model)
-    wanted = {k: v for k, v in model.sharded_state_dict().items() if isinstance(v, ShardedObject) and _extra_key(k)[0] is not None}
-    pieces: dict[str, list[tuple[int, Any]]] = {}
-    for key, state in dist_checkpointing.load(wanted, checkpoint_dir).items():
-        owner, index = _extra_key(key)
-        pieces.setdefault(owner, []).append((index, state))
-    for owner, found in pieces.items():
+    emitted: dict[int, tuple[nn.Module, int]] = {}
+    token = _EMITTED.set(emitted)
+    try:  # Megatron's DDP prefixes its own module. to the keys (Megatron-LM checkpoints the unwrapped model)
+        sharded = unwrap_megatron(model).sharded_state_dict()
+    finally:
+        _EMITTED.reset(token)
+    owners = {k: emitted[id(v)] for k, v in sharded.items() if isinstance(v, ShardedObject) and id(v) in emitted}
+    pieces: dict[int, tuple[nn.Module, list[tuple[int, Any]]]] = {}
+    for key, state in dist_checkpointing.load({k: sharded[k] for k in owners}, checkpoint_dir).items():
+        module, index = owners[key]
+        pieces.setdefault(id(module), (module, []))[1].append((index, state))
+    for module, found in pieces.values():
         states = [s for _, s in sorted(found, key=lambda t: t[0])]
         if any(s is not None for s in states):
-            apply_quantizer_extra_state(model.get_submodule(owner.rstrip(".")), merge_extra_states(states))
+            apply_quantizer_extra_state(module, merge_extra_states(states))
     for name, leaf in iter_leaf_quantizers(model):
         leaf._qname = name
     return model
@@ -196,6 +239,8 @@ __all__ = [
     "apply_quantizer_extra_state",
     "merge_extra_states",
     "quantizer_extra_state",
+    "record_extra_state_objects",
     "restore_quantizer_config",
     "split_extra_state",
+    "unwrap_megatron",
 ]
