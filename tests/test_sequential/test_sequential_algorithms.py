@@ -196,3 +196,62 @@ def test_sequential_max_of_chained_weight_quantizers_equal_in_memory(name):
     layered = ql.quantize(build(name), cfg, loop_over(data()), sequential=True)
     assert_same(state_of(layered), state_of(memory))
     assert torch.equal(logits(layered), logits(memory))
+
+
+class _ExpertLayer(nn.Module):
+    """Every token to every expert but ``idle`` (which no token reaches)."""
+
+    def __init__(self, idle) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.idle = idle
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + sum(e(h) for i, e in enumerate(self.experts) if i != self.idle)
+
+
+class _TinyMoE(nn.Module):
+    """Three layers of linear experts (layer 1's expert 1 gets no tokens) and a head the algorithm serves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList([_ExpertLayer(None), _ExpertLayer(1), _ExpertLayer(None)])
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _tiny_moe() -> nn.Module:
+    model = ql.model_quant.convert(_TinyMoE())
+    for layer in model.layers:
+        for e in layer.experts:
+            e.is_expert = True  # what an MoE plugin sets
+    return model
+
+
+def _moe_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randn(2, 5, 16, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("algo", ["awq_lite", "awq_full"])
+def test_sequential_expert_without_tokens_follows_policy_as_in_memory(algo, caplog):
+    cfg = copy.deepcopy(ql.W4A8_AWQ_BETA_CFG if algo == "awq_lite" else ql.NVFP4_AWQ_FULL_CFG)
+    cfg["algorithm"], cfg["expert_input_policy"] = algo, "max_of_peers"
+    memory = ql.quantize(_tiny_moe(), cfg, loop_over(_moe_batches()))
+    layered = ql.quantize(_tiny_moe(), cfg, loop_over(_moe_batches()), sequential=True)
+    got = state_of(layered)
+    idle = layered.layers[1].experts[1]
+    assert torch.equal(idle.input_quantizer.pre_quant_scale, torch.ones(16)) and idle.input_quantizer.amax is not None
+    assert "head.input_quantizer/pre_quant_scale" in got  # the resident head was searched too
+    assert_same(got, state_of(memory))
+    x = _moe_batches()[0]
+    assert torch.equal(layered(x), memory(x))
+
+    cfg["expert_input_policy"] = "error"
+    with pytest.raises(ql.CalibrationError, match=r"layers\.1\.experts\.1.*expert_input_policy='error'"):
+        ql.quantize(_tiny_moe(), cfg, loop_over(_moe_batches()), sequential=True)
