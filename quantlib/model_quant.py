@@ -15,7 +15,7 @@ from .atomic import atomic, check_weight_quantizers
 from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
-from .config import ConfigError, QuantizeConfig, algorithm_config
+from .config import QuantizeConfig, algorithm_config
 from .kv_cache import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
@@ -133,7 +133,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
     other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
     ``quantlib.distributed.discover_parallel_state``). ``sequential``: calibrate one decoder layer at a
-    time (``quantlib.calib.sequential``; max only)."""
+    time, with any algorithm (``quantlib.calib.sequential``)."""
     algo = algorithm_config(algorithm)
     if algo is None:
         return model
@@ -147,11 +147,9 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     local_error = None
     try:
         if sequential:
-            if algo.method != "max":
-                raise ConfigError(f"sequential calibration runs algorithm 'max' only, got {algo.method!r}")
             from .calib.sequential import calibrate_sequential
 
-            calibrate_sequential(model, forward_loop, sequential, policy)
+            calibrate_sequential(model, algo, ctx, sequential)
         else:
             runner(algo.method)(model, algo, ctx)
     except Exception as exc:  # a bad batch or OOM too: raised alone, it would leave the other ranks in the sync

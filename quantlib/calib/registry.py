@@ -174,6 +174,10 @@ ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig,
 
 _RUNNERS: dict[str, Callable[..., Any]] = {}
 
+#: what runners leave on a quantized module besides quantizer state (their choices, for inspection):
+#: layer-by-layer calibration's resume file keeps them with the amax and pre_quant_scale
+RESULT_ATTRIBUTES = ("awq_lite_alpha", "awq_lite_losses", "awq_clip_ratio")
+
 
 def register_runner(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: the function that runs ``method`` (signature of :func:`runner`)."""

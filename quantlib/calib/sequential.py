@@ -1,33 +1,41 @@
-"""Layer-by-layer ("sequential") max calibration, for models larger than the device.
+"""Layer-by-layer ("sequential") calibration with any registered algorithm, for models larger than the device.
 
-The forward loop is run once per decoder layer, plus once at the end; in pass ``p``:
+One pass of the forward loop records the inputs of the first decoder layer (args and kwargs exactly as the
+model hands them, one entry per batch); then, for each layer ``i`` in order:
 
-- layers ``< p - 1`` are finished and are skipped (they return their input hidden states, so nothing
-  but the embeddings runs before the layer of interest);
-- layer ``p - 1`` is loaded onto the device once, runs on its cached inputs (captured in pass ``p - 1``,
-  one entry per batch) with its activation quantizers calibrating, then goes back (to its original
-  device, or to ``meta`` if it came from an offload folder);
-- layer ``p`` records the inputs the model hands it (its hidden states are layer ``p - 1``'s real
-  outputs, the other arguments are what the model passes that layer) and stops the forward pass;
-- in the last pass (``p = L``) nothing stops: the model runs past the layers, and the quantizers outside
-  them (the final norm's, the head's, any before the first layer) calibrate on the real tensors too.
+- layer ``i`` is loaded onto the device once and the algorithm's runner (``calib.registry``) is called on it
+  alone (a view of the model that holds only this layer, so quantizers keep their full names), with a
+  forward loop that replays the layer on its cached inputs; the first replay keeps the layer's outputs; the
+  layer then goes back (to its original device, or to ``meta`` if it came from an offload folder);
+- the forward loop runs once more: layers ``< i`` are skipped (they return their input hidden states, so
+  nothing but the embeddings runs before them), layer ``i`` returns its kept outputs, and layer ``i + 1``
+  records its inputs and stops the pass.
 
-Every quantizer therefore sees exactly the tensors of in-memory calibration (the unquantized model, the
-same batches in the same order), so the amax are bit-identical; the memory held at once is the
-resident part of the model, one layer and two layers' worth of cached inputs. The forward loop must feed
-the same batches in the same order on every call (a batch of another shape raises), must not use the
-model's output (a stopped pass returns None) and must not feed past key values (an empty cache is
-dropped, which changes nothing).
+A last pass runs past the layers (layer ``L - 1`` returns its kept outputs) and the runner is called on
+the quantizers outside the layers (the head's, the final norm's, any before the first layer), on the real
+tensors.
 
-Resume: after each layer the state (finished layers' amax, the next layer's cached inputs) is written
-atomically to ``resume_file``; a later call with the same model, config and file continues after the
-last finished layer and ends with the same amax.
+Every algorithm takes its statistics from the unquantized model (max calibration's pass, which SmoothQuant
+and AWQ hook to record each linear's inputs; the replay runs with quantization off and, as in memory, with
+the scales the runner cleared), and a layer's inputs come from its unquantized predecessors; so amax and
+``pre_quant_scale`` are bit-identical to in-memory calibration with the same algorithm, the same batches
+in the same order. Every rank runs the same layers in the same order, so the runners' data-parallel
+reductions (``CalibContext.all_reduce_sum``) meet. The memory held at once is the resident part of the
+model, one layer, its cached inputs and outputs (or the next layer's inputs) and what the algorithm
+records for that layer. The forward loop must feed the same batches in the same order on every call (a
+batch of another shape raises), must not use the model's output (a stopped pass returns None) and must not
+feed past key values (an empty cache is dropped, which changes nothing).
+
+Resume: after each layer the state (finished layers' amax, ``pre_quant_scale`` and the results runners
+leave on modules, the next layer's cached inputs) is written atomically to ``resume_file``; a later call
+with the same model, config, algorithm and file continues after the last finished layer and ends the same.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import os
 import sys
@@ -38,12 +46,14 @@ import torch
 from torch import nn
 
 from .._atomic_io import atomic_torch_save
-from ..traversal import clear_weight_cache, iter_leaf_quantizers, quant_modules
-from .activations import activation_leaves, finish_activations
 from ..nn.containers import QuantizerContainer
+from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers, quant_modules
+from .activations import max_calibrate
+from .registry import RESULT_ATTRIBUTES, AlgorithmConfig, CalibContext, runner
 
-RESUME_SCHEMA = 1
+RESUME_SCHEMA = 2  # 2: pre_quant_scale, runners' module results, the algorithm
 
 
 @dataclass
@@ -305,37 +315,53 @@ class _Driver:
 
     def __init__(self, model: nn.Module, name: str, layers: nn.ModuleList) -> None:
         self.model, self.name, self.layers = model, name, layers
-        self.run_idx: Optional[int] = None  # the layer that runs on its cached inputs this pass
+        self.originals = [layer.forward for layer in layers]  # taken before the patch
+        self.run_idx: Optional[int] = None  # the layer whose kept outputs stand in for it this pass
         self.capture_idx: Optional[int] = None  # the layer that records its inputs this pass
-        self.cached: list[tuple[tuple, dict]] = []  # inputs of run_idx, one per batch
+        self.cached: list[tuple[tuple, dict]] = []  # inputs of the layer being calibrated, one per batch
+        self.shapes: list[torch.Size] = []  # hidden-state shapes of run_idx's inputs
+        self.outputs: list[Any] = []  # run_idx's outputs, one per batch
         self.captured: list[tuple[tuple, dict]] = []
         self.templates: list[Any] = [None] * len(layers)
         self.position = 0
 
-    def layer_forward(self, idx: int, original: Callable) -> Callable:
+    def layer_forward(self, idx: int) -> Callable:
         def forward(*args, **kwargs):
             if idx == self.capture_idx:
                 # copies: the model may reuse the memory of what it hands a layer (Megatron's global buffers)
                 self.captured.append((_copy(args), _copy(_strip_cache(kwargs, f"{self.name}.{idx}"))))
                 raise _StopForward
             if idx == self.run_idx:
-                if self.position >= len(self.cached):
+                if self.position >= len(self.outputs):
                     raise RuntimeError(f"sequential calibration: the forward loop ran more batches than in the pass that captured {self.name}.{idx}'s inputs")
-                cargs, ckwargs = self.cached[self.position]
-                if _hidden(args, kwargs).shape != _hidden(cargs, ckwargs).shape:
+                shape, recorded = _hidden(args, kwargs).shape, self.shapes[self.position]
+                if shape != recorded:
                     raise RuntimeError(
-                        f"sequential calibration: batch {self.position} of this pass has hidden states of shape {tuple(_hidden(args, kwargs).shape)} at "
-                        f"{self.name}.{idx}, the pass that recorded its inputs {tuple(_hidden(cargs, ckwargs).shape)}: the forward loop must feed the same batches in the same order every time"
+                        f"sequential calibration: batch {self.position} of this pass has hidden states of shape {tuple(shape)} at "
+                        f"{self.name}.{idx}, the pass that recorded its inputs {tuple(recorded)}: the forward loop must feed the same batches in the same order every time"
                     )
                 self.position += 1
-                out = original(*cargs, **ckwargs)
-                self.templates[idx] = _template(out)
-                return out
+                return self.outputs[self.position - 1]
             if self.templates[idx] is None:
                 raise RuntimeError(f"sequential calibration: {self.name}.{idx} was reached before it ran")
             return _skip_output(self.templates[idx], _hidden(args, kwargs))
 
         return forward
+
+    def replay(self, idx: int) -> Callable[[nn.Module], None]:
+        """The forward loop a runner gets for layer ``idx``: the layer on each cached input; the first
+        call keeps the outputs (a runner's later calls would see the same unquantized flow in memory only
+        if it changed nothing in between, which no runner does)."""
+
+        def loop(_view: nn.Module) -> None:
+            keep = not self.outputs
+            for args, kwargs in self.cached:
+                out = self.originals[idx](*args, **kwargs)
+                if keep:
+                    self.outputs.append(_copy(out))
+                    self.templates[idx] = _template(out)
+
+        return loop
 
     def run_pass(self, forward_loop: Callable[[nn.Module], Any]) -> None:
         self.position, self.captured = 0, []
@@ -353,17 +379,53 @@ class _Driver:
                 forward_loop(self.model)
         finally:
             restore()
-        if self.run_idx is not None and self.position != len(self.cached):
-            raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.cached)} cached batches but the loop ran {self.position}")
+        if self.run_idx is not None and self.position != len(self.outputs):
+            raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.outputs)} cached batches but the loop ran {self.position}")
 
 
-def _leaf_ids(module: nn.Module) -> set[int]:
-    return {id(q) for _, q in iter_leaf_quantizers(module)}
+def _view(model: nn.Module, paths: list[str]) -> nn.Module:
+    """A module tree that holds only the submodules at ``paths`` of ``model``, under the same names (plain
+    ``nn.Module`` containers in between), so a runner given it sees and names only them."""
+    root = nn.Module()
+    for path in paths:
+        parent, parts = root, path.split(".")
+        for part in parts[:-1]:
+            if part not in parent._modules:
+                parent._modules[part] = nn.Module()
+            parent = parent._modules[part]
+        parent._modules[parts[-1]] = model.get_submodule(path)
+    return root
 
 
-def _fingerprint(model: nn.Module, layers: nn.ModuleList) -> dict:
+def _resident_paths(model: nn.Module, layers: nn.ModuleList) -> list[str]:
+    """The outermost modules outside the decoder layers that are quantized or hold quantizers."""
+    inside = {id(m) for m in layers.modules()}
+    holders = {id(parent) for _, parent, _, _ in iter_quantizers(model)}
+    paths: list[str] = []
+    covered: set[int] = set()
+    for path, m in model.named_modules():
+        if id(m) in inside or id(m) in covered or not (isinstance(m, QuantModule) or id(m) in holders):
+            continue
+        if any(id(x) in inside for x in m.modules()):
+            raise ValueError(f"sequential calibration: {path or type(model).__name__} holds quantizers and also the decoder layers; only modules outside the layers can be calibrated apart from them")
+        paths.append(path)
+        covered.update(id(x) for x in m.modules())
+    return paths
+
+
+def _context(ctx: CalibContext, loop: Callable[[nn.Module], Any]) -> CalibContext:
+    """``ctx`` with ``loop`` as its forward loop (and max calibration over it)."""
+    return dataclasses.replace(ctx, forward_loop=loop, max_calibrate=lambda m: max_calibrate(m, loop, ctx.expert_input_policy))
+
+
+def _fingerprint(model: nn.Module, layers: nn.ModuleList, algo: AlgorithmConfig) -> dict:
     cfg = getattr(model, "_quantlib_config", None)
-    return {"layers": len(layers), "quantizers": [n for n, _ in iter_leaf_quantizers(model)], "config": repr(cfg.to_dict()) if cfg is not None else None}
+    return {
+        "layers": len(layers),
+        "quantizers": [n for n, _ in iter_leaf_quantizers(model)],
+        "config": repr(cfg.to_dict()) if cfg is not None else None,
+        "algorithm": repr(algo.to_dict()),
+    }
 
 
 def _read_resume(path: Optional[str], fingerprint: dict) -> Optional[dict]:
@@ -371,88 +433,124 @@ def _read_resume(path: Optional[str], fingerprint: dict) -> Optional[dict]:
         return None
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("schema") != RESUME_SCHEMA or state.get("fingerprint") != fingerprint:
-        raise ValueError(f"sequential calibration: resume file {path} was written for another model or config; delete it to start over")
+        raise ValueError(f"sequential calibration: resume file {path} was written for another model, config or algorithm (or by another quantlib); delete it to start over")
     return state
 
 
-def calibrate_sequential(model: nn.Module, forward_loop: Optional[Callable[[nn.Module], Any]], options: Union[bool, dict, SequentialOptions], expert_policy: str = "max_of_peers") -> None:
-    """Max calibration of ``model`` (weights and activations), one decoder layer at a time (see the module docstring)."""
-    if forward_loop is None:
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _finished_state(model: nn.Module, name: str, done: int) -> dict:
+    """amax, pre_quant_scale and runners' module results of layers ``< done``, on the CPU."""
+    view = _view(model, [f"{name}.{i}" for i in range(done)])
+    leaves = list(iter_leaf_quantizers(view))
+    results = {n: {a: _cpu(getattr(m, a)) for a in RESULT_ATTRIBUTES if hasattr(m, a)} for n, m in quant_modules(view)}
+    return {
+        "amax": {n: _cpu(q.amax) for n, q in leaves if q.amax is not None},
+        "pre_quant_scale": {n: _cpu(q.pre_quant_scale) for n, q in leaves if q.pre_quant_scale is not None},
+        "results": {n: r for n, r in results.items() if r},
+    }
+
+
+def _restore_finished(model: nn.Module, name: str, layers: nn.ModuleList, state: dict) -> None:
+    """Layers ``< state["done"]`` get the state :func:`_finished_state` saved, on their own device."""
+    for i in range(state["done"]):
+        tensors = [t for *_, t in _own_tensors(layers[i]) if t.device.type != "meta"]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        view = _view(model, [f"{name}.{i}"])
+        for n, q in iter_leaf_quantizers(view):
+            amax, pqs = state["amax"].get(n), state["pre_quant_scale"].get(n)
+            q.amax = None if amax is None else amax.to(device)
+            q.pre_quant_scale = None if pqs is None else pqs.to(device)
+        for n, m in quant_modules(view):
+            for attr in RESULT_ATTRIBUTES:
+                m.__dict__.pop(attr, None)
+            for attr, value in state["results"].get(n, {}).items():
+                setattr(m, attr, value.to(device) if isinstance(value, torch.Tensor) else value)
+
+
+def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibContext, options: Union[bool, dict, SequentialOptions]) -> None:
+    """Calibrate ``model`` with ``algo`` (any registered algorithm), one decoder layer at a time (see the
+    module docstring); ``ctx`` is the context in-memory calibration would give the runner."""
+    if ctx.forward_loop is None:
         raise ValueError("sequential calibration needs a forward_loop (it replays the model's layers on its batches)")
+    loop = ctx.forward_loop
     opts = SequentialOptions.from_any(options)
     device = torch.device(opts.device) if opts.device is not None else None
     name, layers = decoder_layers(model, opts.layers)
-    in_layers = set().union(*(_leaf_ids(layer) for layer in layers))
-    layer_modules = {id(m) for layer in layers for m in layer.modules()}
-    for _, m in quant_modules(model):
-        if id(m) not in layer_modules:
-            m.calibrate_weights()  # resident modules; a layer's weights calibrate when it is loaded
-    active = activation_leaves(model)
-    enabled = [q for _, q in iter_leaf_quantizers(model) if q.is_enabled]
-    fingerprint = _fingerprint(model, layers)
+    run = runner(algo.method)
+    residents = _view(model, _resident_paths(model, layers))
+    fingerprint = _fingerprint(model, layers, algo)
     resume = _read_resume(opts.resume_file, fingerprint)
     driver = _Driver(model, name, layers)
-    restores = [_patch_forward(layer, driver.layer_forward(i, layer.forward)) for i, layer in enumerate(layers)]
-    for _, q in active:
-        q.reset_amax()
-    for q in enabled:
-        q.disable_quant()  # as in-memory calibration: activations of the unquantized model
-    start = 0
+    restores = [_patch_forward(layer, driver.layer_forward(i)) for i, layer in enumerate(layers)]
+    # the passes run the unquantized model, as in memory; the runners switch their own quantizers (a
+    # chain's weights calibrate with quantization on: member i sees the output of members < i)
+    quant_off = _QuantOff([q for _, q in iter_leaf_quantizers(model) if q.is_enabled])
     try:
+        start = 0
         if resume is not None:
             start = resume["done"]
-            by_name = dict(iter_leaf_quantizers(model))
-            for qname, amax in resume["amax"].items():
-                by_name[qname].amax = amax
+            _restore_finished(model, name, layers, resume)
             driver.templates[:start] = resume["templates"]
             driver.captured = [(tuple(a), dict(k)) for a, k in resume["inputs"]]
         else:
             driver.capture_idx = 0
-            driver.run_pass(forward_loop)
-        for p in range(start + 1, len(layers) + 1):
-            idx = p - 1
-            layer = layers[idx]
-            driver.cached, driver.run_idx = driver.captured, idx
-            driver.capture_idx = p if p < len(layers) else None
-            home = _load_layer(layer, f"{name}.{idx}", opts, device)
-            if device is not None:
-                driver.cached = [_to_device(entry, device) for entry in driver.cached]
-            try:
-                for _, m in quant_modules(layer):
-                    m.calibrate_weights()
-                here = _leaf_ids(layer)
-                mine = [(n, q) for n, q in active if id(q) in here]
-                if p == len(layers):  # the last pass runs past the layers: the quantizers outside them
-                    mine += [(n, q) for n, q in active if id(q) not in in_layers]  # see the real hidden states
-                for _, q in mine:
-                    q.enable_calib()
-                try:
-                    driver.run_pass(forward_loop)
-                finally:
-                    for _, q in mine:
-                        q.disable_calib()
-                for _, q in mine:
-                    q.load_calib_amax()
-            finally:
-                _release_layer(layer, home)
-            driver.cached = []
-            if opts.resume_file is not None and p < len(layers):
-                done = {n: q.amax.detach().cpu() for n, q in iter_leaf_quantizers(model) if id(q) in in_layers and q.amax is not None and _layer_of(n, name) < p}
-                inputs = [(_to_device(e, torch.device("cpu"))) for e in driver.captured]
-                atomic_torch_save({"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": p, "amax": done, "templates": driver.templates[:p], "inputs": inputs}, opts.resume_file, crc32=False)
+            with quant_off:
+                driver.run_pass(loop)
+        for idx in range(start, len(layers)):
+            _calibrate_layer(model, driver, idx, run, algo, ctx, opts, device)
+            if idx + 1 < len(layers):
+                driver.capture_idx = idx + 1
+                with quant_off:
+                    driver.run_pass(loop)
+                driver.outputs = []
+                if opts.resume_file is not None:
+                    inputs = [_to_device(e, torch.device("cpu")) for e in driver.captured]
+                    state = {"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": idx + 1, "templates": driver.templates[: idx + 1], "inputs": inputs}
+                    atomic_torch_save({**state, **_finished_state(model, name, idx + 1)}, opts.resume_file, crc32=False)
+        driver.capture_idx = None  # the last pass runs past the layers, for the quantizers outside them
+        run(residents, algo, _context(ctx, lambda _view: driver.run_pass(loop)))
     finally:
         for restore in restores:
             restore()
-        for q in enabled:
-            q.enable_quant()
-    finish_activations(model, active, expert_policy)
     if opts.resume_file is not None and os.path.exists(opts.resume_file):
         os.unlink(opts.resume_file)  # finished: a later run starts over
 
 
-def _layer_of(qname: str, layers_name: str) -> int:
-    rest = qname[len(layers_name) + 1 :] if layers_name else qname
-    return int(rest.split(".", 1)[0])
+class _QuantOff:
+    """``with``: quantization of ``quantizers`` off (they keep calibrating if they do), back on after."""
+
+    def __init__(self, quantizers: list[TensorQuantizer]) -> None:
+        self.quantizers = quantizers
+
+    def __enter__(self) -> None:
+        for q in self.quantizers:
+            q.disable_quant()
+
+    def __exit__(self, *exc) -> bool:
+        for q in self.quantizers:
+            q.enable_quant()
+        return False
+
+
+def _calibrate_layer(model: nn.Module, driver: _Driver, idx: int, run: Callable, algo: AlgorithmConfig, ctx: CalibContext, opts: SequentialOptions, device: Optional[torch.device]) -> None:
+    """Load layer ``idx``, run the algorithm on it over its cached inputs (keeping its outputs), send it back."""
+    where = f"{driver.name}.{idx}"
+    layer = driver.layers[idx]
+    driver.cached, driver.captured, driver.outputs = driver.captured, [], []
+    home = _load_layer(layer, where, opts, device)
+    try:
+        if device is not None:
+            driver.cached = [_to_device(entry, device) for entry in driver.cached]
+        driver.shapes = [_hidden(a, k).shape for a, k in driver.cached]
+        run(_view(model, [where]), algo, _context(ctx, driver.replay(idx)))
+    finally:
+        _release_layer(layer, home)
+    if driver.cached and not driver.outputs:
+        raise RuntimeError(f"sequential calibration: algorithm {algo.method!r} never ran the forward loop on {where}, so the next layer has no inputs")
+    driver.cached, driver.run_idx = [], idx
 
 
 def _to_device(entry: tuple[tuple, dict], device: torch.device) -> tuple[tuple, dict]:

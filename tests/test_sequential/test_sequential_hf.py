@@ -128,7 +128,7 @@ def test_sequential_resume_file_of_another_config_refused(tmp_path):
     model.model.layers[3].self_attn.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(_Boom("stop")))
     with pytest.raises(_Boom):
         ql.quantize(model, CONFIGS["fp8"], loop_over(data()), sequential={"resume_file": resume})
-    with pytest.raises(ValueError, match="another model or config"):
+    with pytest.raises(ValueError, match="another model, config or algorithm"):
         ql.quantize(build("llama"), CONFIGS["int8"], loop_over(data()), sequential={"resume_file": resume})
 
 

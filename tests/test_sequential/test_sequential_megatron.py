@@ -1,5 +1,6 @@
-"""Layer-by-layer calibration of a Megatron-Core MoE GPT (local spec, 4 SequentialMLP experts a layer) at
-TP=2 on gloo: the amax equal in-memory calibration's bit for bit, synced over TP the same way. The
+"""Layer-by-layer calibration of a Megatron-Core MoE GPT (local spec, 4 SequentialMLP experts a layer) on
+gloo: at TP=2 (max) the amax equal in-memory calibration's bit for bit, synced over TP the same way; over
+two data-parallel ranks with AWQ (each rank its own tokens) amax and pre_quant_scale equal too. The
 experts' ModuleList is longer than the layers' and must not be taken for the decoder layers."""
 
 from __future__ import annotations
@@ -39,3 +40,31 @@ def test_sequential_megatron_tp2_amax_equal_in_memory():
         assert res["layers"] == "decoder.layers"
         assert res["same_keys"] and res["count"] > 40
         assert not res["differ"], res["differ"][:5]
+
+
+def _state(model) -> dict:
+    out = {}
+    for n, q in iter_leaf_quantizers(model):
+        for key, value in (("amax", q.amax), ("pre_quant_scale", q.pre_quant_scale)):
+            if value is not None:
+                out[f"{n}/{key}"] = value
+    return out
+
+
+def _run_awq_dp(rank: int, world: int) -> dict:
+    shims.set_layout(1, 1)  # two data-parallel ranks
+    cfg = dict(ql.W4A8_AWQ_BETA_CFG, algorithm={"method": "awq_full", "alpha_step": 0.5, "max_tokens_per_batch": 4})
+    data = shims.token_batches(2, 10 + rank)  # each rank its own tokens: the searches reduce over both
+    state = ql.ParallelState.from_megatron()
+    memory = _state(ql.quantize(shims.build_gpt(1, 1, 0), cfg, shims.forward_loop(data), parallel_state=state))
+    layered = _state(ql.quantize(shims.build_gpt(1, 1, 0), cfg, shims.forward_loop(data), parallel_state=state, sequential=True))
+    experts = [n for n in memory if "local_experts" in n and n.endswith("input_quantizer/pre_quant_scale")]
+    return {"same_keys": memory.keys() == layered.keys(), "differ": [n for n in memory if n in layered and not torch.equal(memory[n], layered[n])], "experts": len(experts), "layered": layered}
+
+
+def test_sequential_megatron_dp2_awq_full_equal_in_memory():
+    results = shims.run_distributed(_run_awq_dp, 2)
+    for res in results:
+        assert res["same_keys"] and res["experts"] > 0
+        assert not res["differ"], res["differ"][:5]
+    assert all(torch.equal(v, results[1]["layered"][k]) for k, v in results[0]["layered"].items())  # both ranks chose the same
