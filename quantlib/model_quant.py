@@ -144,7 +144,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
-    check_bias_support(model, algo.method, parallel_state)
+    check_bias_support(model, algo.method, parallel_state, sequential=bool(sequential))
     ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
     local_error = None
     try:
@@ -169,11 +169,12 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     return model
 
 
-def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_state=None) -> None:
+def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_state=None, sequential: bool = False) -> None:
     """Raise ConfigError, naming the quantizer and its ``bias``, where an enabled quantizer has a bias
     that quantlib cannot calibrate or keep: outside a module's ``affine_quantizer_names`` (transformers
-    attention's q/k/v), inside a container, with an algorithm other than max, or over data parallel
-    ranks (the running mean is not reduced across them)."""
+    attention's q/k/v), inside a container, with an algorithm other than max, layer by layer (the
+    sequential driver's resume file keeps amax only), or over data parallel ranks (the running mean is
+    not reduced across them)."""
     for name, parent, attr, q in iter_quantizers(model):
         for leaf_name, leaf in leaves_of(name, q):
             bias = leaf.attrs.bias
@@ -189,6 +190,8 @@ def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_stat
                 )
             if algorithm is not None and algorithm != "max":
                 raise ConfigError(f"{where}: algorithm {algorithm!r}: a bias is calibrated by algorithm 'max' only")
+            if sequential:
+                raise ConfigError(f"{where}: sequential (layer-by-layer) calibration does not keep a bias; calibrate in one pass")
             if parallel_state is not None and parallel_state.size("data") > 1:
                 raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced across them; calibrate on one rank")
 

@@ -250,6 +250,11 @@ def test_bias_with_other_algorithm_refused(algorithm):
         ql.quantize(build("llama", "sdpa"), AFFINE | {"algorithm": algorithm}, forward_loop(batches(1)))
 
 
+def test_bias_with_sequential_calibration_refused():
+    with pytest.raises(ql.ConfigError, match=r"k_bmm_quantizer .*: bias=.*sequential \(layer-by-layer\) calibration"):
+        ql.quantize(build("llama", "sdpa"), AFFINE, forward_loop(batches(1)), sequential=True)
+
+
 def test_uncalibrated_static_bias_refused_at_forward():
     model = ql.quantize(build("llama", "sdpa"), AFFINE | {"algorithm": None})
     with pytest.raises(RuntimeError, match=r"model\.layers\.0\.self_attn\.k_bmm_quantizer: bias=.*not calibrated"):
