@@ -237,6 +237,8 @@ def _describe(q: TensorQuantizer) -> tuple[str, str, str, str]:
         gran = "block " + "x".join(map(str, s.block))
     if s.dynamic:
         gran += " dynamic" if s.block is not None else "per-token dynamic"
+    if q.attrs.bias is not None:  # affine: a bias averaged over these axes
+        gran += f" bias over {q.attrs.bias_axes}"
     amax = q.amax
     if amax is None:
         return fmt, gran, "-", "dynamic" if not q.needs_calibration else "uncalibrated"
