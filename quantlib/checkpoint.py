@@ -1,10 +1,10 @@
 """Quantizer state: capture, atomic save, validated restore into a fresh model, schema migrations.
 
-State (schema 3)::
+State (schema 4)::
 
-    {"schema": 3, "config": <QuantizeConfig.to_dict() or None>,
+    {"schema": 4, "config": <QuantizeConfig.to_dict() or None>,
      "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None,
-                                "_pre_quant_scale": Tensor | None}
+                                "_pre_quant_scale": Tensor | None, "_bias_value": Tensor | None}
                               | {"type": "sequential" | "grouped", "members": [<member state>, ...]}}}
 
 Everything is plain containers and tensors, so ``torch.load(weights_only=True)`` reads it. The file is
@@ -14,7 +14,8 @@ Everything is plain containers and tensors, so ``torch.load(weights_only=True)``
 Schema history: 1 allowed a grouped linear's weight quantizer (one member per GEMM / expert) to be a
 single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always stores it as
 ``"grouped"`` with one member per GEMM (:func:`migrate_v1_to_v2`); 3 adds each tensor quantizer's
-``_pre_quant_scale`` (SmoothQuant / AWQ, :func:`migrate_v2_to_v3`).
+``_pre_quant_scale`` (SmoothQuant / AWQ, :func:`migrate_v2_to_v3`); 4 adds ``_bias_value`` (the
+calibrated bias of affine quantization, ``attrs["bias"]``, :func:`migrate_v3_to_v4`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class CheckpointError(ValueError):
@@ -72,13 +73,14 @@ def migrate_v1_to_v2(state: dict, layout: Optional[ModelLayout] = None) -> dict:
     return {**state, "schema": 2, "quantizers": quantizers}
 
 
-def _with_pre_quant_scale(qstate: Any) -> Any:
+def _with_entry(qstate: Any, key: str) -> Any:
+    """``qstate`` with ``key`` (None where absent) in every tensor quantizer entry, members included."""
     if not isinstance(qstate, dict):
         return qstate  # malformed: left for restore to refuse by name
     if qstate.get("type") == "tensor":
-        return {**qstate, "_pre_quant_scale": qstate.get("_pre_quant_scale")}
+        return {**qstate, key: qstate.get(key)}
     if isinstance(qstate.get("members"), list):
-        return {**qstate, "members": [_with_pre_quant_scale(m) for m in qstate["members"]]}
+        return {**qstate, "members": [_with_entry(m, key) for m in qstate["members"]]}
     return qstate
 
 
@@ -86,11 +88,18 @@ def migrate_v2_to_v3(state: dict, layout: Optional[ModelLayout] = None) -> dict:
     """Schema 2 -> 3: every tensor quantizer entry (members of containers included) gets
     ``"_pre_quant_scale": None``: schema 2 had no pre_quant_scale, so none was in use. ``layout`` is
     not needed; ``state`` is not modified."""
-    return {**state, "schema": 3, "quantizers": {name: _with_pre_quant_scale(q) for name, q in state["quantizers"].items()}}
+    return {**state, "schema": 3, "quantizers": {name: _with_entry(q, "_pre_quant_scale") for name, q in state["quantizers"].items()}}
+
+
+def migrate_v3_to_v4(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+    """Schema 3 -> 4: every tensor quantizer entry gets ``"_bias_value": None``: schema 3 had no affine
+    quantization (its configs could not hold a ``bias``), so no bias was in use. ``layout`` is not
+    needed; ``state`` is not modified."""
+    return {**state, "schema": 4, "quantizers": {name: _with_entry(q, "_bias_value") for name, q in state["quantizers"].items()}}
 
 
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3}
+MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3, 3: migrate_v3_to_v4}
 
 
 # ------------------------------------------------------------------------------------ capture
@@ -108,11 +117,15 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
         pqs = q.pre_quant_scale_values
         if pqs is None and q.pre_quant_scale is not None:
             raise CheckpointError(f"{name or q._qname}: _pre_quant_scale is on the meta device and holds no values; materialise and calibrate the model before saving")
+        bias = q.bias_values
+        if bias is None and q.bias_value is not None:
+            raise CheckpointError(f"{name or q._qname}: _bias_value is on the meta device and holds no values; materialise and calibrate the model before saving")
         return {
             "type": "tensor",
             "attrs": q.attrs.to_dict() | {"enable": q.is_enabled},
             "_amax": None if amax is None else amax.detach().cpu().clone(),
             "_pre_quant_scale": None if pqs is None else pqs.detach().cpu().clone(),
+            "_bias_value": None if bias is None else bias.detach().cpu().clone(),
         }
     kind = "grouped" if isinstance(q, GroupedQuantizer) else "sequential"
     return {"type": kind, "members": [_quantizer_state(m, None if name is None else f"{name}.{i}") for i, m in enumerate(q)]}
@@ -258,6 +271,14 @@ def _build(qstate: Any, where: str) -> nn.Module:
                 q.pre_quant_scale = pqs
             except ValueError as exc:
                 raise CheckpointError(f"{where}: invalid _pre_quant_scale: {exc}") from None
+        bias = qstate.get("_bias_value")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor):
+                raise CheckpointError(f"{where}: _bias_value must be a tensor, got {type(bias).__name__}")
+            try:
+                q.bias_value = bias
+            except ValueError as exc:
+                raise CheckpointError(f"{where}: invalid _bias_value: {exc}") from None
         return q
     members = [_build(m, f"{where}.{i}") for i, m in enumerate(qstate.get("members") or [])]
     if not members:

@@ -51,6 +51,39 @@ def _as_axis(value: Any) -> Optional[tuple[int, ...]]:
     raise ConfigError(f"axis must be None, an int or a tuple of ints, got {value!r}")
 
 
+_BIAS_META_KEYS = frozenset({"type", "method"})
+_BIAS_EXAMPLE = "{-2: None, -4: None, 'type': 'static'}"
+
+
+def _as_bias(value: Any) -> Optional[dict]:
+    """ModelOpt's ``bias`` (affine quantization): a dict whose int keys are the axes the bias is averaged
+    over (values None), plus ``"type"`` and ``"method"``; returns a normalised copy or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"bias must be a dict such as {_BIAS_EXAMPLE} or None, got {value!r}")
+    for k, v in value.items():
+        if k in _BIAS_META_KEYS:
+            continue
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise ConfigError(f"bias: unknown key {k!r} (value {v!r}); keys are the axes to average over (ints), 'type' and 'method'")
+        if v is not None:
+            raise ConfigError(f"bias[{k}]={v!r}: an axis entry takes None (the bias is averaged over the whole axis)")
+    kind, method = value.get("type", "static"), value.get("method", "mean")
+    if kind not in ("static", "dynamic"):
+        raise ConfigError(f"bias['type']={kind!r}: expected 'static' or 'dynamic'")
+    if kind == "dynamic":
+        raise ConfigError("bias['type']='dynamic': only a static (calibrated) bias is implemented")
+    if method not in ("mean", "max_min"):
+        raise ConfigError(f"bias['method']={method!r}: expected 'mean' or 'max_min'")
+    if method == "max_min":
+        raise ConfigError("bias['method']='max_min': only method 'mean' (ModelOpt's default) is implemented")
+    axes = sorted(k for k in value if k not in _BIAS_META_KEYS)
+    if not axes:
+        raise ConfigError(f"bias={value!r} names no axis to average over, e.g. {_BIAS_EXAMPLE}")
+    return {**{a: None for a in axes}, "type": kind, "method": method}
+
+
 #: Largest FP8-blockwise ``eps``: the floor exists so that all-zero blocks get a nonzero scale; a larger
 #: one would coarsen every block whose amax is below it (1e30 turns every block into zeros, inf into NaN).
 MAX_EPS = 1.0
@@ -78,6 +111,8 @@ class QuantizerAttributeConfig:
     pow2_scale: bool = False  # FP8 blockwise: round scales up to powers of two
     rounding: str = "rceil"  # MX: E8M0 exponent rule, see formats.Rounding
     backend: str = "auto"  # kernels backend
+    # ModelOpt's affine quantization: a calibrated mean, subtracted before quantizing and added back after
+    bias: Optional[dict] = None
 
     def __post_init__(self) -> None:
         self.num_bits = _as_bits(self.num_bits)
@@ -109,6 +144,15 @@ class QuantizerAttributeConfig:
                 raise ConfigError(f"block_sizes must be a dict such as {{-1: 128}} or None, got {self.block_sizes!r}")
             self.block_sizes = dict(self.block_sizes)
         self._spec = self._build_spec()
+        self.bias = _as_bias(self.bias)
+        if self.bias is not None and (self._spec.block is not None or self.is_dynamic):
+            what = f"block_sizes={self.block_sizes}" if self.block_sizes is not None else "type='dynamic'"
+            raise ConfigError(f"bias={self.bias} with {what}: affine quantization needs a static per-tensor or per-channel amax (FP8 or INT without blocks)")
+
+    @property
+    def bias_axes(self) -> Optional[tuple[int, ...]]:
+        """The axes the bias is averaged over (the int keys of ``bias``), None without a bias."""
+        return None if self.bias is None else tuple(k for k in self.bias if isinstance(k, int))
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantizerAttributeConfig":

@@ -33,8 +33,8 @@ _NVFP4_KV = {"num_bits": (2, 1), "effective_bits": 4.5, "block_sizes": {-1: 16, 
 
 #: FP8 E4M3 keys and values, one static per-tensor amax per quantizer (max calibration)
 FP8_KV_CFG: dict = {"quant_cfg": [{"quantizer_name": _KV, "cfg": {"num_bits": (4, 3), "axis": None}}]}
-#: ModelOpt's affine FP8 KV (a static bias over the head and sequence axes). quantlib's formats are
-#: symmetric (no zero point), so :func:`merge_kv_config` refuses it, and so does a config that uses it.
+#: ModelOpt's affine FP8 KV: a static bias (the mean over batch and sequence, one per head and channel)
+#: subtracted before the FP8 quantization and added back (see quantlib.calib.bias); transformers attention only.
 FP8_AFFINE_KV_CFG: dict = {
     "quant_cfg": [
         {"quantizer_name": _KV, "cfg": {"num_bits": (4, 3), "axis": None}},
@@ -51,14 +51,6 @@ def _kv_entries(kv_config: Union[dict, list]) -> list[dict]:
     entries = kv_config.get("quant_cfg") if isinstance(kv_config, dict) else kv_config
     if not isinstance(entries, (list, tuple)):
         raise ConfigError(f"merge_kv_config: kv_config must be a KV preset (a dict with a list 'quant_cfg') or its list of rules, got {type(entries).__name__}")
-    for i, e in enumerate(entries):
-        cfgs = e.get("cfg") if isinstance(e, dict) else None
-        for c in cfgs if isinstance(cfgs, (list, tuple)) else [cfgs]:
-            if isinstance(c, dict) and "bias" in c:
-                raise ConfigError(
-                    f"merge_kv_config: kv rule {i} ({e.get('quantizer_name')!r}) has 'bias': {c['bias']!r}: affine KV quantization "
-                    "(FP8_AFFINE_KV_CFG / NVFP4_AFFINE_KV_CFG) needs a zero point, and quantlib's formats are symmetric; use FP8_KV_CFG or NVFP4_KV_CFG"
-                )
     return copy.deepcopy(list(entries))
 
 

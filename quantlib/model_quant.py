@@ -117,6 +117,7 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
     check_weight_quantizers(model)
+    check_bias_support(model, cfg.algorithm_name)
     check_kv_reach(model, cfg)
     for _, leaf in iter_leaf_quantizers(model):
         leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
@@ -143,6 +144,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
+    check_bias_support(model, algo.method, parallel_state, sequential=bool(sequential))
     ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
     local_error = None
     try:
@@ -163,6 +165,33 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
     elif local_error is not None:
         raise local_error
     return model
+
+
+def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_state=None, sequential: bool = False) -> None:
+    """Raise ConfigError, naming the quantizer and its ``bias``, where an enabled quantizer has a bias
+    that quantlib cannot calibrate or keep: outside a module's ``affine_quantizer_names`` (transformers
+    attention's q/k/v), inside a container, with an algorithm other than max, layer by layer (the
+    sequential driver's resume file keeps amax only), or over data parallel ranks (the running mean is
+    not reduced across them)."""
+    for name, parent, attr, q in iter_quantizers(model):
+        for leaf_name, leaf in leaves_of(name, q):
+            bias = leaf.attrs.bias
+            if bias is None or not leaf.is_enabled:
+                continue
+            where = f"{leaf_name} ({type(parent).__name__}): bias={bias}"
+            if leaf is not q:
+                raise ConfigError(f"{where}: a quantizer with a bias cannot be a member of a list config (SequentialQuantizer) or of grouped experts")
+            if attr not in getattr(parent, "affine_quantizer_names", ()):
+                raise ConfigError(
+                    f"{where}: affine quantization is implemented for the q/k/v bmm quantizers of transformers attention only "
+                    "(Megatron's DotProductAttention sees [seq, batch, heads, dim], where the preset's axes -2/-4 would average over heads and seq)"
+                )
+            if algorithm is not None and algorithm != "max":
+                raise ConfigError(f"{where}: algorithm {algorithm!r}: a bias is calibrated by algorithm 'max' only")
+            if sequential:
+                raise ConfigError(f"{where}: sequential (layer-by-layer) calibration does not keep a bias; calibrate in one pass")
+            if parallel_state is not None and parallel_state.size("data") > 1:
+                raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced across them; calibrate on one rank")
 
 
 def _split_over_ranks(parallel_state) -> tuple[bool, bool]:
@@ -206,6 +235,8 @@ def _describe(q: TensorQuantizer) -> tuple[str, str, str, str]:
         gran = "block " + "x".join(map(str, s.block))
     if s.dynamic:
         gran += " dynamic" if s.block is not None else "per-token dynamic"
+    if q.attrs.bias is not None:  # affine: a bias averaged over these axes
+        gran += f" bias over {q.attrs.bias_axes}"
     amax = q.amax
     if amax is None:
         return fmt, gran, "-", "dynamic" if not q.needs_calibration else "uncalibrated"

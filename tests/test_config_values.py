@@ -55,6 +55,12 @@ BAD_ATTRS: dict[str, list[tuple[str, dict, list[str]]]] = {
     "pow2_scale": [("pow2_scale_string", {"pow2_scale": "yes"}, ["pow2_scale", "'yes'"])],
     "rounding": [("rounding_int", {"rounding": 1}, ["rounding", "1"]), ("rounding_list", {"rounding": ["rceil"]}, ["rounding", "['rceil']"])],
     "backend": [("backend_int", {"backend": 1}, ["backend", "1"]), ("backend_list", {"backend": ["cpu"]}, ["backend", "['cpu']"])],
+    "bias": [
+        ("bias_string", {"num_bits": (4, 3), "bias": "mean"}, ["bias", "'mean'"]),
+        ("bias_string_axis", {"num_bits": (4, 3), "bias": {"-2": None}}, ["bias", "'-2'"]),
+        ("bias_float_axis", {"num_bits": (4, 3), "bias": {-2.0: None}}, ["bias", "-2.0"]),
+        ("bias_type_none", {"num_bits": (4, 3), "bias": {-2: None, "type": None}}, ["bias['type']", "None"]),
+    ],
 }
 
 

@@ -100,7 +100,7 @@ def test_golden_files_are_schema_1():
 
 
 def test_migration_is_named_and_registered():
-    assert ckpt.SCHEMA_VERSION == 3
+    assert ckpt.SCHEMA_VERSION == 4
     assert ckpt.MIGRATIONS[1] is ckpt.migrate_v1_to_v2
 
 
@@ -188,7 +188,7 @@ def test_golden_v1_int_quantizers_keep_the_narrow_range_they_were_saved_with(nam
 
 def test_v1_migrated_without_the_model_layout_is_refused_at_restore():
     state = ckpt.migrate(golden("v1_anchor_shared.pt"))  # no layout: shared entries cannot be recognised
-    assert state["schema"] == 3 and state["quantizers"]["experts.weight_quantizer"]["type"] == "tensor"
+    assert state["schema"] == ckpt.SCHEMA_VERSION and state["quantizers"]["experts.weight_quantizer"]["type"] == "tensor"
     model = toy_model()
     with pytest.raises(ql.CheckpointError, match="experts.weight_quantizer: saved as a single quantizer"):
         ql.restore_state(model, state)

@@ -37,6 +37,11 @@ def _enabled(module: nn.Module, qname: str) -> Optional[TensorQuantizer]:
 
 
 def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer) -> None:
+    if q.attrs.bias is not None:
+        raise ExportError(
+            f"{full}: affine KV-cache quantization (bias={q.attrs.bias}) cannot be exported to format {packer.fmt.value}: its KV-cache "
+            f"scheme is one scale per tensor and has no place for the per-head bias; quantize with FP8_KV_CFG, or disable it ({_DISABLE})"
+        )
     why = packer.kv_ok(q.spec, tuple(q.amax.shape) if q.amax is not None else ())
     if why is not None:
         raise ExportError(f"{full} = {describe(q.spec)}: format {packer.fmt.value} cannot carry this KV-cache quantizer ({why}); disable it ({_DISABLE}) or pick another format")

@@ -35,6 +35,8 @@ class QuantModule(nn.Module):
     parallel_role: str = "replicated"
     #: True for the linears of MoE experts (their input amax syncs across the expert group).
     is_expert: bool = False
+    #: quantizers that may take a ``bias`` (affine quantization, see quantlib.calib.bias); none by default
+    affine_quantizer_names: tuple[str, ...] = ()
 
     def _setup(self) -> None:
         """Create the quantizers (called once, right after conversion)."""

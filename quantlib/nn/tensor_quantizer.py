@@ -7,6 +7,7 @@ from typing import NoReturn, Optional, Union
 import torch
 from torch import nn
 
+from ..calib.bias import BiasCalibrator
 from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
 from ..config import QuantizerAttributeConfig, make_attribute_config
 from ..formats import FormatSpec, Kind
@@ -32,7 +33,7 @@ def _raise_named(exc: Exception, qname: str) -> NoReturn:
 
 
 #: buffers whose values survive a round trip through the meta device (TensorQuantizer._apply)
-_KEPT_ON_META = ("_amax", "_pre_quant_scale")
+_KEPT_ON_META = ("_amax", "_pre_quant_scale", "_bias_value")
 
 
 class TensorQuantizer(nn.Module):
@@ -49,6 +50,7 @@ class TensorQuantizer(nn.Module):
         self._if_quant = if_quant
         self._if_calib = if_calib
         self._calibrator = MaxCalibrator()
+        self._bias_calibrator = BiasCalibrator(self._attrs.bias_axes) if self._attrs.bias is not None else None
         self._qname = "TensorQuantizer"  # full name in the model, set when a model is configured
         if amax is not None:
             self.amax = amax
@@ -86,9 +88,10 @@ class TensorQuantizer(nn.Module):
                 self.enable() if attrs["enable"] else self.disable()
             return
         new = make_attribute_config(attrs)
-        if new.format_spec() != self.spec or new.axis != self._attrs.axis or new.is_dynamic != self._attrs.is_dynamic:
+        if new.format_spec() != self.spec or new.axis != self._attrs.axis or new.is_dynamic != self._attrs.is_dynamic or new.bias != self._attrs.bias:
             self.reset_amax()
         self._attrs = new
+        self._bias_calibrator = BiasCalibrator(new.bias_axes) if new.bias is not None else None
         self._disabled = not new.enable
 
     # ------------------------------------------------------------------ switches
@@ -173,8 +176,48 @@ class TensorQuantizer(nn.Module):
         return x * pqs.to(x.dtype)
 
     def reset_amax(self) -> None:
+        """Drop the amax and the bias (the amax was calibrated against that bias) and their statistics."""
         self._drop_kept_buffer("_amax")
+        self._drop_kept_buffer("_bias_value")
         self._calibrator.reset()
+        if self._bias_calibrator is not None:
+            self._bias_calibrator.reset()
+
+    # ------------------------------------------------------------------ bias (affine quantization)
+    @property
+    def bias_value(self) -> Optional[torch.Tensor]:
+        """The calibrated static bias (fp32, the input's shape with the averaged axes of size 1), or None.
+        ``bias`` in the config says which axes; see :mod:`quantlib.calib.bias`."""
+        return getattr(self, "_bias_value", None)
+
+    @bias_value.setter
+    def bias_value(self, value: Optional[torch.Tensor]) -> None:
+        if value is None:
+            self._drop_kept_buffer("_bias_value")
+            return
+        if self._attrs.bias is None:
+            raise ValueError(f"{self._qname}: a bias value for a quantizer whose config has no 'bias'")
+        value = torch.as_tensor(value).detach().clone()
+        if not value.is_floating_point():
+            raise ValueError(f"{self._qname}: the bias must be a float tensor, got {value.dtype}")
+        if not value.is_meta and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{self._qname}: the bias holds NaN or Inf ({value.flatten()[:4].tolist()}...)")
+        self._set_kept_buffer("_bias_value", value.float())
+
+    @property
+    def bias_values(self) -> Optional[torch.Tensor]:
+        """:attr:`bias_value` with values, as :attr:`amax_values`."""
+        return self._values_of("_bias_value")
+
+    def _bias_for(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias_value
+        if bias is None:
+            raise RuntimeError(f"bias={self._attrs.bias}: the static bias is not calibrated; calibrate with a forward_loop (quantlib.quantize / quantlib.calibrate)")
+        try:
+            torch.broadcast_shapes(bias.shape, x.shape)
+        except RuntimeError:
+            raise ValueError(f"bias={self._attrs.bias}: the calibrated bias of shape {tuple(bias.shape)} does not fit an input of shape {tuple(x.shape)}") from None
+        return bias
 
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (``to``, ``to_empty``, ``half``...) that keeps the amax and
@@ -238,6 +281,8 @@ class TensorQuantizer(nn.Module):
 
     def _collect(self, x: torch.Tensor) -> None:
         if self.needs_calibration and x.numel() > 0:
+            if self._bias_calibrator is not None:  # the amax of x minus the running bias, as ModelOpt
+                x = x.detach().float() - self._bias_calibrator.collect(x)
             self._calibrator.collect(static_amax(x, self.spec, self._attrs.axis, self._attrs.backend))
 
     def load_calib_amax(self) -> None:
@@ -250,6 +295,9 @@ class TensorQuantizer(nn.Module):
             raise CalibrationError(f"{self._qname}: calibration saw {bad} values (amax {amax.flatten()[:4].tolist()}...); check the model's activations or disable this quantizer")
         self.amax = amax
         self._calibrator.reset()
+        if self._bias_calibrator is not None and self._bias_calibrator.compute_bias() is not None:
+            self.bias_value = self._bias_calibrator.compute_bias()
+            self._bias_calibrator.reset()
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Calibrate on one tensor (a weight): the amax becomes this tensor's."""
@@ -278,6 +326,8 @@ class TensorQuantizer(nn.Module):
     def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Fake quant with the statistics collected so far (for chained calibration)."""
         try:
+            if self._attrs.bias is not None:
+                raise NotImplementedError(f"bias={self._attrs.bias}: a quantizer with a bias cannot be a member of a SequentialQuantizer")
             x = self.pre_scale(x)
             amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
             return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
@@ -295,16 +345,28 @@ class TensorQuantizer(nn.Module):
                 self._collect(x)  # x is already pre-scaled
             if not self._if_quant:
                 return x
+            if self._attrs.bias is not None:
+                return self._affine_fake_quant(x)
             return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
         except Exception as exc:
             _raise_named(exc, self._qname)
 
+    def _affine_fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.calib.bias`)."""
+        bias = self._bias_for(x).to(x.device)
+        shifted = x.float() - bias
+        return (ops.fake_quant(shifted, self.spec, self._amax_for(shifted), self._attrs.backend) + bias).to(x.dtype)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The amax buffer exists only once calibrated; a state dict that has one brings it along.
-        for name in ("_amax", "_pre_quant_scale"):
+        for name in ("_amax", "_pre_quant_scale", "_bias_value"):
             key = prefix + name
             if key in state_dict and name not in self._buffers:
-                self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if name == "_amax" else state_dict[key].dtype))
+                if name == "_bias_value" and self._attrs.bias is None:
+                    error_msgs.append(f"{prefix}_bias_value: the state dict has a bias, but this quantizer's config has no 'bias'")
+                    continue
+                fp32 = name in ("_amax", "_bias_value")
+                self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if fp32 else state_dict[key].dtype))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
@@ -324,4 +386,6 @@ class TensorQuantizer(nn.Module):
             parts.append(f"amax={amax.item():.4g}" if amax.numel() == 1 else f"amax=[{tuple(amax.shape)}]")
         if self.pre_quant_scale is not None:
             parts.append(f"pre_quant_scale=[{self.pre_quant_scale.numel()}]")
+        if self._attrs.bias is not None:
+            parts.append("bias=" + ("uncalibrated" if self.bias_value is None else f"[{tuple(self.bias_value.shape)}]"))
         return " ".join(parts)

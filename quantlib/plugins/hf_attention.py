@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..kv_cache import ATTENTION_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModuleRegistry
 from .attention_quantizers import AttentionQuantizers
 
@@ -38,6 +39,10 @@ class KVQuantizationError(RuntimeError):
 
 class QuantHFAttention(AttentionQuantizers):
     """Mixin for a transformers attention class that calls the attention interface."""
+
+    # q/k/v reach the attention function as [batch, heads, seq, head dim], the layout ModelOpt's
+    # FP8_AFFINE_KV_CFG bias axes (-2: seq, -4: batch) are written for
+    affine_quantizer_names = ATTENTION_QUANTIZER_NAMES
 
     def _setup(self) -> None:
         super()._setup()

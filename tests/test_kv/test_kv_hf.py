@@ -167,13 +167,6 @@ def test_kv_merge_keeps_weight_rules_and_appends_kv():
     assert ql.FP8_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"] == {"num_bits": (4, 3), "axis": None}  # inputs untouched
 
 
-def test_kv_affine_preset_refused():
-    with pytest.raises(ql.ConfigError, match="bias.*symmetric"):
-        ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_AFFINE_KV_CFG)
-    with pytest.raises(ql.ConfigError, match="bias"):
-        ql.quantize(build("llama", "sdpa"), ql.FP8_AFFINE_KV_CFG, forward_loop(batches(1)))
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_kv_restore_round_trip(tmp_path, name):
     model = build(name, "sdpa")

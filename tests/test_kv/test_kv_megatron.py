@@ -170,3 +170,20 @@ def _te_free_unreachable(rank: int, world: int) -> str:
 def test_kv_megatron_unreachable_core_attention_refused():
     msg = shims.run_distributed(_te_free_unreachable, 1)[0]
     assert "decoder.layers.1.self_attention.core_attention (FusedAttention)" in msg, msg
+
+
+def _affine_refused(rank: int, world: int) -> str:
+    shims.set_layout(1, 1)
+    model = shims.build_gpt(1, 1, SEED, num_query_groups=GROUPS)
+    try:
+        ql.quantize(model, ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_AFFINE_KV_CFG), shims.forward_loop(shims.token_batches(1, 1)))
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_kv_megatron_affine_preset_refused():
+    """Megatron's core attention sees [seq, batch, heads, dim]: the preset's bias axes do not fit it (and
+    its dist checkpoints carry no bias), so the affine preset is refused, naming the quantizer."""
+    msg = shims.run_distributed(_affine_refused, 1)[0]
+    assert "decoder.layers.0.self_attention.core_attention.k_bmm_quantizer" in msg and "[seq, batch, heads, dim]" in msg, msg
