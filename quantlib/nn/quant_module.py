@@ -35,6 +35,9 @@ class QuantModule(nn.Module):
     parallel_role: str = "replicated"
     #: True for the linears of MoE experts (their input amax syncs across the expert group).
     is_expert: bool = False
+    #: True where the GEMM reads a transform of the forward's input (TE LayerNormLinear: the normalized
+    #: input): calibration that replays inputs records what ``input_quantizer`` is called on instead.
+    gemm_input_at_input_quantizer: bool = False
 
     def _setup(self) -> None:
         """Create the quantizers (called once, right after conversion)."""
