@@ -37,7 +37,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .max import static_amax
 from .registry import AwqLiteConfig, CalibContext, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, progress, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, linear_bias, progress, served_linears
 
 _log = logging.getLogger("quantlib")
 
@@ -82,7 +82,7 @@ def _quantize_like(q: TensorQuantizer, x: torch.Tensor) -> torch.Tensor:
 
 def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], act: torch.Tensor, wscale: torch.Tensor, grid: list[float]) -> torch.Tensor:
     """fp32 [len(grid)]: per alpha, the sum over ``inputs`` of the mean squared output error."""
-    w, bias = module.weight.detach(), getattr(module, "bias", None)
+    w, bias = module.weight.detach(), linear_bias(module)
     q = search_quantizer(module)
     actual = [F.linear(x, w, bias) for x in inputs]
     losses = torch.zeros(len(grid), dtype=torch.float32, device=w.device)

@@ -43,6 +43,12 @@ def linear_weight(module: QuantModule) -> Optional[torch.Tensor]:
     return w
 
 
+def linear_bias(module: nn.Module) -> Optional[torch.Tensor]:
+    """The bias the module's GEMM adds, or None: TE layers built with ``bias=False`` hold an empty tensor."""
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) and bias.numel() > 0 else None
+
+
 def served_linears(model: nn.Module, method: str, needs_input: bool, expert_parallel: bool = False, tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
     """(name, module, weight) of every quantized linear whose weight quantizer is enabled (and, with
     ``needs_input``, whose input quantizer too). A module the config quantizes that the algorithm
@@ -76,10 +82,12 @@ def served_linears(model: nn.Module, method: str, needs_input: bool, expert_para
 
 
 class InputRecorder:
-    """Forward pre-hooks that record, per module, every input's per-channel max |x| and mean |x|
-    (and the inputs themselves with ``keep_inputs``), detached, on the input's device."""
+    """Forward pre-hooks that record, per module, every GEMM input's per-channel max |x| and mean |x|
+    (and the inputs themselves with ``keep_inputs``), detached, on the input's device. The GEMM input is
+    the module's forward input, or, for a module with ``gemm_input_at_input_quantizer`` (TE
+    LayerNormLinear: its forward input is pre-norm), what its ``input_quantizer`` is called on."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], keep_inputs: bool = False) -> None:
+    def __init__(self, modules: list[tuple[str, QuantModule]], keep_inputs: bool = False) -> None:
         self.modules = modules
         self.keep_inputs = keep_inputs
         self.amax: dict[str, torch.Tensor] = {}
@@ -90,7 +98,8 @@ class InputRecorder:
 
     def __enter__(self) -> "InputRecorder":
         for name, m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(self._hook(name)))
+            at = m.input_quantizer if m.gemm_input_at_input_quantizer else m
+            self._handles.append(at.register_forward_pre_hook(self._hook(name)))
         return self
 
     def _hook(self, name: str):

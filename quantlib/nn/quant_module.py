@@ -37,6 +37,9 @@ class QuantModule(nn.Module):
     is_expert: bool = False
     #: quantizers that may take a ``bias`` (affine quantization, see quantlib.calib.bias); none by default
     affine_quantizer_names: tuple[str, ...] = ()
+    #: True where the GEMM reads a transform of the forward's input (TE LayerNormLinear: the normalized
+    #: input): calibration that replays inputs records what ``input_quantizer`` is called on instead.
+    gemm_input_at_input_quantizer: bool = False
 
     def _setup(self) -> None:
         """Create the quantizers (called once, right after conversion)."""

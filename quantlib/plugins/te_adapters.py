@@ -316,6 +316,9 @@ class QuantTELayerNormLinearBase(QuantTELinearBase):
 
     te_function_name: ClassVar[str] = "_LayerNormLinear"
     te_norm_name: ClassVar[str] = "apply_normalization"
+    # the forward's input is pre-norm; quantized_norm calls the input quantizer on every forward's
+    # normalized input (enabled or not), so AWQ / SmoothQuant record it there
+    gemm_input_at_input_quantizer = True
 
     def _rewrite(self, args: tuple) -> tuple:
         return self.te_args.quantize_args(args, None, self.quantize_weight)
