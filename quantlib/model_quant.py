@@ -15,7 +15,7 @@ from .atomic import atomic, check_weight_quantizers
 from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
-from .config import QuantizeConfig, algorithm_config
+from .config import ConfigError, QuantizeConfig, algorithm_config
 from .kv_cache import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.quant_module import QuantModule, QuantModuleRegistry
