@@ -292,6 +292,17 @@ class QuantCfgEntry:
         return {"quantizer_name": self.pattern, "cfg": attrs, "enable": self.enable, "module_class": self.module_class}
 
 
+def turns_on(attrs: Any, enable: Optional[bool]) -> bool:
+    """Whether a rule's ``attrs`` / ``enable`` leave a quantizer on: an explicit ``enable`` wins; else
+    the config's own switch, for a list (a chain) any member's, since a chain quantizes with its
+    enabled members. The one test of "this rule enables" for every check that asks."""
+    if enable is not None:
+        return enable
+    if attrs is None:
+        return False
+    return any(a.enable for a in attrs) if isinstance(attrs, list) else bool(attrs.enable)
+
+
 def algorithm_config(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
     """The typed config of an ``algorithm`` value; invalid ones raise ConfigError naming the key."""
     try:

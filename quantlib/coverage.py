@@ -16,7 +16,7 @@ from typing import Optional
 
 from torch import nn
 
-from .config import QuantizeConfig
+from .config import QuantizeConfig, turns_on
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule, QuantModuleRegistry, all_disabled
 from .nn.tensor_quantizer import TensorQuantizer
@@ -66,9 +66,7 @@ def _named_off(cfg: Optional[QuantizeConfig], qname: str, module: nn.Module) -> 
             decided = e
     if decided is None or decided.pattern == "*":
         return False
-    attrs = decided.attrs[0] if isinstance(decided.attrs, list) else decided.attrs
-    enabled = decided.enable if decided.enable is not None else attrs.enable
-    return not enabled
+    return not turns_on(decided.attrs, decided.enable)
 
 
 def _unmatched(cfg: QuantizeConfig, model: nn.Module) -> list[str]:
@@ -79,9 +77,7 @@ def _unmatched(cfg: QuantizeConfig, model: nn.Module) -> list[str]:
                 names.append((f"{mname}.{attr}" if mname else attr, class_names(m)))
     out = []
     for e in cfg.quant_cfg:
-        attrs = e.attrs[0] if isinstance(e.attrs, list) else e.attrs
-        enabling = e.enable is True or (e.enable is None and attrs is not None and attrs.enable)
-        if enabling and e.pattern != "*" and not any(e.matches(n, c) for n, c in names):
+        if turns_on(e.attrs, e.enable) and e.pattern != "*" and not any(e.matches(n, c) for n, c in names):
             out.append(e.pattern)
     return out
 

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 from torch import nn
 
-from .config import ConfigError, QuantizeConfig
+from .config import ConfigError, QuantizeConfig, turns_on
 from .traversal import class_names
 
 #: the quantizers a KV preset configures, by their attribute name on the attention module
@@ -81,8 +81,7 @@ def kv_rules(config: QuantizeConfig) -> list[str]:
     quantizer name but no linear's quantizer name; a catch-all ``*`` is not a KV rule)."""
     found = []
     for e in config.quant_cfg:
-        enables = e.enable is True or (e.enable is None and e.attrs is not None and all(a.enable for a in (e.attrs if isinstance(e.attrs, list) else [e.attrs])))
-        if not enables:
+        if not turns_on(e.attrs, e.enable):
             continue
         if any(fnmatch.fnmatchcase(p, e.pattern) for p in _PROBES["kv"]) and not any(fnmatch.fnmatchcase(p, e.pattern) for p in _PROBES["linear"]):
             found.append(e.pattern)
@@ -98,10 +97,7 @@ def _looks_like_attention(module: nn.Module) -> bool:
 
 
 def _would_enable(config: QuantizeConfig, name: str, module: nn.Module) -> bool:
-    attrs, enable = config.resolve(name, class_names(module))
-    if enable is not None:
-        return enable
-    return attrs is not None and all(a.enable for a in (attrs if isinstance(attrs, list) else [attrs]))
+    return turns_on(*config.resolve(name, class_names(module)))
 
 
 def unreached_attention(model: nn.Module, config: Optional[QuantizeConfig] = None) -> list[str]:

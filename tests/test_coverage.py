@@ -44,6 +44,12 @@ def test_config_that_enables_no_quantizer_warns(caplog):
     assert "enables no quantizer" in caplog.text and "*wieght_quantizer" in caplog.text
 
 
+def test_chain_rule_with_its_first_member_off_still_counts_as_enabling():
+    chain = [{"num_bits": 8, "axis": 0, "enable": False}, {"num_bits": 8, "axis": 0}]
+    m = ql.quantize(model(), {"quant_cfg": {"*wieght_quantizer": chain, "default": {"enable": False}}, "algorithm": "max"})
+    assert m.quant_coverage.unmatched_patterns == ["*wieght_quantizer"]
+
+
 def test_layers_disabled_by_name_are_a_choice_not_silent(caplog):
     cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*4.weight_quantizer": {"enable": False}, "3.*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
     with caplog.at_level(logging.WARNING, logger="quantlib"):

@@ -203,6 +203,14 @@ def test_kv_preset_refused_on_unreachable_attention():
     ql.quantize(nn.Sequential(nn.Linear(8, 8), MyAttention()), ql.FP8_DEFAULT_CFG, lambda m: m(torch.randn(2, 8)))  # no KV rule: fine
 
 
+def test_kv_chain_rule_with_one_enabled_member_is_refused_on_unreachable_attention():
+    # a list config quantizes with its enabled members: a chain whose first member is off still enables
+    chain = [{"num_bits": (4, 3), "axis": None, "enable": False}, {"num_bits": (4, 3), "axis": None}]
+    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, {"quant_cfg": [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": chain}], "algorithm": "max"})
+    with pytest.raises(ql.ConfigError, match=r"1 \(MyAttention\)"):
+        ql.quantize(nn.Sequential(nn.Linear(8, 8), MyAttention()), cfg, lambda m: m(torch.randn(2, 8)))
+
+
 def test_kv_preset_ignores_unreachable_attention_it_disables():
     """An attention module the config would not quantize (a vision tower, disabled by pattern) is no reason to refuse."""
     model = nn.Sequential()
