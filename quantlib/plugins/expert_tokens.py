@@ -29,6 +29,14 @@ def add_tokens(module: nn.Module, counts: Any, input_quantizer: TensorQuantizer)
         fresh = input_quantizer.num_calib_batches == 0
     else:
         fresh = not module._was_calibrating
+    accumulate(module, counts, fresh)
+
+
+def accumulate(module: nn.Module, counts: Any, fresh: bool) -> torch.Tensor:
+    """Add ``counts`` (one per expert) to ``module.tokens_per_expert``, zeroed first when ``fresh`` (a
+    new calibration); returns the counts as an int64 tensor."""
+    added = torch.as_tensor(counts, dtype=torch.int64).reshape(-1).to(module.tokens_per_expert.device)
     if fresh:
         module.tokens_per_expert.zero_()
-    module.tokens_per_expert += torch.as_tensor(counts, dtype=torch.int64).reshape(-1).to(module.tokens_per_expert.device)
+    module.tokens_per_expert += added
+    return added

@@ -69,6 +69,7 @@ from ..nn.quant_module import QuantModule, QuantModuleRegistry
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
 from ..traversal import leaves_of
+from .expert_tokens import accumulate
 from .megatron_state import (
     EXTRA_STATE_KEY,
     EXTRA_STATE_SCHEMA,
@@ -313,10 +314,8 @@ class _QuantSequentialMLP(QuantModule):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, *args, **kwargs):
         calibrating, fresh = self._calibrating()
         if calibrating:
-            if fresh or not self._was_calibrating:
-                self.tokens_per_expert.zero_()  # a new calibration
-            counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).reshape(-1).to(self.tokens_per_expert.device)
-            self.tokens_per_expert += counts
+            # fresh: judged over all its experts' quantizers, since one expert may see no tokens for batches
+            counts = accumulate(self, tokens_per_expert, fresh or not self._was_calibrating)
             first = self.expert_offset
             _log.debug(
                 "quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1, counts.tolist()

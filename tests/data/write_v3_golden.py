@@ -10,15 +10,16 @@ The model and its weights are the schema-2 golden MLP (``write_v2_golden.build()
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import write_v2_golden as v2  # noqa: E402
+# loaded by path, not through sys.path: an imported test-data folder on sys.path could shadow packages
+_spec = importlib.util.spec_from_file_location("write_v2_golden", os.path.join(HERE, "write_v2_golden.py"))
+v2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(v2)
 
 
 def calibration_data() -> list[torch.Tensor]:

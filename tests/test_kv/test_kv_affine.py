@@ -178,12 +178,10 @@ def test_affine_kv_checkpoint_bias_refused_when_bad():
 
 
 def _golden_v3():
-    sys.path.insert(0, DATA)
-    try:
-        import write_v3_golden
-    finally:
-        sys.path.remove(DATA)
-    return write_v3_golden
+    spec = importlib.util.spec_from_file_location("write_v3_golden", os.path.join(DATA, "write_v3_golden.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_golden_v3_checkpoint_without_bias_restores():
