@@ -245,6 +245,20 @@ def model_layout(model: nn.Module) -> ModelLayout:
     return _layout(_planned_quantizers(model))
 
 
+
+def _restore_tensor(q: TensorQuantizer, value: Any, key: str, attr: str, where: str) -> None:
+    """Set ``q.<attr>`` from the checkpoint's ``key`` (absent: left alone); its setter's checks become
+    CheckpointErrors naming the quantizer and the key."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{where}: {key} must be a tensor, got {type(value).__name__}")
+    try:
+        setattr(q, attr, value)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: invalid {key}: {exc}") from None
+
+
 def _build(qstate: Any, where: str) -> nn.Module:
     """A quantizer module from its state (validating everything before the model is touched)."""
     if not isinstance(qstate, dict) or qstate.get("type") not in ("tensor", "sequential", "grouped"):
@@ -263,22 +277,8 @@ def _build(qstate: Any, where: str) -> nn.Module:
             if per_tensor and q.needs_calibration and amax.dim() != 0:
                 raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
             q.amax = amax
-        pqs = qstate.get("_pre_quant_scale")
-        if pqs is not None:
-            if not isinstance(pqs, torch.Tensor):
-                raise CheckpointError(f"{where}: _pre_quant_scale must be a tensor, got {type(pqs).__name__}")
-            try:
-                q.pre_quant_scale = pqs
-            except ValueError as exc:
-                raise CheckpointError(f"{where}: invalid _pre_quant_scale: {exc}") from None
-        bias = qstate.get("_bias_value")
-        if bias is not None:
-            if not isinstance(bias, torch.Tensor):
-                raise CheckpointError(f"{where}: _bias_value must be a tensor, got {type(bias).__name__}")
-            try:
-                q.bias_value = bias
-            except ValueError as exc:
-                raise CheckpointError(f"{where}: invalid _bias_value: {exc}") from None
+        for key, attr in (("_pre_quant_scale", "pre_quant_scale"), ("_bias_value", "bias_value")):
+            _restore_tensor(q, qstate.get(key), key, attr, where)
         return q
     members = [_build(m, f"{where}.{i}") for i, m in enumerate(qstate.get("members") or [])]
     if not members:
