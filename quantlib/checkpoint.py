@@ -245,7 +245,6 @@ def model_layout(model: nn.Module) -> ModelLayout:
     return _layout(_planned_quantizers(model))
 
 
-
 def _restore_tensor(q: TensorQuantizer, value: Any, key: str, attr: str, where: str) -> None:
     """Set ``q.<attr>`` from the checkpoint's ``key`` (absent: left alone); its setter's checks become
     CheckpointErrors naming the quantizer and the key."""
