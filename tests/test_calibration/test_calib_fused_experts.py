@@ -219,6 +219,24 @@ def test_save_restore_round_trip(tmp_path, data):
         assert torch.equal(model(x).logits, fresh(x).logits)
 
 
+@pytest.mark.parametrize("where", ["wrong_rows", "linear_input"])
+def test_restore_refuses_a_per_expert_scale_that_does_not_fit(where, data):
+    model = ql.quantize(build(), _cfg("awq_lite", INT4, FP8), loop(data))
+    state = ql.quantizer_state(model)
+    key = "model.layers.0.mlp.experts.gate_up_proj_input_quantizer"
+    if where == "wrong_rows":
+        state["quantizers"][key]["_pre_quant_scale"] = state["quantizers"][key]["_pre_quant_scale"][:2]
+        match = r"gate_up_proj_input_quantizer: _pre_quant_scale of shape \(2, 64\) does not fit gate_up_proj \(expected \(experts, in\) = \(4, 64\)\)"
+    else:  # a table moved onto a plain linear's input quantizer
+        cfg = _cfg("max", INT4, FP8, pattern="*")
+        linear = ql.quantize(build(), cfg, loop(data))
+        state = ql.quantizer_state(linear)
+        state["quantizers"]["model.layers.0.self_attn.q_proj.input_quantizer"]["_pre_quant_scale"] = torch.ones(E, H)
+        match = r"q_proj.input_quantizer: a per-expert \(2-D\) _pre_quant_scale"
+    with pytest.raises(ql.CheckpointError, match=match):
+        ql.restore_state(build(), state)
+
+
 def test_row_less_call_of_a_per_expert_scale_is_refused_by_name(data):
     model = ql.quantize(build(), _cfg("awq_lite", INT4, FP8), loop(data))
     iq = model.model.layers[0].mlp.experts.gate_up_proj_input_quantizer
@@ -264,3 +282,8 @@ def test_dp2_ranks_choose_alike(algorithm):
     for proj in ("gate_up_proj", "down_proj"):
         for x, y in zip(outs[0][proj], outs[1][proj]):
             assert (x is None and y is None) or torch.equal(x, y), proj
+    single = _dp_rank(0, 1, data, algorithm)  # one process on every rank's batches: the same choices
+    assert single["alpha"] == outs[0]["alpha"]
+    for proj in ("gate_up_proj", "down_proj"):
+        for x, y in zip(single[proj], outs[0][proj]):
+            assert (x is None and y is None) or torch.allclose(x, y, rtol=1e-5, atol=0), proj
