@@ -60,7 +60,7 @@ def search_quantizer(module: QuantModule) -> TensorQuantizer:
 def weight_scale(w: torch.Tensor, block: Optional[int]) -> torch.Tensor:
     """fp32 per input channel: mean over rows of |W| / (its group's max |W| + tiny)."""
     cols = w.shape[-1]
-    a = w.detach()
+    a = w.detach().contiguous()  # a transposed expert view would reduce in another order (other bits)
     if block:
         pad = -cols % block
         if pad:

@@ -65,6 +65,13 @@ class ExpertGemm:
 
     @property
     def weight(self) -> torch.Tensor:
+        """The (out, in) slice, row-major (a transient copy where the module stores it (in, out)): the
+        search's reductions and GEMMs then see what they see for a linear's weight, whatever the layout."""
+        return self.module.expert_gemm(self.proj, self.e)[0].contiguous()
+
+    @property
+    def weight_view(self) -> torch.Tensor:
+        """The (out, in) slice as a view of the module's parameter (no copy)."""
         return self.module.expert_gemm(self.proj, self.e)[0]
 
     @property
@@ -137,7 +144,7 @@ def _expert_gemms(name: str, m: QuantModule, needs_input: bool) -> list[tuple[st
         for e in range(len(wq)):
             if wq[e].is_enabled:
                 g = ExpertGemm(m, proj, e, shared)
-                out.append((f"{name}.{proj}[{e}]", g, g.weight))
+                out.append((f"{name}.{proj}[{e}]", g, g.weight_view))
     return out
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("transformers", reason="needs transformers (pip install quantlib[transformers])")
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.nn.tensor_quantizer import CalibrationError  # noqa: E402
@@ -53,15 +53,24 @@ def _starve(gate: nn.Module, _args, out):
     return logits, scores, idx
 
 
-def build(seed: int = 0, layers: int = 1) -> Qwen3MoeForCausalLM:
+def build(seed: int = 0, layers: int = 1, family: str = "qwen3_moe") -> nn.Module:
+    """Qwen3-MoE (experts (out, in), no bias) or GPT-OSS (experts stored (in, out), biased, clamped
+    interleaved SwiGLU); expert IDLE of layer 0 gets no tokens."""
     hf.refresh()
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=H, intermediate_size=96, moe_intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
-    model = Qwen3MoeForCausalLM(cfg).eval()
+    common = dict(vocab_size=64, hidden_size=H, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
+    if family == "gpt_oss":
+        model = GptOssForCausalLM(GptOssConfig(intermediate_size=INTER, num_local_experts=E, **common)).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:  # transformers leaves these uninitialised (torch.empty)
+                for p in layer.mlp.experts.parameters():
+                    p.copy_(torch.randn_like(p) * 0.2)
+            model.model.layers[0].mlp.router.bias[IDLE] = -1e4  # never among the top 2
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=INTER, num_experts=E, **common)).eval()
+        model.model.layers[0].mlp.gate.register_forward_hook(_starve)
     with torch.no_grad():  # outlier hidden channels, so the scales matter
         model.model.embed_tokens.weight.mul_(torch.linspace(0.2, 6.0, H))
-    model.model.layers[0].mlp.gate.register_forward_hook(_starve)
     return model
 
 
@@ -92,16 +101,26 @@ def routed_inputs(model: nn.Module, data: list[torch.Tensor]) -> dict[tuple[str,
             xe = hidden[tok]
             out.setdefault(("gate_up_proj", e), []).append(xe)
             with torch.no_grad():
-                out.setdefault(("down_proj", e), []).append(experts._apply_gate(F.linear(xe, experts.gate_up_proj[e])))
+                out.setdefault(("down_proj", e), []).append(experts._apply_gate(F.linear(xe, *_slice(experts, "gate_up_proj", e))))
     return out
+
+
+def _slice(experts: nn.Module, proj: str, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert e's (out, in) weight of ``proj`` and its bias, as the fused forward uses them."""
+    w = getattr(experts, proj)[e]
+    if experts.is_transposed:
+        w = w.transpose(0, 1)
+    return w, (getattr(experts, f"{proj}_bias")[e] if experts.has_bias else None)
 
 
 def reference(model: nn.Module, proj: str, e: int, inputs: list[torch.Tensor], algorithm, weight, inp) -> nn.Module:
     """A plain linear holding expert e's slice of ``proj``, calibrated on ``inputs`` with the same algorithm."""
-    w = getattr(model.model.layers[0].mlp.experts, proj)[e].detach().clone()
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    w, b = _slice(model.model.layers[0].mlp.experts, proj, e)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
     with torch.no_grad():
         lin.weight.copy_(w)
+        if b is not None:
+            lin.bias.copy_(b)
     return ql.quantize(nn.Sequential(lin), _cfg(algorithm, weight, inp, pattern="*"), loop(inputs))[0]
 
 
@@ -110,20 +129,22 @@ def data():
     return batches()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_each_expert_equals_a_linear_calibrated_on_its_routed_tokens(case, data):
+def test_each_expert_equals_a_linear_calibrated_on_its_routed_tokens(case, family, data):
     algorithm, weight, inp = CASES[case]
-    model = build()
+    model = build(family=family)
     routed = routed_inputs(model, data)
     ql.quantize(model, _cfg(algorithm, weight, inp), loop(data))
     experts = model.model.layers[0].mlp.experts
+    assert experts.tokens_per_expert[IDLE] == 0
     for proj in ("gate_up_proj", "down_proj"):
         iq, wq = getattr(experts, f"{proj}_input_quantizer"), getattr(experts, f"{proj}_weight_quantizer")
         ref_amax = []
         for e in range(E):
             if e == IDLE:
                 continue
-            ref = reference(build(), proj, e, routed[(proj, e)], algorithm, weight, inp)
+            ref = reference(build(family=family), proj, e, routed[(proj, e)], algorithm, weight, inp)
             if algorithm != "awq_clip":
                 assert torch.equal(iq.pre_quant_scale[e], ref.input_quantizer.pre_quant_scale), (proj, e)
                 assert torch.equal(wq[e].pre_quant_scale, ref.weight_quantizer.pre_quant_scale), (proj, e)
