@@ -288,11 +288,12 @@ def _dp_rank(rank: int, world: int, data: list[torch.Tensor], algorithm: str) ->
     for proj in ("gate_up_proj", "down_proj"):
         out[proj] = [getattr(experts, f"{proj}_input_quantizer").pre_quant_scale, getattr(experts, f"{proj}_input_quantizer").amax]
         out[proj] += [q.pre_quant_scale for q in getattr(experts, f"{proj}_weight_quantizer")]
+        out[proj] += [q.amax for q in getattr(experts, f"{proj}_weight_quantizer")]  # awq_full: the clipped amax
     return out
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("algorithm", ["awq_lite", "smoothquant"])
+@pytest.mark.parametrize("algorithm", ["awq_lite", "awq_full", "smoothquant"])
 def test_dp2_ranks_choose_alike(algorithm):
     from tests.ranks import run_on_ranks
 
@@ -308,3 +309,11 @@ def test_dp2_ranks_choose_alike(algorithm):
     for proj in ("gate_up_proj", "down_proj"):
         for x, y in zip(single[proj], outs[0][proj]):
             assert (x is None and y is None) or torch.allclose(x, y, rtol=1e-5, atol=0), proj
+
+
+def test_export_refuses_per_expert_scales_by_name(data):
+    from quantlib.export import ExportError, iter_packed
+
+    model = ql.quantize(build(), _cfg("awq_lite", INT4, None), loop(data))
+    with pytest.raises(ExportError, match=r"mlp\.experts\.gate_up_proj_input_quantizer: pre_quant_scale is set"):
+        list(iter_packed(model, "ct_int_pack"))
