@@ -349,6 +349,23 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
                     raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
 
 
+def _check_expert_scales(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:
+    """A 2-D ``_pre_quant_scale`` (one row per expert) belongs to a fused-experts module's input
+    quantizer and has one row per expert, one column per input channel of that projection."""
+    leaves = [q] if isinstance(q, TensorQuantizer) else list(q.leaves())
+    table = next((leaf.pre_quant_scale for leaf in leaves if leaf.pre_quant_scale is not None and leaf.pre_quant_scale.dim() == 2), None)
+    if table is None:
+        return
+    qcls = _quantized_class(module)
+    projections = getattr(qcls, "projections", ()) if callable(getattr(qcls, "expert_gemm", None)) else ()
+    proj = next((p for p in projections if attr == f"{p}_input_quantizer"), None)
+    if proj is None or not isinstance(q, TensorQuantizer):
+        raise CheckpointError(f"{name}: a per-expert (2-D) _pre_quant_scale of shape {tuple(table.shape)} belongs only to a fused-experts module's input quantizer")
+    expected = (module.num_experts, qcls.expert_gemm(module, proj, 0)[0].shape[1])
+    if tuple(table.shape) != expected:
+        raise CheckpointError(f"{name}: _pre_quant_scale of shape {tuple(table.shape)} does not fit {proj} (expected (experts, in) = {expected})")
+
+
 def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
     """Say so where the two sides' names differ by one leading prefix: a wrapper module on one side only."""
     for longer, shorter, whose in ((unexpected, missing, "checkpoint"), (missing, unexpected, "model")):
@@ -386,6 +403,7 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
     for name, q in built.items():
         _check_structure(name, q, *plan[name])
         _check_weight_shapes(name, q, *plan[name])
+        _check_expert_scales(name, q, *plan[name])
     try:
         config = QuantizeConfig.from_any(state["config"]) if state.get("config") else None
     except ConfigError as exc:

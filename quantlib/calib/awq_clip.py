@@ -15,7 +15,8 @@ grid, rounded to 2 decimals):
 ``Q_r`` quantizing with ``r`` times the max amax of ``W'``. Losses are SUM-reduced over the
 data-parallel ranks; each group keeps the first ratio of least loss. As ModelOpt's ``awq_clip``,
 computed from cached inputs instead of another forward_loop pass. Chains of weight quantizers (W4A8)
-and other layouts keep their amax, with a warning.
+and other layouts keep their amax, with a warning. Fused experts: each expert's weight quantizer member
+is searched on that expert's routed inputs; ``awq_clip_ratio`` is ``{proj: [ratio per expert]}``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
 from .max import static_amax
 from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
-from .scaling import progress
+from .scaling import input_pre_scale, progress, store_result
 
 _log = logging.getLogger("quantlib")
 
@@ -72,7 +73,7 @@ def _block_outputs(xb: torch.Tensor, wb: torch.Tensor, co_batch: int) -> list[to
 def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig) -> torch.Tensor:
     """fp32 [len(ratios), *w_amax.shape] (NVFP4: [len(ratios)]), summed over ``inputs``."""
     w = q.pre_scale(module.weight.detach())
-    xs = [module.input_quantizer.pre_scale(x) for x in inputs]
+    xs = [input_pre_scale(module, x) for x in inputs]
     per_tensor = q.spec.kind == Kind.NVFP4
     losses = torch.zeros((len(ratios),) + (() if per_tensor else tuple(w_amax.shape)), dtype=torch.float32, device=w.device)
     if per_tensor:
@@ -116,7 +117,7 @@ def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float
             best = torch.argmin(losses, dim=0)  # first least loss: the smaller ratio wins ties
             ratio = torch.tensor(ratios, dtype=torch.float32, device=w_amax.device)[best]
             q.amax = w_amax * ratio.reshape(w_amax.shape)
-            m.awq_clip_ratio = ratio
+            store_result(m, "awq_clip_ratio", ratio)
             inputs[name] = []
 
 

@@ -17,9 +17,14 @@ each served linear keeps its inputs and their per-channel mean |x| and max |x|. 
 
 This is ModelOpt's ``awq_lite`` computed from cached inputs instead of a second forward_loop pass
 (the same inputs: both see the unquantized upstream layers). Its alpha grid stops at 1 (ModelOpt's
-``arange(0, 1 + step, step)`` also tries 1.2 for a step of 0.3). Linear experts that no token
-reached follow ``expert_input_policy``: "error" raises, otherwise they keep max calibration with a
-``pre_quant_scale`` of ones.
+``arange(0, 1 + step, step)`` also tries 1.2 for a step of 0.3). Experts that no token reached
+(linear experts, or experts of a fused-experts module) follow ``expert_input_policy``: "error" raises,
+otherwise they keep max calibration with a ``pre_quant_scale`` of ones.
+
+Fused experts (:class:`~quantlib.calib.scaling.ExpertGemm`): each expert of each projection is searched
+as a linear on the tokens routed to it (gate_up: its routed hidden states; down: its ``act(gate) * up``),
+with its own statistics, alpha and scales; ``awq_lite_alpha`` is then ``{proj: [alpha per expert]}``
+(None for an expert no token reached), and the shared input amax the max over the experts' scaled amax.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .max import static_amax
 from .registry import AwqLiteConfig, CalibContext, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, linear_bias, progress, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, handle_unreached, linear_bias, progress, served_linears, store_result
 
 _log = logging.getLogger("quantlib")
 
@@ -55,7 +60,7 @@ def search_quantizer(module: QuantModule) -> TensorQuantizer:
 def weight_scale(w: torch.Tensor, block: Optional[int]) -> torch.Tensor:
     """fp32 per input channel: mean over rows of |W| / (its group's max |W| + tiny)."""
     cols = w.shape[-1]
-    a = w.detach()
+    a = w.detach().contiguous()  # a transposed expert view would reduce in another order (other bits)
     if block:
         pad = -cols % block
         if pad:
@@ -122,7 +127,7 @@ def record_inputs(model: nn.Module, method: str, ctx: CalibContext) -> tuple[lis
     collective_step(ctx, targets, lambda: _record(model, rec, ctx))
     device = targets[0][2].device if targets else torch.device("cpu")
     calls = ctx.all_reduce_sum(torch.tensor([float(rec.calls[n]) for n, _, _ in targets], device=device)).tolist()
-    _handle_unreached(method, [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx)
+    handle_unreached(method, [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy)
     return targets, rec, calls
 
 
@@ -143,9 +148,9 @@ def search(targets: list, rec: InputRecorder, calls: list[float], cfg: AwqLiteCo
             scale = awq_scale(act, wscale, grid[best])
             amax = rec.amax.get(name, torch.zeros(w.shape[1], device=w.device))
             apply_pre_quant_scale(m, 1.0 / scale, ctx.all_reduce_max(amax.clone()))
-            m.awq_lite_alpha = grid[best]
+            store_result(m, "awq_lite_alpha", grid[best])
             if cfg.debug:
-                m.awq_lite_losses = dict(zip(grid, losses.tolist()))
+                store_result(m, "awq_lite_losses", dict(zip(grid, losses.tolist())))
             if not keep_inputs:
                 rec.inputs[name] = []  # free the cache as we go
 
@@ -169,17 +174,3 @@ def collective_step(ctx: CalibContext, targets: list, step: Callable[[], Any]) -
         raise error
     if failed.item():
         raise CalibrationError("calibration failed on another data-parallel rank (its error is reported there)")
-
-
-def _handle_unreached(method: str, idle: list[tuple[str, QuantModule]], ctx: CalibContext) -> None:
-    """Linears no rank's input reached: experts follow the policy, anything else raises by name."""
-    if not idle:
-        return
-    names = [n for n, m in idle if not m.is_expert]
-    if names:
-        raise CalibrationError(f"{method}: forward_loop never reached {names[:5]}; feed data that reaches them or disable their quantizers")
-    if ctx.expert_input_policy == "error":
-        raise CalibrationError(f"{method}: no tokens reached expert(s) {[n for n, _ in idle][:5]} (expert_input_policy='error')")
-    for n, m in idle:
-        _log.warning("%s: no tokens reached this expert; %s leaves it max-calibrated with a pre_quant_scale of ones", n, method)
-        m.input_quantizer.pre_quant_scale = torch.ones(m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device)

@@ -10,6 +10,9 @@ the input quantizer's ``pre_quant_scale`` is ``1/s``, the weight quantizer's ``s
 ``W * s``, recalibrated) and the input's per-tensor amax is ``max(a / s)``, as ModelOpt computes them.
 As ModelOpt, only INT8 inputs and weights are smoothed (other linears keep max calibration, with a
 warning). The scales stay in the input quantizer (folding them into a preceding norm is not done).
+Experts no token reached follow ``expert_input_policy`` as in awq_lite. Fused experts: each expert of
+each projection is smoothed as a linear with its own routed inputs' amax (row e of the input
+quantizer's 2-D ``pre_quant_scale``); the shared input amax is the max over the experts'.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import torch
 from torch import nn
 
 from ..formats import Kind
-from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
+from ..nn.tensor_quantizer import TensorQuantizer
 from .registry import CalibContext, SmoothQuantConfig, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, handle_unreached, served_linears
 
 _log = logging.getLogger("quantlib")
 
@@ -57,12 +60,15 @@ def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext)
         clear_scales(m)
     with InputRecorder([(n, m) for n, m, _ in targets]) as rec:
         ctx.max_calibrate(model)
-    missing = [n for n, _, _ in targets if rec.calls[n] == 0]
-    if missing:
-        raise CalibrationError(f"smoothquant: forward_loop never reached {missing[:5]}; feed data that reaches them or disable their quantizers")
+    device = targets[0][2].device if targets else torch.device("cpu")
+    # reached on any rank (an expert may get tokens on one rank only): every rank decides alike
+    calls = ctx.all_reduce_sum(torch.tensor([float(rec.calls[n]) for n, _, _ in targets], device=device)).tolist()
+    handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy)
     with torch.no_grad():
-        for name, m, w in targets:
-            act_amax = ctx.all_reduce_max(rec.amax[name].clone())
+        for (name, m, w), n_calls in zip(targets, calls):
+            if n_calls == 0:
+                continue
+            act_amax = ctx.all_reduce_max(rec.amax.get(name, torch.zeros(w.shape[1], device=w.device)).clone())
             check_finite(f"{name}.input_quantizer", "input's per-channel amax", act_amax)
             weight_amax = w.detach().abs().amax(dim=0).float()
             check_finite(f"{name}.weight_quantizer", "weight", weight_amax)

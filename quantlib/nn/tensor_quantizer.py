@@ -151,7 +151,8 @@ class TensorQuantizer(nn.Module):
         """Factor along the last dim that the input is multiplied by before anything else, or None:
         SmoothQuant / AWQ set ``1/s`` (per input channel) on a linear's input quantizer and ``s`` on its
         weight quantizer, which then quantizes ``W * s``. Applied whenever set, even with quantization
-        disabled, since the module's function depends on both halves."""
+        disabled, since the module's function depends on both halves. A 2-D ``[E, C]`` scale belongs to
+        an input quantizer shared by E fused experts: row e scales expert e's tokens (``row=e``)."""
         return getattr(self, "_pre_quant_scale", None)
 
     @pre_quant_scale.setter
@@ -160,17 +161,22 @@ class TensorQuantizer(nn.Module):
             self._drop_kept_buffer("_pre_quant_scale")
             return
         value = torch.as_tensor(value).detach().clone()
-        if value.dim() != 1 or not value.is_floating_point():
-            raise ValueError(f"{self._qname}: pre_quant_scale must be a 1-D float tensor (one factor per input channel), got {value.dtype} of shape {tuple(value.shape)}")
+        if value.dim() not in (1, 2) or not value.is_floating_point():
+            raise ValueError(f"{self._qname}: pre_quant_scale must be a 1-D float tensor (one factor per input channel; 2-D: one row per fused expert), got {value.dtype} of shape {tuple(value.shape)}")
         if not value.is_meta and not bool(torch.isfinite(value).all() and (value > 0).all()):
             raise ValueError(f"{self._qname}: pre_quant_scale must be finite and positive, got {value[:4].tolist()}...")
         self._set_kept_buffer("_pre_quant_scale", value)
 
-    def pre_scale(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` times ``pre_quant_scale`` along its last dim (``x`` itself when there is none)."""
+    def pre_scale(self, x: torch.Tensor, row: Optional[int] = None) -> torch.Tensor:
+        """``x`` times ``pre_quant_scale`` along its last dim (``x`` itself when there is none); a 2-D
+        scale takes its row ``row`` (the expert whose tokens ``x`` holds), which must then be given."""
         pqs = self.pre_quant_scale
         if pqs is None:
             return x
+        if pqs.dim() == 2:
+            if row is None:
+                raise ValueError(f"{self._qname}: pre_quant_scale holds one row per expert {tuple(pqs.shape)}; quantize each expert's tokens with its row (row=e)")
+            pqs = pqs[row]
         if x.shape[-1] != pqs.numel():
             raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.numel()} channels, the input's last dim is {x.shape[-1]}")
         return x * pqs.to(x.dtype)
@@ -274,10 +280,10 @@ class TensorQuantizer(nn.Module):
             key, value = ("block_sizes", self.block_sizes) if self.spec.block is not None else ("axis", self.axis)
             raise ValueError(f"{self._qname}: {key}={value!r} does not fit a tensor of shape {tuple(shape)}: {exc}") from None
 
-    def collect(self, x: torch.Tensor) -> None:
-        """Add ``x`` (times ``pre_quant_scale``) to the calibration statistics (an empty ``x``, e.g. an
-        expert's 0-token split, adds nothing)."""
-        self._collect(self.pre_scale(x))
+    def collect(self, x: torch.Tensor, row: Optional[int] = None) -> None:
+        """Add ``x`` (times ``pre_quant_scale``, its row ``row`` if 2-D) to the calibration statistics (an
+        empty ``x``, e.g. an expert's 0-token split, adds nothing)."""
+        self._collect(self.pre_scale(x, row))
 
     def _collect(self, x: torch.Tensor) -> None:
         if self.needs_calibration and x.numel() > 0:
@@ -335,8 +341,9 @@ class TensorQuantizer(nn.Module):
             _raise_named(exc, self._qname)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pre_scale(x)
+    def forward(self, x: torch.Tensor, row: Optional[int] = None) -> torch.Tensor:
+        """Fake-quantize ``x``; ``row``: the expert whose tokens ``x`` holds (a 2-D ``pre_quant_scale``)."""
+        x = self.pre_scale(x, row)
         if self._disabled or x.numel() == 0:
             return x
         # the try costs (next to) nothing until something raises; the name is formatted only then
@@ -385,7 +392,7 @@ class TensorQuantizer(nn.Module):
         if amax is not None:
             parts.append(f"amax={amax.item():.4g}" if amax.numel() == 1 else f"amax=[{tuple(amax.shape)}]")
         if self.pre_quant_scale is not None:
-            parts.append(f"pre_quant_scale=[{self.pre_quant_scale.numel()}]")
+            parts.append(f"pre_quant_scale={list(self.pre_quant_scale.shape)}")
         if self._attrs.bias is not None:
             parts.append("bias=" + ("uncalibrated" if self.bias_value is None else f"[{tuple(self.bias_value.shape)}]"))
         return " ".join(parts)

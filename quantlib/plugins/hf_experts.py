@@ -12,12 +12,14 @@ Per projection the quantized module has a :class:`~quantlib.nn.GroupedQuantizer`
 quantizers (member e quantizes slice e seen as an (out, in) matrix like an ``nn.Linear`` weight, and
 is calibrated from slice e alone) and one input quantizer shared by the experts (one activation scale
 per layer, as inference engines take it). ``tokens_per_expert`` counts the tokens routed to each expert
-during the last calibration.
+during the last calibration. AWQ / SmoothQuant search each expert on its own tokens: expert e's scales
+are row e of the input quantizer's 2-D ``pre_quant_scale`` and member e's (weight) ``pre_quant_scale``;
+``_input_observer(proj, e, x)``, when set, sees each expert GEMM's input (their recorder).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Iterator
+from typing import ClassVar, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,11 @@ class QuantFusedExperts(QuantModule):
             views[(proj, e)] = hit
         return hit[2]
 
+    def expert_gemm(self, proj: str, e: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weight as an (out, in) view, bias or None) of expert ``e``'s GEMM in projection ``proj``:
+        what the activation-aware algorithms search as a linear (quantlib.calib.scaling.ExpertGemm)."""
+        return expert_weight(self, proj, e), (getattr(self, f"{proj}_bias")[e] if flag(self, "has_bias") else None)
+
     def _linear(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
         w = self.quantize_weight(self._expert_view(proj, e), f"{proj}_weight_quantizer", e)
         bias = getattr(self, f"{proj}_bias")[e] if flag(self, "has_bias") else None
@@ -143,15 +150,24 @@ class QuantFusedExperts(QuantModule):
             # (E + 1, k, tokens): the extra row takes expert-parallel sentinels (index == num_experts)
             expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
             counts = expert_mask[:num_experts].sum(dim=(-1, -2))
-        up_input = getattr(self, f"{up}_input_quantizer")
+        up_input, down_input = getattr(self, f"{up}_input_quantizer"), getattr(self, f"{down}_input_quantizer")
         count_tokens(self, counts, up_input, self._calibrating())
-        x = up_input(hidden_states)
+        # one pre_quant_scale row per expert (AWQ / SmoothQuant): each expert's tokens are scaled by its
+        # row, then quantized with the shared amax; otherwise every token is quantized once
+        per_expert = up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2
+        x = hidden_states if per_expert else up_input(hidden_states)
+        observe = self.__dict__.get("_input_observer")
         out = torch.zeros_like(hidden_states)
         for e in torch.nonzero(counts > 0).flatten().tolist():
             top_k_pos, token_idx = torch.where(expert_mask[e])
-            h = self._linear(up, e, x[token_idx])
+            xe = x[token_idx]
+            if observe is not None:
+                observe(up, e, hidden_states[token_idx])
+            h = self._linear(up, e, up_input(xe, row=e) if per_expert else xe)
             h = self._apply_gate(h) if flag(self, "has_gate") else self.act_fn(h)
-            h = self._linear(down, e, getattr(self, f"{down}_input_quantizer")(h))
+            if observe is not None:
+                observe(down, e, h)
+            h = self._linear(down, e, down_input(h, row=e))
             if flag(self, "has_post_expert_norm"):
                 h = self.post_expert_norm(h)
             h = h * top_k_weights[token_idx, top_k_pos, None]

@@ -52,13 +52,23 @@ def test_scale_applies_with_quantization_disabled():
     assert torch.equal(q(x), x * _scale())
 
 
-@pytest.mark.parametrize("bad", [torch.ones(2, 4), torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 0.0]), torch.tensor([1, 2])])
+@pytest.mark.parametrize("bad", [torch.ones(2, 2, 2), torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 0.0]), torch.tensor([1, 2])])
 def test_invalid_scale_is_refused_naming_the_quantizer(bad):
     q = TensorQuantizer(INT8)
     q._qname = "fc1.input_quantizer"
     with pytest.raises(ValueError, match="fc1.input_quantizer: pre_quant_scale"):
         q.pre_quant_scale = bad
     assert q.pre_quant_scale is None
+
+
+def test_row_of_a_per_expert_scale_scales_that_experts_tokens():
+    q = TensorQuantizer(INT8, amax=torch.tensor(3.0))
+    table = torch.stack([_scale(), _scale().flip(0), torch.ones(8)])
+    q.pre_quant_scale = table
+    x = torch.randn(5, 8)
+    for e in range(3):
+        assert torch.equal(q(x, row=e), fake_quant(x * table[e], q.spec, torch.tensor(3.0)))
+    assert not torch.equal(q(x, row=0), q(x, row=1))
 
 
 def test_channel_mismatch_names_the_quantizer():

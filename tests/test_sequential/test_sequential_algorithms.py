@@ -56,8 +56,20 @@ def state_of(model: nn.Module) -> dict:
         for attr in RESULT_ATTRIBUTES:
             if hasattr(m, attr):
                 value = getattr(m, attr)
-                out[f"{n}/{attr}"] = value.cpu() if isinstance(value, torch.Tensor) else torch.tensor(list(value.values()) if isinstance(value, dict) else value)
+                out[f"{n}/{attr}"] = _as_tensor(value)
     return out
+
+
+def _as_tensor(value) -> torch.Tensor:
+    """A result as one tensor: fused experts keep ``{proj: [per expert]}`` (None for an expert no token
+    reached, here -1), linears a number, a tensor or ``{alpha: loss}``."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu().float().flatten()
+    if isinstance(value, dict):
+        return torch.cat([_as_tensor(v) for v in value.values()])
+    if isinstance(value, (list, tuple)):
+        return torch.cat([_as_tensor(v) for v in value])
+    return torch.tensor([-1.0 if value is None else float(value)])
 
 
 def assert_same(got: dict, expected: dict) -> None:
