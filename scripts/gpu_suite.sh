@@ -8,12 +8,13 @@
 # (benchmarks/bench_sequential.py --device cuda, about a minute).
 #
 #   scripts/gpu_suite.sh LOGDIR [--tests "PATHS"] [--benchmarks "kernels calibrate te" | none] [--python PY]
+#                        [--workers N]
 #
-# All GPU tests run in one pytest process (they must pass whatever ran before them in it). Exit status:
-# that of pytest, or 1 where a benchmark failed.
+# All GPU tests run in one pytest process, or in N pytest-xdist workers that share the GPU (each must pass
+# whatever ran before it in its process). Exit status: that of pytest, or 1 where a benchmark failed.
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,13p' "$0" >&2
+    sed -n '2,15p' "$0" >&2
     exit 2
 fi
 logdir=$1
@@ -21,11 +22,13 @@ shift
 tests="tests"
 benchmarks="kernels calibrate te"
 py=python3
+workers=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --tests) tests=$2; shift 2 ;;
         --benchmarks) benchmarks=$2; shift 2 ;;
         --python) py=$2; shift 2 ;;
+        --workers) workers=(-n "$2"); shift 2 ;;
         *) echo "gpu_suite.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -57,7 +60,7 @@ EOF
 cat "$logdir/env.txt"
 
 # shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 "$py" -m pytest -m gpu $tests -ra -q --junitxml="$logdir/pytest_gpu.xml" 2>&1 | tee "$logdir/pytest_gpu.log"
+PYTHONUNBUFFERED=1 "$py" -m pytest -m gpu $tests "${workers[@]}" -ra -q --junitxml="$logdir/pytest_gpu.xml" 2>&1 | tee "$logdir/pytest_gpu.log"
 status=${PIPESTATUS[0]}
 tail -1 "$logdir/pytest_gpu.log"
 
