@@ -76,6 +76,7 @@ from .megatron_state import (
     _extra_key,
     apply_quantizer_extra_state,
     merge_extra_states,
+    pre_quant_scale_shard_dim,
     quantizer_extra_state,
     record_extra_state_objects,
     restore_quantizer_config,
@@ -125,29 +126,27 @@ class _MegatronQuantMixin(QuantModule):
         return get_pg_size(self._ql_tp_group())
 
     # -------------------------------------------------------------- dist checkpointing
-    def _ql_amax_leaves(self) -> Iterator[tuple[str, str, TensorQuantizer, str, Optional[int]]]:
-        """(state-dict name, checkpoint name, leaf, quantizer attribute, grouped member or None) of every
-        calibrated amax. The members of a GroupedQuantizer share a checkpoint name: their global expert
-        index is an axis of the checkpoint tensor."""
+    def _ql_tensor_leaves(self) -> Iterator[tuple[str, str, str, torch.Tensor, TensorQuantizer, str, Optional[int]]]:
+        """(buffer key, state-dict name, checkpoint name, tensor, leaf, quantizer attribute, grouped member or
+        None) of every calibrated amax and ``pre_quant_scale``. The members of a GroupedQuantizer share a
+        checkpoint name: their global expert index is an axis of the checkpoint tensor."""
         for qname in self.quantizer_names:
             q = getattr(self, qname, None)
             if q is None:
                 continue
             grouped = isinstance(q, GroupedQuantizer)
             for name, leaf in leaves_of(qname, q):
-                if leaf.amax is None:
-                    continue
                 parts = name.split(".")
-                if grouped:
-                    yield name, ".".join([qname] + parts[2:]), leaf, qname, int(parts[1])
-                else:
-                    yield name, name, leaf, qname, None
+                ckpt_name, member = (".".join([qname] + parts[2:]), int(parts[1])) if grouped else (name, None)
+                for key, value in (("_amax", leaf.amax), ("_pre_quant_scale", leaf.pre_quant_scale)):
+                    if value is not None:
+                        yield key, name, ckpt_name, value, leaf, qname, member
 
     def _ql_member_offsets(self, member: int, prefix: str, sharded_offsets: tuple, metadata: dict) -> tuple[tuple, str]:
         """(checkpoint offsets, key prefix) of member ``member`` of a grouped quantizer."""
         raise CheckpointError(f"{type(self).__name__} has no grouped quantizers")
 
-    def _ql_sharded_amax(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+    def _ql_sharded_tensors(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
         tp_group, dp_group = self._ql_tp_group(), metadata["dp_cp_group"]
         tp_size = get_pg_size(tp_group)
         # Megatron's MLP saves the fc1 weight of a gated MLP as gate and up halves (by the name linear_fc1)
@@ -155,21 +154,24 @@ class _MegatronQuantMixin(QuantModule):
             prefix == "linear_fc1." or prefix.endswith(".linear_fc1.")
         )
         out = {}
-        for name, ckpt_name, leaf, qname, member in self._ql_amax_leaves():
-            amax, where = leaf.amax, f"{prefix}{name}"
+        for buffer, name, ckpt_name, value, leaf, qname, member in self._ql_tensor_leaves():
+            where = f"{prefix}{name}"
             axis, extent = self.tp_split(qname)
-            dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, where)
+            if buffer == "_amax":
+                dim = tp_shard_dim(leaf, value.dim(), axis, extent, tp_size, where)
+            else:
+                dim = pre_quant_scale_shard_dim(self.weight_quantizer_names, qname, axis)
             offsets, ckpt_prefix = (
                 (sharded_offsets, prefix) if member is None else self._ql_member_offsets(member, prefix, sharded_offsets, metadata)
             )
-            key = f"{ckpt_prefix}{ckpt_name}._amax"
+            key = f"{ckpt_prefix}{ckpt_name}.{buffer}"
             if dim is None:
-                sh = make_sharded_tensor_for_checkpoint(amax, key, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
+                sh = make_sharded_tensor_for_checkpoint(value, key, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
             else:
-                sh = make_tp_sharded_tensor_for_checkpoint(amax, key, dim, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
+                sh = make_tp_sharded_tensor_for_checkpoint(value, key, dim, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
                 if glu:
                     sh = _glu_halves(sh, dim, qname in self.weight_quantizer_names, offsets, metadata, where, tp_group)
-            out[f"{prefix}{name}._amax"] = sh
+            out[f"{prefix}{name}.{buffer}"] = sh
         return out
 
     def _ql_sharded_config(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
@@ -184,7 +186,7 @@ class _MegatronQuantMixin(QuantModule):
         mine = set(self.quantizer_names) | {EXTRA_STATE_KEY}
         for key in [k for k in sd if k.startswith(prefix) and k[len(prefix) :].split(".", 1)[0] in mine]:
             del sd[key]  # Megatron wrapped the quantizer buffers as replicated local tensors
-        sd.update(self._ql_sharded_amax(prefix, sharded_offsets, metadata))
+        sd.update(self._ql_sharded_tensors(prefix, sharded_offsets, metadata))
         config = self._ql_sharded_config(prefix, sharded_offsets, metadata)
         record_extra_state_objects(self, list(config.values()))  # piece i of a grouped layer at i
         sd.update(config)
@@ -381,12 +383,12 @@ class _TEGroupedMixin(_MegatronQuantMixin):
             out[f"{prefix}{EXTRA_STATE_KEY}{i or ''}"] = make_sharded_object_for_checkpoint(piece, key, offsets, replica_id=replica_id)
         return out
 
-    def _ql_sharded_amax(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
-        out = super()._ql_sharded_amax(prefix, sharded_offsets, metadata)
+    def _ql_sharded_tensors(self, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+        out = super()._ql_sharded_tensors(prefix, sharded_offsets, metadata)
         edp = self._ql_expert_dp_rank()
-        for name, _, _, _, member in self._ql_amax_leaves():
-            if member is not None:  # an expert's amax: replicated over the expert-data-parallel ranks only
-                sh = out[f"{prefix}{name}._amax"]
+        for buffer, name, _, _, _, _, member in self._ql_tensor_leaves():
+            if member is not None:  # an expert's tensor: replicated over the expert-data-parallel ranks only
+                sh = out[f"{prefix}{name}.{buffer}"]
                 sh.replica_id = (*sh.replica_id[:2], edp)
         return out
 

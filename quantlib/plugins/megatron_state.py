@@ -68,7 +68,8 @@ def quantizer_extra_state(module: QuantModule) -> dict:
 
     ``{"quantlib_schema": 1, "quantizers": {attr: state}}``, a state being that of
     :func:`quantlib.quantizer_state` with each ``_amax`` replaced by ``amax_shape``: the global shape of
-    the amax (None where there is none).
+    the amax (None where there is none), and each ``_pre_quant_scale`` by ``pre_quant_scale``: its global
+    shape and dtype (absent where there is none); the values of both are sharded tensors of their own.
     """
     tp_size = module._ql_tp_size()
     quantizers = {}
@@ -85,8 +86,26 @@ def quantizer_extra_state(module: QuantModule) -> dict:
                 dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
                 shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
             leaf_state["amax_shape"] = shape
+            pqs = leaf_state.pop("_pre_quant_scale")
+            if pqs is not None:  # its values travel as a sharded tensor, like the amax
+                dim = pre_quant_scale_shard_dim(module.weight_quantizer_names, qname, axis)
+                leaf_state["pre_quant_scale"] = {"shape": list(_global_shape(tuple(pqs.shape), dim, tp_size)), "dtype": str(pqs.dtype).removeprefix("torch.")}
         quantizers[qname] = state
     return {"quantlib_schema": EXTRA_STATE_SCHEMA, "quantizers": quantizers}
+
+
+def pre_quant_scale_shard_dim(weight_quantizer_names: tuple, qname: str, split_axis: Optional[int]) -> Optional[int]:
+    """0 where TP shards a ``pre_quant_scale`` (it runs along the last dim of the tensor its quantizer
+    sees: a row layer's weight columns and input), None where every TP rank holds all of it."""
+    last = 1 if qname in weight_quantizer_names else -1
+    return 0 if split_axis == last else None
+
+
+def _pre_quant_scale_placeholder(spec: Any, local: tuple[int, ...], where: str) -> torch.Tensor:
+    dtype = getattr(torch, str(spec.get("dtype")) if isinstance(spec, dict) else "", None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"{where}: malformed pre_quant_scale entry {str(spec)[:80]!r} (expected {{'shape': [...], 'dtype': 'float32'}})")
+    return torch.full(local, float("nan"), dtype=dtype)
 
 
 def _leaf_states(state: dict) -> Iterator[dict]:
@@ -163,6 +182,15 @@ def apply_quantizer_extra_state(module: QuantModule, state: Any) -> None:
                             f"weight {tuple(weight.shape)} (expected {expected})"
                         )
                 leaf.amax = torch.full(local, float("nan"))
+            pqs = leaf_state.get("pre_quant_scale")
+            if pqs is not None:
+                shape = pqs.get("shape") if isinstance(pqs, dict) else None
+                if not isinstance(shape, list) or len(shape) != 1:
+                    raise CheckpointError(f"{kind}.{name}: malformed pre_quant_scale entry {str(pqs)[:80]!r} (expected a 1-D shape)")
+                dim = pre_quant_scale_shard_dim(module.weight_quantizer_names, qname, axis)
+                local = _local_shape(tuple(shape), dim, tp_size, name)
+                # NaN until dist_checkpointing.load fills it (a strict load_state_dict refuses a missing one)
+                leaf._set_kept_buffer("_pre_quant_scale", _pre_quant_scale_placeholder(pqs, local, f"{kind}.{name}"))
             leaf._qname = base + name[len(qname) :]
         built[qname] = q
     device = next((t.device for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))), None)

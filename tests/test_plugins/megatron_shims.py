@@ -194,11 +194,12 @@ def forward_loop(batches: list[torch.Tensor]) -> Callable:
     return loop
 
 
-def amax_pieces(model) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
-    """(checkpoint key, global shape, slices, local amax) of every amax in ``model.sharded_state_dict()``."""
+def amax_pieces(model, suffix: str = "._amax") -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+    """(checkpoint key, global shape, slices, local value) of every amax (every tensor whose key ends with
+    ``suffix``) in ``model.sharded_state_dict()``."""
     out = []
     for sh in sharded_tensors(model):
-        if sh.key.endswith("._amax"):
+        if sh.key.endswith(suffix):
             out.append((sh.key, tuple(sh.global_shape), local_slice(sh), sh.data.detach().clone().reshape(sh.local_shape)))
     return out
 
