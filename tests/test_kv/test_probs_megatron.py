@@ -134,3 +134,25 @@ def test_probs_megatron_tp2_logits_equal_hand_fake_quant(tmp_path):
         restored = results[rank]["restored_tp1"]
         assert restored.keys() == results[0][2]["amax"].keys()
         assert all(torch.equal(restored[k], results[0][2]["amax"][k]) for k in restored)
+
+
+def _export_refused(rank: int, world: int, tmp: str) -> str:
+    from quantlib.export import ExportError
+    from quantlib.export.megatron import export_megatron_checkpoint
+    from tests.test_export.test_megatron_kv_export import WEIGHTS
+
+    shims.set_layout(1, 1)
+    model = shims.build_gpt(1, 1, SEED)
+    cfg = ql.merge_kv_config(WEIGHTS, P_CFG["quant_cfg"][1:])
+    ql.quantize(model, cfg, shims.forward_loop(shims.token_batches(1, 1)), parallel_state=ql.ParallelState.from_megatron())
+    try:
+        export_megatron_checkpoint(model, f"{tmp}/refused", "modelopt_nvfp4")
+    except ExportError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_probs_megatron_export_refused(tmp_path):
+    msg = shims.run_distributed(_export_refused, 1, str(tmp_path))[0]
+    assert "decoder.layers.0.self_attention.core_attention.p_bmm_quantizer = " in msg and "no export format carries attention-probabilities" in msg, msg
+    assert not (tmp_path / "refused").exists()
