@@ -23,7 +23,7 @@ from quantlib.nn.quant_module import QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import attention_probs, hf_attention  # noqa: E402
 from quantlib.plugins.hf_attention import QuantHFAttention  # noqa: E402
 
-from tests.test_kv.test_kv_hf import batches, build, fp8_by_hand, forward_loop  # noqa: E402
+from tests.test_kv.test_kv_hf import batches, build, forward_loop, fp8_by_hand, run_modelopt  # noqa: E402
 
 NAMES = ("llama", "qwen3")
 P_RULE = {"quantizer_name": "*p_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}}
@@ -193,17 +193,7 @@ def test_probs_amax_and_logits_equal_modelopt(tmp_path):
     takes for non-causal attention modules (causal ones go to its Triton kernel, CUDA only, and skip P
     while calibrating): there its amax, and its logits, equal quantlib's. Its own process: importing
     ModelOpt patches transformers classes for the whole process."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("modelopt") is None:
-        pytest.skip("needs nvidia-modelopt")
-    out = tmp_path / "modelopt.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ql.__file__))), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-c", _MODELOPT_SCRIPT, str(out), os.path.dirname(os.path.abspath(__file__))], check=True, env=env, timeout=600)
-    theirs = torch.load(out, weights_only=True)
+    theirs = run_modelopt(_MODELOPT_SCRIPT, tmp_path)
     for name in NAMES:
         model = quantized(name, "eager")
         for i, layer in enumerate(model.model.layers):

@@ -21,7 +21,7 @@ from tests.test_plugins import megatron_shims as shims  # noqa: E402
 import quantlib as ql  # noqa: E402
 
 from tests.test_kv.test_kv_hf import fp8_by_hand  # noqa: E402
-from tests.test_kv.test_kv_megatron import GROUPS, SEED, _save  # noqa: E402
+from tests.test_kv.test_kv_megatron import GROUPS, SEED, _save, restored_tp1  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -73,13 +73,7 @@ def _reference(tp: int, data, tokens):
 
 
 def _load_tp1(folder: str) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from quantlib.plugins.megatron import restore_quantizer_config
-
-    shims.set_layout(1, 1)
-    model = restore_quantizer_config(shims.build_gpt(1, 1, SEED + 1, num_query_groups=GROUPS), folder)
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), folder))
+    model = restored_tp1(folder)
     out = {}
     for layer in model.decoder.layers:
         q = layer.self_attention.core_attention.p_bmm_quantizer
