@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ def _eager_attention(module: nn.Module) -> Optional[Callable]:
     return inspect.unwrap(eager) if eager is not None else None
 
 
-def _run_quantized(module: nn.Module, fn: Callable, *args, **kwargs):
+def _run_quantized(module: nn.Module, fn: Callable, *args, **kwargs) -> Any:
     mode = SoftmaxQuantizer(module.p_bmm_quantizer)
     with mode:
         out = fn(module, *args, **kwargs)
@@ -78,7 +78,18 @@ def _run_quantized(module: nn.Module, fn: Callable, *args, **kwargs):
     return out
 
 
-def _sdpa_as_eager(module: nn.Module, eager: Callable, query, key, value, attention_mask=None, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def _sdpa_as_eager(
+    module: nn.Module,
+    eager: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+) -> Any:
     """transformers' SDPA call computed by ``eager`` with P quantized: SDPA's boolean mask (True: attend)
     becomes the additive mask eager attention takes, and a missing causal mask is built as SDPA's
     ``is_causal`` would apply it (key and value cropped to the query length, upper-left aligned)."""
@@ -95,7 +106,7 @@ def _sdpa_as_eager(module: nn.Module, eager: Callable, query, key, value, attent
     return _run_quantized(module, eager, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def attend_with_probs(module: nn.Module, impl: str, fn: Callable, query, key, value, *args, **kwargs):
+def attend_with_probs(module: nn.Module, impl: str, fn: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs) -> Any:
     """Attention function ``fn`` (implementation ``impl``) of ``module`` with its P quantized by
     ``module.p_bmm_quantizer``; raises :class:`ProbsQuantizationError` where P cannot be reached."""
     if impl == "eager":
