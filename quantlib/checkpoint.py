@@ -1,8 +1,8 @@
 """Quantizer state: capture, atomic save, validated restore into a fresh model, schema migrations.
 
-State (schema 4)::
+State (schema 5)::
 
-    {"schema": 4, "config": <QuantizeConfig.to_dict() or None>,
+    {"schema": 5, "config": <QuantizeConfig.to_dict() or None>,
      "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None,
                                 "_pre_quant_scale": Tensor | None, "_bias_value": Tensor | None}
                               | {"type": "sequential" | "grouped", "members": [<member state>, ...]}}}
@@ -15,7 +15,8 @@ Schema history: 1 allowed a grouped linear's weight quantizer (one member per GE
 single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always stores it as
 ``"grouped"`` with one member per GEMM (:func:`migrate_v1_to_v2`); 3 adds each tensor quantizer's
 ``_pre_quant_scale`` (SmoothQuant / AWQ, :func:`migrate_v2_to_v3`); 4 adds ``_bias_value`` (the
-calibrated bias of affine quantization, ``attrs["bias"]``, :func:`migrate_v3_to_v4`).
+calibrated bias of affine quantization, ``attrs["bias"]``, :func:`migrate_v3_to_v4`); 5 adds the
+attention modules' ``p_bmm_quantizer`` (the softmax output, :func:`migrate_v4_to_v5`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from torch import nn
 from ._atomic_io import atomic_torch_save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .formats import Kind
+from .kv_cache import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class CheckpointError(ValueError):
@@ -98,8 +100,22 @@ def migrate_v3_to_v4(state: dict, layout: Optional[ModelLayout] = None) -> dict:
     return {**state, "schema": 4, "quantizers": {name: _with_entry(q, "_bias_value") for name, q in state["quantizers"].items()}}
 
 
+def migrate_v4_to_v5(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+    """Schema 4 -> 5: every attention module (one holding ``q_bmm_quantizer``, ``k_bmm_quantizer`` and
+    ``v_bmm_quantizer``) gets a disabled ``p_bmm_quantizer``: schema 4 had none, so P was never
+    quantized. ``layout`` is not needed; ``state`` is not modified."""
+    quantizers = dict(state["quantizers"])
+    for name in state["quantizers"]:
+        if not name.endswith(QKV_QUANTIZER_NAMES[0]):
+            continue
+        prefix = name[: -len(QKV_QUANTIZER_NAMES[0])]
+        if all(prefix + q in quantizers for q in QKV_QUANTIZER_NAMES) and prefix + PROBS_QUANTIZER_NAME not in quantizers:
+            quantizers[prefix + PROBS_QUANTIZER_NAME] = _quantizer_state(TensorQuantizer(QuantizerAttributeConfig(enable=False)))
+    return {**state, "schema": 5, "quantizers": quantizers}
+
+
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3, 3: migrate_v3_to_v4}
+MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3, 3: migrate_v3_to_v4, 4: migrate_v4_to_v5}
 
 
 # ------------------------------------------------------------------------------------ capture

@@ -25,8 +25,13 @@ from .traversal import class_names
 
 #: the quantizers a KV preset configures, by their attribute name on the attention module
 KV_QUANTIZER_NAMES: tuple[str, ...] = ("k_bmm_quantizer", "v_bmm_quantizer")
-#: every quantizer the attention plugins add (``q_bmm_quantizer`` quantizes the query, off by default)
-ATTENTION_QUANTIZER_NAMES: tuple[str, ...] = ("q_bmm_quantizer",) + KV_QUANTIZER_NAMES
+#: the quantizers of the attention's inputs (``q_bmm_quantizer`` quantizes the query, off by default)
+QKV_QUANTIZER_NAMES: tuple[str, ...] = ("q_bmm_quantizer",) + KV_QUANTIZER_NAMES
+#: the quantizer of the attention probabilities (the softmax output before the P @ V matmul), off by
+#: default; see :mod:`quantlib.plugins.attention_probs`
+PROBS_QUANTIZER_NAME = "p_bmm_quantizer"
+#: every quantizer the attention plugins add
+ATTENTION_QUANTIZER_NAMES: tuple[str, ...] = QKV_QUANTIZER_NAMES + (PROBS_QUANTIZER_NAME,)
 
 _KV = "*[kv]_bmm_quantizer"
 _NVFP4_KV = {"num_bits": (2, 1), "effective_bits": 4.5, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
@@ -73,12 +78,13 @@ def merge_kv_config(config: Union[dict, QuantizeConfig, None], kv_config: Union[
 
 # ---------------------------------------------------------------------------------- reach check
 
-_PROBES = {"kv": ("m.k_bmm_quantizer", "m.v_bmm_quantizer"), "linear": ("m.input_quantizer", "m.weight_quantizer", "m.output_quantizer")}
+# a rule enabling p_bmm_quantizer needs a reachable attention as much as a KV rule does
+_PROBES = {"kv": ("m.k_bmm_quantizer", "m.v_bmm_quantizer", "m.p_bmm_quantizer"), "linear": ("m.input_quantizer", "m.weight_quantizer", "m.output_quantizer")}
 
 
 def kv_rules(config: QuantizeConfig) -> list[str]:
-    """Patterns of ``config``'s rules that enable KV quantizers specifically (they match a k/v bmm
-    quantizer name but no linear's quantizer name; a catch-all ``*`` is not a KV rule)."""
+    """Patterns of ``config``'s rules that enable attention quantizers specifically (they match a k/v/p
+    bmm quantizer name but no linear's quantizer name; a catch-all ``*`` is not a KV rule)."""
     found = []
     for e in config.quant_cfg:
         if not turns_on(e.attrs, e.enable):
@@ -104,7 +110,7 @@ def unreached_attention(model: nn.Module, config: Optional[QuantizeConfig] = Non
     """Names (with class) of the attention-like modules of ``model`` (class name ending in ``Attention``,
     or children ``k_proj`` and ``v_proj``) that hold no KV quantizer themselves and have no ancestor or
     descendant that does: the attention quantlib cannot reach. With ``config``, only those where it would
-    enable a ``k_bmm_quantizer`` or ``v_bmm_quantizer`` (so a disabled vision tower does not count)."""
+    enable a ``k_bmm_quantizer``, ``v_bmm_quantizer`` or ``p_bmm_quantizer`` (so a disabled vision tower does not count)."""
     reached = [name for name, m in model.named_modules() if all(hasattr(m, q) for q in KV_QUANTIZER_NAMES)]
     missing = []
     for name, m in model.named_modules():
@@ -112,7 +118,7 @@ def unreached_attention(model: nn.Module, config: Optional[QuantizeConfig] = Non
             continue
         if any(r == name or r.startswith(name + ".") or name.startswith(r + ".") or r == "" or name == "" for r in reached):
             continue
-        if config is not None and not any(_would_enable(config, f"{name}.{q}" if name else q, m) for q in KV_QUANTIZER_NAMES):
+        if config is not None and not any(_would_enable(config, f"{name}.{q}" if name else q, m) for q in KV_QUANTIZER_NAMES + (PROBS_QUANTIZER_NAME,)):
             continue
         missing.append(f"{name or '<root>'} ({type(m).__name__})")
     return missing
@@ -129,11 +135,11 @@ def check_kv_reach(model: nn.Module, config: Union[QuantizeConfig, dict]) -> Non
     missing = unreached_attention(model, cfg)
     if missing:
         raise ConfigError(
-            f"KV-cache rule(s) {rules} cannot reach the attention of {len(missing)} module(s): {missing[:5]}; quantlib inserts k/v quantizers "
+            f"KV-cache / attention rule(s) {rules} cannot reach the attention of {len(missing)} module(s): {missing[:5]}; quantlib inserts k/v/p quantizers "
             "into transformers attention classes that call the attention interface and into Megatron-Core's local DotProductAttention only"
         )
     if not any(hasattr(m, q) for m in model.modules() for q in KV_QUANTIZER_NAMES):
-        raise ConfigError(f"KV-cache rule(s) {rules}: the model has no attention module with k/v quantizers ({type(model).__name__})")
+        raise ConfigError(f"KV-cache / attention rule(s) {rules}: the model has no attention module with k/v/p quantizers ({type(model).__name__})")
 
 
 __all__ = [
@@ -143,6 +149,8 @@ __all__ = [
     "KV_PRESETS",
     "KV_QUANTIZER_NAMES",
     "NVFP4_KV_CFG",
+    "PROBS_QUANTIZER_NAME",
+    "QKV_QUANTIZER_NAMES",
     "check_kv_reach",
     "kv_rules",
     "merge_kv_config",

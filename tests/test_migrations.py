@@ -100,7 +100,7 @@ def test_golden_files_are_schema_1():
 
 
 def test_migration_is_named_and_registered():
-    assert ckpt.SCHEMA_VERSION == 4
+    assert ckpt.SCHEMA_VERSION == 5
     assert ckpt.MIGRATIONS[1] is ckpt.migrate_v1_to_v2
 
 

@@ -61,6 +61,11 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list
         if not any(qs.values()):
             continue
         prefix = f"{name}." if name else ""
+        if qs["p_bmm_quantizer"] is not None:
+            raise ExportError(
+                f"{prefix}p_bmm_quantizer = {describe(qs['p_bmm_quantizer'].spec)}: no export format carries attention-probabilities (softmax output) "
+                f"quantization; disable it ({_DISABLE})"
+            )
         if qs["q_bmm_quantizer"] is not None:
             raise ExportError(f"{prefix}q_bmm_quantizer = {describe(qs['q_bmm_quantizer'].spec)}: no export format carries query quantization; disable it ({_DISABLE})")
         for qname in ("k_bmm_quantizer", "v_bmm_quantizer"):

@@ -6,11 +6,13 @@ eager_attention_forward)(self, query, key, value, mask, ...)``. This plugin neve
 
 - every class whose ``forward`` looks up ``ALL_ATTENTION_FUNCTIONS`` (found in the modeling modules
   already imported) is registered with :class:`QuantHFAttention`, which adds ``q_bmm_quantizer``,
-  ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (ModelOpt's names; disabled until a config enables them);
+  ``k_bmm_quantizer``, ``v_bmm_quantizer`` and ``p_bmm_quantizer`` (ModelOpt's names; disabled until a
+  config enables them);
 - the attention functions are wrapped once: the interface's shared entries (sdpa, flash, flex, paged)
   and each registered class's module-level ``eager_attention_forward``. The wrapper quantizes query,
   key and value when its ``module`` argument is a :class:`QuantHFAttention` and passes everything else
-  through unchanged, so unquantized models are not affected;
+  through unchanged, so unquantized models are not affected; with ``p_bmm_quantizer`` enabled it hands
+  the call to :func:`quantlib.plugins.attention_probs.attend_with_probs` (eager and sdpa only);
 - a :class:`QuantHFAttention` with an enabled quantizer whose forward did not pass through a wrapper
   (an attention function registered after the plugin loaded, or a model-local override) raises,
   naming the module and the implementation, instead of running unquantized.
@@ -26,8 +28,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+from ..kv_cache import QKV_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModuleRegistry
+from .attention_probs import attend_with_probs
 from .attention_quantizers import AttentionQuantizers
 
 _scanned: set[str] = set()
@@ -41,8 +44,8 @@ class QuantHFAttention(AttentionQuantizers):
     """Mixin for a transformers attention class that calls the attention interface."""
 
     # q/k/v reach the attention function as [batch, heads, seq, head dim], the layout ModelOpt's
-    # FP8_AFFINE_KV_CFG bias axes (-2: seq, -4: batch) are written for
-    affine_quantizer_names = ATTENTION_QUANTIZER_NAMES
+    # FP8_AFFINE_KV_CFG bias axes (-2: seq, -4: batch) are written for; P has no such bias
+    affine_quantizer_names = QKV_QUANTIZER_NAMES
 
     def _setup(self) -> None:
         super()._setup()
@@ -68,8 +71,9 @@ class QuantHFAttention(AttentionQuantizers):
         return out
 
 
-def _wrap(fn: Callable) -> Callable:
-    """``fn`` (an attention function ``(module, query, key, value, ...)``) quantizing q/k/v for quantlib's modules."""
+def _wrap(fn: Callable, impl: str) -> Callable:
+    """``fn`` (an attention function ``(module, query, key, value, ...)`` of implementation ``impl``)
+    quantizing q/k/v (and P) for quantlib's modules."""
     if getattr(fn, "_quantlib_kv", False):
         return fn
 
@@ -77,6 +81,8 @@ def _wrap(fn: Callable) -> Callable:
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
         if isinstance(module, QuantHFAttention):
             query, key, value = module.quantize_qkv(query, key, value)
+            if module.p_bmm_quantizer.is_enabled:
+                return attend_with_probs(module, impl, fn, query, key, value, *args, **kwargs)
         return fn(module, query, key, value, *args, **kwargs)
 
     attention._quantlib_kv = True
@@ -88,10 +94,10 @@ def _wrap_interface() -> None:
 
     shared = AttentionInterface._global_mapping
     for key in list(shared):
-        shared[key] = _wrap(shared[key])
+        shared[key] = _wrap(shared[key], key)
     local = ALL_ATTENTION_FUNCTIONS._local_mapping
     for key in list(local):
-        local[key] = _wrap(local[key])
+        local[key] = _wrap(local[key], key)
 
 
 def calls_attention_interface(cls: type) -> bool:
@@ -108,7 +114,7 @@ def register_attention(cls: type) -> None:
     forward_globals = inspect.unwrap(cls.forward).__globals__
     eager = forward_globals.get("eager_attention_forward")
     if eager is not None:
-        forward_globals["eager_attention_forward"] = _wrap(eager)
+        forward_globals["eager_attention_forward"] = _wrap(eager, "eager")
     _wrap_interface()
     if not QuantModuleRegistry.is_registered(cls):
         QuantModuleRegistry.register(cls, cls.__name__)(type(f"_QuantAttention{cls.__name__}", (QuantHFAttention,), {}))

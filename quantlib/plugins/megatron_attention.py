@@ -3,9 +3,12 @@
 ``DotProductAttention.forward(query, key, value, attention_mask, ...)`` receives the states in
 Megatron's [sequence, batch, heads, head dim] layout, after RoPE and the inference cache; the quantized
 class passes them through ``q_bmm_quantizer``, ``k_bmm_quantizer`` and ``v_bmm_quantizer`` (ModelOpt's
-names, disabled until a config enables them) and then runs Megatron's own forward unchanged.
+names, disabled until a config enables them) and then runs Megatron's own forward unchanged. An enabled
+``p_bmm_quantizer`` quantizes the attention probabilities [batch, heads, sq, sk]: the output of Megatron's
+``scale_mask_softmax`` submodule, before its attention dropout and the P @ V bmm
+(:func:`quantlib.plugins.attention_probs.quantize_output`).
 
-Tensor parallelism splits the heads (dim 2): :meth:`QuantDotProductAttention.tp_split` says so, so the
+Tensor parallelism splits the heads (dim 2 of q/k/v, dim 1 of P): :meth:`QuantDotProductAttention.tp_split` says so, so the
 amax sync MAX-reduces over TP every amax that does not keep the heads axis (per tensor, the NVFP4
 global amax, per head-dim channel) and leaves per-head amax to their rank (:func:`quantlib.distributed.tp_shard_dim`).
 Megatron dist checkpoints carry these amax and their config like those of the parallel linears (the
@@ -23,16 +26,20 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ..nn.quant_module import QuantModuleRegistry
+from .attention_probs import quantize_output
 from .attention_quantizers import AttentionQuantizers
 from .megatron import _MegatronQuantMixin
 
 #: the axis of [s, b, heads, head dim] that tensor parallelism splits
 HEADS_AXIS = 2
+#: the same axis of the attention probabilities [b, heads, sq, sk]
+PROBS_HEADS_AXIS = 1
 
 
 @QuantModuleRegistry.register(DotProductAttention, "megatron.DotProductAttention")
 class QuantDotProductAttention(_MegatronQuantMixin, AttentionQuantizers):
-    """Megatron-Core's ``DotProductAttention`` with q/k/v bmm quantizers on its inputs."""
+    """Megatron-Core's ``DotProductAttention`` with q/k/v bmm quantizers on its inputs and a p bmm
+    quantizer on its softmax output."""
 
     parallel_role = "column"  # heads are split over tensor-parallel ranks (see tp_split)
 
@@ -41,12 +48,18 @@ class QuantDotProductAttention(_MegatronQuantMixin, AttentionQuantizers):
         return AttentionQuantizers.weight_groups(self)
 
     def tp_split(self, qname: str) -> tuple[Optional[int], int]:
-        """The heads axis, with this rank's number of query heads (q) or key/value groups (k, v)."""
+        """The heads axis, with this rank's number of query heads (q, p) or key/value groups (k, v)."""
+        if qname == "p_bmm_quantizer":
+            return PROBS_HEADS_AXIS, int(self.num_attention_heads_per_partition)
         heads = self.num_attention_heads_per_partition if qname == "q_bmm_quantizer" else self.num_query_groups_per_partition
         return HEADS_AXIS, int(heads)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
-        return super().forward(self.q_bmm_quantizer(query), self.k_bmm_quantizer(key), self.v_bmm_quantizer(value), *args, **kwargs)
+        qkv = (self.q_bmm_quantizer(query), self.k_bmm_quantizer(key), self.v_bmm_quantizer(value))
+        if not self.p_bmm_quantizer.is_enabled:
+            return super().forward(*qkv, *args, **kwargs)
+        with quantize_output(self.scale_mask_softmax, self.p_bmm_quantizer, self.p_bmm_quantizer._qname):
+            return super().forward(*qkv, *args, **kwargs)
 
 
-__all__ = ["HEADS_AXIS", "QuantDotProductAttention"]
+__all__ = ["HEADS_AXIS", "PROBS_HEADS_AXIS", "QuantDotProductAttention"]

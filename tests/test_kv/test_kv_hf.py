@@ -135,9 +135,8 @@ torch.save(out, sys.argv[1])
 """
 
 
-def test_kv_amax_equal_modelopt(tmp_path):
-    """ModelOpt 0.47's FP8 KV calibration of the same models and data gives the same amax. It runs in its
-    own process: importing ModelOpt patches Megatron and transformers classes for the whole process."""
+def run_modelopt(script: str, tmp_path) -> dict:
+    """Run ``script`` (argv: output file, this folder) in a fresh process (skips without ModelOpt); its saved dict."""
     import importlib.util
     import os
     import subprocess
@@ -147,8 +146,14 @@ def test_kv_amax_equal_modelopt(tmp_path):
         pytest.skip("needs nvidia-modelopt")
     out = tmp_path / "modelopt.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ql.__file__))), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-c", _MODELOPT_SCRIPT, str(out), os.path.dirname(os.path.abspath(__file__))], check=True, env=env, timeout=600)
-    theirs = torch.load(out, weights_only=True)
+    subprocess.run([sys.executable, "-c", script, str(out), os.path.dirname(os.path.abspath(__file__))], check=True, env=env, timeout=600)
+    return torch.load(out, weights_only=True)
+
+
+def test_kv_amax_equal_modelopt(tmp_path):
+    """ModelOpt 0.47's FP8 KV calibration of the same models and data gives the same amax. It runs in its
+    own process: importing ModelOpt patches Megatron and transformers classes for the whole process."""
+    theirs = run_modelopt(_MODELOPT_SCRIPT, tmp_path)
     for name in sorted(MODELS):
         model = ql.quantize(build(name, "sdpa"), ql.merge_kv_config(None, ql.FP8_KV_CFG), forward_loop(batches()))
         for i, layer in enumerate(model.model.layers):

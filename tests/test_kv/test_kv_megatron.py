@@ -76,8 +76,8 @@ def _save(model, folder: str) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), folder)
 
 
-def _load_tp1(folder: str) -> dict:
-    """A fresh TP=1 model (other weights) configured and loaded from the checkpoint: its k/v amax."""
+def restored_tp1(folder: str):
+    """A fresh TP=1 model (other weights) configured and loaded from the dist checkpoint in ``folder``."""
     from megatron.core import dist_checkpointing
 
     from quantlib.plugins.megatron import restore_quantizer_config
@@ -85,6 +85,12 @@ def _load_tp1(folder: str) -> dict:
     shims.set_layout(1, 1)
     model = restore_quantizer_config(shims.build_gpt(1, 1, SEED + 1, num_query_groups=GROUPS), folder)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), folder))
+    return model
+
+
+def _load_tp1(folder: str) -> dict:
+    """The k/v amax of :func:`restored_tp1`."""
+    model = restored_tp1(folder)
     out = {}
     for layer in model.decoder.layers:
         core = layer.self_attention.core_attention
