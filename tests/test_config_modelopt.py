@@ -38,6 +38,8 @@ MO_PRESETS = {
     "NVFP4_DEFAULT_CFG": (_NVFP4, _NVFP4, "max"),
     "MXFP8_DEFAULT_CFG": ({"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
     "MXFP4_DEFAULT_CFG": ({"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
+    "MXFP6_DEFAULT_CFG": ({"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
+    "MXINT8_DEFAULT_CFG": ({"num_bits": 8, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
     "W4A8_AWQ_BETA_CFG": ([_INT4_BLOCK, {"num_bits": (4, 3), "axis": None}], {"num_bits": (4, 3), "axis": None}, "awq_lite"),
 }
 # where quantlib differs on purpose (and says so in the preset's comment)
@@ -181,3 +183,31 @@ def test_preset_disables_what_modelopt_disables(name):
     for cls in MO_DISABLED_CLASSES:
         assert cfg.resolve("model.norm.weight_quantizer", (cls[3:], "Module"))[1] is False, cls
     assert cfg.resolve("unregistered.thing_quantizer", ("Linear",))[1] is False  # "default": everything else off
+
+
+@pytest.mark.parametrize("name,element,num_bits", [("MXFP6_DEFAULT_CFG", (3, 2), 8), ("MXINT8_DEFAULT_CFG", None, 8)])
+def test_installed_modelopt_mx_preset_is_ours(name, element, num_bits):
+    """ModelOpt 0.47's own dict (imported) equals the facts above and parses to the MX format."""
+    mo_config = pytest.importorskip("modelopt.torch.quantization.config")
+    theirs = getattr(mo_config, name)
+    assert theirs == modelopt_dump(name)
+    spec = QuantizeConfig.from_any(theirs).resolve("layers.0.fc1.weight_quantizer", ("Linear",))[0].format_spec()
+    assert (spec.kind, spec.element, spec.num_bits, spec.block, spec.dynamic) == (Kind.MX, element, num_bits, (32,), True)
+    assert spec == QuantizeConfig.from_any(ql.PRESETS[name]).resolve("layers.0.fc1.input_quantizer", ("Linear",))[0].format_spec()
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"num_bits": (3, 2)}, "FP6.*needs MX block_sizes"),
+        ({"num_bits": (2, 3), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, "FP6.*needs MX block_sizes"),
+        ({"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "static", "scale_bits": (8, 0)}}, "needs block_sizes"),
+        ({"num_bits": 4, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}, "only MX integer format is MXINT8"),
+        ({"num_bits": 8, "unsigned": True, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}, "only MX integer format is MXINT8"),
+        ({"num_bits": 8, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (8, 0)}}, "MXINT8.*needs block_sizes"),
+    ],
+)
+def test_impossible_mxfp6_and_mxint8_configs_are_refused(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        QuantizerAttributeConfig.from_dict(cfg)
+
