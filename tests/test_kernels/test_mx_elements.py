@@ -140,3 +140,31 @@ def test_cuda_backend_keeps_mxfp8_and_mxfp4_on_its_kernels(routed):
     for elem in ELEMS:
         assert not cuda_impl._cuda_fake_quant_kind(x, spec_of(elem))
     assert routed == []
+
+
+# --------------------------------------------------------------------------- ModelOpt's CUDA MX fake quant
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("elem,mo_type", [("e3m2", "E3M2"), ("e2m3", "E2M3"), ("int8", "INT8")])
+def test_auto_backend_equals_modelopts_cuda_fake_quant(elem, mo_type):
+    """ModelOpt 0.47's ``fused_amax_convert`` (the MXFP6 / MXINT8 presets' fake quant) on finite inputs.
+
+    Its extension is built with --use_fast_math, so its ``amax / Q`` may be off by an ulp: blocks whose
+    quotient lies within 4 ulp of a power of two (where the exponent could then differ) are left out."""
+    from modelopt.torch.quantization.extensions import get_cuda_ext_mx
+
+    ext = get_cuda_ext_mx()
+    if ext is None:
+        pytest.skip("ModelOpt's CUDA MX extension does not build here")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 1024, generator=g) * torch.exp2(torch.randint(-20, 20, (256, 1), generator=g).float())
+    theirs = ext.fused_amax_convert(x.cuda(), 32, getattr(ext.Types, mo_type), ext.Types.E8M0, None).cpu()
+    ours = kernels.fake_quant(x.cuda(), spec_of(elem), None, backend="auto").cpu()
+    ratio = x.abs().view(-1, 32).amax(dim=1) / Q[elem]
+    pow2 = torch.exp2(torch.round(torch.log2(ratio)))
+    near = (ratio - pow2).abs() <= 4 * torch.finfo(torch.float32).eps * pow2
+    same = (ours.view(-1, 32) == theirs.view(-1, 32)).all(dim=1)
+    assert bool(same[~near].all()), f"{int((~same & ~near).sum())} blocks differ"
+    assert int((~near).sum()) > 0.9 * near.numel()

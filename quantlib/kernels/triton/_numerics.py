@@ -109,30 +109,34 @@ def round_fp8(v, FP8E: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
+def _grid_index(mag, FP8E: tl.constexpr):
+    """The magnitude code (int32) of abs bits ``mag`` already on the grid of element ``FP8E``: the count
+    of subnormal steps below the smallest normal, the exponent and mantissa fields above it."""
+    af = bits_to_f32(mag)
+    if FP8E == 0:
+        return tl.where(mag < 0x3C800000, (af * 512.0).to(tl.int32), (mag >> 20) - 960)
+    elif FP8E == 1:
+        return tl.where(mag < 0x38800000, (af * 65536.0).to(tl.int32), (mag >> 21) - 448)
+    elif FP8E == 2:
+        return tl.where(mag < 0x3E800000, (af * 16.0).to(tl.int32), (mag >> 21) - 496)
+    else:
+        return tl.where(mag < 0x3F800000, (af * 8.0).to(tl.int32), (mag >> 20) - 1008)
+
+
+@triton.jit
 def fp8_byte(r, FP8E: tl.constexpr, HW: tl.constexpr):
     """The FP8 byte (int32 0..255) of an fp32 value ``r`` already on the FP8 grid; NaN gives 0x7F|sign."""
     if HW and FP8E == 0:
         return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    neg = r.to(tl.int32, bitcast=True) < 0
     mag = abs_bits(r)
-    af = bits_to_f32(mag)
-    if FP8E == 0:
-        byte = tl.where(mag < 0x3C800000, (af * 512.0).to(tl.int32), (mag >> 20) - 960)
-    else:
-        byte = tl.where(mag < 0x38800000, (af * 65536.0).to(tl.int32), (mag >> 21) - 448)
-    byte = tl.where(mag > 0x7F800000, 0x7F, byte)
-    return tl.where(neg, byte | 0x80, byte)
+    byte = tl.where(mag > 0x7F800000, 0x7F, _grid_index(mag, FP8E))
+    return tl.where(r.to(tl.int32, bitcast=True) < 0, byte | 0x80, byte)
 
 
 @triton.jit
 def fp6_code(r, FP8E: tl.constexpr):
     """The 6-bit code (int32, sign in bit 5) of an fp32 value ``r`` already on the FP6 grid; NaN gives 0."""
-    mag = abs_bits(r)
-    af = bits_to_f32(mag)
-    if FP8E == 2:
-        code = tl.where(mag < 0x3E800000, (af * 16.0).to(tl.int32), (mag >> 21) - 496)
-    else:
-        code = tl.where(mag < 0x3F800000, (af * 8.0).to(tl.int32), (mag >> 20) - 1008)
+    code = _grid_index(abs_bits(r), FP8E)
     code = tl.where(r.to(tl.int32, bitcast=True) < 0, code | 0x20, code)
     return tl.where(r != r, 0, code)
 
