@@ -168,3 +168,16 @@ def test_auto_backend_equals_modelopts_cuda_fake_quant(elem, mo_type):
     same = (ours.view(-1, 32) == theirs.view(-1, 32)).all(dim=1)
     assert bool(same[~near].all()), f"{int((~same & ~near).sum())} blocks differ"
     assert int((~near).sum()) > 0.9 * near.numel()
+
+
+@pytest.mark.parametrize("elem", list(ELEMS))
+def test_mx_cast_compiles_fullgraph(elem):
+    """The op's fake kernel gives the codes' dtype and shape of each element (uint8 FP6, int8 INT8)."""
+    torch._dynamo.reset()
+    x = edge_blocks(torch.float32, seed=2)[6:]
+
+    def fn(t):
+        return kernels.mx_cast(t, elem, backend="reference")
+
+    assert_same(torch.compile(fn, fullgraph=True, backend="aot_eager")(x), fn(x))
+    torch._dynamo.reset()
