@@ -51,10 +51,15 @@ def fp6_round(y: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
 
 def fp6_encode(y: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
     """uint8 codes (0..63, sign in bit 5) of fp32 ``y`` by RNE with saturation; NaN gives code 0."""
+    m, emin = _fields(element)
     r = fp6_round(y, element)
-    mag = torch.nan_to_num(r.abs(), nan=0.0)
-    idx = torch.searchsorted(fp6_values(element).to(y.device), mag.contiguous()).to(torch.uint8)
-    sign = (torch.signbit(r) & ~torch.isnan(r)).to(torch.uint8) << 5
+    nan = torch.isnan(r)
+    mag = torch.where(nan, 0.0, r.abs())
+    # normal: the fp32 exponent rebiased to the FP6 field, then the top m mantissa bits (r is on the grid)
+    normal = (mag.view(torch.int32) >> (23 - m)) - ((126 + emin) << m)
+    sub = (mag * 2.0 ** (m - emin)).to(torch.int32)  # whole subnormal steps, exact
+    idx = torch.where(mag < 2.0**emin, sub, normal).to(torch.uint8)
+    sign = (torch.signbit(r) & ~nan).to(torch.uint8) << 5
     return idx | sign
 
 
