@@ -74,6 +74,29 @@ def test_cpu_matches_reference(elem, rounding, dtype, isa):
     assert_same(CPU.mx_cast(x, elem, 32, rounding), REF.mx_cast(x, elem, 32, rounding), f"cast {elem}")
 
 
+def random_bits(seed: int, rows: int = 64) -> torch.Tensor:
+    """Finite fp32 values with uniformly random bit patterns: every binade, fp32 subnormals, and block
+    amax up to 3.4e38 and down to 1e-45 (exponents clamped at +-127)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows, 96), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.where(torch.isfinite(x), x, torch.zeros(()))
+    x[:8] *= 2.0**-100  # tiny blocks
+    return x
+
+
+@needs_ext
+@pytest.mark.parametrize("elem", list(ELEMS))
+@pytest.mark.parametrize("rounding", [Rounding.RCEIL, Rounding.FLOOR], ids=lambda r: r.value)
+def test_cpu_random_bit_patterns(elem, rounding):
+    from quantlib.kernels import cpu_impl as CPU
+
+    x = random_bits(seed=len(elem))
+    spec = spec_of(elem, rounding)
+    assert_same(CPU.fake_quant(x, spec, None), REF.fake_quant(x, spec, None), f"fake {elem}")
+    assert_same(CPU.mx_cast(x, elem, 32, rounding), REF.mx_cast(x, elem, 32, rounding), f"cast {elem}")
+
+
 @needs_ext
 @pytest.mark.parametrize("elem", list(ELEMS))
 def test_cpu_every_bf16_value_up_to_q(elem, isa):
