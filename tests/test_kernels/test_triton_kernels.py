@@ -396,3 +396,14 @@ def test_mx_element_rounding_of_every_bf16_value(elem, q):
     assert_same_all(T().mx_cast(x, elem, 32, Rounding.RCEIL), R.mx_cast(x, elem, 32, Rounding.RCEIL), elem)
     spec = FormatSpec(Kind.MX, num_bits=8, block=(32,)) if elem == "int8" else FormatSpec(Kind.MX, element=(int(elem[1]), int(elem[3])), block=(32,))
     assert_same(T().fake_quant(x, spec, None), R.fake_quant(x, spec, None), elem)
+
+
+@pytest.mark.parametrize("elem", ["e3m2", "e2m3", "int8"])
+def test_mx_elements_of_random_bit_patterns(elem):
+    """Every binade and the clamped exponents (block amax from fp32 subnormals to 3.4e38)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randint(-(2**31), 2**31 - 1, (16, 96), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.where(torch.isfinite(x), x, torch.zeros(()))
+    x[:4] *= 2.0**-100
+    for rd in (Rounding.RCEIL, Rounding.FLOOR):
+        assert_same_all(T().mx_cast(x, elem, 32, rd), R.mx_cast(x, elem, 32, rd), f"{elem}-{rd.value}")
