@@ -156,8 +156,8 @@ def test_modelopt_int8_default_cfg_gives_modelopts_activations(make_model, make_
     assert torch.equal(q(-2 * amax), torch.tensor([-128.0]) / (torch.tensor([127.0]) / amax))  # code -128
 
 
-@pytest.mark.parametrize("name,elem", [("MXFP6_DEFAULT_CFG", "e3m2"), ("MXINT8_DEFAULT_CFG", "int8")])
-def test_modelopt_mx_preset_fake_quantizes_weights_and_inputs(name, elem, make_model, make_data):
+@pytest.mark.parametrize("name,elem,shown", [("MXFP6_DEFAULT_CFG", "e3m2", "mxe3m2 block=(32,) dynamic"), ("MXINT8_DEFAULT_CFG", "int8", "mx8 block=(32,) dynamic")])
+def test_modelopt_mx_preset_fake_quantizes_weights_and_inputs(name, elem, shown, make_model, make_data):
     """ModelOpt's MXFP6 / MXINT8 dicts: both quantizers of a linear apply the MX fake quant, no calibration."""
     from quantlib.formats.mx import mx_fake_quant
 
@@ -167,6 +167,7 @@ def test_modelopt_mx_preset_fake_quantizes_weights_and_inputs(name, elem, make_m
     assert fc1.weight_quantizer.amax is None and fc1.input_quantizer.amax is None
     want = torch.nn.functional.linear(mx_fake_quant(x, elem), mx_fake_quant(fc1.weight, elem), fc1.bias)
     assert torch.equal(fc1(x), want)
+    assert shown in repr(fc1.weight_quantizer)
 
 
 # ------------------------------------------------------------------------------------ presets
