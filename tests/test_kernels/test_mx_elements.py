@@ -169,6 +169,7 @@ def test_cuda_backend_keeps_mxfp8_and_mxfp4_on_its_kernels(routed):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # the first call builds ModelOpt's MX extension (minutes)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("elem,mo_type", [("e3m2", "E3M2"), ("e2m3", "E2M3"), ("int8", "INT8")])
 def test_auto_backend_equals_modelopts_cuda_fake_quant(elem, mo_type):
