@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 from .calib.registry import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
+from .formats.fp6 import FP6_FORMATS
 from .formats.spec import MIN_EPS
 from .kernels.backends import BACKENDS
 
@@ -223,6 +224,14 @@ class QuantizerAttributeConfig:
             raise ConfigError(f"block_sizes must block axis -1 or axes -2 and -1, got axes {sorted(dims)}")
         return block, kind == "dynamic", scale_bits, False
 
+    def _mxint_spec(self, block: Optional[tuple[int, ...]], dynamic: bool, common: dict) -> FormatSpec:
+        """MXINT8: integer num_bits with E8M0 (scale_bits (8, 0)) block scales, as ModelOpt reads them."""
+        if self.num_bits != 8 or self.unsigned:
+            raise ConfigError(f"num_bits={self.num_bits} (unsigned={self.unsigned}) with block_sizes['scale_bits']=(8, 0): the only MX integer format is MXINT8, num_bits=8 signed")
+        if block != (32,) or not dynamic:
+            raise ConfigError(f"MXINT8 (num_bits=8, scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
+        return FormatSpec(Kind.MX, num_bits=8, block=block, dynamic=True, **common)
+
     def _build_spec(self) -> FormatSpec:
         block, dynamic, scale_bits, per_token = self._parse_blocks()
         if block is not None and self.axis is not None:
@@ -231,6 +240,8 @@ class QuantizerAttributeConfig:
             raise ConfigError(f"axis={self.axis} together with per-row dynamic block_sizes {{-1: None}}")
         common = dict(eps=self.eps, pow2=self.pow2_scale, rounding=Rounding(self.rounding))
         if isinstance(self.num_bits, int):
+            if scale_bits == (8, 0):
+                return self._mxint_spec(block, dynamic, common)
             if scale_bits is not None:
                 raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to float elements")
             if self.num_bits < 2 and not self.unsigned:
@@ -240,15 +251,17 @@ class QuantizerAttributeConfig:
             return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block, dynamic=dynamic, **common)
         element = self.num_bits
         if element not in FLOAT_FORMATS:
-            raise ConfigError(f"num_bits={element}: float formats are (4, 3), (5, 2) and (2, 1)")
+            raise ConfigError(f"num_bits={element}: float formats are (4, 3), (5, 2), (2, 1), and (3, 2) / (2, 3) (FP6, MX only)")
         if self.unsigned:
             raise ConfigError(f"unsigned=True with float num_bits={element}")
         if scale_bits == (8, 0):
             if block != (32,) or not dynamic:
                 raise ConfigError(f"MX format (scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
             if element == (5, 2):
-                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3) or (2, 1)")
+                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3), (3, 2), (2, 3) or (2, 1), or 8 (MXINT8)")
             return FormatSpec(Kind.MX, element=element, block=block, dynamic=True, **common)
+        if element in FP6_FORMATS:
+            raise ConfigError(f"num_bits={element} (FP6) needs MX block_sizes {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
         if element == (2, 1):
             if scale_bits != (4, 3) or block != (16,) or not dynamic:
                 raise ConfigError(f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16, 'type': 'dynamic', 'scale_bits': (4, 3)}} or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
@@ -466,7 +479,9 @@ from .presets import (  # noqa: E402
     INT8_DEFAULT_CFG,
     INT8_WEIGHT_ONLY_CFG,
     MXFP4_DEFAULT_CFG,
+    MXFP6_DEFAULT_CFG,
     MXFP8_DEFAULT_CFG,
+    MXINT8_DEFAULT_CFG,
     NVFP4_DEFAULT_CFG,
     PRESETS,
     W4A8_AWQ_BETA_CFG,

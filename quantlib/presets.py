@@ -2,8 +2,7 @@
 
 The presets that need a calibration algorithm beyond max, or quantize only part of a model, follow the
 base ones. Not here because quantlib has no such format: ModelOpt's ``W4A8_NVFP4_FP8_CFG`` and
-``NVFP4_MLP_WEIGHT_ONLY_CFG`` (E2M1 with E4M3 scales over blocks of 32), ``MXFP6_DEFAULT_CFG`` (E3M2
-elements), ``MXINT8_DEFAULT_CFG`` (integers with E8M0 scales) and
+``NVFP4_MLP_WEIGHT_ONLY_CFG`` (E2M1 with E4M3 scales over blocks of 32) and
 ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` (static NVFP4 block scales).
 
 Each attribute dict is the one ModelOpt 0.47 resolves its preset of the same name to (its YAML recipes
@@ -70,6 +69,8 @@ FP8 = {"num_bits": (4, 3), "axis": None}
 NVFP4 = {"num_bits": (2, 1), "effective_bits": 4.5, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 MXFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
+MXFP6 = {"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}  # E3M2 (ModelOpt's)
+MXINT8 = {"num_bits": 8, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 
 INT8_DEFAULT_CFG = preset(INT8_PER_CHANNEL, INT8)
 INT8_WEIGHT_ONLY_CFG = preset(INT8_PER_CHANNEL)
@@ -87,6 +88,8 @@ NVFP4_DEFAULT_CFG = preset(NVFP4, NVFP4)
 # dynamic formats: nothing to calibrate, hence no algorithm (as in ModelOpt)
 MXFP8_DEFAULT_CFG = preset(MXFP8, MXFP8, algorithm=None)
 MXFP4_DEFAULT_CFG = preset(MXFP4, MXFP4, algorithm=None)
+MXFP6_DEFAULT_CFG = preset(MXFP6, MXFP6, algorithm=None)
+MXINT8_DEFAULT_CFG = preset(MXINT8, MXINT8, algorithm=None)
 W4A8_AWQ_BETA_CFG = preset([INT4_PER_BLOCK, FP8], FP8, "awq_lite")
 
 PRESETS: dict[str, dict] = {
@@ -100,6 +103,8 @@ PRESETS: dict[str, dict] = {
     "NVFP4_DEFAULT_CFG": NVFP4_DEFAULT_CFG,
     "MXFP8_DEFAULT_CFG": MXFP8_DEFAULT_CFG,
     "MXFP4_DEFAULT_CFG": MXFP4_DEFAULT_CFG,
+    "MXFP6_DEFAULT_CFG": MXFP6_DEFAULT_CFG,
+    "MXINT8_DEFAULT_CFG": MXINT8_DEFAULT_CFG,
     "W4A8_AWQ_BETA_CFG": W4A8_AWQ_BETA_CFG,
 }
 

@@ -38,6 +38,8 @@ MO_PRESETS = {
     "NVFP4_DEFAULT_CFG": (_NVFP4, _NVFP4, "max"),
     "MXFP8_DEFAULT_CFG": ({"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
     "MXFP4_DEFAULT_CFG": ({"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
+    "MXFP6_DEFAULT_CFG": ({"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
+    "MXINT8_DEFAULT_CFG": ({"num_bits": 8, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},) * 2 + (None,),
     "W4A8_AWQ_BETA_CFG": ([_INT4_BLOCK, {"num_bits": (4, 3), "axis": None}], {"num_bits": (4, 3), "axis": None}, "awq_lite"),
 }
 # where quantlib differs on purpose (and says so in the preset's comment)
@@ -154,6 +156,20 @@ def test_modelopt_int8_default_cfg_gives_modelopts_activations(make_model, make_
     assert torch.equal(q(-2 * amax), torch.tensor([-128.0]) / (torch.tensor([127.0]) / amax))  # code -128
 
 
+@pytest.mark.parametrize("name,elem,shown", [("MXFP6_DEFAULT_CFG", "e3m2", "mxe3m2 block=(32,) dynamic"), ("MXINT8_DEFAULT_CFG", "int8", "mx8 block=(32,) dynamic")])
+def test_modelopt_mx_preset_fake_quantizes_weights_and_inputs(name, elem, shown, make_model, make_data):
+    """ModelOpt's MXFP6 / MXINT8 dicts: both quantizers of a linear apply the MX fake quant, no calibration."""
+    from quantlib.formats.mx import mx_fake_quant
+
+    model = ql.quantize(make_model("mlp"), modelopt_dump(name))
+    x = make_data("mlp")[0]
+    fc1 = model.fc1
+    assert fc1.weight_quantizer.amax is None and fc1.input_quantizer.amax is None
+    want = torch.nn.functional.linear(mx_fake_quant(x, elem), mx_fake_quant(fc1.weight, elem), fc1.bias)
+    assert torch.equal(fc1(x), want)
+    assert shown in repr(fc1.weight_quantizer)
+
+
 # ------------------------------------------------------------------------------------ presets
 
 
@@ -181,3 +197,31 @@ def test_preset_disables_what_modelopt_disables(name):
     for cls in MO_DISABLED_CLASSES:
         assert cfg.resolve("model.norm.weight_quantizer", (cls[3:], "Module"))[1] is False, cls
     assert cfg.resolve("unregistered.thing_quantizer", ("Linear",))[1] is False  # "default": everything else off
+
+
+@pytest.mark.parametrize("name,element,num_bits", [("MXFP6_DEFAULT_CFG", (3, 2), 8), ("MXINT8_DEFAULT_CFG", None, 8)])
+def test_installed_modelopt_mx_preset_is_ours(name, element, num_bits):
+    """ModelOpt 0.47's own dict (imported) equals the facts above and parses to the MX format."""
+    mo_config = pytest.importorskip("modelopt.torch.quantization.config")
+    theirs = getattr(mo_config, name)
+    assert theirs == modelopt_dump(name)
+    spec = QuantizeConfig.from_any(theirs).resolve("layers.0.fc1.weight_quantizer", ("Linear",))[0].format_spec()
+    assert (spec.kind, spec.element, spec.num_bits, spec.block, spec.dynamic) == (Kind.MX, element, num_bits, (32,), True)
+    assert spec == QuantizeConfig.from_any(ql.PRESETS[name]).resolve("layers.0.fc1.input_quantizer", ("Linear",))[0].format_spec()
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"num_bits": (3, 2)}, "FP6.*needs MX block_sizes"),
+        ({"num_bits": (2, 3), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, "FP6.*needs MX block_sizes"),
+        ({"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "static", "scale_bits": (8, 0)}}, "needs block_sizes"),
+        ({"num_bits": 4, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}, "only MX integer format is MXINT8"),
+        ({"num_bits": 8, "unsigned": True, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}, "only MX integer format is MXINT8"),
+        ({"num_bits": 8, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (8, 0)}}, "MXINT8.*needs block_sizes"),
+    ],
+)
+def test_impossible_mxfp6_and_mxint8_configs_are_refused(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        QuantizerAttributeConfig.from_dict(cfg)
+

@@ -70,29 +70,54 @@ struct Fp8BlockOp {
   }
 };
 
-// formats.mx: shared exponent byte from a; y = clamp(x / 2^e, -Q, Q); element E4M3 or E2M1; x_hat =
+// MX element policies (formats.mx): Q, emax, and the value / code of y already clamped to [-Q, Q].
+struct MxE4M3 {
+  static constexpr Codes kCodes = Codes::FP8;
+  static constexpr float kQ = 448.0f;
+  static constexpr int kEmax = 8;
+  static QL_INLINE float value(float y) { return fp8_round<E4M3>(y); }
+  static QL_INLINE uint32_t code(float y) { return fp8_code<E4M3>(y); }
+};
+struct MxE2M1 {
+  static constexpr Codes kCodes = Codes::E2M1;
+  static constexpr float kQ = 6.0f;
+  static constexpr int kEmax = 2;
+  static QL_INLINE float value(float y) { return e2m1_value(y); }
+  static QL_INLINE uint32_t code(float y) { return e2m1_code(y); }
+};
+template <class F, int EMAX>
+struct MxFp6 {  // one 6-bit code per byte
+  static constexpr Codes kCodes = Codes::FP8;
+  static constexpr float kQ = F::kMax;
+  static constexpr int kEmax = EMAX;
+  static QL_INLINE float value(float y) { return fp8_round<F>(y); }
+  static QL_INLINE uint32_t code(float y) { return fp6_code<F>(y); }
+};
+using MxE3M2 = MxFp6<E3M2, 4>;
+using MxE2M3 = MxFp6<E2M3, 2>;
+struct MxInt8 {  // formats.mxint8: integer codes, read back through int8 (so -0.0 is +0, NaN code 0)
+  static constexpr Codes kCodes = Codes::FP8;
+  static constexpr float kQ = 127.0f;
+  static constexpr int kEmax = 6;
+  static QL_INLINE float value(float y) { return rne_int(y) + 0.0f; }
+  static QL_INLINE uint32_t code(float y) { return isnan_(y) ? 0u : uint32_t(int32_t(rne_int(y))) & 0xFFu; }
+};
+
+// formats.mx: shared exponent byte from a; y = clamp(x / 2^e, -Q, Q); element of E; x_hat =
 // element * 2^e (NaN for byte 0xFF).
-template <bool E2M1_ELEMENTS>
+template <class E>
 struct MxOp {
-  static constexpr Codes kCodes = E2M1_ELEMENTS ? Codes::E2M1 : Codes::FP8;
-  static constexpr float kQ = E2M1_ELEMENTS ? 6.0f : 448.0f;
-  static constexpr int kEmax = E2M1_ELEMENTS ? 2 : 8;
+  static constexpr Codes kCodes = E::kCodes;
   bool floor;
   explicit MxOp(const Ctx& c) : floor(c.floor) {}
   QL_INLINE BlockParams block(float a) const {
     BlockParams p;
-    p.byte = e8m0_byte(a, kQ, kEmax, floor);
+    p.byte = e8m0_byte(a, E::kQ, E::kEmax, floor);
     p.p0 = e8m0_to_float(p.byte);
     return p;
   }
-  QL_INLINE float fake(float x, float s, float) const {
-    const float y = clampf(x / s, -kQ, kQ);
-    return (E2M1_ELEMENTS ? e2m1_value(y) : fp8_round<E4M3>(y)) * s;
-  }
-  QL_INLINE uint32_t code(float x, float s, float) const {
-    const float y = clampf(x / s, -kQ, kQ);
-    return E2M1_ELEMENTS ? e2m1_code(y) : fp8_code<E4M3>(y);
-  }
+  QL_INLINE float fake(float x, float s, float) const { return E::value(clampf(x / s, -E::kQ, E::kQ)) * s; }
+  QL_INLINE uint32_t code(float x, float s, float) const { return E::code(clampf(x / s, -E::kQ, E::kQ)); }
 };
 
 // formats.nvfp4: sb = a / (6 s2), 1 where 0; sb8 = e4m3(clamp(sb, 2^-9, 448)); y = x / (sb8 * s2);

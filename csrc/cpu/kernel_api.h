@@ -19,6 +19,9 @@ enum class Op : int {
   FP8BLK_E5M2,
   MX_E4M3,      // MX: E8M0 shared exponent
   MX_E2M1,
+  MX_E3M2,
+  MX_E2M3,
+  MX_INT8,
   NVFP4,        // E2M1 elements, E4M3 block scale, fp32 global scale
 };
 

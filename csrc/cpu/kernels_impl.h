@@ -270,8 +270,11 @@ void blocks_of(const BlockTask& t, int64_t b0, int64_t b1) {
       case Op::FP8_E5M2: return run_blocks<T, Fp8Op<E5M2>, Mode::FAKE>(t, b0, b1);
       case Op::FP8BLK_E4M3: return run_blocks<T, Fp8BlockOp<E4M3>, Mode::FAKE>(t, b0, b1);
       case Op::FP8BLK_E5M2: return run_blocks<T, Fp8BlockOp<E5M2>, Mode::FAKE>(t, b0, b1);
-      case Op::MX_E4M3: return run_blocks<T, MxOp<false>, Mode::FAKE>(t, b0, b1);
-      case Op::MX_E2M1: return run_blocks<T, MxOp<true>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_E4M3: return run_blocks<T, MxOp<MxE4M3>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_E2M1: return run_blocks<T, MxOp<MxE2M1>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_E3M2: return run_blocks<T, MxOp<MxE3M2>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_E2M3: return run_blocks<T, MxOp<MxE2M3>, Mode::FAKE>(t, b0, b1);
+      case Op::MX_INT8: return run_blocks<T, MxOp<MxInt8>, Mode::FAKE>(t, b0, b1);
       case Op::NVFP4: return run_blocks<T, Nvfp4Op, Mode::FAKE>(t, b0, b1);
       default: return;
     }
@@ -279,8 +282,11 @@ void blocks_of(const BlockTask& t, int64_t b0, int64_t b1) {
   switch (t.op) {
     case Op::FP8BLK_E4M3: return run_blocks<T, Fp8BlockOp<E4M3>, Mode::CODES>(t, b0, b1);
     case Op::FP8BLK_E5M2: return run_blocks<T, Fp8BlockOp<E5M2>, Mode::CODES>(t, b0, b1);
-    case Op::MX_E4M3: return run_blocks<T, MxOp<false>, Mode::CODES>(t, b0, b1);
-    case Op::MX_E2M1: return run_blocks<T, MxOp<true>, Mode::CODES>(t, b0, b1);
+    case Op::MX_E4M3: return run_blocks<T, MxOp<MxE4M3>, Mode::CODES>(t, b0, b1);
+    case Op::MX_E2M1: return run_blocks<T, MxOp<MxE2M1>, Mode::CODES>(t, b0, b1);
+    case Op::MX_E3M2: return run_blocks<T, MxOp<MxE3M2>, Mode::CODES>(t, b0, b1);
+    case Op::MX_E2M3: return run_blocks<T, MxOp<MxE2M3>, Mode::CODES>(t, b0, b1);
+    case Op::MX_INT8: return run_blocks<T, MxOp<MxInt8>, Mode::CODES>(t, b0, b1);
     case Op::NVFP4: return run_blocks<T, Nvfp4Op, Mode::CODES>(t, b0, b1);
     default: return;
   }

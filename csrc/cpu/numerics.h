@@ -131,6 +131,30 @@ QL_INLINE uint32_t fp8_code(float y) {
   return c | ((u >> 24) & 0x80u);
 }
 
+// ---------------------------------------------------------------------------- FP6 (E3M2, E2M3)
+
+// MX-only element formats (formats.fp6), rounded by fp8_round / fp8_subnormal_steps on their own
+// fields; E2M3's Q (7.5) is not an integer, hence plain structs rather than Fp8Format.
+struct E3M2 {  // min normal 2^-2, step 2^-4, Q 28
+  static constexpr int kDrop = 21, kMinf = 125;
+  static constexpr float kMax = 28.0f;
+  static constexpr uint32_t kMinNormalBits = 125u << 23, kStepBits = 123u << 23, kCodeBias = 124u << 2;
+};
+struct E2M3 {  // min normal 1, step 2^-3, Q 7.5
+  static constexpr int kDrop = 20, kMinf = 127;
+  static constexpr float kMax = 7.5f;
+  static constexpr uint32_t kMinNormalBits = 127u << 23, kStepBits = 124u << 23, kCodeBias = 126u << 3;
+};
+
+// The 6-bit code of y (already clamped to [-Q, Q], or NaN): sign in bit 5; NaN -> 0 (formats.fp6).
+template <class F>
+QL_INLINE uint32_t fp6_code(float y) {
+  const uint32_t u = f2u(y), a = u & kAbsMask;
+  const uint32_t normal = (fp8_normal_round<F>(a) >> F::kDrop) - F::kCodeBias;
+  const uint32_t c = (a >= F::kMinNormalBits ? normal : fp8_subnormal_steps<F>(a)) | ((u >> 26) & 0x20u);
+  return isnan_(y) ? 0u : c;
+}
+
 // ---------------------------------------------------------------------------- E2M1
 
 // Round-to-nearest-even on {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at 6 (formats.e2m1 thresholds:

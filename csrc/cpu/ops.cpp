@@ -227,7 +227,10 @@ Op fp8_op(const std::vector<int64_t>& element, bool blockwise, const char* name)
 Op mx_op(const std::string& elem, const char* name) {
   if (elem == "e4m3") return Op::MX_E4M3;
   if (elem == "e2m1") return Op::MX_E2M1;
-  TORCH_CHECK_VALUE(false, name, ": MX element format must be 'e4m3' or 'e2m1', got '", elem, "'");
+  if (elem == "e3m2") return Op::MX_E3M2;
+  if (elem == "e2m3") return Op::MX_E2M3;
+  if (elem == "int8") return Op::MX_INT8;
+  TORCH_CHECK_VALUE(false, name, ": MX element format must be 'e4m3', 'e2m1', 'e3m2', 'e2m3' or 'int8', got '", elem, "'");
 }
 
 // NVFP4 global scale s2 from the global amax A (formats.nvfp4.nvfp4_global_scale).
@@ -363,8 +366,9 @@ std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x_, const std::stri
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = (shape.back() + 1) / 2;
     codes = at::empty(shape, x.options().dtype(at::kByte));
-  } else {
-    codes = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  } else {  // one code per byte: E4M3 as float8, FP6 as uint8 (sign in bit 5), INT8 as int8
+    const at::ScalarType dtype = op == Op::MX_E4M3 ? at::kFloat8_e4m3fn : (op == Op::MX_INT8 ? at::kChar : at::kByte);
+    codes = at::empty(x.sizes(), x.options().dtype(dtype));
   }
   at::Tensor bytes = at::empty(g.blocked, x.options().dtype(at::kByte));
   Ctx ctx;

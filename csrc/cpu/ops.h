@@ -29,7 +29,7 @@ at::Tensor fake_quant_fp8_blockwise(const at::Tensor& x, const std::optional<at:
                                     const std::vector<int64_t>& block, const std::vector<int64_t>& element, double eps,
                                     bool pow2);
 
-// MX fake quant, elem "e4m3" or "e2m1", blocks of `block` along the last dim.
+// MX fake quant, elem "e4m3", "e2m1", "e3m2", "e2m3" or "int8", blocks of `block` along the last dim.
 at::Tensor fake_quant_mx(const at::Tensor& x, const std::string& elem, int64_t block, bool floor_rounding);
 
 // NVFP4 fake quant; no global amax -> dynamic (the amax of x).
@@ -39,7 +39,7 @@ at::Tensor fake_quant_nvfp4(const at::Tensor& x, const std::optional<at::Tensor>
 std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x, const std::vector<int64_t>& block, double eps,
                                                       bool pow2, const std::vector<int64_t>& element);
 
-// MX codes (float8_e4m3fn, or uint8 with two E2M1 per byte) and uint8 E8M0 bytes per block.
+// MX codes (float8_e4m3fn, uint8 with two E2M1 per byte, uint8 FP6 codes or int8) and uint8 E8M0 bytes per block.
 std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x, const std::string& elem, int64_t block,
                                            bool floor_rounding);
 

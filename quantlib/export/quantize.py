@@ -15,6 +15,7 @@ from .. import kernels
 from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
 from ..formats.fp8 import fp8_dtype, fp8_scale
 from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
+from ..formats.mx import mx_element_name, spec_element
 from ..formats.spec import FLOAT_FORMATS
 
 
@@ -25,8 +26,7 @@ def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor
     at once, see :func:`static_scales`)."""
     shape, dtype = tuple(w.shape), w.dtype
     if spec.kind == Kind.MX:
-        elem = "e4m3" if spec.element == (4, 3) else "e2m1"
-        codes, byte = kernels.mx_cast(w, elem, spec.block[0], spec.rounding, backend=backend)
+        codes, byte = kernels.mx_cast(w, mx_element_name(spec_element(spec)), spec.block[0], spec.rounding, backend=backend)
         return QuantizedTensor(codes, byte, spec, shape, dtype)
     if spec.kind == Kind.NVFP4:
         packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend)

@@ -52,7 +52,7 @@ def quantize(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None
         codes, d = fp8_blockwise.fp8_blockwise_quantize(x, spec.block, spec.element, spec.eps, spec.pow2, a)
         return QuantizedTensor(codes, d, spec, shape, dtype)
     if spec.kind == Kind.MX:
-        codes, byte = mx.mx_quantize(x, spec.element, spec.block[0], spec.rounding)
+        codes, byte = mx.mx_quantize(x, mx.spec_element(spec), spec.block[0], spec.rounding)
         return QuantizedTensor(codes, byte, spec, shape, dtype)
     if spec.kind == Kind.NVFP4:
         packed, sb8, s2 = nvfp4.nvfp4_quantize(x, a, spec.block[0])
@@ -73,7 +73,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     elif spec.kind == Kind.FP8_BLOCK:
         out = fp8_blockwise.fp8_blockwise_dequantize(q.codes, q.scale, spec.block)
     elif spec.kind == Kind.MX:
-        out = mx.mx_dequantize(q.codes, q.scale, spec.element, spec.block[0], n)
+        out = mx.mx_dequantize(q.codes, q.scale, mx.spec_element(spec), spec.block[0], n)
     elif spec.kind == Kind.NVFP4:
         out = nvfp4.nvfp4_dequantize(q.codes, q.scale, q.global_scale, n, spec.block[0])
     else:

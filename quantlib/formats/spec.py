@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .fp6 import FP6_FORMATS
+from .mxint8 import MXINT8_EMAX
+
 
 class Kind(str, enum.Enum):
     """The family of a format; each family has one module in ``quantlib.formats``."""
@@ -12,7 +15,7 @@ class Kind(str, enum.Enum):
     INT = "int"  # per tensor / channel / static or dynamic block, scale = Q / amax
     FP8 = "fp8"  # per tensor / channel, scale = Q / amax (amax <= 2^-24 -> 1)
     FP8_BLOCK = "fp8_block"  # 1xB or BxB blocks, dequant scale d = max(amax, eps) / Q
-    MX = "mx"  # OCP microscaling: E8M0 shared exponent over 32 elements
+    MX = "mx"  # OCP microscaling: E8M0 shared exponent over 32 elements (MXINT8: element None, num_bits 8)
     NVFP4 = "nvfp4"  # E2M1 elements, E4M3 block scale over 16 elements, fp32 global scale
 
 
@@ -34,6 +37,7 @@ FLOAT_FORMATS: dict[tuple[int, int], tuple[float, int]] = {
     (4, 3): (448.0, 8),
     (5, 2): (57344.0, 15),
     (2, 1): (6.0, 2),
+    **FP6_FORMATS,  # MX elements only (config.py allows them with E8M0 block scales alone)
 }
 
 #: Amax at or below this quantizes a whole group to zero (INT) or gives scale 1 (FP8, NVFP4).
@@ -67,12 +71,14 @@ class FormatSpec:
     @property
     def qmax(self) -> float:
         """Largest representable magnitude ``Q``."""
-        if self.kind == Kind.INT:
+        if self.kind == Kind.INT or self.element is None:
             return float(2**self.num_bits - 1) if self.unsigned else float(2 ** (self.num_bits - 1) - 1)
         assert self.element is not None
         return FLOAT_FORMATS[self.element][0]
 
     @property
     def emax(self) -> int:
+        if self.kind == Kind.MX and self.element is None:
+            return MXINT8_EMAX
         assert self.element is not None
         return FLOAT_FORMATS[self.element][1]

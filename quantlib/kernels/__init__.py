@@ -12,7 +12,7 @@ import torch
 from ..formats import FormatSpec, Rounding
 from ..formats.spec import MIN_EPS
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
-from ..formats.mx import mx_dequantize
+from ..formats.mx import MX_ELEMENTS, mx_dequantize
 from ..formats.nvfp4 import nvfp4_dequantize
 from . import ops
 from .backends import BACKENDS, implementation, resolve
@@ -51,10 +51,11 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, int] = (128, 128), eps
 
 
 def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil", backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """MX element codes (float8_e4m3fn, or uint8 two E2M1 per byte) and uint8 E8M0 exponents."""
+    """MX element codes (float8_e4m3fn; uint8 two E2M1 per byte; uint8 FP6 "e3m2" / "e2m3" codes, sign in
+    bit 5; int8 for "int8") and uint8 E8M0 exponents."""
     ops._check_float_input(x, "mx_cast")
-    if elem not in ("e4m3", "e2m1"):
-        raise ValueError(f"mx_cast: elem must be 'e4m3' or 'e2m1', got {elem!r}")
+    if elem not in MX_ELEMENTS:
+        raise ValueError(f"mx_cast: elem must be one of {sorted(MX_ELEMENTS)}, got {elem!r}")
     if block != 32:
         raise ValueError(f"mx_cast: MX blocks are 32 elements, got block={block}")
     if ops.eager_call(x):
@@ -72,21 +73,25 @@ def nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, back
     return ops._nvfp4_cast(x, global_amax, backend)
 
 
+#: MX format names of :func:`dequantize` and their element formats.
+_MX_FMTS = {"mxfp8": "e4m3", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3", "mxfp4": "e2m1", "mxint8": "int8"}
+
+
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_scale: Optional[torch.Tensor] = None, block: Union[int, tuple[int, ...]] = None, n: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of each cast: ``fmt`` is "fp8_blockwise" (``block``), "mxfp8", "mxfp4" or "nvfp4"
+    """Inverse of each cast: ``fmt`` is "fp8_blockwise" (``block``), an MX format of ``_MX_FMTS`` or "nvfp4"
     (``global_scale``); ``n`` is the original last-dim size of packed FP4 codes."""
     if fmt == "fp8_blockwise":
         if block is None:
             raise ValueError("dequantize('fp8_blockwise') needs block=")
         out = fp8_blockwise_dequantize(codes, scales, _norm_block(block))
-    elif fmt in ("mxfp8", "mxfp4"):
-        out = mx_dequantize(codes, scales, "e4m3" if fmt == "mxfp8" else "e2m1", 32, n)
+    elif fmt in _MX_FMTS:
+        out = mx_dequantize(codes, scales, _MX_FMTS[fmt], 32, n)
     elif fmt == "nvfp4":
         if global_scale is None:
             raise ValueError("dequantize('nvfp4') needs global_scale=")
         out = nvfp4_dequantize(codes, scales, global_scale, n if n is not None else codes.shape[-1] * 2)
     else:
-        raise ValueError(f"dequantize: fmt must be 'fp8_blockwise', 'mxfp8', 'mxfp4' or 'nvfp4', got {fmt!r}")
+        raise ValueError(f"dequantize: fmt must be 'fp8_blockwise', 'nvfp4' or one of {sorted(_MX_FMTS)}, got {fmt!r}")
     return out.to(dtype)
 
 

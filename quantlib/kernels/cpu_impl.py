@@ -12,10 +12,8 @@ from types import ModuleType
 import torch
 
 from ..formats import FormatSpec, Kind, Rounding
+from ..formats.mx import mx_element_name, spec_element
 from .backends import native_extension, register
-
-_MX_ELEMENTS = {(4, 3): "e4m3", (2, 1): "e2m1"}
-
 
 def _ext() -> ModuleType:
     ext = native_extension()
@@ -71,10 +69,7 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> 
         dynamic = _is_dynamic(spec, amax)
         return C.cpu_fake_quant_fp8_blockwise(x, None if dynamic else amax, _block(spec), list(spec.element or ()), float(spec.eps), spec.pow2)
     if kind == Kind.MX:
-        elem = _MX_ELEMENTS.get(tuple(spec.element or ()))
-        if elem is None:
-            raise ValueError(f"MX element format must be (4, 3) or (2, 1), got {spec.element}")
-        return C.cpu_fake_quant_mx(x, elem, _block(spec)[0], Rounding(spec.rounding) == Rounding.FLOOR)
+        return C.cpu_fake_quant_mx(x, mx_element_name(spec_element(spec)), _block(spec)[0], Rounding(spec.rounding) == Rounding.FLOOR)
     if kind == Kind.NVFP4:
         return C.cpu_fake_quant_nvfp4(x, amax, _block(spec)[0])
     raise NotImplementedError(f"cpu fake_quant: unknown format kind {kind}")

@@ -5,7 +5,8 @@ cast fused):
 
 - ``fp8_blockwise_cast`` and FP8 blockwise fake quant: E4M3, blocks (128,) / (1, 128) and (128, 128),
   static or dynamic amax, eps, pow2;
-- ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor;
+- ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor (MXFP6 and MXINT8
+  go to Triton, whose kernels implement every MX element);
 - ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax;
 - INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
 - INT fake quant with one group a row (no block): a static amax per row (per channel, of shape
@@ -33,10 +34,12 @@ import torch
 from ..formats import FormatSpec, Kind, Rounding
 from ..formats.blocks import blocked_shape, check_block
 from ..formats.int import int_range
+from ..formats.mx import mx_element_name
 from .backends import implementation, native_extension, register, triton_available
 
 _log = logging.getLogger("quantlib.kernels")
 _INT_BLOCKS = {(16,), (32,), (64,), (128,), (128, 128)}
+_CUDA_MX_ELEMENTS = ("e4m3", "e2m1")  # the MX elements csrc/cuda/mx.cu implements
 
 
 def _ext():
@@ -75,7 +78,7 @@ def _cuda_fake_quant_kind(x: torch.Tensor, spec: FormatSpec) -> bool:
     if spec.kind == Kind.FP8_BLOCK:
         return tuple(spec.element) == (4, 3) and block in ((128,), (128, 128))
     if spec.kind == Kind.MX:
-        return block == (32,) and tuple(spec.element) in ((4, 3), (2, 1))
+        return block == (32,) and spec.element is not None and mx_element_name(spec.element) in _CUDA_MX_ELEMENTS
     if spec.kind == Kind.NVFP4:
         return block == (16,)
     if spec.kind == Kind.INT:
@@ -153,8 +156,8 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
 
 @register("mx_cast", "cuda")
 def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _vector_ok(x) or block != 32:
-        return _triton("mx_cast", f"mx_cast (block {block}, shape {tuple(x.shape)})")(x, elem, block, rounding)
+    if not _vector_ok(x) or block != 32 or elem not in _CUDA_MX_ELEMENTS:
+        return _triton("mx_cast", f"mx_cast (element {elem}, block {block}, shape {tuple(x.shape)})")(x, elem, block, rounding)
     return tuple(_ext().cuda_mx_cast(x, elem == "e2m1", Rounding(rounding) == Rounding.FLOOR))
 
 

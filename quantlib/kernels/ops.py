@@ -164,7 +164,8 @@ def _(x, elem, block, rounding, backend):
     scales = x.new_empty(blocked_shape(x.shape, (block,)), dtype=torch.uint8)
     if elem == "e2m1":
         return x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8), scales
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scales
+    dtype = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}.get(elem, torch.uint8)
+    return x.new_empty(x.shape, dtype=dtype), scales
 
 
 @torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())

@@ -380,7 +380,7 @@ class TensorQuantizer(nn.Module):
         if self._disabled:
             return "disabled"
         s = self.spec
-        fmt = s.kind.value + (f"{s.num_bits}" if s.kind == Kind.INT else f"e{s.element[0]}m{s.element[1]}")
+        fmt = s.kind.value + (f"{s.num_bits}" if s.element is None else f"e{s.element[0]}m{s.element[1]}")
         parts = [fmt]
         if self._attrs.axis is not None:
             parts.append(f"axis={self._attrs.axis}")

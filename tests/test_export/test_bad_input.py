@@ -83,6 +83,14 @@ def test_format_cannot_carry_input_quantizer(tmp_path):
     refused(tmp_path, model, "hf_fp8_block", r"^0.input_quantizer = fp8 element=\(4, 3\): format hf_fp8_block cannot carry it")
 
 
+@pytest.mark.parametrize("preset,what", [("MXFP6_DEFAULT_CFG", r"mx element=\(3, 2\) block=\(32,\) dynamic"), ("MXINT8_DEFAULT_CFG", r"mx num_bits=8 block=\(32,\) dynamic")])
+@pytest.mark.parametrize("fmt", ["ct_mxfp8", "ct_mxfp4", "hf_mxfp8", "modelopt_mxfp8", "ct_int8", "ct_int_pack", "ct_fp8_block", "modelopt_fp8"])
+def test_no_format_carries_mxfp6_or_mxint8(tmp_path, preset, what, fmt):
+    # no consumer format (compressed-tensors 0.20, HF, ModelOpt's checkpoints) has MXFP6 or MXINT8 weights
+    model = mlp(cfg=ql.PRESETS[preset])
+    refused(tmp_path, model, fmt, rf"^0.weight_quantizer = {what}: format {fmt} cannot carry it")
+
+
 def test_ue8m0_needs_pow2_scales(tmp_path):
     refused(tmp_path, mlp(), "hf_fp8_block_ue8m0", r"ue8m0 scales need power-of-two block scales \(pow2_scale=True\)")
 

@@ -72,6 +72,9 @@ SPECS = [
     FormatSpec(Kind.FP8_BLOCK, element=(5, 2), block=(128,), dynamic=True),
     FormatSpec(Kind.MX, element=(4, 3), block=(32,)),
     FormatSpec(Kind.MX, element=(2, 1), block=(32,), rounding=Rounding.FLOOR),
+    FormatSpec(Kind.MX, element=(3, 2), block=(32,)),  # MXFP6 and MXINT8: the cuda backend hands them to Triton
+    FormatSpec(Kind.MX, element=(2, 3), block=(32,), rounding=Rounding.FLOOR),
+    FormatSpec(Kind.MX, num_bits=8, block=(32,)),
     FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,)),
 ]
 
@@ -166,7 +169,7 @@ def test_casts(dtype, backend):
                 if len(block) > len(shape):
                     continue
                 assert_same_all(_impl("fp8_blockwise_cast", backend)(xc, block, 1e-10, pow2), R.fp8_blockwise_cast(x, block, 1e-10, pow2), f"fp8b {block} {shape}")
-        for elem in ("e4m3", "e2m1"):
+        for elem in ("e4m3", "e2m1", "e3m2", "e2m3", "int8"):
             for rd in (Rounding.RCEIL, Rounding.FLOOR):
                 assert_same_all(_impl("mx_cast", backend)(xc, elem, 32, rd), R.mx_cast(x, elem, 32, rd), f"mx {elem} {shape}")
         for g in (None, torch.tensor(30.0)):

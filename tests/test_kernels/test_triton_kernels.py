@@ -97,6 +97,10 @@ SPECS_DYNAMIC = [
     FormatSpec(Kind.MX, element=(4, 3), block=(32,), rounding=Rounding.FLOOR),
     FormatSpec(Kind.MX, element=(2, 1), block=(32,)),
     FormatSpec(Kind.MX, element=(2, 1), block=(32,), rounding=Rounding.FLOOR),
+    FormatSpec(Kind.MX, element=(3, 2), block=(32,)),
+    FormatSpec(Kind.MX, element=(2, 3), block=(32,), rounding=Rounding.FLOOR),
+    FormatSpec(Kind.MX, num_bits=8, block=(32,)),
+    FormatSpec(Kind.MX, num_bits=8, block=(32,), rounding=Rounding.FLOOR),
     FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,)),
 ]
 
@@ -297,7 +301,7 @@ def test_fp8_blockwise_cast(block, pow2, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("elem", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("elem", ["e4m3", "e2m1", "e3m2", "e2m3", "int8"])
 @pytest.mark.parametrize("rounding", [Rounding.RCEIL, Rounding.FLOOR], ids=lambda r: r.value)
 def test_mx_cast(elem, rounding, dtype):
     x = edge_input((7, 300), dtype, seed=12)
@@ -380,3 +384,26 @@ def test_fuzz_fake_quant(rows, cols, spec_i, dtype_i, exp, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, cols, generator=g) * 2.0**exp).to(dtype)
     assert_same(T().fake_quant(x, spec, None), R.fake_quant(x, spec, None), _id(spec))
+
+
+@pytest.mark.parametrize("elem,q", [("e3m2", 28.0), ("e2m3", 7.5), ("int8", 127.0)])
+def test_mx_element_rounding_of_every_bf16_value(elem, q):
+    """MXFP6 / MXINT8 codes and values of every bf16 magnitude up to Q (rows with amax Q: scale 1)."""
+    mags = (torch.arange(0, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    mags = mags[mags <= q]
+    vals = torch.cat([mags, -mags, torch.zeros((-2 * mags.numel()) % 31)]).view(-1, 31)
+    x = torch.cat([torch.full((vals.shape[0], 1), q), vals], dim=1)
+    assert_same_all(T().mx_cast(x, elem, 32, Rounding.RCEIL), R.mx_cast(x, elem, 32, Rounding.RCEIL), elem)
+    spec = FormatSpec(Kind.MX, num_bits=8, block=(32,)) if elem == "int8" else FormatSpec(Kind.MX, element=(int(elem[1]), int(elem[3])), block=(32,))
+    assert_same(T().fake_quant(x, spec, None), R.fake_quant(x, spec, None), elem)
+
+
+@pytest.mark.parametrize("elem", ["e3m2", "e2m3", "int8"])
+def test_mx_elements_of_random_bit_patterns(elem):
+    """Every binade and the clamped exponents (block amax from fp32 subnormals to 3.4e38)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randint(-(2**31), 2**31 - 1, (16, 96), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.where(torch.isfinite(x), x, torch.zeros(()))
+    x[:4] *= 2.0**-100
+    for rd in (Rounding.RCEIL, Rounding.FLOOR):
+        assert_same_all(T().mx_cast(x, elem, 32, rd), R.mx_cast(x, elem, 32, rd), f"{elem}-{rd.value}")

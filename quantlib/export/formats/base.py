@@ -27,7 +27,7 @@ def describe(spec: Optional[FormatSpec]) -> str:
     """A short readable form of a spec for error messages."""
     if spec is None:
         return "disabled"
-    parts = [spec.kind.value, f"num_bits={spec.num_bits}" if spec.kind == Kind.INT else f"element={spec.element}"]
+    parts = [spec.kind.value, f"num_bits={spec.num_bits}" if spec.element is None else f"element={spec.element}"]
     if spec.block is not None:
         parts.append(f"block={spec.block}")
     if spec.dynamic:

@@ -31,9 +31,10 @@ from ._numerics import (
     fp8_fake,
     int_fake,
     load_f32,
+    mx_element,
+    mx_element_code,
     nvfp4_s2,
     nvfp4_sb8,
-    round_fp8,
     store_out,
 )
 
@@ -52,7 +53,7 @@ def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constex
         if E2M1:
             v = e2m1_round(y)
         else:
-            v = round_fp8(y, 0, HW)
+            v = mx_element(y, FP8E, HW)
         return v * e8m0_value(byte)
     else:
         s2 = nvfp4_s2(tl.load(g_ptr))
@@ -112,7 +113,7 @@ def block1d_kernel(
             if E2M1:
                 code = e2m1_code(y)
             else:
-                code = fp8_byte(round_fp8(y, 0, HW), 0, HW)
+                code = mx_element_code(mx_element(y, FP8E, HW), FP8E, HW)
         else:
             s2 = nvfp4_s2(tl.load(g_ptr))
             sb8 = nvfp4_sb8(a, s2, HW)

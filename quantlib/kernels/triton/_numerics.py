@@ -11,7 +11,8 @@ Constexpr codes shared by the kernels:
 - ``IN_DT`` (how the input is read): 0 fp32, 1 fp16, 2 bf16 passed as its int16 bits.
 - ``OUT_DT`` (how a fake-quant result is stored): 0 fp32, 1 bf16 by the hardware cast (GPU, RNE),
   2 bf16 as int16 bits rounded here (interpreter), 3 fp16.
-- ``FP8E``: 0 E4M3 (Q 448, 3 mantissa bits, min normal 2^-6), 1 E5M2 (Q 57344, 2 bits, 2^-14).
+- ``FP8E``: 0 E4M3 (Q 448, 3 mantissa bits, min normal 2^-6), 1 E5M2 (Q 57344, 2 bits, 2^-14);
+  the MX-only elements 2 E3M2 (Q 28, 2 bits, 2^-2), 3 E2M3 (Q 7.5, 3 bits, 2^0), 4 INT8 (Q 127).
 """
 
 import triton
@@ -87,16 +88,39 @@ def round_fp8(v, FP8E: tl.constexpr, HW: tl.constexpr):
     if HW and FP8E == 0:
         return v.to(tl.float8e4nv).to(tl.float32)
     mag = abs_bits(v)
-    if FP8E == 0:
+    if FP8E == 0 or FP8E == 3:
         rn = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # keep 3 mantissa bits
-        sub = (bits_to_f32(mag) + 16384.0) - 16384.0  # quantum 2^-9 below 2^-6
-        res = tl.where(mag < 0x3C800000, sub, bits_to_f32(rn))
     else:
         rn = (mag + 0xFFFFF + ((mag >> 21) & 1)) & -2097152  # keep 2 mantissa bits
+    if FP8E == 0:
+        sub = (bits_to_f32(mag) + 16384.0) - 16384.0  # quantum 2^-9 below 2^-6
+        res = tl.where(mag < 0x3C800000, sub, bits_to_f32(rn))
+    elif FP8E == 1:
         sub = (bits_to_f32(mag) + 128.0) - 128.0  # quantum 2^-16 below 2^-14
         res = tl.where(mag < 0x38800000, sub, bits_to_f32(rn))
+    elif FP8E == 2:
+        sub = (bits_to_f32(mag) + 524288.0) - 524288.0  # quantum 2^-4 below 2^-2
+        res = tl.where(mag < 0x3E800000, sub, bits_to_f32(rn))
+    else:
+        sub = (bits_to_f32(mag) + 1048576.0) - 1048576.0  # quantum 2^-3 below 1
+        res = tl.where(mag < 0x3F800000, sub, bits_to_f32(rn))
     res = tl.where(v != v, v, res)
     return with_sign_of(res, v)
+
+
+@triton.jit
+def _grid_index(mag, FP8E: tl.constexpr):
+    """The magnitude code (int32) of abs bits ``mag`` already on the grid of element ``FP8E``: the count
+    of subnormal steps below the smallest normal, the exponent and mantissa fields above it."""
+    af = bits_to_f32(mag)
+    if FP8E == 0:
+        return tl.where(mag < 0x3C800000, (af * 512.0).to(tl.int32), (mag >> 20) - 960)
+    elif FP8E == 1:
+        return tl.where(mag < 0x38800000, (af * 65536.0).to(tl.int32), (mag >> 21) - 448)
+    elif FP8E == 2:
+        return tl.where(mag < 0x3E800000, (af * 16.0).to(tl.int32), (mag >> 21) - 496)
+    else:
+        return tl.where(mag < 0x3F800000, (af * 8.0).to(tl.int32), (mag >> 20) - 1008)
 
 
 @triton.jit
@@ -104,15 +128,38 @@ def fp8_byte(r, FP8E: tl.constexpr, HW: tl.constexpr):
     """The FP8 byte (int32 0..255) of an fp32 value ``r`` already on the FP8 grid; NaN gives 0x7F|sign."""
     if HW and FP8E == 0:
         return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    neg = r.to(tl.int32, bitcast=True) < 0
     mag = abs_bits(r)
-    af = bits_to_f32(mag)
-    if FP8E == 0:
-        byte = tl.where(mag < 0x3C800000, (af * 512.0).to(tl.int32), (mag >> 20) - 960)
+    byte = tl.where(mag > 0x7F800000, 0x7F, _grid_index(mag, FP8E))
+    return tl.where(r.to(tl.int32, bitcast=True) < 0, byte | 0x80, byte)
+
+
+@triton.jit
+def fp6_code(r, FP8E: tl.constexpr):
+    """The 6-bit code (int32, sign in bit 5) of an fp32 value ``r`` already on the FP6 grid; NaN gives 0."""
+    code = _grid_index(abs_bits(r), FP8E)
+    code = tl.where(r.to(tl.int32, bitcast=True) < 0, code | 0x20, code)
+    return tl.where(r != r, 0, code)
+
+
+@triton.jit
+def mx_element(y, FP8E: tl.constexpr, HW: tl.constexpr):
+    """fp32 value of an MX element (E4M3, FP6 or INT8, by ``FP8E``) of ``y`` already clamped to [-Q, Q];
+    an INT8 code is read back through int8, so -0.0 becomes +0."""
+    if FP8E == 4:
+        return rint(y) + 0.0
     else:
-        byte = tl.where(mag < 0x38800000, (af * 65536.0).to(tl.int32), (mag >> 21) - 448)
-    byte = tl.where(mag > 0x7F800000, 0x7F, byte)
-    return tl.where(neg, byte | 0x80, byte)
+        return round_fp8(y, FP8E, HW)
+
+
+@triton.jit
+def mx_element_code(v, FP8E: tl.constexpr, HW: tl.constexpr):
+    """The stored byte (int32 0..255) of an MX element value ``v`` (from :func:`mx_element`)."""
+    if FP8E == 4:
+        return tl.where(v != v, 0, v.to(tl.int32) & 0xFF)
+    elif FP8E == 0:
+        return fp8_byte(v, 0, HW)
+    else:
+        return fp6_code(v, FP8E)
 
 
 @triton.jit

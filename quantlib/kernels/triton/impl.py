@@ -12,6 +12,7 @@ import torch
 from ...formats import FormatSpec, Kind, Rounding
 from ...formats.blocks import blocked_shape, check_block
 from ...formats.int import int_range
+from ...formats.mx import mx_element, mx_limits, spec_element
 from ...formats.spec import FLOAT_FORMATS
 from ..backends import register
 from . import _kernels as K
@@ -28,6 +29,8 @@ from ._launch import (
 
 _KIND = {Kind.INT: 0, Kind.FP8_BLOCK: 1, Kind.MX: 2, Kind.NVFP4: 3, Kind.FP8: 4}
 _FP8E = {(4, 3): 0, (5, 2): 1}
+_MX_FP8E = {(4, 3): 0, (3, 2): 2, (2, 3): 3, 8: 4}  # the kernels' FP8E code of each MX element but E2M1
+_MX_CODE_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}  # FP6 codes: uint8
 
 
 def _fp8e(element) -> int:
@@ -50,11 +53,10 @@ def _format_consts(spec: FormatSpec) -> tuple[dict, float, float]:
     elif spec.kind == Kind.FP8_BLOCK:
         c.update(QMAX=FLOAT_FORMATS[tuple(spec.element)][0], FP8E=_fp8e(spec.element), POW2=bool(spec.pow2))
     elif spec.kind == Kind.MX:
-        element = tuple(spec.element)
-        if element not in ((4, 3), (2, 1)):
-            raise ValueError(f"MX element format must be (4, 3) or (2, 1), got {element}")
-        qmax, emax = FLOAT_FORMATS[element]
-        c.update(QMAX=qmax, EMAX=emax, E2M1=element == (2, 1), FLOOR=Rounding(spec.rounding) == Rounding.FLOOR)
+        element = spec_element(spec)
+        qmax, emax = mx_limits(element)
+        fp8e = _MX_FP8E.get(element, 0)
+        c.update(QMAX=qmax, EMAX=emax, FP8E=fp8e, E2M1=element == (2, 1), FLOOR=Rounding(spec.rounding) == Rounding.FLOOR)
     elif spec.kind == Kind.NVFP4:
         c.update(QMAX=6.0)
     return c, lo, hi
@@ -247,17 +249,17 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
 @register("mx_cast", "triton")
 def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(x, (block,))
-    element = {"e4m3": (4, 3), "e2m1": (2, 1)}[elem]
+    element = mx_element(elem)
     scales = torch.empty(blocked_shape(x.shape, (block,)), dtype=torch.uint8, device=x.device)
     if element == (2, 1):
         codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=x.device)
-        codes_u8 = codes
     else:
-        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        codes_u8 = codes.view(torch.uint8)
+        codes = torch.empty(x.shape, dtype=_MX_CODE_DTYPES.get(elem, torch.uint8), device=x.device)
+    codes_u8 = codes.view(torch.uint8)
     if x.numel() == 0:
         return codes, scales
-    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.MX, element=element, block=(block,), rounding=Rounding(rounding)))
+    spec = FormatSpec(kind=Kind.MX, element=None if element == 8 else element, block=(block,), rounding=Rounding(rounding))
+    fmt, _, _ = _format_consts(spec)
     _block1d(x, block, 2, fmt, out=codes_u8, scale=scales)
     return codes, scales
 
