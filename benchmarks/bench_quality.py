@@ -1,20 +1,20 @@
-"""Perplexity of a small decoder LM after quantization: every calibration algorithm, quantlib next to
-ModelOpt 0.47 on the same model, config and data, in one run.
+"""Perplexity of trained small LMs after quantization: every preset x calibration algorithm, quantlib
+next to ModelOpt 0.47 on the same model, config dict and calibration data, in one run.
 
-The model: a byte-level decoder (2 blocks, d=128, 4 heads, context 128, ~0.4 M parameters) trained
-here with a fixed seed on Python standard-library sources (``json``, ``email``, ``http``, ``xml``
-packages of the running interpreter, files sorted by name; the last 10% of the bytes are held out).
-Training is deterministic on the CPU; the weights are cached in ``benchmarks/data/quality_lm.pt``
-(delete it to retrain: 300 steps of 16 x 128 bytes, ~4 min on one core). Calibration: 16 batches of 8 x 128 bytes of the training
-text; evaluation over 64 held-out windows of 128 bytes, in fp32: perplexity, and the mean KL divergence
-per byte of the quantized model's next-byte distribution from the fp32 model's (what calibration
-tries to keep small; perplexity of a model this small moves by less than the quantization noise).
+Models (benchmarks/quality_models.py, trained here on the CPU with a fixed seed on Python
+standard-library sources; weights cached in ``benchmarks/data/quality_{dense,moe}.pt``, retrained only
+when missing or with ``--retrain``): a dense byte-level decoder (d=256, 4 blocks, RMSNorm, SwiGLU,
+~3.2 M parameters) and a tiny transformers Qwen3-MoE (2 blocks, top-2 of 4 fused experts).
 
-Each row quantizes the model's linears (not the head) with one ModelOpt preset and one algorithm,
-through ModelOpt's own preset dict (integers full range, ModelOpt's default) given to both libraries.
+Each row quantizes the model with one ModelOpt preset dict (``lm_head`` and router stay in full
+precision; integers full range, ModelOpt's default) and one algorithm, given alike to both libraries.
+Calibration is repeated on ``--seeds`` disjoint draws of training windows; per row: held-out
+perplexity (mean over the draws), its difference from the same draw's ``max`` row in percent (mean
+and sample std: a claim "better than max" is only as good as this std), the mean KL divergence per
+byte from the fp32 model's next-byte distribution, and the calibration time (best over the draws).
 ModelOpt runs where its fake quant runs on the device (its NVFP4 needs CUDA).
 
-    python benchmarks/bench_quality.py [--device cpu|cuda] [--json out.json]
+    python benchmarks/bench_quality.py [--quick] [--model dense|moe|both] [--device cpu|cuda] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,106 +25,37 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
-import sysconfig
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import quality_models as qm  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WEIGHTS = os.path.join(HERE, "data", "quality_lm.pt")
-CTX, DIM, HEADS, LAYERS = 128, 128, 4, 2
-# (preset, algorithms): max first, the baseline each algorithm must beat
-ROWS = [
-    ("INT4_AWQ_CFG", ["max", "mse", "awq_lite", "awq_clip", "awq_full"]),
-    ("W4A8_AWQ_BETA_CFG", ["max", "awq_lite"]),
-    ("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]),
-    ("W4A16_NVFP4_CFG", ["max", "awq_lite", "awq_clip", "awq_full"]),
-]
+ALL = ["max", "mse", "awq_lite", "awq_clip", "awq_full"]
+# (preset, algorithms) per model: max first, the baseline each algorithm must beat
+ROWS = {
+    "dense": [
+        ("INT4_AWQ_CFG", ALL),
+        ("W4A16_NVFP4_CFG", ALL),
+        ("W4A8_AWQ_BETA_CFG", ["max", "awq_lite"]),
+        ("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]),
+    ],
+    "moe": [("INT4_AWQ_CFG", ALL)],
+}
+QUICK_ROWS = {"dense": [("INT4_AWQ_CFG", ["max", "awq_lite"])], "moe": [("INT4_AWQ_CFG", ["max", "awq_lite"])]}
+#: presets whose fake quant ModelOpt runs on the CPU (its NVFP4 / MX need CUDA)
 MODELOPT_CPU = {"INT4_AWQ_CFG", "W4A8_AWQ_BETA_CFG", "INT8_SMOOTHQUANT_CFG"}
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
-        x = x + self.proj(a)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyLM(nn.Module):
-    """Byte-level decoder; ``lm_head`` stays unquantized in every preset."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, DIM)
-        self.pos = nn.Parameter(torch.zeros(CTX, DIM))
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, 256)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx) + self.pos[: idx.shape[1]]
-        for blk in self.blocks:
-            x = blk(x)
-        return self.lm_head(self.ln(x))
-
-
-def corpus() -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) bytes of the interpreter's json/email/http/xml sources."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for pkg in ("json", "email", "http", "xml"):
-        for dirpath, _, names in os.walk(os.path.join(root, pkg)):
-            files += [os.path.join(dirpath, n) for n in names if n.endswith(".py")]
-    data = b"".join(open(f, "rb").read() for f in sorted(files))
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    cut = int(0.9 * t.numel())
-    return t[:cut], t[cut:]
-
-
-def windows(t: torch.Tensor, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, t.numel() - CTX - 1, (n,), generator=g)
-    return torch.stack([t[s : s + CTX + 1] for s in starts.tolist()])
-
-
-def train(text: torch.Tensor, steps: int = 300) -> TinyLM:
-    torch.manual_seed(0)
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    for step in range(steps):
-        batch = windows(text, 16, seed=step)
-        loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, 256), batch[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0:
-            print(f"  step {step}: loss {loss.item():.3f}", file=sys.stderr)
-    return model.eval()
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, held: torch.Tensor, device: str, ref_logp: torch.Tensor | None = None) -> tuple[float, float, torch.Tensor]:
-    """(held-out perplexity, mean KL(reference || model) per byte in nats, log-probs)."""
-    batch = windows(held, 64, seed=12345).to(device)
-    logp = F.log_softmax(model(batch[:, :-1]).float(), dim=-1)
-    ppl = math.exp(F.nll_loss(logp.reshape(-1, 256), batch[:, 1:].reshape(-1)).item())
-    kl = 0.0 if ref_logp is None else float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
-    return ppl, kl, logp
+BUILDERS: dict[str, Callable[..., nn.Module]] = {"dense": qm.dense_model, "moe": qm.moe_model}
 
 
 def configs(preset: str, algorithm: str) -> tuple[dict, dict | None]:
@@ -145,80 +76,132 @@ def configs(preset: str, algorithm: str) -> tuple[dict, dict | None]:
     return ours, mo
 
 
-def run(device: str, repeat: int = 1) -> list[dict]:
-    train_text, held = corpus()
-    if os.path.exists(WEIGHTS):
-        model = TinyLM()
-        model.load_state_dict(torch.load(WEIGHTS, weights_only=True))
-        model.eval()
-    else:
-        model = train(train_text)
-        os.makedirs(os.path.dirname(WEIGHTS), exist_ok=True)
-        torch.save(model.state_dict(), WEIGHTS)
-    model = model.to(device)
-    calib = [windows(train_text, 8, seed=1000 + i)[:, :-1].to(device) for i in range(16)]
+@torch.no_grad()
+def evaluate(model: nn.Module, held: torch.Tensor, ref_logp: torch.Tensor | None = None, windows: int = 64) -> tuple[float, float, torch.Tensor]:
+    """(held-out perplexity, mean KL(reference || model) per byte in nats, log-probs)."""
+    device = next(model.parameters()).device
+    batch = qm.windows(held, windows, seed=12345).to(device)
+    logp = torch.cat([F.log_softmax(model(b[:, :-1]).float(), dim=-1) for b in batch.split(16)])
+    ppl = math.exp(F.nll_loss(logp.reshape(-1, qm.VOCAB), batch[:, 1:].reshape(-1)).item())
+    kl = 0.0 if ref_logp is None else float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
+    return ppl, kl, logp
 
+
+def calibration(text: torch.Tensor, seed: int, batches: int, device: str) -> list[torch.Tensor]:
+    """``batches`` batches of 4 training windows; draw ``seed`` (disjoint seeds give disjoint draws)."""
+    return [qm.windows(text, 4, seed=10_000 * (seed + 1) + i)[:, :-1].to(device) for i in range(batches)]
+
+
+def _calibrate(quantize: Callable, model: nn.Module, cfg: dict, data: list[torch.Tensor]) -> tuple[nn.Module, float]:
     def loop(m: nn.Module) -> None:
-        for b in calib:
+        for b in data:
             m(b)
 
-    ppl, _, ref = evaluate(model, held, device)
-    rows = [{"preset": "fp32", "algorithm": "-", "quantlib": ppl}]
-    ppl, kl, _ = evaluate(copy.deepcopy(model).bfloat16(), held, device, ref)
-    rows.append({"preset": "bf16", "algorithm": "-", "quantlib": ppl, "quantlib_kl": kl})
-    for preset, algos in ROWS:
+    t = time.perf_counter()
+    q = quantize(copy.deepcopy(model), copy.deepcopy(cfg), loop)
+    return q, time.perf_counter() - t
+
+
+def run_model(name: str, rows: list, seeds: int, batches: int, device: str, windows: int, retrain: bool) -> list[dict]:
+    """One record per (preset, algorithm, library, seed) for model ``name``."""
+    model = BUILDERS[name](retrain=retrain).to(device)
+    train_text, held = qm.corpus()
+    ppl, _, ref = evaluate(model, held, windows=windows)
+    out = [{"model": name, "preset": "fp32", "algorithm": "-", "lib": "torch", "seed": 0, "ppl": ppl, "kl": 0.0}]
+    ppl, kl, _ = evaluate(copy.deepcopy(model).bfloat16(), held, ref, windows)
+    out.append({"model": name, "preset": "bf16", "algorithm": "-", "lib": "torch", "seed": 0, "ppl": ppl, "kl": kl})
+    for preset, algos in rows:
         for algo in algos:
-            ours_cfg, mo_cfg = configs(preset, algo)
-            row = {"preset": preset, "algorithm": algo}
-            times = []
-            for _ in range(repeat):  # best of ``repeat``: the machine's other load inflates single runs
-                t = time.perf_counter()
-                q = ql.quantize(copy.deepcopy(model), ours_cfg, loop)
-                times.append(time.perf_counter() - t)
-            row["quantlib_s"] = min(times)
-            row["quantlib"], row["quantlib_kl"], _ = evaluate(q, held, device, ref)
-            if mo_cfg is not None and (device == "cuda" or preset in MODELOPT_CPU) and not (algo == "mse" and preset != "INT4_AWQ_CFG"):
+            ours, mo = configs(preset, algo)
+            libs = [("quantlib", ql.quantize, ours)]
+            if mo is not None and (device == "cuda" or preset in MODELOPT_CPU):
                 import modelopt.torch.quantization as mtq
 
-                times = []
-                for _ in range(repeat):
-                    t = time.perf_counter()
-                    m = mtq.quantize(copy.deepcopy(model), mo_cfg, loop)
-                    times.append(time.perf_counter() - t)
-                row["modelopt_s"] = min(times)
-                row["modelopt"], row["modelopt_kl"], _ = evaluate(m, held, device, ref)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
+                libs.append(("modelopt", mtq.quantize, mo))
+            for seed in range(seeds):
+                data = calibration(train_text, seed, batches, device)
+                for lib, quantize, cfg in libs:
+                    q, secs = _calibrate(quantize, model, cfg, data)
+                    ppl, kl, _ = evaluate(q, held, ref, windows)
+                    rec = {"model": name, "preset": preset, "algorithm": algo, "lib": lib, "seed": seed, "ppl": ppl, "kl": kl, "calib_s": secs}
+                    out.append(rec)
+                    print(json.dumps(rec), file=sys.stderr)
+    return out
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (model, preset, algorithm, library): mean ppl, ppl vs max in % (mean, std), mean KL, best time."""
+    base = {(r["model"], r["preset"], r["lib"], r["seed"]): r["ppl"] for r in records if r["algorithm"] == "max"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["model"], r["preset"], r["algorithm"], r["lib"]), []).append(r)
+    rows = []
+    for (model, preset, algo, lib), rs in groups.items():
+        row = {"model": model, "preset": preset, "algorithm": algo, "lib": lib, "seeds": len(rs)}
+        row["ppl"] = statistics.fmean(r["ppl"] for r in rs)
+        row["kl"] = statistics.fmean(r["kl"] for r in rs)
+        if "calib_s" in rs[0]:
+            row["calib_s"] = min(r["calib_s"] for r in rs)
+        diffs = [100 * (r["ppl"] / base[(model, preset, lib, r["seed"])] - 1) for r in rs if (model, preset, lib, r["seed"]) in base]
+        if diffs and algo != "max":
+            row["vs_max_pct"] = statistics.fmean(diffs)
+            row["vs_max_std"] = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
+    """Markdown: quantlib and ModelOpt side by side per (model, preset, algorithm)."""
+    by = {(r["model"], r["preset"], r["algorithm"], r["lib"]): r for r in rows}
+    keys = list(dict.fromkeys((r["model"], r["preset"], r["algorithm"]) for r in rows))
     out = [
-        "| preset | algorithm | ppl quantlib | ppl ModelOpt | KL quantlib (mnat) | KL ModelOpt (mnat) | calib s quantlib | calib s ModelOpt |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | preset | algorithm | ppl quantlib | vs max % quantlib | ppl ModelOpt | vs max % ModelOpt | KL quantlib (mnat) | KL ModelOpt (mnat) | calib s quantlib | calib s ModelOpt |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        f = lambda k, fmt, scale=1.0: (fmt % (r[k] * scale)) if k in r else "-"  # noqa: E731
-        out.append(
-            f"| {r['preset']} | {r['algorithm']} | {f('quantlib', '%.4f')} | {f('modelopt', '%.4f')} | {f('quantlib_kl', '%.3f', 1e3)} | "
-            f"{f('modelopt_kl', '%.3f', 1e3)} | {f('quantlib_s', '%.3f')} | {f('modelopt_s', '%.3f')} |"
-        )
+    for model, preset, algo in keys:
+        ours = by.get((model, preset, algo, "quantlib")) or by.get((model, preset, algo, "torch"))
+        mo = by.get((model, preset, algo, "modelopt"), {})
+
+        def cell(r: dict, key: str) -> str:
+            if key not in r:
+                return "-"
+            if key == "vs_max_pct":
+                return f"{r[key]:+.2f} ± {r['vs_max_std']:.2f}"
+            return f"{r[key] * 1e3:.3f}" if key == "kl" else f"{r[key]:.4f}" if key == "ppl" else f"{r[key]:.2f}"
+
+        cells = [cell(ours, "ppl"), cell(ours, "vs_max_pct"), cell(mo, "ppl"), cell(mo, "vs_max_pct"), cell(ours, "kl"), cell(mo, "kl"), cell(ours, "calib_s"), cell(mo, "calib_s")]
+        out.append(f"| {model} | {preset} | {algo} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark; print the table (and write the records and rows with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["dense", "moe", "both"], default="both")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seeds", type=int, default=3, help="calibration draws (ppl vs max: mean and std over them)")
+    parser.add_argument("--batches", type=int, default=8, help="calibration batches of 4 x 128 bytes per draw")
+    parser.add_argument("--windows", type=int, default=128, help="held-out windows of 128 bytes evaluated")
+    parser.add_argument("--quick", action="store_true", help="INT4 max and awq_lite only, one draw of 4 batches, 16 windows")
+    parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--repeat", type=int, default=3, help="calibration timings: best of this many")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.getLogger("quantlib").setLevel(logging.ERROR)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = run(args.device, args.repeat)
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.seeds, args.windows, args.batches = 1, 16, 4
+    models = ["dense", "moe"] if args.model == "both" else [args.model]
+    records = []
+    for name in models:
+        rows = (QUICK_ROWS if args.quick else ROWS)[name]
+        records += run_model(name, rows, args.seeds, args.batches, args.device, args.windows, args.retrain)
+    rows = summarize(records)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"records": records, "rows": rows, "args": vars(args)}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""The quality benchmark (benchmarks/bench_quality.py): its models train deterministically and load
+from the cache, its summary computes the difference from max per calibration draw, and one quick row
+runs on the cached trained models with quantlib next to ModelOpt."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bq = _load("bench_quality")
+qm = bq.qm
+
+
+def _tiny() -> torch.nn.Module:
+    return qm.DenseLM(dim=32, layers=1, heads=2, hidden=64)
+
+
+def test_training_is_deterministic_and_the_cache_round_trips(tmp_path):
+    a = qm.load_or_train(_tiny, str(tmp_path / "a.pt"), steps=2)
+    b = qm.load_or_train(_tiny, str(tmp_path / "b.pt"), steps=2)
+    cached = qm.load_or_train(_tiny, str(tmp_path / "a.pt"), steps=2)
+    untrained = (torch.manual_seed(0), _tiny())[1]
+    for (name, p), q, r, u in zip(a.state_dict().items(), b.state_dict().values(), cached.state_dict().values(), untrained.state_dict().values()):
+        assert torch.equal(p, q) and torch.equal(p, r), name
+    assert any(not torch.equal(p, u) for p, u in zip(a.state_dict().values(), untrained.state_dict().values()))
+
+
+def test_corpus_holds_out_the_tail():
+    train, held = qm.corpus()
+    assert abs(train.numel() - 9 * held.numel()) <= 9 and held.numel() > 100_000 and int(train.max()) < qm.VOCAB
+
+
+def test_summary_compares_each_draw_with_its_own_max():
+    rec = lambda algo, seed, ppl: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": seed, "ppl": ppl, "kl": 0.001, "calib_s": 1.0 + seed}  # noqa: E731
+    rows = bq.summarize([rec("max", 0, 10.0), rec("max", 1, 20.0), rec("awq_lite", 0, 9.9), rec("awq_lite", 1, 19.6)])
+    awq = next(r for r in rows if r["algorithm"] == "awq_lite")
+    assert awq["vs_max_pct"] == pytest.approx(-1.5) and awq["vs_max_std"] == pytest.approx(math.sqrt(0.5))
+    assert awq["ppl"] == pytest.approx(14.75) and awq["calib_s"] == 1.0
+    assert "vs_max_pct" not in next(r for r in rows if r["algorithm"] == "max")
+    assert "-1.50 ± 0.71" in bq.table(rows)
+
+
+@pytest.mark.slow
+def test_quick_rows_run_on_the_cached_models():
+    pytest.importorskip("transformers")
+    torch.set_num_threads(2)
+    for name in ("dense", "moe"):
+        assert Path(qm.DENSE_WEIGHTS if name == "dense" else qm.MOE_WEIGHTS).is_file(), "cached weights ship with the repository"
+        records = bq.run_model(name, [("INT4_AWQ_CFG", ["max"])], seeds=1, batches=1, device="cpu", windows=4, retrain=False)
+        by = {(r["preset"], r["lib"]): r for r in records}
+        fp32, int4 = by[("fp32", "torch")], by[("INT4_AWQ_CFG", "quantlib")]
+        assert fp32["ppl"] < 12, "the cached model is trained (an untrained byte model has ppl ~256)"
+        assert int4["kl"] > 0 and math.isfinite(int4["ppl"])
+        if ("INT4_AWQ_CFG", "modelopt") in by:  # same config and data: ModelOpt's max gives the same model
+            assert by[("INT4_AWQ_CFG", "modelopt")]["ppl"] == pytest.approx(int4["ppl"], rel=5e-3)
