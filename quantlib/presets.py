@@ -1,10 +1,8 @@
 """Preset recipes: plain dicts in ModelOpt's dict form, with ModelOpt's names and meanings.
 
 The presets that need a calibration algorithm beyond max, or quantize only part of a model, follow the
-base ones. Not here because quantlib has no such format: ModelOpt's ``W4A8_NVFP4_FP8_CFG`` and
-``NVFP4_MLP_WEIGHT_ONLY_CFG`` (E2M1 with E4M3 scales over blocks of 32), ``MXFP6_DEFAULT_CFG`` (E3M2
-elements), ``MXINT8_DEFAULT_CFG`` (integers with E8M0 scales) and
-``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` (static NVFP4 block scales).
+base ones. Not here because quantlib has no such format: ModelOpt's ``MXFP6_DEFAULT_CFG`` (E3M2
+elements) and ``MXINT8_DEFAULT_CFG`` (integers with E8M0 scales).
 
 Each attribute dict is the one ModelOpt 0.47 resolves its preset of the same name to (its YAML recipes
 through ``model_dump(exclude_unset=True)``), so a preset means here what it means there, defaults
@@ -132,6 +130,13 @@ MXFP4_MLP_WEIGHT_ONLY_CFG = only(("*mlp*", "*block_sparse_moe*"), MXFP4, None, N
 # not in ModelOpt 0.47: its NVFP4 experts-only / MLP-only presets with MXFP8 (what RL trainers run)
 MXFP8_EXPERTS_ONLY_CFG = only(_EXPERTS, MXFP8, MXFP8, None)
 MXFP8_MLP_ONLY_CFG = only(_MLP, MXFP8, MXFP8, None)
+# NVFP4 weights with static block scales, each block's E4M3 scale the one of least squared error
+NVFP4_STATIC = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
+NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG = preset(NVFP4_STATIC, NVFP4, {"method": "mse", "fp8_scale_sweep": True})
+# E2M1 elements with E4M3 scales over blocks of 32 (ModelOpt's W4A8 NVFP4 unit)
+NVFP4_BLOCK32 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}
+W4A8_NVFP4_FP8_CFG = preset(NVFP4_BLOCK32, FP8)
+NVFP4_MLP_WEIGHT_ONLY_CFG = only(("*mlp*", "*block_sparse_moe*"), NVFP4_BLOCK32)
 
 CALIBRATION_PRESETS: tuple[str, ...] = (
     "INT4_AWQ_CFG",
@@ -146,6 +151,9 @@ CALIBRATION_PRESETS: tuple[str, ...] = (
     "MXFP4_MLP_WEIGHT_ONLY_CFG",
     "MXFP8_EXPERTS_ONLY_CFG",
     "MXFP8_MLP_ONLY_CFG",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
+    "W4A8_NVFP4_FP8_CFG",
+    "NVFP4_MLP_WEIGHT_ONLY_CFG",
 )
 #: the presets that quantize only part of a model (by module names)
 SCOPED_PRESETS: tuple[str, ...] = tuple(n for n in CALIBRATION_PRESETS if "_ONLY_" in n)
