@@ -14,7 +14,8 @@ one, which the block scales are relative to). ``fp8_scale_sweep`` (ModelOpt's
 ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG``) replaces the multipliers by the 126 positive finite E4M3
 values ``v``: block amax ``A * v / 448``, whose block scale is exactly ``v`` (times the global scale),
 so every block tries every E4M3 scale; only those weights are searched then, the others keep their
-max amax (as in ModelOpt).
+max amax (as in ModelOpt). Static-block siblings that consumers fuse (q/k/v, gate/up) first share
+their max global amax, as ModelOpt's shared weight global amax does.
 """
 
 from __future__ import annotations
@@ -118,6 +119,12 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
     members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf, w in _static_weight_members(module)]
     if cfg.fp8_scale_sweep:
         members = [(leaf, w) for leaf, w in members if leaf.static_blocks]
+    if any(leaf.static_blocks for leaf, _ in members):
+        from ..export.siblings import share_sibling_amax  # the export's sibling groups (q/k/v, gate/up)
+
+        # as ModelOpt: block scales are chosen against the global amax siblings share, so that consumers
+        # fusing them (and share_sibling_amax before export) find it already shared
+        share_sibling_amax(model, static_blocks_only=True)
     with torch.no_grad():
         for leaf, w in progress(members, "mse search", len(members)):
             if leaf.amax is None or leaf.amax.is_meta:
