@@ -15,7 +15,7 @@ one, which the block scales are relative to). ``fp8_scale_sweep`` (ModelOpt's
 values ``v``: block amax ``A * v / 448``, whose block scale is exactly ``v`` (times the global scale),
 so every block tries every E4M3 scale; only those weights are searched then, the others keep their
 max amax (as in ModelOpt). Static-block siblings that consumers fuse (q/k/v, gate/up) first share
-their max global amax, as ModelOpt's shared weight global amax does.
+their max global amax (:mod:`quantlib.calib.shared_global_amax`), as ModelOpt's shared state does.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .registry import CalibContext, MseConfig, register_runner
+from .shared_global_amax import share_static_block_global_amax
 from .scaling import progress
 
 _log = logging.getLogger("quantlib")
@@ -120,11 +121,7 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
     if cfg.fp8_scale_sweep:
         members = [(leaf, w) for leaf, w in members if leaf.static_blocks]
     if any(leaf.static_blocks for leaf, _ in members):
-        from ..export.siblings import share_sibling_amax  # the export's sibling groups (q/k/v, gate/up)
-
-        # as ModelOpt: block scales are chosen against the global amax siblings share, so that consumers
-        # fusing them (and share_sibling_amax before export) find it already shared
-        share_sibling_amax(model, static_blocks_only=True)
+        share_static_block_global_amax(model)  # block scales are chosen against the shared global amax
     with torch.no_grad():
         for leaf, w in progress(members, "mse search", len(members)):
             if leaf.amax is None or leaf.amax.is_meta:

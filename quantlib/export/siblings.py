@@ -12,10 +12,9 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from .layouts import ModelLayout, layout_for
 
 
-def share_sibling_amax(model: nn.Module, layout: Optional[ModelLayout] = None, static_blocks_only: bool = False) -> dict[tuple[str, ...], float]:
+def share_sibling_amax(model: nn.Module, layout: Optional[ModelLayout] = None) -> dict[tuple[str, ...], float]:
     """Set each sibling group's per-tensor weight amax to the group's max; returns {group names: amax}
-    for the groups changed. Call it after calibration and before evaluating and exporting.
-    ``static_blocks_only``: only NVFP4 weights with static blocks (what the MSE search does first)."""
+    for the groups changed. Call it after calibration and before evaluating and exporting."""
     layout = layout or layout_for(model)
     groups: dict[tuple[str, tuple], list[tuple[str, TensorQuantizer]]] = {}
     for name, module in model.named_modules():
@@ -23,8 +22,6 @@ def share_sibling_amax(model: nn.Module, layout: Optional[ModelLayout] = None, s
         parent, _, leaf = name.rpartition(".")
         group = layout.sibling_group(leaf)
         if group is None or not isinstance(q, TensorQuantizer) or not q.is_enabled or q.amax is None or q.amax.numel() != 1:
-            continue
-        if static_blocks_only and not q.static_blocks:
             continue
         groups.setdefault((parent, group), []).append((name, q))
     changed = {}

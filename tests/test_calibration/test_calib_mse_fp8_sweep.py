@@ -196,3 +196,28 @@ def test_block_amax_on_a_dynamic_quantizer_is_refused_by_name():
     q = ql.TensorQuantizer(QuantizerAttributeConfig.from_dict(dict(STATIC, block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)})))
     with pytest.raises(ValueError, match="static blocks"):
         q.block_amax = torch.ones(2, 1)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj, self.k_proj, self.o_proj = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.gate_proj, self.up_proj = nn.Linear(32, 64), nn.Linear(32, 64)
+        with torch.no_grad():
+            for i, m in enumerate((self.q_proj, self.k_proj, self.o_proj, self.gate_proj, self.up_proj)):
+                m.weight.mul_(1 + i)  # every global amax differs
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x) + self.k_proj(x)) + (self.gate_proj(x) * self.up_proj(x)).sum(-1, keepdim=True)
+
+
+def test_siblings_share_their_global_amax_before_the_search():
+    model = ql.quantize(_Block(), ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG, lambda m: m(torch.randn(4, 32)))
+    amax = {n: float(getattr(model, n).weight_quantizer.amax) for n in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")}
+    own = {n: float(getattr(model, n).weight.abs().max()) for n in amax}
+    assert amax["q_proj"] == amax["k_proj"] == max(own["q_proj"], own["k_proj"])
+    assert amax["gate_proj"] == amax["up_proj"] == max(own["gate_proj"], own["up_proj"])
+    assert amax["o_proj"] == own["o_proj"]
+    dynamic = ql.quantize(_Block(), ql.NVFP4_DEFAULT_CFG, lambda m: m(torch.randn(4, 32)))
+    assert float(dynamic.q_proj.weight_quantizer.amax) == own["q_proj"] != own["k_proj"]  # max calibration shares nothing
