@@ -126,16 +126,21 @@ class _Boom(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_sequential_awq_lite_resume_after_crash_equal_in_memory(tmp_path, in_memory, name):
+def _crash_in_layer_2(tmp_path, name: str, algo: str) -> tuple[str, dict, dict]:
+    """(resume file, sequential options, its saved state) of a layer-by-layer run killed in layer 2."""
     resume = str(tmp_path / "resume.pt")
     opts = {"resume_file": resume}
     model = build(name)
     handle = model.model.layers[2].self_attn.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(_Boom("killed in layer 2")))
     with pytest.raises(_Boom):
-        ql.quantize(model, CONFIGS["awq_lite"], loop_over(data()), sequential=opts)
+        ql.quantize(model, CONFIGS[algo], loop_over(data()), sequential=opts)
     handle.remove()
-    saved = torch.load(resume, weights_only=True)
+    return resume, opts, torch.load(resume, weights_only=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_sequential_awq_lite_resume_after_crash_equal_in_memory(tmp_path, in_memory, name):
+    resume, opts, saved = _crash_in_layer_2(tmp_path, name, "awq_lite")
     assert saved["done"] == 2 and any(k.startswith("model.layers.1.") for k in saved["pre_quant_scale"])
     assert not any(k.startswith("model.layers.2.") for k in saved["pre_quant_scale"])
 
@@ -153,14 +158,7 @@ def test_sequential_awq_lite_resume_after_crash_equal_in_memory(tmp_path, in_mem
 
 @pytest.mark.parametrize("name", sorted(MODELS)[:1])
 def test_sequential_fp8_sweep_resume_keeps_the_searched_block_amax(tmp_path, in_memory, name):
-    resume = str(tmp_path / "resume.pt")
-    opts = {"resume_file": resume}
-    model = build(name)
-    handle = model.model.layers[2].self_attn.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(_Boom("killed in layer 2")))
-    with pytest.raises(_Boom):
-        ql.quantize(model, CONFIGS["mse_fp8_sweep"], loop_over(data()), sequential=opts)
-    handle.remove()
-    saved = torch.load(resume, weights_only=True)
+    _, opts, saved = _crash_in_layer_2(tmp_path, name, "mse_fp8_sweep")
     assert any(k.startswith("model.layers.1.") for k in saved["block_amax"])
     fresh = ql.quantize(build(name), CONFIGS["mse_fp8_sweep"], loop_over(data()), sequential=opts)
     state, expected_logits = in_memory(name, "mse_fp8_sweep")
