@@ -221,3 +221,16 @@ def test_siblings_share_their_global_amax_before_the_search():
     assert amax["o_proj"] == own["o_proj"]
     dynamic = ql.quantize(_Block(), ql.NVFP4_DEFAULT_CFG, lambda m: m(torch.randn(4, 32)))
     assert float(dynamic.q_proj.weight_quantizer.amax) == own["q_proj"] != own["k_proj"]  # max calibration shares nothing
+
+
+def test_restore_into_a_meta_built_model_keeps_the_block_amax(tmp_path):
+    model = _swept()
+    ql.save(model, tmp_path / "q.pt")
+    with torch.device("meta"):
+        fresh = mlp(seed=0)
+    fresh = ql.restore(fresh, tmp_path / "q.pt")
+    fresh.to_empty(device="cpu")
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if not k.split(".")[-1].startswith("_")}, strict=False)
+    assert torch.equal(fresh[0].weight_quantizer.block_amax, model[0].weight_quantizer.block_amax)
+    x = outlier_data(n=1, seed=9)[0]
+    assert torch.equal(fresh(x), model(x))
