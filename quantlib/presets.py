@@ -68,6 +68,8 @@ FP8 = {"num_bits": (4, 3), "axis": None}
 NVFP4 = {"num_bits": (2, 1), "effective_bits": 4.5, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
 MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 MXFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
+# E2M1 elements with E4M3 scales over blocks of 32 (ModelOpt's W4A8 NVFP4 unit)
+NVFP4_BLOCK32 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}
 
 INT8_DEFAULT_CFG = preset(INT8_PER_CHANNEL, INT8)
 INT8_WEIGHT_ONLY_CFG = preset(INT8_PER_CHANNEL)
@@ -86,6 +88,7 @@ NVFP4_DEFAULT_CFG = preset(NVFP4, NVFP4)
 MXFP8_DEFAULT_CFG = preset(MXFP8, MXFP8, algorithm=None)
 MXFP4_DEFAULT_CFG = preset(MXFP4, MXFP4, algorithm=None)
 W4A8_AWQ_BETA_CFG = preset([INT4_PER_BLOCK, FP8], FP8, "awq_lite")
+W4A8_NVFP4_FP8_CFG = preset(NVFP4_BLOCK32, FP8)
 
 PRESETS: dict[str, dict] = {
     "INT8_DEFAULT_CFG": INT8_DEFAULT_CFG,
@@ -99,6 +102,7 @@ PRESETS: dict[str, dict] = {
     "MXFP8_DEFAULT_CFG": MXFP8_DEFAULT_CFG,
     "MXFP4_DEFAULT_CFG": MXFP4_DEFAULT_CFG,
     "W4A8_AWQ_BETA_CFG": W4A8_AWQ_BETA_CFG,
+    "W4A8_NVFP4_FP8_CFG": W4A8_NVFP4_FP8_CFG,
 }
 
 
@@ -133,9 +137,6 @@ MXFP8_MLP_ONLY_CFG = only(_MLP, MXFP8, MXFP8, None)
 # NVFP4 weights with static block scales, each block's E4M3 scale the one of least squared error
 NVFP4_STATIC = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
 NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG = preset(NVFP4_STATIC, NVFP4, {"method": "mse", "fp8_scale_sweep": True})
-# E2M1 elements with E4M3 scales over blocks of 32 (ModelOpt's W4A8 NVFP4 unit)
-NVFP4_BLOCK32 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}
-W4A8_NVFP4_FP8_CFG = preset(NVFP4_BLOCK32, FP8)
 NVFP4_MLP_WEIGHT_ONLY_CFG = only(("*mlp*", "*block_sparse_moe*"), NVFP4_BLOCK32)
 
 CALIBRATION_PRESETS: tuple[str, ...] = (
@@ -152,7 +153,6 @@ CALIBRATION_PRESETS: tuple[str, ...] = (
     "MXFP8_EXPERTS_ONLY_CFG",
     "MXFP8_MLP_ONLY_CFG",
     "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
-    "W4A8_NVFP4_FP8_CFG",
     "NVFP4_MLP_WEIGHT_ONLY_CFG",
 )
 #: the presets that quantize only part of a model (by module names)
