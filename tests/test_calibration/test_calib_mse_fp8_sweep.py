@@ -234,3 +234,14 @@ def test_restore_into_a_meta_built_model_keeps_the_block_amax(tmp_path):
     assert torch.equal(fresh[0].weight_quantizer.block_amax, model[0].weight_quantizer.block_amax)
     x = outlier_data(n=1, seed=9)[0]
     assert torch.equal(fresh(x), model(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sweep_on_the_gpu_chooses_what_the_cpu_reference_chooses():
+    w = _weight(seed=11, shape=(256, 520))
+    spec, g = _spec(), w.abs().amax()
+    ref = search_block_amax(w, spec, g, block_amax(w, (16,)), fp8_scale_candidates(), True, "reference")
+    got = search_block_amax(w.cuda(), spec, g.cuda(), block_amax(w, (16,)).cuda(), fp8_scale_candidates(), True, "auto")
+    assert got[0].is_cuda
+    assert torch.equal(got[1].cpu(), ref[1]) and torch.equal(got[0].cpu(), ref[0])
