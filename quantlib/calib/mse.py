@@ -15,7 +15,9 @@ one, which the block scales are relative to). ``fp8_scale_sweep`` (ModelOpt's
 values ``v``: block amax ``A * v / 448``, whose block scale is exactly ``v`` (times the global scale),
 so every block tries every E4M3 scale; only those weights are searched then, the others keep their
 max amax (as in ModelOpt). Static-block siblings that consumers fuse (q/k/v, gate/up) first share
-their max global amax (:mod:`quantlib.calib.shared_global_amax`), as ModelOpt's shared state does.
+their max global amax in max calibration first (:mod:`quantlib.calib.shared_global_amax`), as
+ModelOpt's shared state does; under tensor parallelism (whose sync moves the global amax afterwards) the
+search refuses them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .registry import CalibContext, MseConfig, register_runner
-from .shared_global_amax import share_static_block_global_amax
 from .scaling import progress
 
 _log = logging.getLogger("quantlib")
@@ -120,8 +121,9 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
     members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf, w in _static_weight_members(module)]
     if cfg.fp8_scale_sweep:
         members = [(leaf, w) for leaf, w in members if leaf.static_blocks]
-    if any(leaf.static_blocks for leaf, _ in members):
-        share_static_block_global_amax(model)  # block scales are chosen against the shared global amax
+    statics = [leaf for leaf, _ in members if leaf.static_blocks]
+    if statics and ctx.tensor_parallel:  # the TP sync after calibration would move the global amax under them
+        raise ValueError(f"{statics[0]._qname}: mse on NVFP4 static block scales under tensor parallelism is not supported (ModelOpt refuses it too): calibrate at TP=1")
     with torch.no_grad():
         for leaf, w in progress(members, "mse search", len(members)):
             if leaf.amax is None or leaf.amax.is_meta:

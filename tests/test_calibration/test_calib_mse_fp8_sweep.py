@@ -245,3 +245,23 @@ def test_sweep_on_the_gpu_chooses_what_the_cpu_reference_chooses():
     got = search_block_amax(w.cuda(), spec, g.cuda(), block_amax(w, (16,)).cuda(), fp8_scale_candidates(), True, "auto")
     assert got[0].is_cuda
     assert torch.equal(got[1].cpu(), ref[1]) and torch.equal(got[0].cpu(), ref[0])
+
+
+def test_max_calibration_of_static_blocks_shares_sibling_global_amax_too():
+    cfg = dict(ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG, algorithm="max")
+    model = ql.quantize(_Block(), cfg, lambda m: m(torch.randn(4, 32)))
+    assert float(model.q_proj.weight_quantizer.amax) == float(model.k_proj.weight_quantizer.amax) == float(model.k_proj.weight.abs().max())
+    # the block amax stay the blocks' own max: shared global amax, max block scales
+    assert torch.equal(model.q_proj.weight_quantizer.block_amax, block_amax(model.q_proj.weight.detach(), (16,)))
+
+
+def test_sweep_under_tensor_parallelism_is_refused_by_name():
+    from quantlib.calib.activations import max_calibrate
+    from quantlib.calib.mse import run_mse
+    from quantlib.calib.registry import CalibContext, MseConfig
+
+    model = ql.convert(mlp())
+    ql.set_quantizer_by_cfg(model, ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG)
+    ctx = CalibContext(None, lambda m: max_calibrate(m, None, "max_of_peers"), lambda t: t, lambda t: t, tensor_parallel=True)
+    with pytest.raises(ValueError, match=r"0.weight_quantizer: mse on NVFP4 static block scales under tensor parallelism"):
+        run_mse(model, MseConfig(fp8_scale_sweep=True), ctx)
