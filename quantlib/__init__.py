@@ -26,10 +26,13 @@ from .presets import (
     NVFP4_DEFAULT_CFG,
     NVFP4_EXPERTS_ONLY_CFG,
     NVFP4_MLP_ONLY_CFG,
+    NVFP4_MLP_WEIGHT_ONLY_CFG,
     NVFP4_OMLP_ONLY_CFG,
+    NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG,
     PRESETS,
-    W4A8_AWQ_BETA_CFG,
     W4A16_NVFP4_CFG,
+    W4A8_AWQ_BETA_CFG,
+    W4A8_NVFP4_FP8_CFG,
 )
 from .distributed import AmaxSyncError, ParallelState, sync_amax
 from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
@@ -61,6 +64,9 @@ __all__ = [
     "MXFP4_MLP_WEIGHT_ONLY_CFG",
     "MXFP8_EXPERTS_ONLY_CFG",
     "MXFP8_MLP_ONLY_CFG",
+    "NVFP4_MLP_WEIGHT_ONLY_CFG",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
+    "W4A8_NVFP4_FP8_CFG",
     "NVFP4_AWQ_CLIP_CFG",
     "NVFP4_AWQ_FULL_CFG",
     "NVFP4_AWQ_LITE_CFG",

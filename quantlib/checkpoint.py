@@ -4,7 +4,8 @@ State (schema 5)::
 
     {"schema": 5, "config": <QuantizeConfig.to_dict() or None>,
      "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None,
-                                "_pre_quant_scale": Tensor | None, "_bias_value": Tensor | None}
+                                "_pre_quant_scale": Tensor | None, "_bias_value": Tensor | None,
+                                "_block_amax": Tensor (NVFP4 static blocks only)}
                               | {"type": "sequential" | "grouped", "members": [<member state>, ...]}}}
 
 Everything is plain containers and tensors, so ``torch.load(weights_only=True)`` reads it. The file is
@@ -17,6 +18,10 @@ single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always 
 ``_pre_quant_scale`` (SmoothQuant / AWQ, :func:`migrate_v2_to_v3`); 4 adds ``_bias_value`` (the
 calibrated bias of affine quantization, ``attrs["bias"]``, :func:`migrate_v3_to_v4`); 5 adds the
 attention modules' ``p_bmm_quantizer`` (the softmax output, :func:`migrate_v4_to_v5`).
+
+``_block_amax`` (the block amax of NVFP4 with static blocks, ``block_sizes`` ``"type": "static"``) is
+written only for those quantizers, which no earlier schema could express, so it needs no migration:
+an entry without it has none.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch import nn
 
 from ._atomic_io import atomic_torch_save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
-from .formats import Kind
+from .formats import Kind, blocked_shape
 from .kv_cache import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
@@ -136,13 +141,19 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
         bias = q.bias_values
         if bias is None and q.bias_value is not None:
             raise CheckpointError(f"{name or q._qname}: _bias_value is on the meta device and holds no values; materialise and calibrate the model before saving")
-        return {
+        blocks = q.block_amax_values
+        if blocks is None and q.block_amax is not None:
+            raise CheckpointError(f"{name or q._qname}: _block_amax is on the meta device and holds no values; materialise and calibrate the model before saving")
+        entry = {
             "type": "tensor",
             "attrs": q.attrs.to_dict() | {"enable": q.is_enabled},
             "_amax": None if amax is None else amax.detach().cpu().clone(),
             "_pre_quant_scale": None if pqs is None else pqs.detach().cpu().clone(),
             "_bias_value": None if bias is None else bias.detach().cpu().clone(),
         }
+        if blocks is not None:
+            entry["_block_amax"] = blocks.detach().cpu().clone()
+        return entry
     kind = "grouped" if isinstance(q, GroupedQuantizer) else "sequential"
     return {"type": kind, "members": [_quantizer_state(m, None if name is None else f"{name}.{i}") for i, m in enumerate(q)]}
 
@@ -292,7 +303,7 @@ def _build(qstate: Any, where: str) -> nn.Module:
             if per_tensor and q.needs_calibration and amax.dim() != 0:
                 raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
             q.amax = amax
-        for key, attr in (("_pre_quant_scale", "pre_quant_scale"), ("_bias_value", "bias_value")):
+        for key, attr in (("_pre_quant_scale", "pre_quant_scale"), ("_bias_value", "bias_value"), ("_block_amax", "block_amax")):
             _restore_tensor(q, qstate.get(key), key, attr, where)
         return q
     members = [_build(m, f"{where}.{i}") for i, m in enumerate(qstate.get("members") or [])]
@@ -363,6 +374,8 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
                 expected = leaf.amax_shape(tuple(w.shape))
                 if tuple(leaf.amax.shape) != expected:
                     raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
+            if leaf.block_amax is not None and tuple(leaf.block_amax.shape) != blocked_shape(tuple(w.shape), leaf.spec.block):
+                raise CheckpointError(f"{leaf._qname}: _block_amax of shape {tuple(leaf.block_amax.shape)} does not fit weight {tuple(w.shape)} (expected {blocked_shape(tuple(w.shape), leaf.spec.block)})")
 
 
 def _check_expert_scales(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:

@@ -263,9 +263,13 @@ class QuantizerAttributeConfig:
         if element in FP6_FORMATS:
             raise ConfigError(f"num_bits={element} (FP6) needs MX block_sizes {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
         if element == (2, 1):
-            if scale_bits != (4, 3) or block != (16,) or not dynamic:
-                raise ConfigError(f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16, 'type': 'dynamic', 'scale_bits': (4, 3)}} or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
-            return FormatSpec(Kind.NVFP4, element=element, block=block, dynamic=True, **common)
+            # NVFP4: the global amax is calibrated either way; "static" also stores the block amax
+            if scale_bits != (4, 3) or block not in ((16,), (32,)):
+                raise ConfigError(
+                    f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16 (or 32), 'type': 'dynamic' (or 'static'), 'scale_bits': (4, 3)}} "
+                    f"or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}"
+                )
+            return FormatSpec(Kind.NVFP4, element=element, block=block, dynamic=dynamic, **common)
         if scale_bits is not None:
             raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements (NVFP4)")
         if block is None:

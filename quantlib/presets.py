@@ -1,9 +1,7 @@
 """Preset recipes: plain dicts in ModelOpt's dict form, with ModelOpt's names and meanings.
 
 The presets that need a calibration algorithm beyond max, or quantize only part of a model, follow the
-base ones. Not here because quantlib has no such format: ModelOpt's ``W4A8_NVFP4_FP8_CFG`` and
-``NVFP4_MLP_WEIGHT_ONLY_CFG`` (E2M1 with E4M3 scales over blocks of 32) and
-``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` (static NVFP4 block scales).
+base ones.
 
 Each attribute dict is the one ModelOpt 0.47 resolves its preset of the same name to (its YAML recipes
 through ``model_dump(exclude_unset=True)``), so a preset means here what it means there, defaults
@@ -71,6 +69,8 @@ MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_b
 MXFP4 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 MXFP6 = {"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}  # E3M2 (ModelOpt's)
 MXINT8 = {"num_bits": 8, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
+# E2M1 elements with E4M3 scales over blocks of 32 (ModelOpt's W4A8 NVFP4 unit)
+NVFP4_BLOCK32 = {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (4, 3)}}
 
 INT8_DEFAULT_CFG = preset(INT8_PER_CHANNEL, INT8)
 INT8_WEIGHT_ONLY_CFG = preset(INT8_PER_CHANNEL)
@@ -91,6 +91,7 @@ MXFP4_DEFAULT_CFG = preset(MXFP4, MXFP4, algorithm=None)
 MXFP6_DEFAULT_CFG = preset(MXFP6, MXFP6, algorithm=None)
 MXINT8_DEFAULT_CFG = preset(MXINT8, MXINT8, algorithm=None)
 W4A8_AWQ_BETA_CFG = preset([INT4_PER_BLOCK, FP8], FP8, "awq_lite")
+W4A8_NVFP4_FP8_CFG = preset(NVFP4_BLOCK32, FP8)
 
 PRESETS: dict[str, dict] = {
     "INT8_DEFAULT_CFG": INT8_DEFAULT_CFG,
@@ -106,6 +107,7 @@ PRESETS: dict[str, dict] = {
     "MXFP6_DEFAULT_CFG": MXFP6_DEFAULT_CFG,
     "MXINT8_DEFAULT_CFG": MXINT8_DEFAULT_CFG,
     "W4A8_AWQ_BETA_CFG": W4A8_AWQ_BETA_CFG,
+    "W4A8_NVFP4_FP8_CFG": W4A8_NVFP4_FP8_CFG,
 }
 
 
@@ -137,6 +139,10 @@ MXFP4_MLP_WEIGHT_ONLY_CFG = only(("*mlp*", "*block_sparse_moe*"), MXFP4, None, N
 # not in ModelOpt 0.47: its NVFP4 experts-only / MLP-only presets with MXFP8 (what RL trainers run)
 MXFP8_EXPERTS_ONLY_CFG = only(_EXPERTS, MXFP8, MXFP8, None)
 MXFP8_MLP_ONLY_CFG = only(_MLP, MXFP8, MXFP8, None)
+# NVFP4 weights with static block scales, each block's E4M3 scale the one of least squared error
+NVFP4_STATIC = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
+NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG = preset(NVFP4_STATIC, NVFP4, {"method": "mse", "fp8_scale_sweep": True})
+NVFP4_MLP_WEIGHT_ONLY_CFG = only(("*mlp*", "*block_sparse_moe*"), NVFP4_BLOCK32)
 
 CALIBRATION_PRESETS: tuple[str, ...] = (
     "INT4_AWQ_CFG",
@@ -151,6 +157,8 @@ CALIBRATION_PRESETS: tuple[str, ...] = (
     "MXFP4_MLP_WEIGHT_ONLY_CFG",
     "MXFP8_EXPERTS_ONLY_CFG",
     "MXFP8_MLP_ONLY_CFG",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
+    "NVFP4_MLP_WEIGHT_ONLY_CFG",
 )
 #: the presets that quantize only part of a model (by module names)
 SCOPED_PRESETS: tuple[str, ...] = tuple(n for n in CALIBRATION_PRESETS if "_ONLY_" in n)

@@ -225,3 +225,37 @@ def test_impossible_mxfp6_and_mxint8_configs_are_refused(cfg, match):
     with pytest.raises(ConfigError, match=match):
         QuantizerAttributeConfig.from_dict(cfg)
 
+
+# ------------------------------------------------------------------------------------ NVFP4 static blocks, blocks of 32
+
+_NAMES = (
+    "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj", "model.layers.0.block_sparse_moe.experts.0.w1",
+    "model.layers.0.mlp.gate", "lm_head", "layers.0.fc1",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "W4A8_NVFP4_FP8_CFG", "NVFP4_MLP_WEIGHT_ONLY_CFG"])
+def test_nvfp4_static_and_block32_presets_equal_modelopts_live_config(name):
+    mo_config = pytest.importorskip("modelopt.torch.quantization.config")
+    theirs_dict = copy.deepcopy(getattr(mo_config, name))
+    ours = QuantizeConfig.from_any(ql.PRESETS[name])
+    theirs = QuantizeConfig.from_any(theirs_dict)
+    assert ours.algorithm == theirs.algorithm
+    for module in _NAMES:
+        for q in ("weight_quantizer", "input_quantizer"):
+            assert ours.resolve(f"{module}.{q}", ("Linear",)) == theirs.resolve(f"{module}.{q}", ("Linear",)), (module, q)
+
+
+def test_nvfp4_static_and_block32_formats():
+    sweep = QuantizeConfig.from_any(ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG)
+    w, _ = sweep.resolve("layers.0.fc1.weight_quantizer", ("Linear",))
+    i, _ = sweep.resolve("layers.0.fc1.input_quantizer", ("Linear",))
+    assert (w.format_spec().kind, w.format_spec().block, w.format_spec().dynamic) == (Kind.NVFP4, (16,), False)
+    assert (i.format_spec().kind, i.format_spec().dynamic) == (Kind.NVFP4, True)
+    assert sweep.algorithm == {"method": "mse", "fp8_scale_sweep": True}
+    w4a8 = QuantizeConfig.from_any(ql.W4A8_NVFP4_FP8_CFG)
+    w, _ = w4a8.resolve("layers.0.fc1.weight_quantizer", ("Linear",))
+    assert (w.format_spec().kind, w.format_spec().block) == (Kind.NVFP4, (32,))
+    mlp_only = QuantizeConfig.from_any(ql.NVFP4_MLP_WEIGHT_ONLY_CFG)
+    assert mlp_only.resolve("model.layers.0.self_attn.q_proj.weight_quantizer", ("Linear",))[1] is False
+    assert mlp_only.resolve("model.layers.0.mlp.up_proj.input_quantizer", ("Linear",))[1] is False

@@ -328,13 +328,24 @@ at::Tensor fake_quant_mx(const at::Tensor& x_, const std::string& elem, int64_t 
   return fake_blocks(x, dt, op, ctx, block_layout(x, {block}, "fake_quant(mx)"), at::Tensor(), false);
 }
 
-at::Tensor fake_quant_nvfp4(const at::Tensor& x_, const std::optional<at::Tensor>& global_amax, int64_t block) {
+// Static block amax (NVFP4 with calibrated block scales): it needs the static global amax it was chosen
+// against; a block holding NaN still gets NaN outputs (its scale is NaN), as where the amax is computed.
+at::Tensor nvfp4_static_blocks(const std::optional<at::Tensor>& global_amax, const std::optional<at::Tensor>& block_amax,
+                               const Layout& g, const char* op) {
+  if (!block_amax.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(global_amax.has_value(), op, ": a static block amax needs the static global amax");
+  return static_block_amax(*block_amax, g, op);
+}
+
+at::Tensor fake_quant_nvfp4(const at::Tensor& x_, const std::optional<at::Tensor>& global_amax, int64_t block,
+                            const std::optional<at::Tensor>& block_amax) {
   const at::Tensor x = x_.contiguous();
   const DType dt = dtype_of(x, "fake_quant(nvfp4)");
   const Layout g = block_layout(x, {block}, "fake_quant(nvfp4)");
-  at::Tensor amax;
+  at::Tensor amax = nvfp4_static_blocks(global_amax, block_amax, g, "fake_quant(nvfp4)");
+  const bool fixed = amax.defined();
   const Ctx ctx = nvfp4_ctx(nvfp4_global_amax(x, dt, g, global_amax, amax));
-  return fake_blocks(x, dt, Op::NVFP4, ctx, g, amax, false);
+  return fake_blocks(x, dt, Op::NVFP4, ctx, g, amax, fixed);
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x_, const std::vector<int64_t>& block, double eps,
@@ -381,12 +392,13 @@ std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x_, const std::stri
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x_, const std::optional<at::Tensor>& global_amax,
-                                                          int64_t block) {
+                                                          int64_t block, const std::optional<at::Tensor>& block_amax) {
   const at::Tensor x = x_.contiguous();
   const DType dt = dtype_of(x, "nvfp4_cast");
   const Layout g = block_layout(x, {block}, "nvfp4_cast");
   TORCH_CHECK_VALUE(block % 2 == 0, "nvfp4_cast: packed E2M1 needs an even block, got ", block);
-  at::Tensor amax;
+  at::Tensor amax = nvfp4_static_blocks(global_amax, block_amax, g, "nvfp4_cast");
+  const bool fixed = amax.defined();
   const Ctx ctx = nvfp4_ctx(nvfp4_global_amax(x, dt, g, global_amax, amax));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = (shape.back() + 1) / 2;
@@ -394,6 +406,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x_, 
   at::Tensor scales = at::empty(g.blocked, x.options().dtype(at::kFloat8_e4m3fn));
   BlockTask t = block_task(x, dt, Op::NVFP4, Mode::CODES, ctx, g);
   if (amax.defined()) t.amax_in = amax.data_ptr<float>();
+  t.nan_groups = fixed;
   t.codes = packed.data_ptr<uint8_t>();
   t.byte_out = static_cast<uint8_t*>(scales.data_ptr());
   run(t);

@@ -33,7 +33,8 @@ at::Tensor fake_quant_fp8_blockwise(const at::Tensor& x, const std::optional<at:
 at::Tensor fake_quant_mx(const at::Tensor& x, const std::string& elem, int64_t block, bool floor_rounding);
 
 // NVFP4 fake quant; no global amax -> dynamic (the amax of x).
-at::Tensor fake_quant_nvfp4(const at::Tensor& x, const std::optional<at::Tensor>& global_amax, int64_t block);
+at::Tensor fake_quant_nvfp4(const at::Tensor& x, const std::optional<at::Tensor>& global_amax, int64_t block,
+                            const std::optional<at::Tensor>& block_amax);
 
 // FP8 codes (shape of x) and fp32 dequant scales d per block.
 std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x, const std::vector<int64_t>& block, double eps,
@@ -45,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x, const std::strin
 
 // Packed E2M1 (uint8), float8_e4m3fn block scales, fp32 global scale s2 (0-dim).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x, const std::optional<at::Tensor>& global_amax,
-                                                          int64_t block);
+                                                          int64_t block, const std::optional<at::Tensor>& block_amax);
 
 // The instruction set the kernels run with ("avx512", "avx2" or "base"); set_isa picks one (tests
 // compare every compiled variant with the reference) and raises where this CPU or build lacks it.

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
+from .shared_global_amax import share_static_block_global_amax
 from ..traversal import expert_group_key, iter_leaf_quantizers, leaves_of, quant_modules, weight_quantizer_ids
 
 ForwardLoop = Callable[[nn.Module], Any]
@@ -20,10 +21,12 @@ _log = logging.getLogger("quantlib")
 
 
 def max_calibrate(model: nn.Module, forward_loop: Optional[ForwardLoop], expert_policy: str) -> None:
-    """The ``max`` algorithm: weight amax from the weights, activation amax from ``forward_loop`` (None:
-    activations keep no amax and use each tensor's own)."""
+    """The ``max`` algorithm: weight amax from the weights (siblings with NVFP4 static blocks then share
+    their global amax, as in ModelOpt), activation amax from ``forward_loop`` (None: activations keep no
+    amax and use each tensor's own)."""
     for _, m in quant_modules(model):
         m.calibrate_weights()
+    share_static_block_global_amax(model)
     if forward_loop is not None:
         calibrate_activations(model, forward_loop, expert_policy)
     else:

@@ -8,20 +8,30 @@ static weight quantizer (each member of a grouped one, on its own tensor) tries 
 quantized together: the weight is stacked once per candidate along a new leading dim and quantized by
 one kernel call with a per-candidate, per-group amax, on the weight's device; chunks of candidates
 bound the memory (:data:`CHUNK_ELEMENTS`).
+
+NVFP4 weights with static blocks search their block amax (the global amax stays the max-calibrated
+one, which the block scales are relative to). ``fp8_scale_sweep`` (ModelOpt's
+``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG``) replaces the multipliers by the 126 positive finite E4M3
+values ``v``: block amax ``A * v / 448``, whose block scale is exactly ``v`` (times the global scale),
+so every block tries every E4M3 scale; only those weights are searched then, the others keep their
+max amax (as in ModelOpt). Static-block siblings that consumers fuse (q/k/v, gate/up) first share
+their max global amax in max calibration first (:mod:`quantlib.calib.shared_global_amax`), as
+ModelOpt's shared state does; under tensor parallelism (whose sync moves the global amax afterwards) the
+search refuses them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..formats import FormatSpec, Kind
 from ..formats.blocks import to_blocks
-from ..kernels import ops
+from ..kernels import block_amax, ops
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
@@ -40,6 +50,12 @@ def multipliers(cfg: MseConfig) -> torch.Tensor:
     return torch.linspace(cfg.start_multiplier, cfg.stop_multiplier, steps=steps)
 
 
+def fp8_scale_candidates() -> torch.Tensor:
+    """The 126 positive finite E4M3 values divided by 448, ascending (ModelOpt's sweep candidates)."""
+    values = torch.arange(0, 128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return values[torch.isfinite(values) & (values > 0)] / 448.0
+
+
 def group_sq_error(err: torch.Tensor, spec: FormatSpec, amax_shape: tuple[int, ...]) -> torch.Tensor:
     """Sum of the elementwise ``err`` [K, *w] over each group of an amax of ``amax_shape`` -> [K, *amax]."""
     if spec.block is not None:
@@ -50,22 +66,37 @@ def group_sq_error(err: torch.Tensor, spec: FormatSpec, amax_shape: tuple[int, .
 def search_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(best amax, index of the chosen candidate per group) of weight ``w`` with max amax ``amax``
     (shape as the quantizer stores it): per group, the first candidate of least squared error."""
-    x = w.detach().float()
     shape = tuple(amax.shape)
-    a = amax.reshape(shape if shape else (1,) * x.dim()).to(x.device)  # per tensor: one amax broadcast over x
-    cands = candidates.to(x.device, torch.float32)
+    a = amax.reshape(shape if shape else (1,) * w.dim()).to(w.device)  # per tensor: one amax broadcast over x
+    cands = candidates.to(w.device, torch.float32)
+    batch = a.unsqueeze(0) * cands.reshape((-1,) + (1,) * a.dim())
+    best = _first_least(w, spec, batch, lambda xs, c: ops.fake_quant(xs, spec, c, backend))
+    return (a * cands[best]).reshape(shape), best.reshape(shape)
+
+
+def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tensor, block_amax: torch.Tensor, candidates: torch.Tensor, sweep: bool, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 static blocks: (best block amax, index of the chosen candidate per block) of weight ``w``
+    against the fixed ``global_amax``: candidates are multipliers of ``block_amax``, or with ``sweep``
+    the fractions ``v / 448`` of the global amax (:func:`fp8_scale_candidates`)."""
+    g = global_amax.to(w.device, torch.float32).reshape(())
+    cands = candidates.to(w.device, torch.float32)
+    base = torch.ones_like(block_amax, dtype=torch.float32, device=w.device) * g if sweep else block_amax.to(w.device, torch.float32)
+    batch = base.unsqueeze(0) * cands.reshape((-1,) + (1,) * base.dim())
+    best = _first_least(w, spec, batch, lambda xs, c: ops.fake_quant(xs, spec, g, backend, block_amax=c))
+    return base * cands[best], best
+
+
+def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Per group, the index of the first of the ``K`` candidate amax ``batch_amax`` [K, *amax] whose
+    fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group."""
+    x = w.detach().float()
     chunk = max(1, CHUNK_ELEMENTS // max(1, x.numel()))
     losses = []
-    for start in range(0, cands.numel(), chunk):
-        c = cands[start : start + chunk]
-        batch_amax = a.unsqueeze(0) * c.reshape((-1,) + (1,) * a.dim())
-        xs = x.unsqueeze(0).expand((c.numel(),) + tuple(x.shape)).contiguous()
-        xq = ops.fake_quant(xs, spec, batch_amax, backend)
-        losses.append(group_sq_error((xq - xs).square(), spec, tuple(a.shape)))
-    loss = torch.cat(losses)
-    best = torch.argmin(loss, dim=0)  # first minimum: the smaller multiplier wins ties
-    chosen = a * cands[best]
-    return chosen.reshape(shape), best.reshape(shape)
+    for start in range(0, batch_amax.shape[0], chunk):
+        c = batch_amax[start : start + chunk]
+        xs = x.unsqueeze(0).expand((c.shape[0],) + tuple(x.shape)).contiguous()
+        losses.append(group_sq_error((quant(xs, c) - xs).square(), spec, tuple(c.shape[1:])))
+    return torch.argmin(torch.cat(losses), dim=0)  # first minimum: the smaller candidate wins ties
 
 
 def _static_weight_members(module: QuantModule) -> Iterator[tuple[str, TensorQuantizer, torch.Tensor]]:
@@ -77,18 +108,29 @@ def _static_weight_members(module: QuantModule) -> Iterator[tuple[str, TensorQua
             if not isinstance(leaf, TensorQuantizer):
                 _log.info("mse: %s is a chain of quantizers; it keeps its max amax", where)
                 continue
-            if leaf.is_enabled and leaf.needs_calibration and leaf.spec.kind != Kind.NVFP4:
+            if leaf.is_enabled and leaf.needs_calibration and (leaf.spec.kind != Kind.NVFP4 or leaf.static_blocks):
                 yield where, leaf, w
 
 
 @register_runner("mse")
 def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
-    """Max calibration, then the MSE search of every static weight quantizer's amax."""
+    """Max calibration, then the MSE search of every static weight quantizer's amax (with
+    ``fp8_scale_sweep``: the E4M3 scale sweep of NVFP4 static block weights only)."""
     ctx.max_calibrate(model)
-    candidates = multipliers(cfg)
+    candidates = fp8_scale_candidates() if cfg.fp8_scale_sweep else multipliers(cfg)
     members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf, w in _static_weight_members(module)]
+    if cfg.fp8_scale_sweep:
+        members = [(leaf, w) for leaf, w in members if leaf.static_blocks]
+    statics = [leaf for leaf, _ in members if leaf.static_blocks]
+    if statics and ctx.tensor_parallel:  # the TP sync after calibration would move the global amax under them
+        raise ValueError(f"{statics[0]._qname}: mse on NVFP4 static block scales under tensor parallelism is not supported (ModelOpt refuses it too): calibrate at TP=1")
     with torch.no_grad():
         for leaf, w in progress(members, "mse search", len(members)):
             if leaf.amax is None or leaf.amax.is_meta:
                 continue
-            leaf.amax, _ = search_amax(leaf.pre_scale(w), leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
+            x = leaf.pre_scale(w)
+            if leaf.static_blocks:
+                blocks = leaf.block_amax if leaf.block_amax is not None else block_amax(x.detach(), leaf.spec.block, backend=leaf.attrs.backend)
+                leaf.block_amax, _ = search_block_amax(x, leaf.spec, leaf.amax, blocks, candidates, cfg.fp8_scale_sweep, leaf.attrs.backend)
+            else:
+                leaf.amax, _ = search_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)

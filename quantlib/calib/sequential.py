@@ -442,13 +442,14 @@ def _cpu(value: Any) -> Any:
 
 
 def _finished_state(model: nn.Module, name: str, done: int) -> dict:
-    """amax, pre_quant_scale and runners' module results of layers ``< done``, on the CPU."""
+    """amax, pre_quant_scale, NVFP4 static block amax and runners' module results of layers ``< done``, on the CPU."""
     view = _view(model, [f"{name}.{i}" for i in range(done)])
     leaves = list(iter_leaf_quantizers(view))
     results = {n: {a: _cpu(getattr(m, a)) for a in RESULT_ATTRIBUTES if hasattr(m, a)} for n, m in quant_modules(view)}
     return {
         "amax": {n: _cpu(q.amax) for n, q in leaves if q.amax is not None},
         "pre_quant_scale": {n: _cpu(q.pre_quant_scale) for n, q in leaves if q.pre_quant_scale is not None},
+        "block_amax": {n: _cpu(q.block_amax) for n, q in leaves if q.block_amax is not None},
         "results": {n: r for n, r in results.items() if r},
     }
 
@@ -463,6 +464,9 @@ def _restore_finished(model: nn.Module, name: str, layers: nn.ModuleList, state:
             amax, pqs = state["amax"].get(n), state["pre_quant_scale"].get(n)
             q.amax = None if amax is None else amax.to(device)
             q.pre_quant_scale = None if pqs is None else pqs.to(device)
+            blocks = state.get("block_amax", {}).get(n)  # NVFP4 static blocks; absent from older resume files
+            if blocks is not None:
+                q.block_amax = blocks.to(device)
         for n, m in quant_modules(view):
             for attr in RESULT_ATTRIBUTES:
                 m.__dict__.pop(attr, None)

@@ -22,7 +22,7 @@ def pack_item(it: Item, fmt: ExportFormat, scale: Optional[torch.Tensor] = None)
     tensors: dict[str, torch.Tensor] = {}
     if it.spec is not None:
         w = it.weight()
-        tensors.update(p.pack(real_quantize(w, it.spec, it.amax, backend="auto", scale=scale)))
+        tensors.update(p.pack(real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)))
         if it.input_spec is not None:
             tensors.update(p.pack_input(it.input_spec, it.input_amax))
     for k, get in it.extras.items():

@@ -43,6 +43,7 @@ class Item:
     group: Optional[tuple[str, ...]] = None  # sibling group sharing a global amax in this format
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
+    block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
 
 
 @dataclass
@@ -141,7 +142,7 @@ def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
                 extras = {k: _getter(t) for k, t in direct.items()}
                 items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), q.spec, q.amax, ispec, iamax, extras,
                                   shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
-                                  input_where=f"{name}.input_quantizer"))
+                                  input_where=f"{name}.input_quantizer", block_amax=q.block_amax))
                 direct = {}
         if direct:
             items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _getter(t) for k, t in direct.items()}, parent=parent, leaf=leaf))
@@ -174,7 +175,8 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
                                       parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows),
-                                      fused=layout.checkpoint_name(name), input_where=f"{name}.{proj}_input_quantizer"))
+                                      fused=layout.checkpoint_name(name), input_where=f"{name}.{proj}_input_quantizer",
+                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
                 elif isinstance(q, SequentialQuantizer) and q.is_enabled:
                     raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
                 else:
@@ -235,6 +237,10 @@ def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
         if len(set(values)) <= 1:
             continue
         names = tuple(m.name for m in members)
+        static = [m.where for m in members if m.block_amax is not None]
+        if static:  # their block scales were chosen against their own global amax: another one changes them all
+            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ ({values}); {static[0]} has static NVFP4 block scales "
+                              "chosen against its own global amax, so they cannot be unified: calibrate with one global amax per sibling group")
         if not unify:
             detail = ", ".join(f"{m.where} = {v!r}" for m, v in zip(members, values))
             raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass unify_siblings=True to use their max (the export then differs from the evaluated model)")

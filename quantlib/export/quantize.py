@@ -19,17 +19,19 @@ from ..formats.mx import mx_element_name, spec_element
 from ..formats.spec import FLOAT_FORMATS
 
 
-def real_quantize(w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None) -> QuantizedTensor:
+def real_quantize(
+    w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None, block_amax: Optional[torch.Tensor] = None
+) -> QuantizedTensor:
     """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it.
 
     ``scale``: :func:`static_scale` of ``amax``, when the caller computed it already (for many weights
-    at once, see :func:`static_scales`)."""
+    at once, see :func:`static_scales`). ``block_amax``: NVFP4's stored static block amax."""
     shape, dtype = tuple(w.shape), w.dtype
     if spec.kind == Kind.MX:
         codes, byte = kernels.mx_cast(w, mx_element_name(spec_element(spec)), spec.block[0], spec.rounding, backend=backend)
         return QuantizedTensor(codes, byte, spec, shape, dtype)
     if spec.kind == Kind.NVFP4:
-        packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend)
+        packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend, block=spec.block[0], block_amax=block_amax)
         return QuantizedTensor(packed, sb8, spec, shape, dtype, global_scale=s2)
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
         # The cast takes each block's scale d from w's own block amax; codes depend on d alone, so where

@@ -1,15 +1,19 @@
-"""NVFP4: E2M1 elements in blocks of 16, E4M3 block scales, an fp32 global scale.
+"""NVFP4: E2M1 elements in blocks of 16 (or 32), E4M3 block scales, an fp32 global scale.
 
 ``s2 = A / (6 * 448)`` (``s2 = 1`` when ``A <= 2^-24``); per block ``sb = a / (6 * s2)``, ``sb := 1`` where
 ``sb == 0``, ``sb8 = cast_rne_e4m3(clamp(sb, 2^-9, 448))``; ``y = x / (sb8 * s2)`` rounded to E2M1
 (RNE, saturating at 6); ``x_hat = value(code) * (sb8 * s2)``, the product taken first in fp32.
+
+The block amax ``a`` is the block's max |x| (dynamic blocks), or a stored one (static blocks, ModelOpt's
+``"type": "static"``: calibrated, e.g. by the MSE FP8-scale sweep) that needs the static global amax
+``A`` it was chosen against. A block holding NaN gets NaN outputs either way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blocks import block_amax, from_blocks, to_blocks
+from .blocks import block_amax as max_per_block, blocked_shape, from_blocks, to_blocks
 from .e2m1 import e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
 from .spec import TINY_AMAX
 
@@ -31,13 +35,30 @@ def nvfp4_block_scale(amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     return torch.clamp(sb, _SB_MIN, _E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def nvfp4_quantize(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def static_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> torch.Tensor:
+    """The stored block amax as fp32, NaN where the block of ``x`` holds NaN; raises if it does not fit."""
+    expected = blocked_shape(x.shape, (block,))
+    if tuple(block_amax.shape) != expected:
+        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {expected}")
+    has_nan = torch.isnan(to_blocks(x, (block,))).any(dim=-1)
+    return torch.where(has_nan, torch.full_like(has_nan, float("nan"), dtype=torch.float32), block_amax.to(x.device, torch.float32))
+
+
+def nvfp4_quantize(
+    x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK, block_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed uint8 codes, float8_e4m3fn block scales and the fp32 global scale ``s2``.
 
-    ``global_amax`` None means dynamic: the amax of ``x``.
+    ``global_amax`` None means dynamic: the amax of ``x``. ``block_amax``: static block amax (needs a
+    ``global_amax``); None: each block's max |x|.
     """
     xf = x.float()
-    a = block_amax(xf, (block,))
+    if block_amax is None:
+        a = max_per_block(xf, (block,))
+    elif global_amax is None:
+        raise ValueError("nvfp4: a static block amax needs the static global amax it was chosen against")
+    else:
+        a = static_block_amax(xf, block_amax, block)
     s2 = nvfp4_global_scale(a.amax() if global_amax is None else global_amax)
     sb8 = nvfp4_block_scale(a, s2)
     y = to_blocks(xf, (block,)) / (sb8.float() * s2).unsqueeze(-1)
@@ -52,7 +73,7 @@ def nvfp4_dequantize(packed: torch.Tensor, sb8: torch.Tensor, s2: torch.Tensor, 
     return from_blocks(vb, (block,), values.shape)
 
 
-def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK) -> torch.Tensor:
+def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 fake-quantized ``x``."""
-    packed, sb8, s2 = nvfp4_quantize(x, global_amax, block)
+    packed, sb8, s2 = nvfp4_quantize(x, global_amax, block, block_amax)
     return nvfp4_dequantize(packed, sb8, s2, x.shape[-1], block)

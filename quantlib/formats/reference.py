@@ -34,8 +34,16 @@ def _group_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) ->
     return amax
 
 
-def quantize(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None) -> QuantizedTensor:
-    """Real quantization of ``x``: codes + scales; ``amax`` is the static amax (None if dynamic)."""
+def check_block_amax(spec: FormatSpec, block_amax: torch.Tensor | None) -> None:
+    """Only NVFP4 with static blocks takes a separate block amax (its ``amax`` is the global one)."""
+    if block_amax is not None and (spec.kind != Kind.NVFP4 or spec.dynamic):
+        raise ValueError(f"a block amax is for NVFP4 with static blocks, not {spec.kind.value} (dynamic={spec.dynamic})")
+
+
+def quantize(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None, block_amax: torch.Tensor | None = None) -> QuantizedTensor:
+    """Real quantization of ``x``: codes + scales; ``amax`` is the static amax (None if dynamic);
+    ``block_amax``: the stored block amax of NVFP4 with static blocks (None: from ``x``)."""
+    check_block_amax(spec, block_amax)
     a = _group_amax(x, spec, amax)
     shape, dtype = tuple(x.shape), x.dtype
     if spec.kind == Kind.INT:
@@ -55,7 +63,7 @@ def quantize(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None
         codes, byte = mx.mx_quantize(x, mx.spec_element(spec), spec.block[0], spec.rounding)
         return QuantizedTensor(codes, byte, spec, shape, dtype)
     if spec.kind == Kind.NVFP4:
-        packed, sb8, s2 = nvfp4.nvfp4_quantize(x, a, spec.block[0])
+        packed, sb8, s2 = nvfp4.nvfp4_quantize(x, a, spec.block[0], block_amax)
         return QuantizedTensor(packed, sb8, spec, shape, dtype, global_scale=s2)
     raise ValueError(f"unknown format kind {spec.kind}")
 
@@ -81,6 +89,6 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     return out.to(dtype or q.dtype)
 
 
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype."""
-    return dequantize(quantize(x, spec, amax))
+    return dequantize(quantize(x, spec, amax, block_amax))

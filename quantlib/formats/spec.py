@@ -16,7 +16,7 @@ class Kind(str, enum.Enum):
     FP8 = "fp8"  # per tensor / channel, scale = Q / amax (amax <= 2^-24 -> 1)
     FP8_BLOCK = "fp8_block"  # 1xB or BxB blocks, dequant scale d = max(amax, eps) / Q
     MX = "mx"  # OCP microscaling: E8M0 shared exponent over 32 elements (MXINT8: element None, num_bits 8)
-    NVFP4 = "nvfp4"  # E2M1 elements, E4M3 block scale over 16 elements, fp32 global scale
+    NVFP4 = "nvfp4"  # E2M1 elements, E4M3 block scale over 16 (or 32) elements, fp32 global scale
 
 
 class Rounding(str, enum.Enum):
@@ -54,7 +54,8 @@ class FormatSpec:
 
     ``block`` is None (per tensor / per channel through the amax shape), ``(B,)`` for blocks of B along
     the last dim, or ``(BM, BK)`` for 2-D blocks over the last two dims. ``dynamic`` block formats
-    compute their block amax from the tensor on every call.
+    compute their block amax from the tensor on every call; NVFP4 with ``dynamic`` False takes a stored
+    block amax as well as its global amax (static blocks).
     """
 
     kind: Kind

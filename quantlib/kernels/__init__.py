@@ -22,9 +22,10 @@ def _spec_of(attrs) -> FormatSpec:
     return attrs if isinstance(attrs, FormatSpec) else attrs.format_spec()
 
 
-def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
-    """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward."""
-    return ops.fake_quant(x, _spec_of(attrs), amax, backend)
+def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward
+    (``block_amax``: NVFP4's static block amax, with ``amax`` its global amax)."""
+    return ops.fake_quant(x, _spec_of(attrs), amax, backend, block_amax)
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, ...], backend: str = "auto") -> torch.Tensor:
@@ -63,14 +64,21 @@ def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Unio
     return ops._mx_cast(x, elem, block, Rounding(rounding).value, backend)
 
 
-def nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed E2M1 codes (uint8), float8_e4m3fn block scales (16 elements) and fp32 global scale."""
+def nvfp4_cast(
+    x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: str = "auto", block: int = 16, block_amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed E2M1 codes (uint8), float8_e4m3fn block scales (``block`` = 16 or 32 elements) and fp32
+    global scale; ``block_amax``: static block amax (needs ``global_amax``), None: from ``x``."""
     ops._check_float_input(x, "nvfp4_cast")
+    if block not in (16, 32):
+        raise ValueError(f"nvfp4_cast: NVFP4 blocks are 16 or 32 elements, got block={block}")
     if global_amax is not None:
         global_amax = global_amax.float().reshape(())
+    if block_amax is not None and global_amax is None:
+        raise ValueError("nvfp4_cast: a static block_amax needs the static global_amax it was chosen against")
     if ops.eager_call(x):
-        return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax)
-    return ops._nvfp4_cast(x, global_amax, backend)
+        return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax, block, block_amax)
+    return ops._nvfp4_cast(x, global_amax, block, block_amax, backend)
 
 
 #: MX format names of :func:`dequantize` and their element formats.
@@ -79,7 +87,7 @@ _MX_FMTS = {"mxfp8": "e4m3", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3", "mxfp4"
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_scale: Optional[torch.Tensor] = None, block: Union[int, tuple[int, ...]] = None, n: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of each cast: ``fmt`` is "fp8_blockwise" (``block``), an MX format of ``_MX_FMTS`` or "nvfp4"
-    (``global_scale``); ``n`` is the original last-dim size of packed FP4 codes."""
+    (``global_scale``; ``block`` 16 or 32, default 16); ``n`` is the original last-dim size of packed FP4 codes."""
     if fmt == "fp8_blockwise":
         if block is None:
             raise ValueError("dequantize('fp8_blockwise') needs block=")
@@ -89,7 +97,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_sc
     elif fmt == "nvfp4":
         if global_scale is None:
             raise ValueError("dequantize('nvfp4') needs global_scale=")
-        out = nvfp4_dequantize(codes, scales, global_scale, n if n is not None else codes.shape[-1] * 2)
+        out = nvfp4_dequantize(codes, scales, global_scale, n if n is not None else codes.shape[-1] * 2, block or 16)
     else:
         raise ValueError(f"dequantize: fmt must be 'fp8_blockwise', 'nvfp4' or one of {sorted(_MX_FMTS)}, got {fmt!r}")
     return out.to(dtype)

@@ -50,7 +50,7 @@ def _block(spec: FormatSpec) -> list[int]:
 
 
 @register("fake_quant", "cpu")
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     C = _ext()
     kind = spec.kind
     if kind == Kind.INT:
@@ -71,7 +71,7 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> 
     if kind == Kind.MX:
         return C.cpu_fake_quant_mx(x, mx_element_name(spec_element(spec)), _block(spec)[0], Rounding(spec.rounding) == Rounding.FLOOR)
     if kind == Kind.NVFP4:
-        return C.cpu_fake_quant_nvfp4(x, amax, _block(spec)[0])
+        return C.cpu_fake_quant_nvfp4(x, amax, _block(spec)[0], block_amax)
     raise NotImplementedError(f"cpu fake_quant: unknown format kind {kind}")
 
 
@@ -91,5 +91,5 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "cpu")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ext().cpu_nvfp4_cast(x, global_amax, 16)
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ext().cpu_nvfp4_cast(x, global_amax, block, block_amax)

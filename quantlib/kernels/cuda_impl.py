@@ -7,7 +7,7 @@ cast fused):
   static or dynamic amax, eps, pow2;
 - ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor (MXFP6 and MXINT8
   go to Triton, whose kernels implement every MX element);
-- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax;
+- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax, dynamic blocks;
 - INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
 - INT fake quant with one group a row (no block): a static amax per row (per channel, of shape
   ``x.shape[:-1] + (1,)``) or a dynamic one, for rows of up to 16384 16-bit / 8192 fp32 elements;
@@ -16,7 +16,8 @@ all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whol
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
 Everything else -- FP8 per tensor / per channel / dynamic per row, INT per tensor or with other
-broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes, other last dims, empty
+broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4 with static
+block amax, other last dims, empty
 tensors, and ``block_amax`` -- goes explicitly to the Triton
 implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
 resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
@@ -79,7 +80,7 @@ def _cuda_fake_quant_kind(x: torch.Tensor, spec: FormatSpec) -> bool:
         return tuple(spec.element) == (4, 3) and block in ((128,), (128, 128))
     if spec.kind == Kind.MX:
         return block == (32,) and spec.element is not None and mx_element_name(spec.element) in _CUDA_MX_ELEMENTS
-    if spec.kind == Kind.NVFP4:
+    if spec.kind == Kind.NVFP4:  # blocks of 32 (and a static block amax, see fake_quant): the Triton kernel
         return block == (16,)
     if spec.kind == Kind.INT:
         return block in _INT_BLOCKS
@@ -120,13 +121,13 @@ def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bo
 
 
 @register("fake_quant", "cuda")
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     rows, a = _int_row_amax(x, spec, amax)
     if rows:
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
         return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
-    if not _cuda_fake_quant_kind(x, spec):
-        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape {tuple(x.shape)})")(x, spec, amax)
+    if not _cuda_fake_quant_kind(x, spec) or block_amax is not None:
+        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape {tuple(x.shape)})")(x, spec, amax, block_amax)
     check_block(x, spec.block)
     ext, block = _ext(), list(_norm(spec.block))
     if spec.kind == Kind.MX:
@@ -162,8 +163,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "cuda")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not _vector_ok(x):
-        return _triton("nvfp4_cast", f"nvfp4_cast (shape {tuple(x.shape)})")(x, global_amax)
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _vector_ok(x) or block != 16 or block_amax is not None:
+        return _triton("nvfp4_cast", f"nvfp4_cast (shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None})")(x, global_amax, block, block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))

@@ -12,6 +12,7 @@ import torch
 
 from ..formats import FormatSpec, Kind, Rounding, blocked_shape
 from ..formats.blocks import from_blocks, to_blocks
+from ..formats.reference import check_block_amax
 from .backends import implementation, resolve
 
 # --------------------------------------------------------------------------- spec <-> op arguments
@@ -55,6 +56,7 @@ def spec_from_args(kind: str, num_bits: int, element: list[int], unsigned: bool,
 def _fake_quant(
     x: torch.Tensor,
     amax: Optional[torch.Tensor],
+    block_amax: Optional[torch.Tensor],
     kind: str,
     num_bits: int,
     element: list[int],
@@ -68,11 +70,11 @@ def _fake_quant(
     backend: str,
 ) -> torch.Tensor:
     spec = spec_from_args(kind, num_bits, element, unsigned, narrow_range, block, dynamic, eps, pow2, rounding)
-    return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax)
+    return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax, block_amax)
 
 
 @_fake_quant.register_fake
-def _(x, amax, *args):
+def _(x, amax, block_amax, *args):
     return x.new_empty(x.shape)  # contiguous, as every backend returns
 
 
@@ -95,7 +97,7 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
 
 def _setup_context(ctx, inputs, output):
     x, amax = inputs[0], inputs[1]
-    spec = spec_from_args(*inputs[2:12])
+    spec = spec_from_args(*inputs[3:13])
     mask = ste_mask(x, spec, amax)
     ctx.has_mask = mask is not None
     if mask is not None:
@@ -106,7 +108,7 @@ def _backward(ctx, grad):
     if ctx.has_mask:
         (mask,) = ctx.saved_tensors
         grad = torch.where(mask, grad, 0.0)  # one pass; no mask copy in grad's dtype
-    return (grad,) + (None,) * 12
+    return (grad,) + (None,) * 13
 
 
 _fake_quant.register_autograd(_backward, setup_context=_setup_context)
@@ -119,11 +121,13 @@ def eager_call(x: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
 
 
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
-    """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator."""
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator.
+    ``block_amax``: the stored block amax of NVFP4 with static blocks (``amax`` is then the global one)."""
+    check_block_amax(spec, block_amax)
     if eager_call(x):
-        return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax)
-    return _fake_quant(x, amax, *spec_args(spec), backend)
+        return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax, block_amax)
+    return _fake_quant(x, amax, block_amax, *spec_args(spec), backend)
 
 
 # --------------------------------------------------------------------------- real quantization
@@ -169,14 +173,14 @@ def _(x, elem, block, rounding, backend):
 
 
 @torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())
-def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax)
+def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], block: int, block_amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax, block, block_amax)
 
 
 @_nvfp4_cast.register_fake
-def _(x, global_amax, backend):
+def _(x, global_amax, block, block_amax, backend):
     return (
         x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8),
-        x.new_empty(blocked_shape(x.shape, (16,)), dtype=torch.float8_e4m3fn),
+        x.new_empty(blocked_shape(x.shape, (block,)), dtype=torch.float8_e4m3fn),
         x.new_empty((), dtype=torch.float32),
     )

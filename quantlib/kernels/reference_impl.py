@@ -13,8 +13,8 @@ from .backends import register
 
 
 @register("fake_quant", "reference")
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
-    return formats.fake_quant(x, spec, amax)
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
+    return formats.fake_quant(x, spec, amax, block_amax)
 
 
 @register("block_amax", "reference")
@@ -33,5 +33,5 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "reference")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return nvfp4_quantize(x, global_amax)
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return nvfp4_quantize(x, global_amax, block, block_amax)

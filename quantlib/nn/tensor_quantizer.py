@@ -9,6 +9,7 @@ from torch import nn
 
 from ..calib.bias import BiasCalibrator
 from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
+from ..kernels import block_amax as blocks_amax
 from ..config import QuantizerAttributeConfig, make_attribute_config
 from ..formats import FormatSpec, Kind
 from ..kernels import ops
@@ -33,7 +34,7 @@ def _raise_named(exc: Exception, qname: str) -> NoReturn:
 
 
 #: buffers whose values survive a round trip through the meta device (TensorQuantizer._apply)
-_KEPT_ON_META = ("_amax", "_pre_quant_scale", "_bias_value")
+_KEPT_ON_META = ("_amax", "_pre_quant_scale", "_bias_value", "_block_amax")
 
 
 class TensorQuantizer(nn.Module):
@@ -50,6 +51,7 @@ class TensorQuantizer(nn.Module):
         self._if_quant = if_quant
         self._if_calib = if_calib
         self._calibrator = MaxCalibrator()
+        self._block_calibrator = MaxCalibrator()  # NVFP4 with static blocks: the block amax next to the global one
         self._bias_calibrator = BiasCalibrator(self._attrs.bias_axes) if self._attrs.bias is not None else None
         self._qname = "TensorQuantizer"  # full name in the model, set when a model is configured
         if amax is not None:
@@ -80,6 +82,12 @@ class TensorQuantizer(nn.Module):
     def needs_calibration(self) -> bool:
         """True for formats that use a calibrated amax (everything but MX, dynamic blocks, per token)."""
         return not self._attrs.is_dynamic
+
+    @property
+    def static_blocks(self) -> bool:
+        """True for NVFP4 with static blocks (ModelOpt's ``"type": "static"``): a stored block amax
+        (:attr:`block_amax`) next to the global amax (:attr:`amax`)."""
+        return self.spec.kind == Kind.NVFP4 and not self.spec.dynamic and self.needs_calibration
 
     def set_from_attribute_config(self, attrs: Union[QuantizerAttributeConfig, dict]) -> None:
         """Replace the config; a dict holding only ``enable`` just toggles. A new format drops the amax."""
@@ -128,6 +136,29 @@ class TensorQuantizer(nn.Module):
             self.reset_amax()
             return
         self._set_kept_buffer("_amax", torch.as_tensor(value, dtype=torch.float32).detach().clone())
+
+    @property
+    def block_amax(self) -> Optional[torch.Tensor]:
+        """NVFP4 static blocks: the fp32 amax of every block (shape ``blocked_shape(weight)``), chosen
+        against :attr:`amax` (the global amax); None: each block's max |x| at quantization time."""
+        return getattr(self, "_block_amax", None)
+
+    @block_amax.setter
+    def block_amax(self, value: Optional[torch.Tensor]) -> None:
+        if value is None:
+            self._drop_kept_buffer("_block_amax")
+            return
+        if not self.static_blocks:
+            raise ValueError(f"{self._qname}: a block amax is for NVFP4 with static blocks (block_sizes 'type': 'static'), this quantizer is {self.spec.kind.value} with block_sizes={self.block_sizes}")
+        value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+        if not value.is_meta and not bool(torch.isfinite(value).all() and (value >= 0).all()):
+            raise ValueError(f"{self._qname}: block amax must be finite and >= 0, got {value.flatten()[:4].tolist()}...")
+        self._set_kept_buffer("_block_amax", value)
+
+    @property
+    def block_amax_values(self) -> Optional[torch.Tensor]:
+        """:attr:`block_amax` with values, as :attr:`amax_values`."""
+        return self._values_of("_block_amax")
 
     def _set_kept_buffer(self, name: str, value: torch.Tensor) -> None:
         """Write buffer ``name`` on its device; on the meta device its values are kept aside (see _apply)."""
@@ -185,7 +216,9 @@ class TensorQuantizer(nn.Module):
         """Drop the amax and the bias (the amax was calibrated against that bias) and their statistics."""
         self._drop_kept_buffer("_amax")
         self._drop_kept_buffer("_bias_value")
+        self._drop_kept_buffer("_block_amax")
         self._calibrator.reset()
+        self._block_calibrator.reset()
         if self._bias_calibrator is not None:
             self._bias_calibrator.reset()
 
@@ -290,6 +323,8 @@ class TensorQuantizer(nn.Module):
             if self._bias_calibrator is not None:  # the amax of x minus the running bias, as ModelOpt
                 x = x.detach().float() - self._bias_calibrator.collect(x)
             self._calibrator.collect(static_amax(x, self.spec, self._attrs.axis, self._attrs.backend))
+            if self.static_blocks:
+                self._block_calibrator.collect(blocks_amax(x.detach(), self.spec.block, backend=self._attrs.backend))
 
     def load_calib_amax(self) -> None:
         """Make the calibrated amax the quantizer's; NaN/Inf raise, naming the quantizer."""
@@ -301,6 +336,9 @@ class TensorQuantizer(nn.Module):
             raise CalibrationError(f"{self._qname}: calibration saw {bad} values (amax {amax.flatten()[:4].tolist()}...); check the model's activations or disable this quantizer")
         self.amax = amax
         self._calibrator.reset()
+        if self.static_blocks and self._block_calibrator.compute_amax() is not None:
+            self.block_amax = self._block_calibrator.compute_amax()  # finite: its max is the checked global amax
+            self._block_calibrator.reset()
         if self._bias_calibrator is not None and self._bias_calibrator.compute_bias() is not None:
             self.bias_value = self._bias_calibrator.compute_bias()
             self._bias_calibrator.reset()
@@ -308,6 +346,7 @@ class TensorQuantizer(nn.Module):
     def calibrate(self, x: torch.Tensor) -> None:
         """Calibrate on one tensor (a weight): the amax becomes this tensor's."""
         self._calibrator.reset()
+        self._block_calibrator.reset()
         try:
             self.collect(x)
         except Exception as exc:
@@ -329,14 +368,19 @@ class TensorQuantizer(nn.Module):
             return static_amax(x, spec, self._attrs.axis, self._attrs.backend)
         return amax
 
+    def _block_amax_for(self) -> Optional[torch.Tensor]:
+        """The stored block amax where the op uses it: static NVFP4 blocks with a calibrated global amax."""
+        return self.block_amax if self.static_blocks and self.amax is not None else None
+
     def running_amax_quant(self, x: torch.Tensor) -> torch.Tensor:
         """Fake quant with the statistics collected so far (for chained calibration)."""
         try:
             if self._attrs.bias is not None:
                 raise NotImplementedError(f"bias={self._attrs.bias}: a quantizer with a bias cannot be a member of a SequentialQuantizer")
             x = self.pre_scale(x)
-            amax = self._calibrator.compute_amax() if self._calibrator.compute_amax() is not None else self._amax_for(x)
-            return ops.fake_quant(x, self.spec, amax, self._attrs.backend)
+            if self._calibrator.compute_amax() is not None:
+                return ops.fake_quant(x, self.spec, self._calibrator.compute_amax(), self._attrs.backend, self._block_calibrator.compute_amax())
+            return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend, self._block_amax_for())
         except Exception as exc:
             _raise_named(exc, self._qname)
 
@@ -354,7 +398,7 @@ class TensorQuantizer(nn.Module):
                 return x
             if self._attrs.bias is not None:
                 return self._affine_fake_quant(x)
-            return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend)
+            return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend, self._block_amax_for())
         except Exception as exc:
             _raise_named(exc, self._qname)
 
@@ -362,17 +406,17 @@ class TensorQuantizer(nn.Module):
         """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.calib.bias`)."""
         bias = self._bias_for(x).to(x.device)
         shifted = x.float() - bias
-        return (ops.fake_quant(shifted, self.spec, self._amax_for(shifted), self._attrs.backend) + bias).to(x.dtype)
+        return (ops.fake_quant(shifted, self.spec, self._amax_for(shifted), self._attrs.backend, self._block_amax_for()) + bias).to(x.dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The amax buffer exists only once calibrated; a state dict that has one brings it along.
-        for name in ("_amax", "_pre_quant_scale", "_bias_value"):
+        for name in ("_amax", "_pre_quant_scale", "_bias_value", "_block_amax"):
             key = prefix + name
             if key in state_dict and name not in self._buffers:
                 if name == "_bias_value" and self._attrs.bias is None:
                     error_msgs.append(f"{prefix}_bias_value: the state dict has a bias, but this quantizer's config has no 'bias'")
                     continue
-                fp32 = name in ("_amax", "_bias_value")
+                fp32 = name in ("_amax", "_bias_value", "_block_amax")
                 self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if fp32 else state_dict[key].dtype))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
@@ -388,6 +432,8 @@ class TensorQuantizer(nn.Module):
             parts.append(f"block={s.block}")
         if s.dynamic:
             parts.append("dynamic")
+        elif self.static_blocks:
+            parts.append("static blocks" + ("" if self.block_amax is None else f" [{tuple(self.block_amax.shape)}]"))
         amax = self.amax
         if amax is not None:
             parts.append(f"amax={amax.item():.4g}" if amax.numel() == 1 else f"amax=[{tuple(amax.shape)}]")

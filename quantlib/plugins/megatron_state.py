@@ -81,6 +81,8 @@ def quantizer_extra_state(module: QuantModule) -> dict:
         state = _quantizer_state(q)
         for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(state)):
             amax = leaf_state.pop("_amax")
+            if leaf_state.get("_block_amax") is not None and tp_size > 1:  # ModelOpt refuses it as well
+                raise CheckpointError(f"{name}: NVFP4 static block amax at tensor parallel {tp_size}: a dist checkpoint keeps it only without tensor parallelism")
             shape = None
             if amax is not None:
                 dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)

@@ -142,11 +142,6 @@ def test_quantize_with_mse_lowers_the_weight_error_and_keeps_activation_max():
         assert torch.equal(by_mse[i].input_quantizer.amax, by_max[i].input_quantizer.amax)
 
 
-def test_fp8_scale_sweep_is_refused_by_name():
-    with pytest.raises(ql.ConfigError, match="fp8_scale_sweep"):
-        ql.QuantizeConfig.from_any({"quant_cfg": {}, "algorithm": {"method": "mse", "fp8_scale_sweep": True}})
-
-
 @pytest.mark.parametrize("value", [{"step_size": 0}, {"start_multiplier": -1.0}, {"stop_multiplier": 0.1}, {"step_size": "0.1"}])
 def test_invalid_fields_are_refused_by_name(value):
     key = next(iter(value))

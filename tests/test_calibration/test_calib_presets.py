@@ -23,6 +23,8 @@ MEANINGS = {
     "NVFP4_AWQ_CLIP_CFG": (NVFP4, NVFP4, "awq_clip"),
     "NVFP4_AWQ_FULL_CFG": (NVFP4, NVFP4, "awq_full"),
     "W4A16_NVFP4_CFG": (NVFP4, None, "max"),
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG": ((Kind.NVFP4, (2, 1), None, (16,), False), NVFP4, "mse"),
+    "W4A8_NVFP4_FP8_CFG": ((Kind.NVFP4, (2, 1), None, (32,), True), (Kind.FP8, (4, 3), None, None, False), "max"),
 }
 # name: (quantized quantizer names, names left disabled)
 MOE = "model.layers.0.mlp.experts.gate_up_proj_weight_quantizer"
@@ -32,6 +34,7 @@ SCOPES = {
     "NVFP4_OMLP_ONLY_CFG": (["model.layers.0.self_attn.o_proj.weight_quantizer", "model.layers.0.mlp.up_proj.input_quantizer"], ["model.layers.0.self_attn.q_proj.weight_quantizer"]),
     "MXFP8_EXPERTS_ONLY_CFG": ([MOE], ["model.layers.0.mlp.down_proj.weight_quantizer", "lm_head.weight_quantizer"]),
     "MXFP8_MLP_ONLY_CFG": ([MOE, "model.layers.0.mlp.up_proj.input_quantizer"], ["model.layers.0.self_attn.k_proj.input_quantizer"]),
+    "NVFP4_MLP_WEIGHT_ONLY_CFG": (["model.layers.0.mlp.down_proj.weight_quantizer", "model.layers.0.block_sparse_moe.experts.0.w1.weight_quantizer"], ["model.layers.0.mlp.up_proj.input_quantizer", "model.layers.0.self_attn.o_proj.weight_quantizer"]),
     "MXFP4_MLP_WEIGHT_ONLY_CFG": (["model.layers.0.mlp.down_proj.weight_quantizer"], ["model.layers.0.mlp.down_proj.input_quantizer"]),
 }
 

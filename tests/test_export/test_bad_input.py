@@ -128,3 +128,18 @@ def test_pre_quant_scale_refused(tmp_path):
     model[0].weight_quantizer.pre_quant_scale = torch.full((256,), 2.0)
     with pytest.raises(ExportError, match=r"^0.weight_quantizer: pre_quant_scale is set"):
         list(serialize_weight("0.weight", model[0].weight, model[0].weight_quantizer, "ct_fp8_block"))
+
+
+@pytest.mark.parametrize("fmt", ["ct_nvfp4", "modelopt_nvfp4"])
+def test_nvfp4_blocks_of_32_refused_by_the_nvfp4_formats(tmp_path, fmt):
+    refused(tmp_path, mlp(cfg=ql.W4A8_NVFP4_FP8_CFG), fmt, r"0.weight_quantizer = nvfp4 .*block=\(32,\).*per 16")
+
+
+def test_static_block_siblings_with_other_global_amax_refused_even_with_unify(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_export._export_models import llama, quantized, weight_only
+
+    model = quantized(llama(), weight_only(ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG), share_siblings=False)
+    q = model.model.layers[0].self_attn.q_proj.weight_quantizer
+    q.amax = q.amax * 2  # as if changed after the search: its block scales were chosen against another one
+    refused(tmp_path, model, "modelopt_nvfp4", r"q_proj.weight_quantizer has static NVFP4 block scales", unify_siblings=True)

@@ -4,6 +4,7 @@ ModelOpt's ``convert_hf_quant_config_format`` makes of hf_quant_config.json. Nee
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
@@ -64,3 +65,23 @@ def test_modelopt_dequantize_value_equal(bases, tmp_path, fmt, family):
         t = {k.rpartition(".")[2]: v for k, v in sd.items() if k.rpartition(".")[0] == name}
         got = _dequantize(fmt, t, ref.shape)
         assert torch.equal(got, ref.float()), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_modelopt_dequantize_equals_fake_quant_with_swept_static_block_scales(bases, tmp_path, family):
+    model = quantized(bases[family], weight_only(ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG))
+    statics = [q for q in model.modules() if isinstance(q, ql.TensorQuantizer) and q.block_amax is not None]
+    assert statics
+    if family == "llama":  # the search ran against the global amax q/k/v share (as ModelOpt's shared state)
+        attn = model.model.layers[0].self_attn
+        assert torch.equal(attn.q_proj.weight_quantizer.amax, attn.k_proj.weight_quantizer.amax)
+        assert torch.equal(attn.q_proj.weight_quantizer.amax, attn.v_proj.weight_quantizer.amax)
+        fresh = ql.quantize(copy.deepcopy(bases[family]), weight_only(ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG), lambda m: None)
+        k = fresh.model.layers[0].self_attn.k_proj
+        assert torch.equal(k.weight_quantizer.amax, attn.k_proj.weight_quantizer.amax)
+        assert len({float(p.weight.abs().max()) for p in (attn.q_proj, attn.k_proj, attn.v_proj)}) > 1  # not the same by chance
+    export_checkpoint(model, tmp_path / "c", "modelopt_nvfp4")
+    sd = load_file(tmp_path / "c" / "model.safetensors")
+    for name, ref in fake_quant_weights(model).items():
+        t = {k.rpartition(".")[2]: v for k, v in sd.items() if k.rpartition(".")[0] == name}
+        assert torch.equal(_dequantize("modelopt_nvfp4", t, ref.shape), ref.float()), name

@@ -36,12 +36,13 @@ CONFIGS = {
     "awq_lite": _algo(ql.W4A8_AWQ_BETA_CFG, {"method": "awq_lite", "alpha_step": 0.25, "debug": True}),
     "awq_clip": _algo(ql.INT4_AWQ_CFG, {"method": "awq_clip", "max_tokens_per_batch": 8}),
     "awq_full": _algo(ql.NVFP4_AWQ_FULL_CFG, {"method": "awq_full", "alpha_step": 0.25}),
+    "mse_fp8_sweep": _algo(ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG, {"method": "mse", "fp8_scale_sweep": True}),
 }
 SCALED = {"smoothquant", "awq_lite", "awq_full"}  # algorithms that set pre_quant_scale
 
 
 def test_every_registered_algorithm_has_a_config_here():
-    assert set(CONFIGS) == set(ALGORITHMS)
+    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"] for c in CONFIGS.values()} == set(ALGORITHMS)
 
 
 def state_of(model: nn.Module) -> dict:
@@ -52,6 +53,8 @@ def state_of(model: nn.Module) -> dict:
             out[f"{n}/amax"] = q.amax.cpu()
         if q.pre_quant_scale is not None:
             out[f"{n}/pre_quant_scale"] = q.pre_quant_scale.cpu()
+        if q.block_amax is not None:
+            out[f"{n}/block_amax"] = q.block_amax.cpu()
     for n, m in quant_modules(model):
         for attr in RESULT_ATTRIBUTES:
             if hasattr(m, attr):
@@ -123,16 +126,21 @@ class _Boom(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_sequential_awq_lite_resume_after_crash_equal_in_memory(tmp_path, in_memory, name):
+def _crash_in_layer_2(tmp_path, name: str, algo: str) -> tuple[str, dict, dict]:
+    """(resume file, sequential options, its saved state) of a layer-by-layer run killed in layer 2."""
     resume = str(tmp_path / "resume.pt")
     opts = {"resume_file": resume}
     model = build(name)
     handle = model.model.layers[2].self_attn.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(_Boom("killed in layer 2")))
     with pytest.raises(_Boom):
-        ql.quantize(model, CONFIGS["awq_lite"], loop_over(data()), sequential=opts)
+        ql.quantize(model, CONFIGS[algo], loop_over(data()), sequential=opts)
     handle.remove()
-    saved = torch.load(resume, weights_only=True)
+    return resume, opts, torch.load(resume, weights_only=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_sequential_awq_lite_resume_after_crash_equal_in_memory(tmp_path, in_memory, name):
+    resume, opts, saved = _crash_in_layer_2(tmp_path, name, "awq_lite")
     assert saved["done"] == 2 and any(k.startswith("model.layers.1.") for k in saved["pre_quant_scale"])
     assert not any(k.startswith("model.layers.2.") for k in saved["pre_quant_scale"])
 
@@ -144,6 +152,16 @@ def test_sequential_awq_lite_resume_after_crash_equal_in_memory(tmp_path, in_mem
     assert calls == {0: 0, 1: 0, 2: 3}  # finished layers never ran again
     assert not os.path.exists(resume)
     state, expected_logits = in_memory(name, "awq_lite")
+    assert_same(state_of(fresh), state)
+    assert torch.equal(logits(fresh), expected_logits)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS)[:1])
+def test_sequential_fp8_sweep_resume_keeps_the_searched_block_amax(tmp_path, in_memory, name):
+    _, opts, saved = _crash_in_layer_2(tmp_path, name, "mse_fp8_sweep")
+    assert any(k.startswith("model.layers.1.") for k in saved["block_amax"])
+    fresh = ql.quantize(build(name), CONFIGS["mse_fp8_sweep"], loop_over(data()), sequential=opts)
+    state, expected_logits = in_memory(name, "mse_fp8_sweep")
     assert_same(state_of(fresh), state)
     assert torch.equal(logits(fresh), expected_logits)
 

@@ -89,7 +89,7 @@ def block1d_kernel(
     offs2 = r2.to(tl.int64) * NB + b2
     if STATIC:
         a = tl.load(amax_ptr + offs2, mask=mask2, other=1.0)
-        if KIND == 0:  # INT: NaN in a group makes its scale NaN
+        if (KIND == 0) or (KIND == 3):  # INT, NVFP4 static blocks: NaN in a group makes its scale NaN
             a = tl.where(tl.max(abs_bits(x), axis=2) > 0x7F800000, float("nan"), a)
     else:
         a = bits_to_f32(tl.max(abs_bits(x), axis=2))

@@ -178,18 +178,29 @@ def _static_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -
     return amax
 
 
+def _nvfp4_static_blocks(x: torch.Tensor, block: int, amax: torch.Tensor | None, block_amax: torch.Tensor | None) -> torch.Tensor | None:
+    """NVFP4's stored block amax as a contiguous fp32 tensor on ``x``'s device (None: dynamic blocks)."""
+    if block_amax is None:
+        return None
+    if amax is None:
+        raise ValueError("nvfp4: a static block amax needs the static global amax it was chosen against")
+    if tuple(block_amax.shape) != blocked_shape(x.shape, (block,)):
+        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, (block,))}")
+    return block_amax.to(device=x.device, dtype=torch.float32).contiguous()
+
+
 @register("fake_quant", "triton")
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     fmt, lo, hi = _format_consts(spec)
     if spec.kind in (Kind.MX, Kind.NVFP4):
         check_block(x, spec.block)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if x.numel() == 0:
             return out
-        g = None
+        g, a = None, _nvfp4_static_blocks(x, spec.block[0], amax, block_amax)
         if spec.kind == Kind.NVFP4:
             g = _global_amax(x) if amax is None else amax.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
-        _block1d(x, spec.block[0], 1, fmt, out=out, g=g)
+        _block1d(x, spec.block[0], 1, fmt, out=out, g=g, amax=a, static=a is not None)
         return out
     a = _static_amax(x, spec, amax)
     if spec.kind == Kind.FP8:
@@ -265,19 +276,20 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "triton")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_block(x, (16,))
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_block(x, (block,))
     dev = x.device
     codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=dev)
-    sb8 = torch.empty(blocked_shape(x.shape, (16,)), dtype=torch.float8_e4m3fn, device=dev)
+    sb8 = torch.empty(blocked_shape(x.shape, (block,)), dtype=torch.float8_e4m3fn, device=dev)
     s2 = torch.empty((), dtype=torch.float32, device=dev)
     if x.numel() == 0:
         from ...formats.nvfp4 import nvfp4_quantize
 
-        return nvfp4_quantize(x, global_amax)
+        return nvfp4_quantize(x, global_amax, block, block_amax)
+    a = _nvfp4_static_blocks(x, block, global_amax, block_amax)
     g = _global_amax(x) if global_amax is None else global_amax.to(device=dev, dtype=torch.float32).reshape(1).contiguous()
-    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.NVFP4, element=(2, 1), block=(16,)))
-    _block1d(x, 16, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, s2=s2.view(1))
+    fmt, _, _ = _format_consts(FormatSpec(kind=Kind.NVFP4, element=(2, 1), block=(block,)))
+    _block1d(x, block, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, s2=s2.view(1), amax=a, static=a is not None)
     return codes, sb8, s2
 
 
