@@ -183,7 +183,8 @@ def time_layer(model: torch.nn.Module, layer: Layer) -> tuple[float, float]:
 
 
 def profile(model: torch.nn.Module, layer: Layer, label: str) -> None:
-    """Print the 15 CUDA kernels that take the most time over 5 forward + backward steps."""
+    """Print the 15 CUDA kernels that take the most time over 5 forward + backward steps, then over 5
+    forward steps without grad (with the host time)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     x = layer.args(2)[0].detach().requires_grad_(True)
@@ -195,6 +196,15 @@ def profile(model: torch.nn.Module, layer: Layer, label: str) -> None:
         torch.cuda.synchronize()
     print(f"--- profile: {label}, 5 forward + backward steps", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70), flush=True)
+    model.eval()
+    args = layer.args(2)
+    with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            model(*args)
+        torch.cuda.synchronize()
+    print(f"--- profile: {label}, 5 forward steps (no grad)", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70), flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=70), flush=True)
 
 
 def child(args) -> None:
