@@ -1,4 +1,4 @@
-"""Export of a Megatron-Core ``GPTModel`` (local-spec layers, SequentialMLP experts) sharded over TP / EP /
+"""Export of a Megatron-Core ``GPTModel`` (local or TE spec; SequentialMLP or TEGroupedMLP experts) sharded over TP / EP /
 DP, under Hugging Face Llama / Qwen3-MoE names. Gathered, not written per rank: every rank sends its
 shards of ``model.sharded_state_dict()`` (global keys, shapes and offsets; quantlib's plugin stores amax
 there in their global form, per global expert) to rank 0, which assembles each global tensor and packs
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..formats import FormatSpec
+from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checkpoint import parse_size, write_plan
@@ -100,16 +101,28 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
         q = getattr(module, "weight_quantizer", None)
         if q is None or not q.is_enabled:
             continue
-        if not isinstance(q, TensorQuantizer):
-            raise ExportError(f"{name}.weight_quantizer = {type(q).__name__}: the Megatron export takes one TensorQuantizer per linear (SequentialMLP experts, not TEGroupedMLP)")
         parts = name.split(".")
         layer, rest = int(parts[2]), parts[3:]
+        inp = getattr(module, "input_quantizer", None)
+        ispec = inp.spec if isinstance(inp, TensorQuantizer) and inp.is_enabled else None
+        if isinstance(q, GroupedQuantizer) and rest[:2] == ["mlp", "experts"] and len(rest) == 3:
+            # TEGroupedMLP: member i of the grouped linear is global expert expert_offset + i, saved
+            # under SequentialMLP's keys (Megatron makes the two checkpoints interchangeable)
+            generic = ".".join(["mlp", "experts", "experts", rest[2]])
+            for i, member in enumerate(q):
+                if not member.is_enabled:
+                    continue
+                if not isinstance(member, TensorQuantizer):
+                    raise ExportError(f"{name}.weight_quantizer[{i}] = {type(member).__name__}: the Megatron export takes one TensorQuantizer per expert GEMM")
+                out[(layer, generic, module.expert_offset + i)] = (member.spec, ispec, f"{name}.weight_quantizer[{i}]")
+            continue
+        if not isinstance(q, TensorQuantizer):
+            raise ExportError(f"{name}.weight_quantizer = {type(q).__name__}: the Megatron export takes one TensorQuantizer per linear")
         expert = None
         if rest[:3] == ["mlp", "experts", "local_experts"]:
             experts = model.get_submodule(".".join(parts[:5]))
             expert, rest = experts.expert_offset + int(rest[3]), ["mlp", "experts", "experts"] + rest[4:]
-        inp = getattr(module, "input_quantizer", None)
-        out[(layer, ".".join(rest), expert)] = (q.spec, inp.spec if isinstance(inp, TensorQuantizer) and inp.is_enabled else None, name)
+        out[(layer, ".".join(rest), expert)] = (q.spec, ispec, name)
     return out
 
 
@@ -187,7 +200,7 @@ def _items(full: dict, prepend: dict, order: list[str], specs: dict, config: Any
             if local == "weight" and module in _LINEARS:
                 experts = range(full[key].shape[1]) if prepend[key] == 2 else [None]
                 for e in experts:
-                    items += _linear_items(i, e, module, full, specs, config)
+                    items += _linear_items(i, e, module, full, prepend, specs, config)
             elif not generic.endswith("._amax"):
                 if prepend[key] != 1:
                     raise ExportError(f"{key}: no Megatron export mapping for a tensor of {prepend[key]} stacked axes")
@@ -202,7 +215,7 @@ def _passthrough(name: str, t: torch.Tensor) -> Item:
     return Item(module, "unquantized", module, extras={local: (lambda t=t: t)}, parent=module.rpartition(".")[0], leaf=module.rpartition(".")[2])
 
 
-def _linear_items(i: int, e: Optional[int], module: str, full: dict, specs: dict, config: Any) -> list[Item]:
+def _linear_items(i: int, e: Optional[int], module: str, full: dict, prepend: dict, specs: dict, config: Any) -> list[Item]:
     index = (i,) if e is None else (i, e)
     w = full[f"decoder.layers.{module}.weight"][index]
     hf = f"model.layers.{i}." + _LINEARS[module].format(e=e)
@@ -217,9 +230,12 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, specs: dict
         wspec, ispec, where = spec
         amax = full.get(f"decoder.layers.{module}.weight_quantizer._amax")
         amax = None if amax is None else amax[index]
-        iamax = full.get(f"decoder.layers.{module}.input_quantizer._amax")
-        iamax = None if iamax is None or ispec is None else iamax[index]
-        where_q = f"{where}.weight_quantizer"
+        ikey = f"decoder.layers.{module}.input_quantizer._amax"
+        iamax = full.get(ikey)
+        # a grouped linear's input quantizer is one per layer (no expert axis), SequentialMLP's one per expert
+        iamax = None if iamax is None or ispec is None else iamax[index[: prepend[ikey]]]
+        where_q = where if where.endswith("]") else f"{where}.weight_quantizer"
+        where = where.rsplit(".weight_quantizer[", 1)[0]
         out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, _select(amax, wspec, w.shape[0], idx, where_q), ispec, iamax,
                         expert=e, shard=shard, parent=hf, leaf=leaf or name.rpartition(".")[2], shape=(len(idx), w.shape[1]), fused=f"model.layers.{i}.mlp.experts",
                         input_where=f"{where}.input_quantizer"))  # fmt: skip

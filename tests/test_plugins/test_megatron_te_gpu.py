@@ -206,3 +206,31 @@ def test_te_gpt_moe_qat_steps_reduce_the_loss():
     assert losses[-1] < 0.9 * losses[0], losses
     experts = [m for m in model.modules() if type(m).__name__ == "QuantTEColumnParallelGroupedLinear"]
     assert experts and any(getattr(experts[0], f"weight{i}").grad is not None for i in range(experts[0].num_gemms))
+
+
+def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
+    """TEGroupedMLP's GEMM i is global expert i under Llama / Qwen3-MoE names, as SequentialMLP's."""
+    from safetensors.torch import load_file
+
+    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.formats.nvfp4 import nvfp4_dequantize
+
+    cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+    model = ql.quantize(build_gpt(), cfg, gpt_loop(_tokens(2, 1)))
+    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4")
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
+    checked = 0
+    for i, layer in enumerate(model.module.decoder.layers):
+        for which, leaves in (("linear_fc1", ("gate_proj", "up_proj")), ("linear_fc2", ("down_proj",))):
+            lin = getattr(layer.mlp.experts, which)
+            for j in range(lin.num_gemms):
+                with torch.no_grad():
+                    fq = lin.weight_quantizer[j](getattr(lin, f"weight{j}"))
+                for leaf, part in zip(leaves, fq.chunk(len(leaves))):
+                    name = f"model.layers.{i}.mlp.experts.{j}.{leaf}"
+                    got = nvfp4_dequantize(sd[f"{name}.weight"], sd[f"{name}.weight_scale"], sd[f"{name}.weight_scale_2"], part.shape[1])
+                    assert torch.equal(got.to(part.dtype).cpu(), part.cpu()), name
+                    checked += 1
+    assert checked == 2 * 4 * 3
+    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert key in sd, key
