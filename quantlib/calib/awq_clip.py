@@ -83,7 +83,8 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     """fp32 [len(ratios), *w_amax.shape] (NVFP4: [len(ratios)]), summed over ``inputs``. Split over
     tensor-parallel ranks: a row-parallel shard adds its partial outputs over the shards before squaring
     where the loss is over the whole row (NVFP4, or ``span``: one block covering every shard); a
-    column-parallel shard's NVFP4 mean is averaged with the other shards' (its blocks are its own rows)."""
+    column-parallel shard's NVFP4 mean is averaged with the other shards' (its blocks are its own rows);
+    tensor ranks holding whole copies average their copies of the loss."""
     sync = sync or StatSync(None)
     role = sync.role(module)
     w = q.pre_scale(module.weight.detach())
@@ -99,8 +100,8 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
                 if role == "row":
                     err = sync.over_shards(err, "sum", module)
                 losses[k] += err.pow(2).mean()
-        if role == "column":
-            losses = sync.over_shards(losses, "sum", module) / sync.shards(module)
+        if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
+            losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
         return losses
     tokens = []
     for x in xs:
@@ -118,6 +119,8 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
             if span:  # each shard holds a part of the one block of a row: the block's output is their sum
                 errs = [sync.over_shards(e, "sum", module) for e in errs]
             losses[k] += torch.cat([e.pow(2).mean(dim=1) for e in errs])
+    if role == "replicated" and sync.peer_group(module):  # whole copies on every tensor rank: one loss
+        losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
     return losses
 
 

@@ -114,7 +114,8 @@ def candidate_scales(act: torch.Tensor, wscale: torch.Tensor, grid: list[float],
 def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], scales: list[torch.Tensor], sync: Optional[StatSync] = None, where: str = "") -> torch.Tensor:
     """fp32 [len(scales)]: per candidate scale, the sum over ``inputs`` of the mean squared output
     error of the whole linear: a row-parallel shard adds its partial errors over the shards before
-    squaring them; column-parallel shards average their slices' means."""
+    squaring them; column-parallel shards average their slices' means (and tensor ranks holding whole
+    copies their copies of the loss)."""
     sync = sync or StatSync(None)
     role = sync.role(module)
     w = module.weight.detach()
@@ -131,8 +132,8 @@ def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], scales: list[t
             if role == "row":
                 err = sync.over_shards(err, "sum", module)
             losses[k] += err.pow(2).mean()
-    if role == "column":
-        losses = sync.over_shards(losses, "sum", module) / sync.shards(module)
+    if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
+        losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
     return losses
 
 

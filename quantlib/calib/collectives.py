@@ -9,7 +9,9 @@ A searched linear (a *target*) has replicas and, under tensor parallelism, shard
   reduces over exactly those, through a payload with one slot per (expert, expert-tensor) position,
   as :func:`quantlib.distributed.sync_amax` does for a per-expert amax;
 - its shards (``parallel_role`` "column" or "row") are the ranks of ``tensor_group``
-  (``expert_tensor_group`` for an expert): :meth:`StatSync.over_shards`.
+  (``expert_tensor_group`` for an expert): :meth:`StatSync.over_shards`; the ranks of that group
+  that see its input (all but a row-parallel linear's, whose inputs are disjoint slices) are its
+  peers: :meth:`StatSync.over_peers` makes their input statistics and losses one value.
 
 Fail-fast rules, as the amax sync's: before the statistics meet, :meth:`StatSync.step` makes every rank
 of every group agree on the targets (a structure hash) and spreads any rank's CalibrationError, so
@@ -49,6 +51,19 @@ class StatSync:
             return None
         group = "expert_tensor" if getattr(target, "is_expert", False) else "tensor"
         return group if self.size(group) > 1 else None
+
+    def peer_group(self, target: Any) -> Optional[str]:
+        """The tensor-parallel group whose ranks feed ``target`` the same input, up to rounding (an MoE
+        layer's output is combined in another order on each): a column-parallel linear's shards, or the
+        copies of a linear that every tensor rank holds whole; None for a row-parallel one."""
+        if getattr(target, "parallel_role", "replicated") == "row":
+            return None
+        group = "expert_tensor" if getattr(target, "is_expert", False) else "tensor"
+        return group if self.size(group) > 1 else None
+
+    def peers(self, target: Any) -> int:
+        group = self.peer_group(target)
+        return 1 if group is None else self.size(group)
 
     def role(self, target: Any) -> str:
         """``target``'s parallel role as the search sees it: "replicated" where it is not split here."""
@@ -108,6 +123,13 @@ class StatSync:
         split). Every shard calls it for the same targets in the same order."""
         assert op in _OPS, op
         group = self.shard_group(target)
+        return t.clone() if group is None else self._all_reduce(t.clone(), op, group)
+
+    def over_peers(self, t: torch.Tensor, op: str, target: Any) -> torch.Tensor:
+        """``t`` reduced with ``op`` over :meth:`peer_group` (a copy where there is none): one value on
+        every rank that sees the same input, so that they all choose alike."""
+        assert op in _OPS, op
+        group = self.peer_group(target)
         return t.clone() if group is None else self._all_reduce(t.clone(), op, group)
 
     # ------------------------------------------------------------------ fail fast

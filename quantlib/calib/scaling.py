@@ -322,16 +322,14 @@ def reached_calls(targets: list, rec: InputRecorder, sync: StatSync) -> list[flo
 def input_statistics(targets: list, rec: InputRecorder, sync: StatSync, mean: bool) -> tuple[list, list]:
     """Per target, (the mean |x| sums (``mean``) or None, the per-channel max |x|), each reduced over the
     target's replicas (one collective per statistic for the dense targets, one for the experts), and
-    over the shards of a column-parallel one."""
+    over its tensor-parallel peers (:meth:`StatSync.over_peers`)."""
     experts = [m.is_expert for _, m, _ in targets]
     zeros = [torch.zeros(w.shape[1], device=w.device) for _, _, w in targets]
     amax = sync.over_replicas_each([rec.amax.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts, "max")
     sums = sync.over_replicas_each([rec.mean_abs_sum.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts, "sum") if mean else [None] * len(targets)
     for i, (_, m, _) in enumerate(targets):
-        # a column-parallel shard's input is every shard's, up to rounding (an MoE layer's output is
-        # combined in another order on each): one value for all, so that all choose alike
-        if sync.role(m) == "column":
-            amax[i] = sync.over_shards(amax[i], "max", m)
+        if sync.peer_group(m):  # the same input on every peer up to rounding: one value for all
+            amax[i] = sync.over_peers(amax[i], "max", m)
             if mean:
-                sums[i] = sync.over_shards(sums[i], "sum", m) / sync.shards(m)
+                sums[i] = sync.over_peers(sums[i], "sum", m) / sync.peers(m)
     return sums, amax

@@ -70,7 +70,8 @@ def test_sequence_parallel_column_linears_are_refused_on_every_rank():
 
 def _nan_shard_rank(rank: int, world: int, algorithm: str) -> str:
     model = ql.convert(mlp())
-    model[0].parallel_role = "row"  # each shard's input channels are its own: a NaN stays on its rank
+    for i in (0, 2):
+        model[i].parallel_role = "row"  # each shard's input channels are its own: a NaN stays on its rank
     data = outlier_data()
     if rank == 1:
         data[1][0, 5] = float("nan")
@@ -103,3 +104,24 @@ def test_ranks_that_search_different_linears_raise_on_every_rank():
 
     outs = run_on_ranks(_different_rank, 2, timeout=60)
     assert all("the ranks of the data group search different linears" in o for o in outs), outs
+
+
+def _replicated_rank(rank: int, world: int, algorithm: str) -> dict:
+    # every tensor rank holds the whole linears and feeds them the same input up to rounding (as after
+    # an MoE layer, whose output each rank combines in another order): here one ulp-scale difference
+    data = [x * (1 + 1e-6 * rank) for x in outlier_data()]
+    cfg = _cfg(algorithm, {"num_bits": 8, "axis": None})
+    if algorithm == "smoothquant":
+        cfg["quant_cfg"]["*weight_quantizer"] = {"num_bits": 8, "axis": 0}
+    model = ql.quantize(mlp(), cfg, loop(data), parallel_state=ql.ParallelState(tensor_group=dist.group.WORLD))
+    return {f"{i}.{q}.{attr}": getattr(getattr(model[i], q), attr) for i in (0, 2) for q in ("input_quantizer", "weight_quantizer") for attr in ("pre_quant_scale", "amax")}
+
+
+@pytest.mark.parametrize("algorithm", ["smoothquant", "awq_full"])
+def test_tensor_ranks_holding_whole_linears_choose_alike(algorithm):
+    from tests.ranks import run_on_ranks
+
+    outs = run_on_ranks(_replicated_rank, 2, algorithm, timeout=60)
+    assert outs[0]["0.input_quantizer.pre_quant_scale"] is not None
+    for key, value in outs[0].items():
+        assert torch.equal(value, outs[1][key]), key
