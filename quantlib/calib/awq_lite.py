@@ -185,7 +185,7 @@ def search(targets: list, rec: InputRecorder, calls: list[float], cfg: AwqLiteCo
     sync.step("awq_lite", check_inputs)
     chosen, bad = [], []
     with torch.no_grad():
-        for (name, m, w), n_calls, act in progress(zip(targets, calls, acts), "awq_lite search", len(targets)):
+        for (name, m, w), n_calls, act, amax in progress(zip(targets, calls, acts, amaxes), "awq_lite search", len(targets)):
             losses = torch.zeros(len(grid), dtype=torch.float32, device=w.device)
             if n_calls:
                 wscale = weight_scale(w, _block_of(search_quantizer(m)), m, sync, name)
@@ -200,9 +200,9 @@ def search(targets: list, rec: InputRecorder, calls: list[float], cfg: AwqLiteCo
                 bad.append((name, losses))
                 continue
             best = int(torch.argmin(losses))
-            chosen.append((m, scales[best], grid[best], losses))
+            chosen.append((m, scales[best], grid[best], losses, amax))
     sync.step("awq_lite", lambda: _raise_nonfinite(bad))
-    for (m, scale, alpha, losses), amax in zip(chosen, [a for a, c in zip(amaxes, calls) if c]):
+    for m, scale, alpha, losses, amax in chosen:
         apply_pre_quant_scale(m, 1.0 / scale, amax)
         store_result(m, "awq_lite_alpha", alpha)
         if cfg.debug:
