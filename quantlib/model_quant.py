@@ -14,6 +14,7 @@ from torch import nn
 from .atomic import atomic, check_weight_quantizers
 from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
+from .calib.collectives import StatSync
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
 from .config import ConfigError, QuantizeConfig, algorithm_config
 from .kv_cache import check_kv_reach
@@ -145,7 +146,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
 
         parallel_state = discover_parallel_state()
     check_bias_support(model, algo.method, parallel_state, sequential=bool(sequential))
-    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state))
+    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state), sync=StatSync(parallel_state))
     local_error = None
     try:
         if sequential:

@@ -17,11 +17,18 @@ data-parallel ranks; each group keeps the first ratio of least loss. As ModelOpt
 computed from cached inputs instead of another forward_loop pass. Chains of weight quantizers (W4A8)
 and other layouts keep their amax, with a warning. Fused experts: each expert's weight quantizer member
 is searched on that expert's routed inputs; ``awq_clip_ratio`` is ``{proj: [ratio per expert]}``.
+
+Parallel layouts: losses are SUM-reduced over a linear's replicas (an expert's own only). Under tensor
+parallelism a block lies in one shard (a column-parallel shard's rows, a row-parallel shard's columns
+where the block divides them) and is searched there alone; a row-parallel block covering every shard
+takes its amax over the shards and its loss on the summed partial outputs, as does NVFP4's global
+amax on a row-parallel linear; a column-parallel NVFP4 loss is the mean over every shard's slice.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +39,11 @@ from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
+from .collectives import StatSync, stat_sync
 from .max import static_amax
 from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
 from .scaling import input_pre_scale, progress, store_result
+from .shards import groups_span_shards
 
 _log = logging.getLogger("quantlib")
 
@@ -70,8 +79,14 @@ def _block_outputs(xb: torch.Tensor, wb: torch.Tensor, co_batch: int) -> list[to
     return [torch.bmm(xb, wb[:, :, start : start + co_batch]).permute(2, 1, 0) for start in range(0, wb.shape[-1], co_batch)]
 
 
-def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig) -> torch.Tensor:
-    """fp32 [len(ratios), *w_amax.shape] (NVFP4: [len(ratios)]), summed over ``inputs``."""
+def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig, sync: Optional[StatSync] = None, span: bool = False) -> torch.Tensor:
+    """fp32 [len(ratios), *w_amax.shape] (NVFP4: [len(ratios)]), summed over ``inputs``. Split over
+    tensor-parallel ranks: a row-parallel shard adds its partial outputs over the shards before squaring
+    where the loss is over the whole row (NVFP4, or ``span``: one block covering every shard); a
+    column-parallel shard's NVFP4 mean is averaged with the other shards' (its blocks are its own rows);
+    tensor ranks holding whole copies average their copies of the loss."""
+    sync = sync or StatSync(None)
+    role = sync.role(module)
     w = q.pre_scale(module.weight.detach())
     xs = [input_pre_scale(module, x) for x in inputs]
     per_tensor = q.spec.kind == Kind.NVFP4
@@ -81,7 +96,12 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
         for k, r in enumerate(ratios):
             wq = _quantize(q, w, w_amax * r)
             for x, ref in zip(xs, refs):
-                losses[k] += (x @ wq.T - ref).float().pow(2).mean()
+                err = (x @ wq.T - ref).float()
+                if role == "row":
+                    err = sync.over_shards(err, "sum", module)
+                losses[k] += err.pow(2).mean()
+        if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
+            losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
         return losses
     tokens = []
     for x in xs:
@@ -95,30 +115,57 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
         for k, r in enumerate(ratios):
             # one quantized copy at a time: quantizing is ~1/tokens of the products below
             cur = _block_outputs(xb, _blocked(_quantize(q, w, w_amax * r), block), co_batch)
-            losses[k] += torch.cat([(c - ref).float().pow(2).mean(dim=1) for c, ref in zip(cur, refs)])
+            errs = [(c - ref).float() for c, ref in zip(cur, refs)]
+            if span:  # each shard holds a part of the one block of a row: the block's output is their sum
+                errs = [sync.over_shards(e, "sum", module) for e in errs]
+            losses[k] += torch.cat([e.pow(2).mean(dim=1) for e in errs])
+    if role == "replicated" and sync.peer_group(module):  # whole copies on every tensor rank: one loss
+        losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
     return losses
 
 
 def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float], cfg: AwqClipConfig, ctx: CalibContext) -> None:
-    """The clip search of every clippable target with calls; sets the chosen amax."""
+    """The clip search of every clippable target, then the chosen amax set. Every rank calls the
+    replicas' reduction of every clippable target's losses (zeros where it got no tokens), and raises,
+    together with the others, only once every target is searched."""
+    sync = stat_sync(ctx)
     ratios = clip_ratios(cfg)
+    chosen, bad = [], []
     with torch.no_grad():
         for (name, m, _), n_calls in progress(zip(targets, calls), "awq_clip search", len(targets)):
             q = m.weight_quantizer
-            if n_calls == 0:
-                continue
             if not clippable(q):
-                _log.warning("%s: awq_clip searches one weight quantizer with static 1-D blocks or NVFP4; %s keeps its amax", name, type(q).__name__)
+                if n_calls:
+                    _log.warning("%s: awq_clip searches one weight quantizer with static 1-D blocks or NVFP4; %s keeps its amax", name, type(q).__name__)
                 continue
+            where = f"{name}.weight_quantizer"
+            per_tensor = q.spec.kind == Kind.NVFP4
+            span = not per_tensor and groups_span_shards(q.spec.block[0], m, sync, where)
             w_amax = static_amax(q.pre_scale(m.weight.detach()), q.spec, q.axis, q.attrs.backend)
-            losses = ctx.all_reduce_sum(clip_losses(m, q, inputs[name], w_amax, ratios, cfg))
+            if per_tensor or span:  # the global amax, or the one block of a row: over every shard
+                w_amax = sync.over_shards(w_amax, "max", m)
+            losses = torch.zeros((len(ratios),) + (() if per_tensor else tuple(w_amax.shape)), dtype=torch.float32, device=w_amax.device)
+            if n_calls:
+                losses = clip_losses(m, q, inputs[name], w_amax, ratios, cfg, sync, span)
+            losses = sync.over_replicas(losses, "sum", m.is_expert)
+            inputs[name] = []
+            if not n_calls:
+                continue
             if not bool(torch.isfinite(losses).all()):
-                raise CalibrationError(f"{name}.weight_quantizer: awq_clip's search loss is not finite (NaN/Inf in the weight or inputs)")
+                bad.append(name)
+                continue
             best = torch.argmin(losses, dim=0)  # first least loss: the smaller ratio wins ties
             ratio = torch.tensor(ratios, dtype=torch.float32, device=w_amax.device)[best]
-            q.amax = w_amax * ratio.reshape(w_amax.shape)
-            store_result(m, "awq_clip_ratio", ratio)
-            inputs[name] = []
+            chosen.append((m, q, w_amax * ratio.reshape(w_amax.shape), ratio))
+    sync.step("awq_clip", lambda: _raise_nonfinite(bad))
+    for m, q, amax, ratio in chosen:
+        q.amax = amax
+        store_result(m, "awq_clip_ratio", ratio)
+
+
+def _raise_nonfinite(bad: list[str]) -> None:
+    if bad:
+        raise CalibrationError(f"{bad[0]}.weight_quantizer: awq_clip's search loss is not finite (NaN/Inf in the weight or inputs)")
 
 
 @register_runner("awq_clip")

@@ -25,24 +25,32 @@ Fused experts (:class:`~quantlib.calib.scaling.ExpertGemm`): each expert of each
 as a linear on the tokens routed to it (gate_up: its routed hidden states; down: its ``act(gate) * up``),
 with its own statistics, alpha and scales; ``awq_lite_alpha`` is then ``{proj: [alpha per expert]}``
 (None for an expert no token reached), and the shared input amax the max over the experts' scaled amax.
+
+Parallel layouts (:mod:`~quantlib.calib.collectives`, :mod:`~quantlib.calib.shards`): statistics and
+losses are reduced over a linear's replicas (an expert's own only, under expert parallelism); a
+linear split over tensor-parallel ranks gets what one process gets on the whole linear: a
+column-parallel shard's ``w`` is the mean over every shard's rows and its loss the mean over every
+shard's output slice; a row-parallel shard's ``w`` groups spanning the shards take their max over them,
+``s`` is normalised by the max and min over every shard's channels, and the loss is on the summed
+partial outputs. Every rank picks the same alpha; a row-parallel ``pre_quant_scale`` is the shard's.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import Kind
 from ..kernels import ops
 from ..nn.quant_module import QuantModule
-from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .max import static_amax
+from ..nn.tensor_quantizer import TensorQuantizer
+from .collectives import StatSync, stat_sync, targets_digest
 from .registry import AwqLiteConfig, CalibContext, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, handle_unreached, linear_bias, progress, served_linears, store_result
+from .shards import groups_span_shards, search_amax
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, handle_unreached, input_statistics, linear_bias, progress, reached_calls, served_linears, store_result
 
 _log = logging.getLogger("quantlib")
 
@@ -57,46 +65,75 @@ def search_quantizer(module: QuantModule) -> TensorQuantizer:
     return first_leaf(module.weight_quantizer)
 
 
-def weight_scale(w: torch.Tensor, block: Optional[int]) -> torch.Tensor:
-    """fp32 per input channel: mean over rows of |W| / (its group's max |W| + tiny)."""
-    cols = w.shape[-1]
+def weight_scale(w: torch.Tensor, block: Optional[int], target: Any = None, sync: Optional[StatSync] = None, where: str = "") -> torch.Tensor:
+    """fp32 per input channel: mean over rows of |W| / (its group's max |W| + tiny). Split over
+    tensor-parallel ranks (``target``, ``sync``): a group spanning a row-parallel shard takes its max
+    over the shards; a column-parallel shard's rows are averaged with the other shards'."""
+    sync = sync or StatSync(None)
+    cols, rows = w.shape[-1], w.shape[0]
     a = w.detach().contiguous()  # a transposed expert view would reduce in another order (other bits)
-    if block:
+    span = groups_span_shards(block, target, sync, where) if target is not None else False
+    if block and not span:
         pad = -cols % block
         if pad:
             a = F.pad(a, (0, pad))
         a = a.reshape(-1, block)
     a = a.abs()
-    a = a / (a.amax(dim=1, keepdim=True) + torch.finfo(w.dtype).tiny)
-    return a.reshape(w.shape[0], -1)[:, :cols].mean(0).float()
+    group_max = a.amax(dim=1, keepdim=True)
+    if span:  # the group is the whole row (or one block covering every shard)
+        group_max = sync.over_shards(group_max, "max", target)
+    a = (a / (group_max + torch.finfo(w.dtype).tiny)).reshape(rows, -1)[:, :cols]
+    if target is None or sync.role(target) != "column":
+        return a.mean(0).float()
+    total = sync.over_shards(a.sum(0, dtype=torch.float32), "sum", target)
+    return (total / (rows * sync.shards(target))).to(w.dtype).float()  # a mean in the weight's dtype, as above
 
 
 def awq_scale(act: torch.Tensor, wscale: torch.Tensor, alpha: float) -> torch.Tensor:
     """fp32 ``s`` for one alpha, clamped and normalised by sqrt(max s * min s)."""
-    s = (act.pow(alpha) / (wscale.to(act.device).pow(1 - alpha) + torch.finfo(torch.float32).tiny)).clamp(min=1e-4, max=1e4).view(-1)
+    s = _raw_scale(act, wscale, alpha)
     return (s / (s.max() * s.min()).sqrt()).view(-1)
 
 
-def _quantize_like(q: TensorQuantizer, x: torch.Tensor) -> torch.Tensor:
-    """``q``'s fake quant of ``x`` with the amax of ``x`` itself (no calibrated amax)."""
-    amax = None
-    if q.needs_calibration and q.spec.kind != Kind.NVFP4:
-        amax = static_amax(x, q.spec, q.axis, q.attrs.backend)
-    return ops.fake_quant(x, q.spec, amax, q.attrs.backend)
+def _raw_scale(act: torch.Tensor, wscale: torch.Tensor, alpha: float) -> torch.Tensor:
+    return (act.pow(alpha) / (wscale.to(act.device).pow(1 - alpha) + torch.finfo(torch.float32).tiny)).clamp(min=1e-4, max=1e4).view(-1)
 
 
-def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], act: torch.Tensor, wscale: torch.Tensor, grid: list[float]) -> torch.Tensor:
-    """fp32 [len(grid)]: per alpha, the sum over ``inputs`` of the mean squared output error."""
-    w, bias = module.weight.detach(), linear_bias(module)
+def candidate_scales(act: torch.Tensor, wscale: torch.Tensor, grid: list[float], target: Any = None, sync: Optional[StatSync] = None) -> list[torch.Tensor]:
+    """:func:`awq_scale` of every alpha of ``grid``; a row-parallel shard normalises by the max and min
+    over every shard's channels (one MAX and one MIN all-reduce for the whole grid)."""
+    sync = sync or StatSync(None)
+    raw = [_raw_scale(act, wscale, alpha) for alpha in grid]
+    if target is None or sync.role(target) != "row":
+        return [(s / (s.max() * s.min()).sqrt()).view(-1) for s in raw]
+    hi = sync.over_shards(torch.stack([s.max() for s in raw]), "max", target)
+    lo = sync.over_shards(torch.stack([s.min() for s in raw]), "min", target)
+    return [(s / (h * m).sqrt()).view(-1) for s, h, m in zip(raw, hi, lo)]
+
+
+def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], scales: list[torch.Tensor], sync: Optional[StatSync] = None, where: str = "") -> torch.Tensor:
+    """fp32 [len(scales)]: per candidate scale, the sum over ``inputs`` of the mean squared output
+    error of the whole linear: a row-parallel shard adds its partial errors over the shards before
+    squaring them; column-parallel shards average their slices' means (and tensor ranks holding whole
+    copies their copies of the loss)."""
+    sync = sync or StatSync(None)
+    role = sync.role(module)
+    w = module.weight.detach()
+    bias = None if role == "row" else linear_bias(module)  # a row shard's partial output has no bias
     q = search_quantizer(module)
     actual = [F.linear(x, w, bias) for x in inputs]
-    losses = torch.zeros(len(grid), dtype=torch.float32, device=w.device)
-    for k, alpha in enumerate(grid):
-        s = awq_scale(act, wscale, alpha)
-        wq = _quantize_like(q, w * s.to(w.dtype))
+    losses = torch.zeros(len(scales), dtype=torch.float32, device=w.device)
+    for k, s in enumerate(scales):
+        x_w = w * s.to(w.dtype)
+        wq = ops.fake_quant(x_w, q.spec, search_amax(q, x_w, module, sync, where), q.attrs.backend)
         inv = (1 / s).to(w.dtype)
         for x, ref in zip(inputs, actual):
-            losses[k] += (F.linear(x * inv, wq, bias) - ref).float().pow(2).mean()
+            err = (F.linear(x * inv, wq, bias) - ref).float()
+            if role == "row":
+                err = sync.over_shards(err, "sum", module)
+            losses[k] += err.pow(2).mean()
+    if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
+        losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
     return losses
 
 
@@ -115,62 +152,68 @@ def run_awq_lite(model: nn.Module, cfg: AwqLiteConfig, ctx: CalibContext) -> Non
 
 def record_inputs(model: nn.Module, method: str, ctx: CalibContext) -> tuple[list, InputRecorder, list[float]]:
     """The served linears (their old scales dropped), their inputs from one max-calibration pass, and
-    each one's number of forward calls over every data-parallel rank (unreached ones handled)."""
+    each one's number of forward calls over its replicas (unreached ones handled)."""
+    sync = stat_sync(ctx)
     targets = []
-    for name, m, w in served_linears(model, method, needs_input=False, expert_parallel=ctx.expert_parallel, tensor_parallel=ctx.tensor_parallel):
+    for name, m, w in served_linears(model, method, needs_input=False, tensor_parallel=ctx.tensor_parallel):
         if m.input_quantizer.is_enabled and m.input_quantizer.axis is not None:
             _log.warning("%s: %s needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, method, m.input_quantizer.axis)
             continue
         clear_scales(m)
         targets.append((name, m, w))
     rec = InputRecorder([(n, m) for n, m, _ in targets], keep_inputs=True)
-    collective_step(ctx, targets, lambda: _record(model, rec, ctx))
-    device = targets[0][2].device if targets else torch.device("cpu")
-    calls = ctx.all_reduce_sum(torch.tensor([float(rec.calls[n]) for n, _, _ in targets], device=device)).tolist()
-    handle_unreached(method, [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy)
+    sync.step(method, lambda: _record(model, rec, ctx), targets_digest(method, targets))
+    calls = reached_calls(targets, rec, sync)
+    sync.step(method, lambda: handle_unreached(method, [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy))
     return targets, rec, calls
 
 
 def search(targets: list, rec: InputRecorder, calls: list[float], cfg: AwqLiteConfig, ctx: CalibContext, keep_inputs: bool) -> None:
-    """The alpha search of every target with calls; applies the chosen scales."""
+    """The alpha search of every target with calls, then the chosen scales applied. Every rank calls the
+    replicas' reduction of every target's losses (zeros where it got no tokens), and raises, together
+    with the others, only once every target is searched."""
+    sync = stat_sync(ctx)
     grid = alphas(cfg.alpha_step)
+    sums, amaxes = input_statistics(targets, rec, sync, mean=True)
+    acts = [s / max(c, 1.0) for s, c in zip(sums, calls)]
+
+    def check_inputs() -> None:
+        for (name, _, _), act, c in zip(targets, acts, calls):
+            if c:
+                check_finite(f"{name}.input_quantizer", "input", act)
+
+    sync.step("awq_lite", check_inputs)
+    chosen, bad = [], []
     with torch.no_grad():
-        for (name, m, w), n_calls in progress(zip(targets, calls), "awq_lite search", len(targets)):
-            if n_calls == 0:
-                continue
-            mean_sum = rec.mean_abs_sum.get(name, torch.zeros(w.shape[1], device=w.device))
-            act = ctx.all_reduce_sum(mean_sum.clone()) / n_calls
-            check_finite(f"{name}.input_quantizer", "input", act)  # global: every rank raises here together
-            wscale = weight_scale(w, _block_of(search_quantizer(m)))
-            losses = ctx.all_reduce_sum(alpha_losses(m, rec.inputs[name], act, wscale, grid))
-            check_finite(f"{name}.weight_quantizer", "search loss", losses)
-            best = int(torch.argmin(losses))
-            scale = awq_scale(act, wscale, grid[best])
-            amax = rec.amax.get(name, torch.zeros(w.shape[1], device=w.device))
-            apply_pre_quant_scale(m, 1.0 / scale, ctx.all_reduce_max(amax.clone()))
-            store_result(m, "awq_lite_alpha", grid[best])
-            if cfg.debug:
-                store_result(m, "awq_lite_losses", dict(zip(grid, losses.tolist())))
+        for (name, m, w), n_calls, act, amax in progress(zip(targets, calls, acts, amaxes), "awq_lite search", len(targets)):
+            losses = torch.zeros(len(grid), dtype=torch.float32, device=w.device)
+            if n_calls:
+                wscale = weight_scale(w, _block_of(search_quantizer(m)), m, sync, name)
+                scales = candidate_scales(act, wscale, grid, m, sync)
+                losses = alpha_losses(m, rec.inputs[name], scales, sync, name)
+            losses = sync.over_replicas(losses, "sum", m.is_expert)
             if not keep_inputs:
                 rec.inputs[name] = []  # free the cache as we go
+            if not n_calls:
+                continue
+            if not bool(torch.isfinite(losses).all()):
+                bad.append((name, losses))
+                continue
+            best = int(torch.argmin(losses))
+            chosen.append((m, scales[best], grid[best], losses, amax))
+    sync.step("awq_lite", lambda: _raise_nonfinite(bad))
+    for m, scale, alpha, losses, amax in chosen:
+        apply_pre_quant_scale(m, 1.0 / scale, amax)
+        store_result(m, "awq_lite_alpha", alpha)
+        if cfg.debug:
+            store_result(m, "awq_lite_losses", dict(zip(grid, losses.tolist())))
+
+
+def _raise_nonfinite(bad: list[tuple[str, torch.Tensor]]) -> None:
+    for name, losses in bad[:1]:
+        check_finite(f"{name}.weight_quantizer", "search loss", losses)
 
 
 def _record(model: nn.Module, rec: InputRecorder, ctx: CalibContext) -> None:
     with rec:
         ctx.max_calibrate(model)
-
-
-def collective_step(ctx: CalibContext, targets: list, step: Callable[[], Any]) -> None:
-    """Run ``step``; a CalibrationError on any data-parallel rank is raised on every rank here, before
-    the search's collectives, so no rank waits in one the others never reach."""
-    error = None
-    try:
-        step()
-    except CalibrationError as exc:
-        error = exc
-    device = targets[0][2].device if targets else torch.device("cpu")
-    failed = ctx.all_reduce_max(torch.tensor([0.0 if error is None else 1.0], device=device))
-    if error is not None:
-        raise error
-    if failed.item():
-        raise CalibrationError("calibration failed on another data-parallel rank (its error is reported there)")

@@ -100,9 +100,10 @@ class AwqLiteConfig(AlgorithmConfig):
 class CalibContext:
     """What a runner gets besides the model and its config: the user's ``forward_loop`` (None: weights
     only), ``max_calibrate(model)`` (weights from the weights, activations from one forward_loop pass:
-    the max algorithm) and ``all_reduce_sum`` / ``all_reduce_max(tensor)`` (in place over the
-    data-parallel ranks, for a search's statistics and losses, so every rank makes the same choice;
-    the identity on one rank)."""
+    the max algorithm), ``all_reduce_sum`` / ``all_reduce_max(tensor)`` (in place over the
+    data-parallel ranks; the identity on one rank) and ``sync``, the routine through which quantlib's
+    searches reduce their statistics and losses over the whole layout (data, tensor and expert
+    parallel), so every rank makes the same choice."""
 
     forward_loop: Optional[Callable[[Any], Any]]
     max_calibrate: Callable[[Any], None]
@@ -114,6 +115,9 @@ class CalibContext:
     expert_parallel: bool = False
     #: True when linears are split over several ranks (tensor parallelism)
     tensor_parallel: bool = False
+    #: the searches' sync routine over the whole layout (a ``quantlib.calib.collectives.StatSync``:
+    #: replicas of dense linears and of each expert, tensor-parallel shards); None: one rank
+    sync: Any = None
 
     def max_only_without_loop(self, method: str, model: Any, why: str) -> bool:
         """True where there is no ``forward_loop``: then ``method`` is skipped with a warning saying ``why`` it

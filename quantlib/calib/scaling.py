@@ -19,6 +19,7 @@ from torch import nn
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
+from .collectives import StatSync
 
 _log = logging.getLogger("quantlib")
 T = TypeVar("T")
@@ -148,13 +149,14 @@ def _expert_gemms(name: str, m: QuantModule, needs_input: bool) -> list[tuple[st
     return out
 
 
-def served_linears(model: nn.Module, method: str, needs_input: bool, expert_parallel: bool = False, tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
+def served_linears(model: nn.Module, method: str, needs_input: bool, tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
     """(name, module, weight) of every quantized linear whose weight quantizer is enabled (and, with
     ``needs_input``, whose input quantizer too), and of every expert GEMM of fused-experts modules
     (:class:`ExpertGemm`, named ``<module>.<proj>[e]``). A module the config quantizes that the algorithm
     cannot serve is named: weight-less ones are refused (CalibrationError), weights of another shape
-    (convolutions) keep max calibration with a warning; expert linears under expert parallelism and
-    split linears under tensor parallelism are refused."""
+    (convolutions) keep max calibration with a warning; column-parallel linears with sequence
+    parallelism are refused under tensor parallelism (their GEMM input is gathered after the
+    quantizer, which sees each rank's slice of the tokens)."""
     out, weightless = [], []
     for name, m in model.named_modules():
         if not isinstance(m, QuantModule):
@@ -172,13 +174,9 @@ def served_linears(model: nn.Module, method: str, needs_input: bool, expert_para
             continue
         if m.weight_quantizer.is_enabled and (m.input_quantizer.is_enabled or not needs_input):
             out.append((name, m, w))
-    split = [n for n, m, _ in out if m.parallel_role != "replicated"]
-    if tensor_parallel and split:
-        # a column-parallel rank sees only its rows of W, a row-parallel one only its input channels
-        raise CalibrationError(f"{method} under tensor parallelism is not supported: {split[:3]} are split over the tensor-parallel ranks; use 'max' or calibrate at TP=1")
-    if expert_parallel and any(m.is_expert for _, m, _ in out):
-        # the statistics of an expert must be reduced over its replicas only, which the data group is not
-        raise CalibrationError(f"{method} under expert parallelism is not supported: expert linears {[n for n, m, _ in out if m.is_expert][:3]} would mix other experts' statistics; disable their quantizers' {method} (use 'max') or calibrate without expert parallelism")
+    gathered = [n for n, m, _ in out if m.parallel_role == "column" and getattr(m, "sequence_parallel", False)]
+    if tensor_parallel and gathered:
+        raise CalibrationError(f"{method} under sequence parallelism is not supported: {gathered[:3]} see only this rank's tokens; calibrate with sequence_parallel=False (the same weights)")
     if weightless:
         raise CalibrationError(f"{method} cannot serve {weightless[:5]}: they have no weight to take the per-channel scales; disable their input quantizers in the config or use algorithm 'max'")
     return out
@@ -312,3 +310,26 @@ def handle_unreached(method: str, idle: list[tuple[str, QuantModule]], policy: s
     for n, m in idle:
         _log.warning("%s: no tokens reached this expert; %s leaves it max-calibrated with a pre_quant_scale of ones", n, method)
         set_input_pre_quant_scale(m, torch.ones(m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device))
+
+
+def reached_calls(targets: list, rec: InputRecorder, sync: StatSync) -> list[float]:
+    """Each target's number of forward calls over its replicas (an expert's over its own replicas)."""
+    device = targets[0][2].device if targets else torch.device("cpu")
+    counts = [torch.tensor([float(rec.calls[n])], device=device) for n, _, _ in targets]
+    return [c.item() for c in sync.over_replicas_each(counts, [m.is_expert for _, m, _ in targets], "sum")]
+
+
+def input_statistics(targets: list, rec: InputRecorder, sync: StatSync, mean: bool) -> tuple[list, list]:
+    """Per target, (the mean |x| sums (``mean``) or None, the per-channel max |x|), each reduced over the
+    target's replicas (one collective per statistic for the dense targets, one for the experts), and
+    over its tensor-parallel peers (:meth:`StatSync.over_peers`)."""
+    experts = [m.is_expert for _, m, _ in targets]
+    zeros = [torch.zeros(w.shape[1], device=w.device) for _, _, w in targets]
+    amax = sync.over_replicas_each([rec.amax.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts, "max")
+    sums = sync.over_replicas_each([rec.mean_abs_sum.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts, "sum") if mean else [None] * len(targets)
+    for i, (_, m, _) in enumerate(targets):
+        if sync.peer_group(m):  # the same input on every peer up to rounding: one value for all
+            amax[i] = sync.over_peers(amax[i], "max", m)
+            if mean:
+                sums[i] = sync.over_peers(sums[i], "sum", m) / sync.peers(m)
+    return sums, amax

@@ -20,7 +20,7 @@ and AWQ hook to record each linear's inputs; the replay runs with quantization o
 the scales the runner cleared), and a layer's inputs come from its unquantized predecessors; so amax and
 ``pre_quant_scale`` are bit-identical to in-memory calibration with the same algorithm, the same batches
 in the same order. Every rank runs the same layers in the same order, so the runners' data-parallel
-reductions (``CalibContext.all_reduce_sum``) meet. The memory held at once is the resident part of the
+reductions (``CalibContext.sync``) meet. The memory held at once is the resident part of the
 model, one layer, its cached inputs and outputs (or the next layer's inputs) and what the algorithm
 records for that layer. The forward loop must feed the same batches in the same order on every call (a
 batch of another shape raises), must not use the model's output (a stopped pass returns None) and must not

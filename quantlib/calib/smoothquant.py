@@ -13,6 +13,11 @@ warning). The scales stay in the input quantizer (folding them into a preceding 
 Experts no token reached follow ``expert_input_policy`` as in awq_lite. Fused experts: each expert of
 each projection is smoothed as a linear with its own routed inputs' amax (row e of the input
 quantizer's 2-D ``pre_quant_scale``); the shared input amax is the max over the experts'.
+
+Parallel layouts: ``a`` is MAX-reduced over the linear's replicas (an expert's own only, under expert
+parallelism) and, for a column-parallel linear, over its shards; ``w`` over a column-parallel linear's
+shards (each holds some rows). A row-parallel shard's channels are its own: its scales are a shard of
+the single-process ones.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from torch import nn
 
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
+from .collectives import stat_sync, targets_digest
 from .registry import CalibContext, SmoothQuantConfig, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, handle_unreached, served_linears
+from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, handle_unreached, input_statistics, reached_calls, served_linears
 
 _log = logging.getLogger("quantlib")
 
@@ -50,26 +56,38 @@ def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext)
     """Max calibration with per-channel input statistics, then smoothing of every INT8 linear."""
     if ctx.max_only_without_loop("smoothquant", model, "its scales come from the activations"):
         return
+    sync = stat_sync(ctx)
     targets = []
-    for name, m, w in served_linears(model, "smoothquant", needs_input=True, expert_parallel=ctx.expert_parallel, tensor_parallel=ctx.tensor_parallel):
+    for name, m, w in served_linears(model, "smoothquant", needs_input=True, tensor_parallel=ctx.tensor_parallel):
         if _is_int8(m.input_quantizer) and _is_int8(m.weight_quantizer) and m.input_quantizer.axis is None:
             targets.append((name, m, w))
         else:
             _log.warning("%s: smoothquant smooths per-tensor INT8 inputs with INT8 weights only; it keeps max calibration", name)
     for _, m, _ in targets:
         clear_scales(m)
-    with InputRecorder([(n, m) for n, m, _ in targets]) as rec:
-        ctx.max_calibrate(model)
-    device = targets[0][2].device if targets else torch.device("cpu")
-    # reached on any rank (an expert may get tokens on one rank only): every rank decides alike
-    calls = ctx.all_reduce_sum(torch.tensor([float(rec.calls[n]) for n, _, _ in targets], device=device)).tolist()
-    handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy)
+    rec = InputRecorder([(n, m) for n, m, _ in targets])
+
+    def record() -> None:
+        with rec:
+            ctx.max_calibrate(model)
+
+    sync.step("smoothquant", record, targets_digest("smoothquant", targets))
+    # reached on any replica (an expert may get tokens on one rank only): every replica decides alike
+    calls = reached_calls(targets, rec, sync)
+    sync.step("smoothquant", lambda: handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy))
+    _, act_amax = input_statistics(targets, rec, sync, mean=False)
     with torch.no_grad():
-        for (name, m, w), n_calls in zip(targets, calls):
-            if n_calls == 0:
-                continue
-            act_amax = ctx.all_reduce_max(rec.amax.get(name, torch.zeros(w.shape[1], device=w.device)).clone())
-            check_finite(f"{name}.input_quantizer", "input's per-channel amax", act_amax)
-            weight_amax = w.detach().abs().amax(dim=0).float()
-            check_finite(f"{name}.weight_quantizer", "weight", weight_amax)
-            apply_pre_quant_scale(m, smoothing_scale(act_amax, weight_amax, cfg.alpha), act_amax)
+        # per input channel, over the rows: a column-parallel shard holds some of them
+        weight_amax = [sync.over_shards(w.detach().abs().amax(dim=0).float(), "max", m) for _, m, w in targets]
+
+    def check() -> None:
+        for (name, _, _), a, wa, c in zip(targets, act_amax, weight_amax, calls):
+            if c:
+                check_finite(f"{name}.input_quantizer", "input's per-channel amax", a)
+                check_finite(f"{name}.weight_quantizer", "weight", wa)
+
+    sync.step("smoothquant", check)  # a row-parallel shard's NaN raises on every rank
+    with torch.no_grad():
+        for (_, m, _), a, wa, c in zip(targets, act_amax, weight_amax, calls):
+            if c:
+                apply_pre_quant_scale(m, smoothing_scale(a, wa, cfg.alpha), a)

@@ -224,24 +224,3 @@ def test_bf16_model_keeps_bf16_scales_and_finite_outputs():
     with torch.no_grad():
         out = model(data[0])
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-
-
-def _tp2_rank(rank: int, world: int, data: list[torch.Tensor]) -> str:
-    from quantlib.distributed import ParallelState
-    import torch.distributed as dist
-
-    model = ql.convert(mlp())
-    model[0].parallel_role = "column"  # as the Megatron plugin marks a column-parallel linear
-    try:
-        ql.quantize(model, _cfg(), loop(data), parallel_state=ParallelState(tensor_group=dist.group.WORLD))
-    except ql.CalibrationError as exc:
-        return str(exc)
-    return "no error"
-
-
-@pytest.mark.distributed
-def test_tensor_parallel_split_linears_are_refused_on_every_rank():
-    from tests.ranks import run_on_ranks
-
-    outs = run_on_ranks(_tp2_rank, 2, outlier_data(), timeout=60)
-    assert all("awq_lite under tensor parallelism is not supported: ['0']" in o for o in outs), outs

@@ -1,6 +1,7 @@
 """Layer-by-layer calibration of a Megatron-Core MoE GPT (local spec, 4 SequentialMLP experts a layer) on
 gloo: at TP=2 (max) the amax equal in-memory calibration's bit for bit, synced over TP the same way; over
-two data-parallel ranks with AWQ (each rank its own tokens) amax and pre_quant_scale equal too. The
+two data-parallel ranks, at TP=2 and at EP=2 with AWQ (each data-parallel rank its own tokens) amax
+and pre_quant_scale equal too. The
 experts' ModuleList is longer than the layers' and must not be taken for the decoder layers."""
 
 from __future__ import annotations
@@ -68,3 +69,22 @@ def test_sequential_megatron_dp2_awq_full_equal_in_memory():
         assert res["same_keys"] and res["experts"] > 0
         assert not res["differ"], res["differ"][:5]
     assert all(torch.equal(v, results[1]["layered"][k]) for k, v in results[0]["layered"].items())  # both ranks chose the same
+
+
+def _run_awq_split(rank: int, world: int, tp: int, ep: int) -> dict:
+    from megatron.core import parallel_state as mpu
+
+    shims.set_layout(tp, ep)
+    cfg = dict(ql.W4A8_AWQ_BETA_CFG, algorithm={"method": "awq_full", "alpha_step": 0.5, "max_tokens_per_batch": 4})
+    data = shims.token_batches(2, 10 + mpu.get_data_parallel_rank())
+    state = ql.ParallelState.from_megatron()
+    memory = _state(ql.quantize(shims.build_gpt(tp, ep, 0), cfg, shims.forward_loop(data), parallel_state=state))
+    layered = _state(ql.quantize(shims.build_gpt(tp, ep, 0), cfg, shims.forward_loop(data), parallel_state=state, sequential=True))
+    return {"same_keys": memory.keys() == layered.keys(), "differ": [n for n in memory if n in layered and not torch.equal(memory[n], layered[n])], "scales": sum(n.endswith("pre_quant_scale") for n in memory)}
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_sequential_megatron_split_awq_full_equal_in_memory(tp, ep):
+    for res in shims.run_distributed(_run_awq_split, 2, tp, ep):
+        assert res["same_keys"] and res["scales"] > 0
+        assert not res["differ"], res["differ"][:5]
