@@ -184,13 +184,29 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     return items
 
 
-def all_finite(items: list[Item]) -> bool:
-    """Whether every amax of ``items`` is finite: one reduction and one device-to-host read per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[int, float]]:
+    """Whether every amax of ``items`` is finite, and the value of each one-element amax of ``scalars``
+    (keyed by ``id(item)``): one reduction and one device-to-host read per device, whatever the number
+    of items (a read per item would stall a GPU export once per module)."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[Item]]] = {}
     for it in items:
         if it.amax is not None and not it.amax.is_meta:
-            by_device.setdefault(it.amax.device, []).append(it.amax.reshape(-1))
-    return all(bool(torch.isfinite(torch.cat(amaxes)).all()) for amaxes in by_device.values())
+            by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax.reshape(-1))
+    for it in scalars:
+        if it.amax is not None and not it.amax.is_meta:
+            by_device.setdefault(it.amax.device, ([], []))[1].append(it)
+    finite, values = True, {}
+    for device, (amaxes, members) in by_device.items():
+        ok = torch.isfinite(torch.cat(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
+        row = torch.cat([ok.float()] + [m.amax.reshape(1) for m in members]).tolist()
+        finite = finite and row[0] == 1.0
+        values.update(zip(map(id, members), row[1:]))
+    return finite, values
+
+
+def all_finite(items: list[Item]) -> bool:
+    """Whether every amax of ``items`` is finite (one device-to-host read per device)."""
+    return read_amax(items)[0]
 
 
 def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
@@ -225,15 +241,21 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
             raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of {n / tp:g}, not a whole number of blocks of {b}")
 
 
-def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
-    """Siblings fused by consumers must share their per-tensor / global amax."""
+def _grouped(items: list[Item]) -> list[Item]:
+    """The items whose one-element amax a sibling group shares."""
+    return [it for it in items if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None]
+
+
+def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple[str, ...], float]:
+    """Siblings fused by consumers must share their per-tensor / global amax (``read``: the amax values
+    of :func:`read_amax`; an amax without values, on the meta device, is not compared)."""
     groups: dict[tuple[str, tuple], list[Item]] = {}
-    for it in items:
-        if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None:
+    for it in _grouped(items):
+        if id(it) in read:
             groups.setdefault((it.parent, it.group), []).append(it)
     unified = {}
     for (_, group), members in groups.items():
-        values = [float(m.amax.reshape(())) for m in members]
+        values = [read[id(m)] for m in members]
         if len(set(values)) <= 1:
             continue
         names = tuple(m.name for m in members)
@@ -265,13 +287,15 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     if not quantized:
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
-    finite = all_finite(quantized)  # the per-item check (one read each) only runs to name the bad one
+    for it in quantized:
+        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
+    # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
+    finite, read = read_amax(quantized, _grouped(quantized))
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite)
         if _key(it.spec) != _key(first.spec) or _key(it.input_spec) != _key(first.input_spec):
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
-        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
-    unified = _unify(quantized, unify_siblings)
+    unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
     info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version)
