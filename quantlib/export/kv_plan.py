@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from .layouts import ModelLayout
 from .types import ExportError
 
 _DISABLE = "quantlib.disable_quantizer(model, '*_bmm_quantizer')"
+_NAMES = frozenset(ATTENTION_QUANTIZER_NAMES)
 
 
 @dataclass
@@ -64,12 +65,13 @@ def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: Packe
         _check_quantizer(q, full, packer)
 
 
-def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list[KVItem], Optional[FormatSpec]]:
+def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
     """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
-    :class:`ExportError` naming the quantizer where the format cannot carry it."""
+    :class:`ExportError` naming the quantizer where the format cannot carry it. ``modules``: the
+    model's named modules, where the caller has them (quantizers may be left out)."""
     checked: list[tuple[str, TensorQuantizer]] = []  # finiteness is checked for all at once, below
     try:
-        items, first = _walk_kv(model, packer, layout, checked)
+        items, first = _walk_kv(model.named_modules() if modules is None else modules, packer, layout, checked)
     except ExportError:
         _refuse_non_finite(checked, packer)  # a non-finite amax met before this error is reported first
         raise
@@ -77,10 +79,12 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list
     return items, (first[1] if first is not None else None)
 
 
-def _walk_kv(model: nn.Module, packer: Packer, layout: ModelLayout, checked: list) -> tuple[list[KVItem], Optional[tuple[str, FormatSpec]]]:
+def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: ModelLayout, checked: list) -> tuple[list[KVItem], Optional[tuple[str, FormatSpec]]]:
     items: list[KVItem] = []
     first: Optional[tuple[str, FormatSpec]] = None
-    for name, module in model.named_modules():
+    for name, module in modules:
+        if _NAMES.isdisjoint(module._modules):  # the quantizers are submodules: most modules have none
+            continue
         qs = {n: _enabled(module, n) for n in ATTENTION_QUANTIZER_NAMES}
         if not any(qs.values()):
             continue

@@ -69,8 +69,9 @@ def _fused_experts_class() -> type:
 
 
 def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(module.named_parameters(recurse=False))
-    for k, b in module.named_buffers(recurse=False):
+    # the module's own dicts: named_parameters(recurse=False) costs a generator and a memo per module
+    out = {k: p for k, p in module._parameters.items() if p is not None}
+    for k, b in module._buffers.items():
         if b is not None and k not in module._non_persistent_buffers_set:
             out[k] = b
     return out
@@ -113,15 +114,21 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
-    """Every checkpoint module of ``model`` in module order (nothing checked yet)."""
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without the quantizers (one traversal, shared by the plan's walks)."""
+    return [(n, m) for n, m in model.named_modules() if not isinstance(m, (TensorQuantizer, QuantizerContainer))]
+
+
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+    """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
+    :func:`named_modules`, when the caller has them."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
-    for name, module in model.named_modules():
-        if isinstance(module, (TensorQuantizer, QuantizerContainer)):
-            continue
+    for name, module in named_modules(model) if modules is None else modules:
         direct = {k: t for k, t in _direct(module).items() if id(t) not in seen}
+        if not direct and not isinstance(module, QuantModule):
+            continue  # a container: nothing of its own to write or check
         seen.update(id(t) for t in direct.values())
         parent, _, leaf = name.rpartition(".")
         if isinstance(module, QuantModule):
@@ -275,8 +282,9 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
-    kv, kv_spec = plan_kv(model, packer, layout)
-    plan = check_items(walk(model, layout), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    modules = named_modules(model)
+    kv, kv_spec = plan_kv(model, packer, layout, modules)
+    plan = check_items(walk(model, layout, modules), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec = kv, kv_spec
     return plan
 
