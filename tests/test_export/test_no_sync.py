@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
-import quantlib.kernels as kernels  # noqa: E402
+from quantlib import kernels  # noqa: E402
 from quantlib.export import iter_packed  # noqa: E402
 from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
 
