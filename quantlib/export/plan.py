@@ -147,9 +147,11 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
                 w = direct.pop("weight")
                 ispec, iamax = _active_input(getattr(module, "input_quantizer", None))
                 extras = {k: _getter(t) for k, t in direct.items()}
-                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), q.spec, q.amax, ispec, iamax, extras,
+                spec = q.spec
+                block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
+                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), spec, q.amax, ispec, iamax, extras,
                                   shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
-                                  input_where=f"{name}.input_quantizer", block_amax=q.block_amax))
+                                  input_where=f"{name}.input_quantizer", block_amax=block_amax))
                 direct = {}
         if direct:
             items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _getter(t) for k, t in direct.items()}, parent=parent, leaf=leaf))

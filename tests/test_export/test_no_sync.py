@@ -97,3 +97,22 @@ def test_no_device_read_per_module(monkeypatch, fmt):
     assert after2 == [] and after6 == [], f"device reads while packing: {after6}"
     assert len(before6) == len(before2), f"up-front reads grow with the modules: 2 layers {before2}, 6 layers {before6}"
     assert len(before2) <= 2, before2  # the batched amax read (plus the KV one)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_no_sync_on_the_gpu(fmt):
+    """On a GPU, torch's sync debug mode raises at any synchronising call after the first yield (the
+    kernels compiled and tuned by a first iteration, whose tuning times them)."""
+    model = quantized(llama(2), CASES[fmt]).cuda()
+    for _ in iter_packed(model, fmt):
+        pass
+    it = iter_packed(model, fmt)
+    next(it)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        n = 1 + sum(1 for _ in it)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert n > 10
