@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
+from ..formats import FormatSpec, Kind, QuantizedTensor, blocked_shape, quantize
 from ..formats.fp8 import fp8_dtype, fp8_scale
 from ..formats.fp8_blockwise import blockwise_scale
 from ..formats.mx import mx_element_name, spec_element
@@ -37,7 +37,7 @@ def real_quantize(
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
         # a static quantizer's block scales come from its calibrated amax, which the cast reads (no
         # comparison with the weight's own block amax: that would read a device value back per weight)
-        static = None if spec.dynamic or amax is None else amax
+        static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape, spec.block))  # e.g. one amax for every block
         codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend, amax=static)
         return QuantizedTensor(codes, d, spec, shape, dtype)
     if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2:
