@@ -81,8 +81,8 @@ def _fp8_codes(w: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -
     """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula), on the CPU in row chunks whose fp32
     temporaries stay in cache; ``scale`` is per tensor or per row."""
     q = FLOAT_FORMATS[element][0]
-    if w.device.type != "cpu":  # one pass of fused-enough kernels; no chunks
-        return (w.float() * scale).clamp_(-q, q).to(fp8_dtype(element))
+    if w.device.type != "cpu":  # whole-tensor kernels, in place on one fp32 copy (a copy: w may be fp32 itself)
+        return w.to(torch.float32, copy=True).mul_(scale).clamp_(-q, q).to(fp8_dtype(element))
     step = max(1, (1 << 16) // max(1, w.shape[1]))
     per_row = scale.dim() == 2 and scale.shape[0] == w.shape[0] and w.shape[0] > 1
     out = torch.empty(w.shape, dtype=fp8_dtype(element), device=w.device)

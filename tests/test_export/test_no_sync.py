@@ -116,3 +116,19 @@ def test_no_sync_on_the_gpu(fmt):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert n > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_gpu_export_equals_cpu_export(fmt):
+    """The device path (static FP8-block cast, MX / NVFP4 casts, FP8 per tensor in whole-tensor ops)
+    packs the bytes the CPU path packs."""
+    model = quantized(llama(2), CASES[fmt])
+    on_cpu = {k: t for pw in iter_packed(model, fmt) for k, t in pw.items()}
+    on_gpu = {k: t.cpu() for pw in iter_packed(model.cuda(), fmt) for k, t in pw.items()}
+    assert on_gpu.keys() == on_cpu.keys()
+    for k, t in on_cpu.items():
+        g = on_gpu[k]
+        assert g.dtype == t.dtype and g.shape == t.shape, k
+        assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, t.view(torch.uint8) if t.dtype.itemsize == 1 else t), k
