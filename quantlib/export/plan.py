@@ -87,12 +87,18 @@ def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optiona
     return q.spec, q.amax
 
 
+_PQS = "_pre_quant_scale"  # TensorQuantizer's buffer behind pre_quant_scale
+
+
 def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
     """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
     ``pre_quant_scale`` (SmoothQuant / AWQ): no export format writes one, and the weights packed
     without it would not compute what the calibrated model computes."""
     for name, q in quantizers:
         for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
+            # an unset one is in neither dict: skip the attribute lookup, whose miss raises inside nn.Module
+            if _PQS not in leaf._buffers and _PQS not in leaf.__dict__:
+                continue
             if leaf.pre_quant_scale is not None:
                 raise ExportError(
                     f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which no export format carries; "
