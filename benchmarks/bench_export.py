@@ -1,14 +1,23 @@
-"""Export throughput: quantlib's in-memory iterator and checkpoint writer against ModelOpt's HF export.
+"""Export throughput: quantlib's in-memory iterator (and checkpoint writer) against ModelOpt's HF export.
 
-    python benchmarks/bench_export.py [--hidden 1024] [--layers 4] [--runs 3] [--device cpu] [--out FILE]
+    python benchmarks/bench_export.py                       # GPU: Llama hidden 8192 / 28672, 3 layers (5.1 GB)
+    python benchmarks/bench_export.py --device cpu --small  # smoke run: a tiny Llama on the CPU
+    options: --layers N --hidden H --intermediate I --runs R --formats fp8_block,mxfp8,fp8 --disk --profile --out FILE
 
-A transformers Llama in bf16 (no downloads) is quantized by quantlib and, separately, by ModelOpt with the
-same recipe (FP8 per tensor W8A8, and FP8 128x128 weight blocks), calibrated on the same batch. Timed
-(median of ``--runs``, each on a fresh copy because ModelOpt's export edits the model): quantlib's
-``iter_packed`` consuming every tensor in memory and ``export_checkpoint`` to a temporary directory;
-ModelOpt's in-memory ``_export_transformers_checkpoint`` and ``export_hf_checkpoint``; a bf16 copy of every
-weight as the bandwidth baseline. GB/s = bytes of the model's bf16 weights / time. Prints a markdown table
-(and writes it, with machine and versions, to ``--out``).
+A transformers Llama is built in bf16 directly on ``--device`` (no CPU init of GBs, no downloads) and
+quantized by quantlib and, separately, by ModelOpt with the same recipe, calibrated on the same batch:
+FP8 128x128 weight blocks (quantlib format ``hf_fp8_block``, HF fine-grained FP8; ModelOpt FP8_PB_WO),
+MXFP8 (``hf_mxfp8``; ModelOpt MXFP8) and FP8 per tensor W8A8 (``modelopt_fp8``; ModelOpt FP8).
+
+Timed (median of ``--runs`` after one warm-up run, which compiles and tunes the kernels), each with one
+device synchronisation at the end only: ``iter_packed`` with a consumer that drops every tensor without
+reading it; a bf16 copy (``clone``) of every packed weight, measured the same way (the "copy
+bandwidth"); ModelOpt's in-memory ``_export_transformers_checkpoint`` on a fresh copy each run (it edits
+the model); with ``--disk`` also ``export_checkpoint`` and ModelOpt's ``export_hf_checkpoint``. GB/s =
+bytes of the bf16 linear weights that are packed / time (embeddings, norms and lm_head pass through
+unpacked and are not counted). On CUDA, the peak device memory above the model during the iterator
+(``max_memory_allocated``) is printed next to the largest module's packed tensors; ``--profile`` prints
+the summed device-kernel time of one iteration (what the GPU itself spends).
 """
 
 from __future__ import annotations
@@ -30,90 +39,209 @@ from quantlib.export import export_checkpoint, iter_packed, layout_for, share_si
 from quantlib.export.formats import packer
 from quantlib.export.plan import make_plan
 
+#: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name)
+RECIPES = {
+    "fp8_block": ("FP8 128x128 weights (HF fine-grained FP8)", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
+    "mxfp8": ("MXFP8 W8A8 (HF mxfp8)", "MXFP8_DEFAULT_CFG", "hf_mxfp8", "MXFP8_DEFAULT_CFG"),
+    "fp8": ("FP8 per tensor W8A8 (ModelOpt FP8)", "FP8_DEFAULT_CFG", "modelopt_fp8", "FP8_DEFAULT_CFG"),
+}
 
-def build(hidden: int, layers: int, device: str) -> torch.nn.Module:
+
+def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, device: str) -> torch.nn.Module:
+    """A random bf16 Llama created on ``device`` (parameters are allocated and initialised there)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 11 // 4 // 128 * 128, num_hidden_layers=layers, num_attention_heads=hidden // 128,
-                      num_key_value_heads=hidden // 128, max_position_embeddings=256, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])  # fmt: skip
-    return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])  # fmt: skip
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(dtype=torch.bfloat16).eval()
 
 
-def timed(fn: Callable[[], object], runs: int, fresh: Callable[[], object]) -> float:
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of the decoder's linear layers (what every recipe packs; lm_head stays bf16)."""
+    return [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[object], object], runs: int, fresh: Callable[[], object], device: str, warmup: int = 1) -> float:
+    """Median seconds of ``fn(fresh())``, synchronised once before and once after each run."""
     times = []
-    for _ in range(runs):
+    for i in range(warmup + runs):
         arg = fresh()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         fn(arg)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        del arg
     return statistics.median(times)
 
 
-def consume(model: torch.nn.Module, fmt: str) -> None:
+def drop_all(model: torch.nn.Module, fmt: str) -> None:
+    """The consumer of the in-memory benchmark: takes every packed tensor and drops it (no device read)."""
     for pw in iter_packed(model, fmt):
-        for t in pw.tensors.values():
-            t.data_ptr()  # every tensor materialized (they are, by construction)
+        del pw
+
+
+def copy_all(weights: list[torch.Tensor]) -> None:
+    for w in weights:
+        w.clone()
+
+
+def peak_extra(model: torch.nn.Module, fmt: str, device: str) -> tuple[int, int]:
+    """(peak device bytes allocated above the model while iterating, largest module's packed bytes)."""
+    largest = max(pw.nbytes for pw in iter_packed(model, fmt))
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    drop_all(model, fmt)
+    sync(device)
+    return torch.cuda.max_memory_allocated() - base, largest
+
+
+def kernel_seconds(fn: Callable[[], object], device: str) -> Optional[float]:
+    """Summed device-kernel time of one ``fn()`` (torch profiler), None where there is no device."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    total = 0.0
+    for e in prof.key_averages():
+        total += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+    return total / 1e6
 
 
 def modelopt_quantized(base: torch.nn.Module, cfg_name: str, ids: torch.Tensor) -> Optional[torch.nn.Module]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import modelopt.torch.quantization as mtq
-
-    model = copy.deepcopy(base)
-    cfg = copy.deepcopy(getattr(mtq, cfg_name))
+    """``base`` quantized by ModelOpt with its preset ``cfg_name``; None (said why) where it cannot run."""
     try:
-        mtq.quantize(model, cfg, lambda m: m(ids))
-    except Exception as exc:  # NVFP4 / MX / some blockwise paths need CUDA in ModelOpt 0.47
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import modelopt.torch.quantization as mtq
+    except Exception as exc:  # noqa: BLE001 - not installed, or an import that fails on this torch
+        print(f"ModelOpt skipped: {type(exc).__name__}: {exc}")
+        return None
+    model = copy.deepcopy(base)
+    try:
+        mtq.quantize(model, copy.deepcopy(getattr(mtq, cfg_name)), lambda m: m(ids))
+    except Exception as exc:  # noqa: BLE001 - some blockwise / MX paths need CUDA in ModelOpt 0.47
         print(f"ModelOpt {cfg_name} does not run here: {type(exc).__name__}: {exc}")
         return None
     return model
 
 
-def main() -> None:
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="a tiny Llama (hidden 256, 2 layers): a smoke run")
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--intermediate", type=int, default=28672)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--formats", default="fp8_block,mxfp8,fp8", help=f"comma-separated, of {sorted(RECIPES)}")
+    ap.add_argument("--disk", action="store_true", help="also time export_checkpoint and ModelOpt's export_hf_checkpoint")
+    ap.add_argument("--no-modelopt", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the summed device-kernel time of one iteration")
     ap.add_argument("--out")
-    args = ap.parse_args()
-    base = build(args.hidden, args.layers, args.device)
-    ids = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(1)).to(args.device)
-    nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    rows = [("bf16 copy of every weight", timed(lambda m: [p.clone() for p in m.parameters()], args.runs, lambda: base), None)]
-    recipes = [("FP8 per tensor W8A8", ql.FP8_DEFAULT_CFG, "modelopt_fp8", "FP8_DEFAULT_CFG"), ("FP8 128x128 weights", ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG, "modelopt_fp8_pb", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG")]
-    for label, cfg, fmt, mo_cfg in recipes:
-        ours = copy.deepcopy(base)
-        ql.quantize(ours, cfg, lambda m: m(ids))
-        ql.disable_quantizer(ours, "*lm_head*")
-        share_sibling_amax(ours)
-        rows.append((f"{label}: quantlib checks only (make_plan)", timed(lambda m: make_plan(m, packer(fmt), layout_for(m)), args.runs, lambda: ours), None))
-        rows.append((f"{label}: quantlib iter_packed (memory)", timed(lambda m: consume(m, fmt), args.runs, lambda: ours), None))
-        with tempfile.TemporaryDirectory() as tmp:
-            rows.append((f"{label}: quantlib export_checkpoint (disk)", timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours), None))
-        theirs = modelopt_quantized(base, mo_cfg, ids)
-        if theirs is None:
-            continue
-        from modelopt.torch.export import export_hf_checkpoint
-        from modelopt.torch.export.unified_export_hf import _export_transformers_checkpoint
+    args = ap.parse_args(argv)
+    if args.small:
+        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab = 256, 512, 2, 2, 2, 512
+    return args
 
-        rows.append((f"{label}: ModelOpt _export_transformers_checkpoint (memory)", timed(_export_transformers_checkpoint, args.runs, lambda: copy.deepcopy(theirs)), None))
+
+def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int, args: argparse.Namespace) -> tuple[list[tuple], list[str]]:
+    """The rows (label, seconds, quantlib's seconds where this is ModelOpt's) and notes of one recipe."""
+    label, ql_cfg, fmt, mo_cfg = RECIPES[key.strip()]
+    dev, rows, notes = args.device, [], []
+    ours = copy.deepcopy(base)
+    ql.quantize(ours, getattr(ql, ql_cfg), lambda m: m(ids))
+    ql.disable_quantizer(ours, "*lm_head*")
+    share_sibling_amax(ours)
+    rows.append((f"{label}: quantlib checks only (make_plan)", timed(lambda m: make_plan(m, packer(fmt), layout_for(m)), args.runs, lambda: ours, dev), None))
+    ours_s = timed(lambda m: drop_all(m, fmt), args.runs, lambda: ours, dev)
+    rows.append((f"{label}: quantlib iter_packed (memory)", ours_s, None))
+    if dev.startswith("cuda"):
+        peak, largest = peak_extra(ours, fmt, dev)
+        notes.append(f"{label}: peak device memory above the model while iterating {peak / 1e6:.1f} MB; largest module's packed tensors {largest / 1e6:.1f} MB")
+    if args.profile:
+        k = kernel_seconds(lambda: drop_all(ours, fmt), dev)
+        if k is not None:
+            notes.append(f"{label}: device kernels of one iteration {k * 1e3:.3f} ms ({nbytes / k / 1e9:.0f} GB/s of bf16 weights) against {ours_s * 1e3:.3f} ms end to end")
+    if args.disk:
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append((f"{label}: ModelOpt export_hf_checkpoint (disk)", timed(lambda m: export_hf_checkpoint(m, export_dir=f"{tmp}/m"), args.runs, lambda: copy.deepcopy(theirs)), None))
-    lines = [f"{datetime.date.today()} {platform.node()} {args.device} torch {torch.__version__} threads {torch.get_num_threads()}; Llama hidden {args.hidden}, {args.layers} layers, {nbytes / 1e6:.0f} MB bf16 weights; median of {args.runs}", "",
-             "| what | seconds | GB/s of bf16 weights |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {name} | {t:.3f} | {nbytes / t / 1e9:.2f} |" for name, t, _ in rows]
-    text = "\n".join(lines)
+            rows.append((f"{label}: quantlib export_checkpoint (disk)", timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours, dev), None))
+    ours = None  # free its device memory before ModelOpt's copies
+    theirs = None if args.no_modelopt else modelopt_quantized(base, mo_cfg, ids)
+    if theirs is None:
+        return rows, notes
+    from modelopt.torch.export.unified_export_hf import _export_transformers_checkpoint
+
+    try:
+        mo_s = timed(_export_transformers_checkpoint, args.runs, lambda: copy.deepcopy(theirs), dev)
+    except Exception as exc:  # noqa: BLE001 - a format ModelOpt cannot export here is reported, not fatal
+        print(f"ModelOpt _export_transformers_checkpoint ({mo_cfg}) fails here: {type(exc).__name__}: {exc}")
+        return rows, notes
+    rows.append((f"{label}: ModelOpt _export_transformers_checkpoint (memory)", mo_s, ours_s))
+    if args.disk:
+        from modelopt.torch.export import export_hf_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            rows.append((f"{label}: ModelOpt export_hf_checkpoint (disk)", timed(lambda m: export_hf_checkpoint(m, export_dir=f"{tmp}/m"), args.runs, lambda: copy.deepcopy(theirs), dev), None))
+    return rows, notes
+
+
+def main(argv: Optional[list[str]] = None) -> list[tuple]:
+    """Run the benchmark; returns the rows (label, seconds, GB/s, ratio to copy, speed-up over ModelOpt)."""
+    args = parse(argv)
+    dev = args.device
+    base = build(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, dev)
+    ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(1)).to(dev)
+    weights = linear_weights(base)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    copy_s = timed(copy_all, args.runs, lambda: weights, dev)
+    rows: list[tuple] = [("bf16 copy of every packed weight (clone)", copy_s, None)]
+    notes: list[str] = []
+    for key in args.formats.split(","):
+        r, n = bench_recipe(key, base, ids, nbytes, args)
+        rows += r
+        notes += n
+    gpu = f" ({torch.cuda.get_device_name()})" if dev.startswith("cuda") else ""
+    lines = [
+        (f"{datetime.date.today()} {platform.node()} {dev}{gpu} torch {torch.__version__} threads {torch.get_num_threads()}; Llama hidden {args.hidden}, "
+         f"intermediate {args.intermediate}, {args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of {args.runs} after a warm-up, one device sync a run"),
+        "",
+        "| what | ms | GB/s of bf16 weights | of the copy | quantlib's speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    out = []
+    for name, t, ours_t in rows:
+        speedup = f"{t / ours_t:.1f}x" if ours_t else ""
+        lines.append(f"| {name} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | {copy_s / t:.0%} | {speedup} |")
+        out.append((name, t, nbytes / t / 1e9, copy_s / t, t / ours_t if ours_t else None))
+    text = "\n".join(lines + [""] + notes)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    return out
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ void quantlib_cuda_bind(pybind11::module_& m) {
   m.def("cuda_fake_quant_fp8_blockwise", &qc::fake_quant_fp8_blockwise, nogil, arg("x"), arg("amax"), arg("block"),
         arg("eps"), arg("pow2"));
   m.def("cuda_fp8_blockwise_cast", &qc::fp8_blockwise_cast, nogil, arg("x"), arg("block"), arg("eps"), arg("pow2"));
+  m.def("cuda_fp8_blockwise_cast_static", &qc::fp8_blockwise_cast_static, nogil, arg("x"), arg("amax"), arg("block"),
+        arg("eps"), arg("pow2"));
   m.def("cuda_fake_quant_mx", &qc::fake_quant_mx, nogil, arg("x"), arg("e2m1"), arg("floor"));
   m.def("cuda_mx_cast", &qc::mx_cast, nogil, arg("x"), arg("e2m1"), arg("floor"));
   m.def("cuda_fake_quant_nvfp4", &qc::fake_quant_nvfp4, nogil, arg("x"), arg("global_amax"));

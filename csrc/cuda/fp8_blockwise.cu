@@ -43,16 +43,29 @@ at::Tensor fake_quant_fp8_blockwise(const at::Tensor& x_, const std::optional<at
 
 std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x_, const std::vector<int64_t>& block, double eps,
                                                       bool pow2) {
+  return fp8_blockwise_cast_static(x_, std::nullopt, block, eps, pow2);
+}
+
+// With a static amax (an exported quantizer's calibrated one) the kernel reads each block's amax
+// instead of reducing the block: same single pass, no comparison on the host.
+std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast_static(const at::Tensor& x_, const std::optional<at::Tensor>& amax,
+                                                             const std::vector<int64_t>& block, double eps, bool pow2) {
   const at::Tensor x = checked_input(x_, "fp8_blockwise_cast");
   c10::cuda::CUDAGuard guard(x.device());
   const bool two_d = is_2d(block);
   Args a = two_d ? args_2d(x) : args_1d(x, 128);
+  at::Tensor keep;
+  const std::vector<int64_t> grid = two_d ? blocked_sizes(x, 128, 128) : blocked_sizes(x, 0, 128);
+  a.amax = static_amax(amax, grid, keep);
   a.eps = float(eps);
   at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scale = at::empty(two_d ? blocked_sizes(x, 128, 128) : blocked_sizes(x, 0, 128), x.options().dtype(at::kFloat));
+  at::Tensor scale = at::empty(grid, x.options().dtype(at::kFloat));
   a.out = codes.data_ptr();
   a.scale = scale.data_ptr();
-  if (pow2) run<kCast, false, true>(x, two_d, a);
+  const bool st = a.amax != nullptr;
+  if (st && pow2) run<kCast, true, true>(x, two_d, a);
+  else if (st) run<kCast, true, false>(x, two_d, a);
+  else if (pow2) run<kCast, false, true>(x, two_d, a);
   else run<kCast, false, false>(x, two_d, a);
   return {codes, scale};
 }

@@ -17,6 +17,8 @@ at::Tensor fake_quant_fp8_blockwise(const at::Tensor& x, const std::optional<at:
                                     const std::vector<int64_t>& block, double eps, bool pow2);
 std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x, const std::vector<int64_t>& block, double eps,
                                                       bool pow2);
+std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast_static(const at::Tensor& x, const std::optional<at::Tensor>& amax,
+                                                             const std::vector<int64_t>& block, double eps, bool pow2);
 
 // MXFP8 (e2m1 = false) / MXFP4, blocks of 32, rceil or floor exponents.
 at::Tensor fake_quant_mx(const at::Tensor& x, bool e2m1, bool floor_rounding);

@@ -7,7 +7,8 @@ from typing import Callable, Iterable, Iterator, Literal, Optional, TypeVar, Uni
 import torch
 from torch import nn
 
-from .formats import as_format, packer as get_packer
+from ..formats import Kind
+from .formats import Packer, as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
@@ -16,9 +17,10 @@ from .types import ExportError, ExportFormat, PackedWeight
 T = TypeVar("T")
 
 
-def pack_item(it: Item, fmt: ExportFormat, scale: Optional[torch.Tensor] = None) -> PackedWeight:
-    """The packed tensors of one planned checkpoint module (``scale``: its static scale, if computed)."""
-    p = get_packer(fmt)
+def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.Tensor] = None) -> PackedWeight:
+    """The packed tensors of one planned checkpoint module (``scale``: its static FP8 scale, if computed),
+    queued on the module's device: nothing is read back to the host."""
+    p = fmt if isinstance(fmt, Packer) else get_packer(fmt)
     tensors: dict[str, torch.Tensor] = {}
     if it.spec is not None:
         w = it.weight()
@@ -33,30 +35,31 @@ def pack_item(it: Item, fmt: ExportFormat, scale: Optional[torch.Tensor] = None)
 def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[int, int] = (0, 1)) -> Iterator[PackedWeight]:
     """Pack the plan's items in order; ``stacked`` gathers each fused-experts module's experts (3-D),
     as TP rank ``tp[0]`` of ``tp[1]`` holds them."""
+    p = get_packer(fmt)
     with torch.no_grad():
-        quantized = [it for it in plan.items if it.spec is not None]
-        # every static scale in one pass per format and device, not a handful of small ops per weight
-        scales = dict(zip(map(id, quantized), static_scales([(it.spec, it.amax) for it in quantized])))
+        # FP8 per-tensor scales in one pass per device, not a handful of small ops per weight (FP8 blocks
+        # take theirs in the cast kernel)
+        fp8 = [it for it in plan.items if it.spec is not None and it.spec.kind == Kind.FP8]
+        scales = dict(zip(map(id, fp8), static_scales([(it.spec, it.amax) for it in fp8])))
         pending: list[Item] = []
         for it in plan.items:
             if stacked and it.role == "expert":
                 if pending and pending[0].fused != it.fused:
-                    yield from _stack(pending, fmt, tp)
+                    yield from _stack(pending, p, tp, scales)
                     pending = []
                 pending.append(it)
                 continue
             if pending:
-                yield from _stack(pending, fmt, tp)
+                yield from _stack(pending, p, tp, scales)
                 pending = []
-            yield pack_item(it, fmt, scales.get(id(it)))
+            yield pack_item(it, p, scales.get(id(it)))
         if pending:
-            yield from _stack(pending, fmt, tp)
-        p = get_packer(fmt)
+            yield from _stack(pending, p, tp, scales)
         for kv in plan.kv:
             yield PackedWeight(kv.name, p.pack_kv(kv.spec, kv.k_amax, kv.v_amax), "kv")
 
 
-def _stack(items: list[Item], fmt: ExportFormat, tp: tuple[int, int]) -> Iterator[PackedWeight]:
+def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional[dict] = None) -> Iterator[PackedWeight]:
     """One fused-experts module's quantized experts as vLLM's fused-MoE parameters take them whole: per
     shard (w1 gate, w3 up, w2 down) every expert stacked on dim 0, named ``w13_<suffix>`` / ``w2_<suffix>``,
     TP rank ``tp[0]``'s rows of w1 / w3 and columns of w2 (vLLM's 3-D load does not narrow them)."""
@@ -64,7 +67,7 @@ def _stack(items: list[Item], fmt: ExportFormat, tp: tuple[int, int]) -> Iterato
     for it in items:
         by_shard.setdefault(it.shard, []).append(it)
     for shard, group in by_shard.items():
-        packed = [pack_item(it, fmt) for it in sorted(group, key=lambda i: i.expert)]
+        packed = [pack_item(it, fmt, (scales or {}).get(id(it))) for it in sorted(group, key=lambda i: i.expert)]
         prefix = "w2" if shard == "w2" else "w13"
         tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where) for k in packed[0].tensors}
         yield PackedWeight(group[0].fused, tensors, "expert", None, shard)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from .layouts import ModelLayout
 from .types import ExportError
 
 _DISABLE = "quantlib.disable_quantizer(model, '*_bmm_quantizer')"
+_NAMES = frozenset(ATTENTION_QUANTIZER_NAMES)
 
 
 @dataclass
@@ -36,7 +37,7 @@ def _enabled(module: nn.Module, qname: str) -> Optional[TensorQuantizer]:
     return q if isinstance(q, TensorQuantizer) and q.is_enabled else None
 
 
-def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer) -> None:
+def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer, finite: bool = True) -> None:
     if q.attrs.bias is not None:
         raise ExportError(
             f"{full}: affine KV-cache quantization (bias={q.attrs.bias}) cannot be exported to format {packer.fmt.value}: its KV-cache "
@@ -47,16 +48,43 @@ def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer) -> None:
         raise ExportError(f"{full} = {describe(q.spec)}: format {packer.fmt.value} cannot carry this KV-cache quantizer ({why}); disable it ({_DISABLE}) or pick another format")
     if q.amax is None:
         raise ExportError(f"{full}: KV-cache quantizer has no amax; calibrate with a forward_loop (quantlib.quantize / quantlib.calibrate)")
-    if not q.amax.is_meta and not bool(torch.isfinite(q.amax).all()):
+    if finite and not q.amax.is_meta and not bool(torch.isfinite(q.amax).all()):
         raise ExportError(f"{full}: amax holds a non-finite value ({q.amax.flatten()[:4].tolist()}); recalibrate")
 
 
-def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list[KVItem], Optional[FormatSpec]]:
+def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: Packer) -> None:
+    """Raise for the first of ``checked`` whose amax is not finite, after one batched read per device;
+    the per-quantizer reads only run to name it."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, q in checked:
+        if not q.amax.is_meta:
+            by_device.setdefault(q.amax.device, []).append(q.amax.reshape(-1))
+    if all(bool(torch.isfinite(torch.cat(a)).all()) for a in by_device.values()):
+        return
+    for full, q in checked:
+        _check_quantizer(q, full, packer)
+
+
+def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
     """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
-    :class:`ExportError` naming the quantizer where the format cannot carry it."""
+    :class:`ExportError` naming the quantizer where the format cannot carry it. ``modules``: the
+    model's named modules, where the caller has them (quantizers may be left out)."""
+    checked: list[tuple[str, TensorQuantizer]] = []  # finiteness is checked for all at once, below
+    try:
+        items, first = _walk_kv(model.named_modules() if modules is None else modules, packer, layout, checked)
+    except ExportError:
+        _refuse_non_finite(checked, packer)  # a non-finite amax met before this error is reported first
+        raise
+    _refuse_non_finite(checked, packer)
+    return items, (first[1] if first is not None else None)
+
+
+def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: ModelLayout, checked: list) -> tuple[list[KVItem], Optional[tuple[str, FormatSpec]]]:
     items: list[KVItem] = []
     first: Optional[tuple[str, FormatSpec]] = None
-    for name, module in model.named_modules():
+    for name, module in modules:
+        if _NAMES.isdisjoint(module._modules):  # the quantizers are submodules: most modules have none
+            continue
         qs = {n: _enabled(module, n) for n in ATTENTION_QUANTIZER_NAMES}
         if not any(qs.values()):
             continue
@@ -72,7 +100,8 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list
             if qs[qname] is None:
                 other = "v_bmm_quantizer" if qname == "k_bmm_quantizer" else "k_bmm_quantizer"
                 raise ExportError(f"{prefix}{qname} = disabled while {prefix}{other} is enabled: a KV cache is quantized as keys and values together; enable both or neither")
-            _check_quantizer(qs[qname], prefix + qname, packer)
+            _check_quantizer(qs[qname], prefix + qname, packer, finite=False)
+            checked.append((prefix + qname, qs[qname]))
         k, v = qs["k_bmm_quantizer"], qs["v_bmm_quantizer"]
         for qname, q in (("k_bmm_quantizer", k), ("v_bmm_quantizer", v)):
             if first is None:
@@ -80,4 +109,4 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout) -> tuple[list
             elif q.spec != first[1]:
                 raise ExportError(f"{prefix}{qname} = {describe(q.spec)} differs from {first[0]} = {describe(first[1])}; one export carries one KV-cache scheme")
         items.append(KVItem(layout.checkpoint_name(name), name, k.spec, k.amax, v.amax))
-    return items, (first[1] if first is not None else None)
+    return items, first

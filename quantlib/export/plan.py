@@ -69,8 +69,9 @@ def _fused_experts_class() -> type:
 
 
 def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
-    out = dict(module.named_parameters(recurse=False))
-    for k, b in module.named_buffers(recurse=False):
+    # the module's own dicts: named_parameters(recurse=False) costs a generator and a memo per module
+    out = {k: p for k, p in module._parameters.items() if p is not None}
+    for k, b in module._buffers.items():
         if b is not None and k not in module._non_persistent_buffers_set:
             out[k] = b
     return out
@@ -86,12 +87,18 @@ def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optiona
     return q.spec, q.amax
 
 
+_PQS = "_pre_quant_scale"  # TensorQuantizer's buffer behind pre_quant_scale
+
+
 def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
     """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
     ``pre_quant_scale`` (SmoothQuant / AWQ): no export format writes one, and the weights packed
     without it would not compute what the calibrated model computes."""
     for name, q in quantizers:
         for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
+            # an unset one is in neither dict: skip the attribute lookup, whose miss raises inside nn.Module
+            if _PQS not in leaf._buffers and _PQS not in leaf.__dict__:
+                continue
             if leaf.pre_quant_scale is not None:
                 raise ExportError(
                     f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which no export format carries; "
@@ -113,15 +120,21 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
-    """Every checkpoint module of ``model`` in module order (nothing checked yet)."""
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without the quantizers (one traversal, shared by the plan's walks)."""
+    return [(n, m) for n, m in model.named_modules() if not isinstance(m, (TensorQuantizer, QuantizerContainer))]
+
+
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+    """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
+    :func:`named_modules`, when the caller has them."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
-    for name, module in model.named_modules():
-        if isinstance(module, (TensorQuantizer, QuantizerContainer)):
-            continue
+    for name, module in named_modules(model) if modules is None else modules:
         direct = {k: t for k, t in _direct(module).items() if id(t) not in seen}
+        if not direct and not isinstance(module, QuantModule):
+            continue  # a container: nothing of its own to write or check
         seen.update(id(t) for t in direct.values())
         parent, _, leaf = name.rpartition(".")
         if isinstance(module, QuantModule):
@@ -140,9 +153,11 @@ def walk(model: nn.Module, layout: ModelLayout) -> list[Item]:
                 w = direct.pop("weight")
                 ispec, iamax = _active_input(getattr(module, "input_quantizer", None))
                 extras = {k: _getter(t) for k, t in direct.items()}
-                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), q.spec, q.amax, ispec, iamax, extras,
+                spec = q.spec
+                block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
+                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), spec, q.amax, ispec, iamax, extras,
                                   shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
-                                  input_where=f"{name}.input_quantizer", block_amax=q.block_amax))
+                                  input_where=f"{name}.input_quantizer", block_amax=block_amax))
                 direct = {}
         if direct:
             items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _getter(t) for k, t in direct.items()}, parent=parent, leaf=leaf))
@@ -184,13 +199,29 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     return items
 
 
-def all_finite(items: list[Item]) -> bool:
-    """Whether every amax of ``items`` is finite: one reduction and one device-to-host read per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[int, float]]:
+    """Whether every amax of ``items`` is finite, and the value of each one-element amax of ``scalars``
+    (keyed by ``id(item)``): one reduction and one device-to-host read per device, whatever the number
+    of items (a read per item would stall a GPU export once per module)."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[Item]]] = {}
     for it in items:
         if it.amax is not None and not it.amax.is_meta:
-            by_device.setdefault(it.amax.device, []).append(it.amax.reshape(-1))
-    return all(bool(torch.isfinite(torch.cat(amaxes)).all()) for amaxes in by_device.values())
+            by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax.reshape(-1))
+    for it in scalars:
+        if it.amax is not None and not it.amax.is_meta:
+            by_device.setdefault(it.amax.device, ([], []))[1].append(it)
+    finite, values = True, {}
+    for device, (amaxes, members) in by_device.items():
+        ok = torch.isfinite(torch.cat(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
+        row = torch.cat([ok.float()] + [m.amax.reshape(1) for m in members]).tolist()
+        finite = finite and row[0] == 1.0
+        values.update(zip(map(id, members), row[1:]))
+    return finite, values
+
+
+def all_finite(items: list[Item]) -> bool:
+    """Whether every amax of ``items`` is finite (one device-to-host read per device)."""
+    return read_amax(items)[0]
 
 
 def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
@@ -225,15 +256,21 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
             raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of {n / tp:g}, not a whole number of blocks of {b}")
 
 
-def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
-    """Siblings fused by consumers must share their per-tensor / global amax."""
+def _grouped(items: list[Item]) -> list[Item]:
+    """The items whose one-element amax a sibling group shares."""
+    return [it for it in items if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None]
+
+
+def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple[str, ...], float]:
+    """Siblings fused by consumers must share their per-tensor / global amax (``read``: the amax values
+    of :func:`read_amax`; an amax without values, on the meta device, is not compared)."""
     groups: dict[tuple[str, tuple], list[Item]] = {}
-    for it in items:
-        if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None:
+    for it in _grouped(items):
+        if id(it) in read:
             groups.setdefault((it.parent, it.group), []).append(it)
     unified = {}
     for (_, group), members in groups.items():
-        values = [float(m.amax.reshape(())) for m in members]
+        values = [read[id(m)] for m in members]
         if len(set(values)) <= 1:
             continue
         names = tuple(m.name for m in members)
@@ -253,8 +290,9 @@ def _unify(items: list[Item], unify: bool) -> dict[tuple[str, ...], float]:
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
-    kv, kv_spec = plan_kv(model, packer, layout)
-    plan = check_items(walk(model, layout), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    modules = named_modules(model)
+    kv, kv_spec = plan_kv(model, packer, layout, modules)
+    plan = check_items(walk(model, layout, modules), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec = kv, kv_spec
     return plan
 
@@ -265,13 +303,15 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     if not quantized:
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
-    finite = all_finite(quantized)  # the per-item check (one read each) only runs to name the bad one
+    for it in quantized:
+        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
+    # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
+    finite, read = read_amax(quantized, _grouped(quantized))
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite)
         if _key(it.spec) != _key(first.spec) or _key(it.input_spec) != _key(first.input_spec):
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
-        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
-    unified = _unify(quantized, unify_siblings)
+    unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
     info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version)

@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..formats import FormatSpec, Kind, QuantizedTensor, quantize
+from ..formats import FormatSpec, Kind, QuantizedTensor, blocked_shape, quantize
 from ..formats.fp8 import fp8_dtype, fp8_scale
-from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
+from ..formats.fp8_blockwise import blockwise_scale
 from ..formats.mx import mx_element_name, spec_element
 from ..formats.spec import FLOAT_FORMATS
 
@@ -22,10 +22,11 @@ from ..formats.spec import FLOAT_FORMATS
 def real_quantize(
     w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None, block_amax: Optional[torch.Tensor] = None
 ) -> QuantizedTensor:
-    """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it.
+    """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it,
+    queued on ``w``'s device without reading anything back.
 
-    ``scale``: :func:`static_scale` of ``amax``, when the caller computed it already (for many weights
-    at once, see :func:`static_scales`). ``block_amax``: NVFP4's stored static block amax."""
+    ``scale``: FP8's :func:`static_scale` of ``amax``, when the caller computed it already (for many
+    weights at once, see :func:`static_scales`). ``block_amax``: NVFP4's stored static block amax."""
     shape, dtype = tuple(w.shape), w.dtype
     if spec.kind == Kind.MX:
         codes, byte = kernels.mx_cast(w, mx_element_name(spec_element(spec)), spec.block[0], spec.rounding, backend=backend)
@@ -34,14 +35,10 @@ def real_quantize(
         packed, sb8, s2 = kernels.nvfp4_cast(w, amax, backend=backend, block=spec.block[0], block_amax=block_amax)
         return QuantizedTensor(packed, sb8, spec, shape, dtype, global_scale=s2)
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
-        # The cast takes each block's scale d from w's own block amax; codes depend on d alone, so where
-        # that d is the one of the calibrated amax (weights calibrate from themselves) the cast's codes
-        # are the fake quant's; else the formula runs with the stored amax.
-        codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend)
-        if not spec.dynamic and amax is not None:
-            stored = scale if scale is not None else static_scale(amax.to(w.device), spec)
-            if not torch.equal(d, stored):
-                codes, d = fp8_blockwise_quantize(w, spec.block, spec.element, spec.eps, spec.pow2, amax.to(w.device))
+        # a static quantizer's block scales come from its calibrated amax, which the cast reads (no
+        # comparison with the weight's own block amax: that would read a device value back per weight)
+        static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape, spec.block))  # e.g. one amax for every block
+        codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend, amax=static)
         return QuantizedTensor(codes, d, spec, shape, dtype)
     if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2:
         scale = scale if scale is not None else static_scale(amax.to(w.device), spec)
@@ -84,8 +81,8 @@ def _fp8_codes(w: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -
     """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula), on the CPU in row chunks whose fp32
     temporaries stay in cache; ``scale`` is per tensor or per row."""
     q = FLOAT_FORMATS[element][0]
-    if w.device.type != "cpu":  # one pass of fused-enough kernels; no chunks
-        return (w.float() * scale).clamp_(-q, q).to(fp8_dtype(element))
+    if w.device.type != "cpu":  # whole-tensor kernels, in place on one fp32 copy (a copy: w may be fp32 itself)
+        return w.to(torch.float32, copy=True).mul_(scale).clamp_(-q, q).to(fp8_dtype(element))
     step = max(1, (1 << 16) // max(1, w.shape[1]))
     per_row = scale.dim() == 2 and scale.shape[0] == w.shape[0] and w.shape[0] > 1
     out = torch.empty(w.shape, dtype=fp8_dtype(element), device=w.device)

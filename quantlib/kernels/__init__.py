@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..formats import FormatSpec, Rounding
+from ..formats import FormatSpec, Rounding, blocked_shape
 from ..formats.spec import MIN_EPS
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import MX_ELEMENTS, mx_dequantize
@@ -41,14 +41,22 @@ def _norm_block(block: tuple[int, ...]) -> tuple[int, ...]:
     return block[1:] if len(block) == 2 and block[0] == 1 else block
 
 
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 codes (shape of ``x``) and fp32 dequant scales per block, ``block`` = (1, B) or (BM, BK)."""
+def fp8_blockwise_cast(
+    x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto", amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes (shape of ``x``) and fp32 dequant scales per block, ``block`` = (1, B) or (BM, BK);
+    ``amax``: a static amax per block (shape ``blocked_shape``), None: each block's max |x|."""
     ops._check_float_input(x, "fp8_blockwise_cast")
     if not eps >= MIN_EPS:
         raise ValueError(f"fp8_blockwise_cast: eps must be >= {MIN_EPS:g} (eps / 448 stays a normal fp32), got {eps}")
+    block = _norm_block(block)
+    if amax is not None:
+        amax = amax.to(device=x.device, dtype=torch.float32)
+        if tuple(amax.shape) != blocked_shape(x.shape, block):
+            raise ValueError(f"fp8_blockwise_cast: static amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, block)}")
     if ops.eager_call(x):
-        return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, _norm_block(block), float(eps), bool(pow2))
-    return ops._fp8_blockwise_cast(x, list(_norm_block(block)), float(eps), bool(pow2), backend)
+        return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, block, float(eps), bool(pow2), amax)
+    return ops._fp8_blockwise_cast(x, list(block), float(eps), bool(pow2), amax, backend)
 
 
 def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil", backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from ..formats import FormatSpec, Kind, Rounding
+from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
 from ..formats.mx import mx_element_name, spec_element
 from .backends import native_extension, register
 
@@ -81,8 +82,16 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "cpu")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ext().cpu_fp8_blockwise_cast(x, list(block), eps, pow2, [4, 3])
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, d = _ext().cpu_fp8_blockwise_cast(x, list(block), eps, pow2, [4, 3])
+    if amax is None:
+        return codes, d
+    # Codes depend on each block's scale alone: where the static amax gives the scale of the block's own
+    # max (weights calibrated from themselves), the fast cast's codes are the static ones. Host tensors:
+    # comparing them costs no device round trip.
+    if torch.equal(d, blockwise_scale(amax, (4, 3), eps, pow2)):
+        return codes, d
+    return fp8_blockwise_quantize(x, block, (4, 3), eps, pow2, amax)
 
 
 @register("mx_cast", "cpu")

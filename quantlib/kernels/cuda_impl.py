@@ -148,10 +148,15 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "cuda")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b = _norm(block)
-    if not _vector_ok(x) or b not in ((128,), (128, 128)) or (len(b) == 2 and x.dim() < 2):
-        return _triton("fp8_blockwise_cast", f"fp8_blockwise_cast (block {block}, shape {tuple(x.shape)})")(x, block, eps, pow2)
+    # an extension built before the static cast existed has no cuda_fp8_blockwise_cast_static: Triton runs it
+    static_ok = amax is None or hasattr(_ext(), "cuda_fp8_blockwise_cast_static")
+    if not static_ok or not _vector_ok(x) or b not in ((128,), (128, 128)) or (len(b) == 2 and x.dim() < 2):
+        what = "static " if amax is not None else ""
+        return _triton("fp8_blockwise_cast", f"{what}fp8_blockwise_cast (block {block}, shape {tuple(x.shape)})")(x, block, eps, pow2, amax)
+    if amax is not None:
+        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), list(b), float(eps), bool(pow2)))
     return tuple(_ext().cuda_fp8_blockwise_cast(x, list(b), float(eps), bool(pow2)))
 
 

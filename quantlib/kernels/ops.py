@@ -149,12 +149,12 @@ def _(x, block, backend):
 
 
 @torch.library.custom_op("quantlib::fp8_blockwise_cast", mutates_args=())
-def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, tuple(block), eps, pow2)
+def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, tuple(block), eps, pow2, amax)
 
 
 @_fp8_blockwise_cast.register_fake
-def _(x, block, eps, pow2, backend):
+def _(x, block, eps, pow2, amax, backend):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(blocked_shape(x.shape, tuple(block)), dtype=torch.float32)
 
 

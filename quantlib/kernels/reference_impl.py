@@ -23,8 +23,8 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "reference")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8_blockwise_quantize(x, block, (4, 3), eps, pow2)
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_blockwise_quantize(x, block, (4, 3), eps, pow2, amax)
 
 
 @register("mx_cast", "reference")

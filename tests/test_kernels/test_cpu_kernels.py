@@ -160,6 +160,16 @@ def test_fp8_blockwise_cast_matches_reference(block, pow2, dtype, isa):
     assert_same(CPU.fp8_blockwise_cast(x, block, 1e-10, pow2), REF.fp8_blockwise_cast(x, block, 1e-10, pow2), f"{block} {pow2}")
 
 
+@pytest.mark.parametrize("block", [(1, 32), (128, 128)], ids=lambda b: "x".join(map(str, b)))
+def test_fp8_blockwise_cast_static_amax_matches_reference(block, isa):
+    x = sample((40, 70), torch.bfloat16, seed=4)
+    own = REF.block_amax(x, block)
+    for amax in (own, own * 2.0, own * 0.5):  # the cast's own scales, then the formula's
+        assert_same(CPU.fp8_blockwise_cast(x, block, 1e-10, False, amax), REF.fp8_blockwise_cast(x, block, 1e-10, False, amax), f"{block}")
+    with pytest.raises(ValueError, match="static amax of shape"):
+        kernels.fp8_blockwise_cast(x, block, amax=torch.ones(7, 7))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
 @pytest.mark.parametrize("elem", ["e4m3", "e2m1"])
 @pytest.mark.parametrize("rounding", [Rounding.RCEIL, Rounding.FLOOR], ids=lambda r: r.value)

@@ -301,6 +301,19 @@ def test_fp8_blockwise_cast(block, pow2, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [(128,), (1, 128), (128, 128), (32,)], ids=str)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_blockwise_cast_static_amax(block, pow2, dtype):
+    """Scales from a stored amax (the export of a calibrated quantizer): the block's own amax, a larger
+    one, a smaller one (codes clamp) and zero (eps)."""
+    for shape in ((130, 200), (2, 130, 136)):
+        x = edge_input(shape, dtype, seed=12)
+        own = R.block_amax(x, block)
+        for amax in (own, own * 2.0 + 1e-3, own * 0.5, torch.zeros_like(own)):
+            assert_same_all(T().fp8_blockwise_cast(x, block, 1e-10, pow2, amax), R.fp8_blockwise_cast(x, block, 1e-10, pow2, amax), f"{block} {shape} {amax.flatten()[:2]}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("elem", ["e4m3", "e2m1", "e3m2", "e2m3", "int8"])
 @pytest.mark.parametrize("rounding", [Rounding.RCEIL, Rounding.FLOOR], ids=lambda r: r.value)
 def test_mx_cast(elem, rounding, dtype):

@@ -242,7 +242,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "triton")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(x, block)
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(blocked_shape(x.shape, block), dtype=torch.float32, device=x.device)
@@ -250,10 +250,15 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
         return codes, scale
     fmt, _, _ = _format_consts(FormatSpec(kind=Kind.FP8_BLOCK, element=(4, 3), pow2=pow2))
     block = _norm_block(block)
+    a = None
+    if amax is not None:  # static: each block's scale from the stored amax, read by the same one-pass kernel
+        if tuple(amax.shape) != blocked_shape(x.shape, block):
+            raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, block)}")
+        a = amax.to(device=x.device, dtype=torch.float32).contiguous()
     if len(block) == 1:
-        _block1d(x, block[0], 2, fmt, out=codes.view(torch.uint8), scale=scale, eps=float(eps))
+        _block1d(x, block[0], 2, fmt, out=codes.view(torch.uint8), scale=scale, amax=a, static=a is not None, eps=float(eps))
     else:
-        _block2d(x, tuple(block), 2, fmt, out=codes.view(torch.uint8), scale=scale, eps=float(eps))
+        _block2d(x, tuple(block), 2, fmt, out=codes.view(torch.uint8), scale=scale, amax=a, static=a is not None, eps=float(eps))
     return codes, scale
 
 

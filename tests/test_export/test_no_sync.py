@@ -1,0 +1,134 @@
+"""``iter_packed`` reads nothing back from the device per module: every check that needs amax values is
+one batched read before the first yield, and packing only queues work.
+
+On the CPU nothing syncs, so the test counts the Python calls that would sync on a GPU (``.item()``,
+``.tolist()``, ``bool(t)``, ``float(t)``, ``torch.equal``, ``.cpu()``...) while it iterates over a 2-layer
+and a 6-layer Llama: the count must not grow with the number of modules and must be zero after the first
+yield. The kernels resolve to the torch reference, the same tensor-only path as the device backends
+(the C++ CPU backend may read host values: its tensors are on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import quantlib as ql  # noqa: E402
+from quantlib import kernels  # noqa: E402
+from quantlib.export import iter_packed  # noqa: E402
+from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
+
+from tests.test_export._export_models import quantized, weight_only  # noqa: E402
+
+_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "__repr__", "__format__")
+_FUNCS = ("equal", "allclose", "is_nonzero", "nonzero", "unique")
+
+CASES = {
+    "hf_fp8_block": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG),
+    "hf_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG),
+    "modelopt_fp8": merge_kv_config(ql.FP8_DEFAULT_CFG, FP8_KV_CFG),  # sibling amax and KV scales read
+    "ct_nvfp4": weight_only(ql.NVFP4_DEFAULT_CFG),  # sibling global amax
+    "modelopt_fp8_pb": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG),
+}
+
+
+class SyncCounter:
+    """Counts (and records where) the calls that read device values on the host."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.on = False
+
+    def wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            if self.on:
+                frame = traceback.extract_stack(limit=2)[0]  # the caller
+                self.calls.append(f"{name} at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}")
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@contextlib.contextmanager
+def counting(monkeypatch):
+    c = SyncCounter()
+    for m in _METHODS:
+        monkeypatch.setattr(torch.Tensor, m, c.wrap(f"Tensor.{m}", getattr(torch.Tensor, m)))
+    for f in _FUNCS:
+        monkeypatch.setattr(torch, f, c.wrap(f"torch.{f}", getattr(torch, f)))
+    yield c
+
+
+def llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def reads(monkeypatch, fmt: str, layers: int) -> tuple[list[str], list[str], int]:
+    """(reads before the first yield, reads after it, modules yielded) of one iteration."""
+    model = quantized(llama(layers), CASES[fmt])
+    real = kernels.resolve
+    monkeypatch.setattr(kernels, "resolve", lambda backend, device: real("reference" if backend == "auto" else backend, device))
+    with counting(monkeypatch) as c:
+        c.on = True
+        it = iter_packed(model, fmt)
+        first = next(it)
+        before = list(c.calls)
+        c.calls.clear()
+        n = 1 + sum(1 for _ in it)
+        c.on = False
+    assert first.tensors
+    return before, c.calls, n
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_no_device_read_per_module(monkeypatch, fmt):
+    before2, after2, n2 = reads(monkeypatch, fmt, 2)
+    before6, after6, n6 = reads(monkeypatch, fmt, 6)
+    assert n6 > n2
+    assert after2 == [] and after6 == [], f"device reads while packing: {after6}"
+    assert len(before6) == len(before2), f"up-front reads grow with the modules: 2 layers {before2}, 6 layers {before6}"
+    assert len(before2) <= 2, before2  # the batched amax read (plus the KV one)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_no_sync_on_the_gpu(fmt):
+    """On a GPU, torch's sync debug mode raises at any synchronising call after the first yield (the
+    kernels compiled and tuned by a first iteration, whose tuning times them)."""
+    model = quantized(llama(2), CASES[fmt]).cuda()
+    for _ in iter_packed(model, fmt):
+        pass
+    it = iter_packed(model, fmt)
+    next(it)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        n = 1 + sum(1 for _ in it)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert n > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_gpu_export_equals_cpu_export(fmt):
+    """The device path (static FP8-block cast, MX / NVFP4 casts, FP8 per tensor in whole-tensor ops)
+    packs the bytes the CPU path packs."""
+    model = quantized(llama(2), CASES[fmt])
+    on_cpu = {k: t for pw in iter_packed(model, fmt) for k, t in pw.items()}
+    on_gpu = {k: t.cpu() for pw in iter_packed(model.cuda(), fmt) for k, t in pw.items()}
+    assert on_gpu.keys() == on_cpu.keys()
+    for k, t in on_cpu.items():
+        g = on_gpu[k]
+        assert g.dtype == t.dtype and g.shape == t.shape, k
+        assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, t.view(torch.uint8) if t.dtype.itemsize == 1 else t), k
