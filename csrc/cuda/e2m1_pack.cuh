@@ -1,0 +1,93 @@
+// E2M1 codes of eight elements packed into one 32-bit word, in a few integer / fp32 operations an
+// element. Shared by the CUDA casts (fp4_cast.cuh) and the host check that runs every fp32 value
+// through it (tests/test_kernels/e2m1_pack_check.cpp): what the test compiles with g++ is what runs.
+//
+// The rounding is docs/numerics.md's "E2M1 in the kernels": m = min(|y|, 6), M = 2^22 * 2^floor(log2(
+// max(m, 1))), s = RN(M + m) in one FMA. s's mantissa counts the grid steps above M (0..4, fewer than
+// 16) and its exponent field is 149, 150 or 151, so (s & 0xF) + (s >> 22) is the code plus 298. The
+// eight biased codes are summed at their nibbles (the sum is linear, so the 298s leave as one constant)
+// instead of being shifted, masked and ORed one by one; the signs of eight 16-bit inputs are gathered
+// with four byte permutes (instead of a shift and a mask an element).
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define QL_HD __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#include <cstring>
+#define QL_HD inline
+#endif
+
+namespace quantlib {
+namespace e2m1 {
+
+QL_HD uint32_t bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+QL_HD float from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// s = RN(M + min(|y|, 6)) as fp32 bits, for y not NaN (the callers rule NaN out block by block).
+QL_HD uint32_t point(float y) {
+#ifdef __CUDA_ARCH__
+  const float m = fminf(fabsf(y), 6.0f);
+#else
+  const float m = std::fmin(std::fabs(y), 6.0f);
+#endif
+  const uint32_t mb = bits(m);
+  const float p = from_bits((mb > 0x3F800000u ? mb : 0x3F800000u) & 0x7F800000u);
+#ifdef __CUDA_ARCH__
+  return bits(__fmaf_rn(p, 4194304.0f, m));
+#else
+  return bits(std::fma(p, 4194304.0f, m));
+#endif
+}
+
+// The magnitude code (0..7) of a point.
+QL_HD uint32_t code(uint32_t s) { return (s & 0xFu) + (s >> 22) - 298u; }
+
+// Magnitude codes of eight points, point i in nibble i (bit 3 of every nibble 0).
+QL_HD uint32_t nibbles(const uint32_t (&s)[8]) {
+  uint32_t acc = 0;  // (a constant trip count: nvcc unrolls it)
+  for (int i = 0; i < 8; ++i) acc += ((s[i] & 0xFu) + (s[i] >> 22)) << (4 * i);
+  return acc - 298u * 0x11111111u;
+}
+
+QL_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, sel);
+#else
+  const uint64_t v = (uint64_t(y) << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+#endif
+}
+
+// The sign bits (bit 3 of nibble i) of eight 16-bit elements held two a word, element 2j in the low
+// half of w[j]: their high bytes, even elements' and odd elements' apart, then one mask each.
+QL_HD uint32_t signs16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t p01 = byte_perm(w0, w1, 0x7351u);  // high bytes of elements 0, 2, 1, 3
+  const uint32_t p23 = byte_perm(w2, w3, 0x7351u);  // 4, 6, 5, 7
+  const uint32_t even = byte_perm(p01, p23, 0x5410u), odd = byte_perm(p01, p23, 0x7632u);
+  return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+}
+
+}  // namespace e2m1
+}  // namespace quantlib
