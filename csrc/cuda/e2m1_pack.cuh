@@ -43,6 +43,32 @@ QL_HD float from_bits(uint32_t u) {
 #endif
 }
 
+QL_HD float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+QL_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;  // the host check is built with -ffp-contract=off
+#endif
+}
+
+// x / b for the E2M1 code of a bfloat16 x, y = RN(1 / b): q = RN(x * y) and one FMA correction (the
+// general division takes two). Not always RN(x / b), but always on its E2M1 code: checked for every
+// fp32 divisor mantissa against every bf16 x whose quotient is in [2^-4, 2^4) (the check's "div"
+// mode); the power of two of b cancels, and quotients outside that range are code 0 or 7 either way.
+// The sign of a zero is not kept (the codes take the sign from x).
+QL_HD float quotient_bf16(float x, float b, float y) {
+  const float q = mul_rn(x, y);
+  return fma_rn(fma_rn(-q, b, x), y, q);
+}
+
 // s = RN(M + min(|y|, 6)) as fp32 bits, for y not NaN (the callers rule NaN out block by block).
 QL_HD uint32_t point(float y) {
 #ifdef __CUDA_ARCH__
@@ -52,11 +78,7 @@ QL_HD uint32_t point(float y) {
 #endif
   const uint32_t mb = bits(m);
   const float p = from_bits((mb > 0x3F800000u ? mb : 0x3F800000u) & 0x7F800000u);
-#ifdef __CUDA_ARCH__
-  return bits(__fmaf_rn(p, 4194304.0f, m));
-#else
-  return bits(std::fma(p, 4194304.0f, m));
-#endif
+  return bits(fma_rn(p, 4194304.0f, m));
 }
 
 // The magnitude code (0..7) of a point.

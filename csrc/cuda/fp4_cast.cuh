@@ -42,6 +42,14 @@ QL_DEV float4 nvfp4_table_entry(uint32_t byte, float s2) {
   return make_float4(b, __frcp_rn(b), range ? kTwo126 : -INFINITY, 0.0f);
 }
 
+// y = x / b of an NVFP4 block on the fast path, as far as its E2M1 code goes: one correction for
+// bfloat16 (e2m1_pack.cuh), the correctly rounded two-correction division for float16.
+template <typename T>
+QL_DEV float nvfp4_quotient(float x, const Divisor& d) {
+  if (std::is_same<T, __nv_bfloat16>::value) return e2m1::quotient_bf16(x, d.b, d.y);
+  return divide<true, false>(x, d);
+}
+
 // Codes of one 16-byte vector of a block on its fast path: y = x / b (NVFP4) or x * 2^-e (MX), no
 // element NaN, the sign from x.
 template <typename T, bool NV>
@@ -50,8 +58,8 @@ QL_DEV uint32_t fast_codes(const uint4& w, const Divisor& d, float mul) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 v = Elems<T>::pair(w, i);
-    s[2 * i] = e2m1::point(NV ? divide<true, false>(v.x, d) : __fmul_rn(v.x, mul));
-    s[2 * i + 1] = e2m1::point(NV ? divide<true, false>(v.y, d) : __fmul_rn(v.y, mul));
+    s[2 * i] = e2m1::point(NV ? nvfp4_quotient<T>(v.x, d) : __fmul_rn(v.x, mul));
+    s[2 * i + 1] = e2m1::point(NV ? nvfp4_quotient<T>(v.y, d) : __fmul_rn(v.y, mul));
   }
   return e2m1::nibbles(s) | e2m1::signs16(w.x, w.y, w.z, w.w);
 }

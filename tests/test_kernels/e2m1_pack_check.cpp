@@ -2,6 +2,7 @@
 // with g++ by tests/test_kernels/test_e2m1_pack_host.py:
 //   every    every fp32 magnitude below 8 (and a stride above) against the thresholds of quantlib/formats/e2m1.py
 //   pack N   N random words of eight bf16 elements: nibbles() | signs16() against one code at a time
+//   div K    one-correction bf16 quotients (every K-th divisor mantissa) against RN(x / b), code by code
 //   file IN OUT  codes (sign included, NaN -> 0) of the fp32 values in IN, one byte each, into OUT
 // Prints "ok" or the first mismatches and exits 1.
 #include <cmath>
@@ -72,6 +73,29 @@ static int pack(long n) {
   return 0;
 }
 
+// quotient_bf16's code against the code of RN(x / b) (a double quotient rounded to fp32: a quotient of
+// fp32 values is never within 2^-49 of a midpoint, so that rounding is single), for divisor mantissas
+// 0, k, 2k, ... (k = 1: all 2^23) and every bf16 x in [2^-3, 2^4), that is every quotient in
+// [2^-4, 2^4), where the thresholds are.
+static int quotients(long k) {
+  long long bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(dynamic, 64)
+  for (long long mb = 0; mb < (1LL << 23); mb += k) {
+    const float b = e2m1::from_bits(0x3F800000u | uint32_t(mb));
+    const float y = 1.0f / b;
+    for (uint32_t h = 124u << 7; h < 131u << 7; ++h) {
+      const float x = e2m1::from_bits(h << 16);
+      const float exact = float(double(x) / double(b));
+      if (e2m1::code(e2m1::point(e2m1::quotient_bf16(x, b, y))) != e2m1::code(e2m1::point(exact))) {
+        if (bad++ < 5) std::printf("b %a x %a: quotient %a\n", b, x, exact);
+      }
+    }
+  }
+  if (bad) return 1;
+  std::printf("ok\n");
+  return 0;
+}
+
 static int file(const char* in, const char* out) {
   FILE* f = std::fopen(in, "rb");
   if (!f) return 2;
@@ -93,6 +117,7 @@ int main(int argc, char** argv) {
   if (argc >= 2 && !std::strcmp(argv[1], "every")) return every();
   if (argc >= 3 && !std::strcmp(argv[1], "pack")) return pack(std::atol(argv[2]));
   if (argc >= 4 && !std::strcmp(argv[1], "file")) return file(argv[2], argv[3]);
-  std::fprintf(stderr, "usage: %s every | pack N | file IN OUT\n", argv[0]);
+  if (argc >= 3 && !std::strcmp(argv[1], "div")) return quotients(std::atol(argv[2]));
+  std::fprintf(stderr, "usage: %s every | pack N | div K | file IN OUT\n", argv[0]);
   return 2;
 }
