@@ -12,11 +12,12 @@
 
 #include <stdint.h>
 
+#include <cmath>
+#include <cstring>
+
 #ifdef __CUDACC__
 #define QL_HD __host__ __device__ __forceinline__
 #else
-#include <cmath>
-#include <cstring>
 #define QL_HD inline
 #endif
 
