@@ -14,7 +14,7 @@ from ._compare import assert_same_all
 from quantlib.formats import Rounding
 from quantlib.kernels import reference_impl as R
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DTYPES = (torch.bfloat16, torch.float16)
 # rows of whole blocks of 32 (both kernels take them); 1024 x 7168 takes more than one round of the
