@@ -2,11 +2,13 @@
 // element. Shared by the CUDA casts (fp4_cast.cuh) and the host check that runs every fp32 value
 // through it (tests/test_kernels/e2m1_pack_check.cpp): what the test compiles with g++ is what runs.
 //
-// The rounding is docs/numerics.md's "E2M1 in the kernels": m = min(|y|, 6), M = 2^22 * 2^floor(log2(
-// max(m, 1))), s = RN(M + m) in one FMA. s's mantissa counts the grid steps above M (0..4, fewer than
-// 16) and its exponent field is 149, 150 or 151, so (s & 0xF) + (s >> 22) is the code plus 298. The
-// eight biased codes are summed at their nibbles (the sum is linear, so the 298s leave as one constant)
-// instead of being shifted, masked and ORed one by one; the signs of eight 16-bit inputs are gathered
+// The rounding is docs/numerics.md's "E2M1 in the kernels": m = min(|y|, 6), p = 2^j the power of two
+// of max(m, 1) (j = 0, 1, 2), s = RN(M + m) in one FMA with M = p 2^22 + (254 + 2j) p / 2, whose ulp
+// p / 2 is the grid's step there. The (254 + 2j) steps added to p 2^22 (an even count: ties still go
+// to the even code) make s's mantissa the code plus 254 (the steps above p 2^22 are the code's offset
+// inside the binade, 2j the binade's), and cost one shift-add on p's bits. The eight codes are then
+// summed at their nibbles (the sum is linear, so the 254s leave as one constant); for nibbles 3..7 the
+// shift alone drops s's exponent, so no mask is needed. The signs of eight 16-bit inputs are gathered
 // with four byte permutes (instead of a shift and a mask an element).
 #pragma once
 
@@ -78,18 +80,19 @@ QL_HD uint32_t point(float y) {
   const float m = std::fmin(std::fabs(y), 6.0f);
 #endif
   const uint32_t mb = bits(m);
-  const float p = from_bits((mb > 0x3F800000u ? mb : 0x3F800000u) & 0x7F800000u);
-  return bits(fma_rn(p, 4194304.0f, m));
+  const uint32_t p = (mb > 0x3F800000u ? mb : 0x3F800000u) & 0x7F800000u;  // (127 + j) << 23
+  const float a = from_bits(p + (p >> 22));  // p (1 + (254 + 2j) 2^-23): a 2^22 = M
+  return bits(fma_rn(a, 4194304.0f, m));
 }
 
 // The magnitude code (0..7) of a point.
-QL_HD uint32_t code(uint32_t s) { return (s & 0xFu) + (s >> 22) - 298u; }
+QL_HD uint32_t code(uint32_t s) { return (s & 0x7FFFFFu) - 254u; }
 
 // Magnitude codes of eight points, point i in nibble i (bit 3 of every nibble 0).
 QL_HD uint32_t nibbles(const uint32_t (&s)[8]) {
-  uint32_t acc = 0;  // (a constant trip count: nvcc unrolls it)
-  for (int i = 0; i < 8; ++i) acc += ((s[i] & 0xFu) + (s[i] >> 22)) << (4 * i);
-  return acc - 298u * 0x11111111u;
+  uint32_t acc = (s[0] & 0x1FFu) + ((s[1] & 0x1FFu) << 4) + ((s[2] & 0x1FFu) << 8);
+  acc += (s[3] << 12) + (s[4] << 16) + (s[5] << 20) + (s[6] << 24) + (s[7] << 28);  // exponents shifted out
+  return acc - 254u * 0x11111111u;
 }
 
 QL_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t sel) {
