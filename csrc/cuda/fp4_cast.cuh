@@ -10,6 +10,8 @@
 //   E4M3 byte of sb8: a 128-entry table in shared memory, filled once a CTA, replaces a reciprocal
 //   (a multi-instruction sequence with a slow-path branch) and its range checks per block;
 // - E2M1 codes of eight elements packed into one word at once (e2m1_pack.cuh);
+// - for bf16 NVFP4, x / b by one FMA correction instead of two (its codes are those of the correctly
+//   rounded quotient: e2m1_pack.cuh's quotient_bf16, checked for every divisor mantissa);
 // - with a dynamic global amax, the walk goes from the end of the tensor back, so that the part the
 //   amax pass read last is still in L2 when the cast starts.
 #pragma once
