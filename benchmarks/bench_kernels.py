@@ -6,8 +6,9 @@ needs a second read of the input, is counted at one read, as are peers. Shapes: 
 16384 x 7168, bfloat16. Peers run when importable: torchao (blockwise FP8 Triton kernels, to_mx,
 nvfp4_quantize under torch.compile) and ModelOpt (TensorQuantizer fake quant, NVFP4QTensor.quantize).
 
-Usage: ``python benchmarks/bench_kernels.py [--shapes 8192x8192,16384x7168] [--json out.json]``.
-Prints markdown tables.
+Usage: ``python benchmarks/bench_kernels.py [--shapes 8192x8192,16384x7168] [--cases SUBSTR,...] [--json out.json]``.
+Prints markdown tables; "best ours / copy" is the % of the copy's GB/s. The FP4 casts that export
+runs, alone: ``--shapes 16384x7168 --cases "mx_cast MXFP4,nvfp4_cast" --no-peers --no-reference``.
 """
 
 from __future__ import annotations
@@ -73,18 +74,26 @@ def cast_cases(x: torch.Tensor):
     ]
 
 
-def run_quantlib(x: torch.Tensor, backends: list[str], rows: list[dict]) -> None:
+def _wanted(case: str, cases: Optional[list[str]]) -> bool:
+    return not cases or any(c in case for c in cases)
+
+
+def run_quantlib(x: torch.Tensor, backends: list[str], rows: list[dict], cases: Optional[list[str]] = None) -> None:
     from quantlib.kernels import reference_impl
     from quantlib.kernels.backends import implementation
 
     shape = "x".join(map(str, x.shape))
     nin = x.numel() * x.element_size()
     for name, spec, amax_fn in fake_cases():
+        if not _wanted(f"fake_quant {name}", cases):
+            continue
         amax = amax_fn(x) if amax_fn else None
         for be in backends:
             fn = reference_impl.fake_quant if be == "reference" else implementation("fake_quant", be)
             _measure(rows, shape, f"fake_quant {name}", be, lambda: fn(x, spec, amax), nin + nin)
     for name, op, args, written in cast_cases(x):
+        if not _wanted(name, cases):
+            continue
         for be in backends:
             fn = getattr(reference_impl, op) if be == "reference" else implementation(op, be)
             _measure(rows, shape, name, be, lambda: fn(x, *args), nin + written)
@@ -226,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--crossover", action="store_true", help="also time cuda vs triton from small to large inputs")
+    p.add_argument("--cases", default="", help="comma-separated substrings of quantlib case names to time (default: all), "
+                   "e.g. 'mx_cast MXFP4,nvfp4_cast' for the FP4 casts export runs")
     p.add_argument("--modelopt-cases", default="", help="comma-separated substrings of ModelOpt case names (default: all)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -249,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ms = bench(functools.partial(y.copy_, x))
             copy[s] = gbps(2 * x.numel() * 2, ms)
             print(f"{s}: bf16 copy {ms * 1e3:.1f} us = {copy[s]:.0f} GB/s", flush=True)
-            run_quantlib(x, backends, rows)
+            run_quantlib(x, backends, rows, [c for c in args.cases.split(",") if c])
             if not args.no_peers:
                 for peer in (run_torchao, lambda x, rows: run_modelopt(x, rows, args.modelopt_cases)):
                     try:

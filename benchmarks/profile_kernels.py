@@ -2,7 +2,7 @@
 
 ``ncu --clock-control none --csv --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,
 sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__registers_per_thread,
-sm__maximum_warps_per_active_cycle_pct -k regex:'block1d|block2d|row_int|rowwise' python benchmarks/profile_kernels.py``
+sm__maximum_warps_per_active_cycle_pct -k regex:'block1d|block2d|row_int|rowwise|fp4_cast|absmax' python benchmarks/profile_kernels.py``
 
 ``smsp__inst_executed.sum`` counts warp instructions: times 32 over 2^26 elements it is the thread
 instructions per element that benchmarks/RESULTS.md's profile table reports.
@@ -28,5 +28,6 @@ for be in (["cuda"] if has_cuda_kernels() else []) + ["triton"]:
     implementation("fp8_blockwise_cast", be)(x, (128, 128), 1e-10, False)
     implementation("mx_cast", be)(x, "e2m1", 32, Rounding.RCEIL)
     implementation("nvfp4_cast", be)(x, g)
+    implementation("nvfp4_cast", be)(x, None)  # the global amax pass, then the cast
 implementation("fake_quant", "triton")(x, FormatSpec(Kind.FP8, element=(4, 3)), g)
 torch.cuda.synchronize()

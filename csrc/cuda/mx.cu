@@ -1,4 +1,5 @@
 // MXFP8 / MXFP4: blocks of 32, E8M0 shared exponent (rceil or floor), fused amax + exponent + cast.
+#include "fp4_cast.cuh"
 #include "launch.cuh"
 #include "ops_cuda.h"
 
@@ -41,6 +42,14 @@ std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x_, bool e2m1, bool
   }
   a.out = codes.data_ptr();
   a.scale = scales.data_ptr();
+  if (e2m1 && fp4_cast_fits(x, 32)) {
+    Fp4Args f{};
+    f.codes = static_cast<uint32_t*>(a.out);
+    f.scale = static_cast<uint8_t*>(a.scale);
+    if (floor_rounding) launch_fp4_cast<false, true, 32>(x, f);
+    else launch_fp4_cast<false, false, 32>(x, f);
+    return {codes, scales};
+  }
   run<kCast>(x, a, e2m1, floor_rounding);
   return {codes, scales};
 }

@@ -1,4 +1,5 @@
 // NVFP4: E2M1 elements in blocks of 16, E4M3 block scales, fp32 global scale (static or dynamic).
+#include "fp4_cast.cuh"
 #include "launch.cuh"
 #include "ops_cuda.h"
 
@@ -10,7 +11,8 @@ at::Tensor global_amax(const at::Tensor& x) {
   const int64_t nvec = x.numel() / vec_of(x);
   if (nvec > 0) {
     const int64_t want = (nvec + kThreads - 1) / kThreads;
-    const unsigned grid = unsigned(want < 132 * 8 ? want : 132 * 8);
+    const int64_t fill = sm_count() * (2048 / kThreads);
+    const unsigned grid = unsigned(want < fill ? want : fill);
     auto stream = c10::cuda::getCurrentCUDAStream();
     uint32_t* out = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
     const uint4* vecs = static_cast<const uint4*>(x.data_ptr());
@@ -63,6 +65,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x_, 
   a.scale = sb8.data_ptr();
   a.s2 = s2.data_ptr<float>();
   if (x.numel() == 0) s2.fill_(1.0);
+  if (fp4_cast_fits(x, 16)) {
+    Fp4Args f{};
+    f.codes = static_cast<uint32_t*>(a.out);
+    f.scale = static_cast<uint8_t*>(a.scale);
+    f.gamax = a.gamax;
+    f.s2 = a.s2;
+    f.reverse = !global_amax_.has_value();  // start where the amax pass ended (in L2)
+    launch_fp4_cast<true, false, 16>(x, f);
+    return {codes, sb8, s2};
+  }
   launch_1d<kNvfp4, kCast, 16, false, false, false, false>(x, a);
   return {codes, sb8, s2};
 }

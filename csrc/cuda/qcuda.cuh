@@ -14,6 +14,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "e2m1_pack.cuh"
+
 namespace quantlib {
 namespace cuda {
 
@@ -120,43 +122,24 @@ QL_DEV float divide(float x, const Divisor& d) {
   return SIGN ? u2f(f2u(q2) | (f2u(x) & 0x80000000u)) : q2;
 }
 
-// E2M1 (grid {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE, saturating; NaN -> code 0 / value 0). The grid's step
-// is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: m = min(|y|, 6) plus M = 2^22, 2^23 or 2^24 (whose ulp
-// is that step: M = 2^22 times p, the power of two of max(m, 1)) rounds m to the grid in one fp32
-// operation, fma(p, 2^22, m), ties to the even mantissa as E2M1's own. s - M is then the grid value;
-// s's low mantissa bits count the steps above M and its exponent field the binade, so the code is
-// (steps) + 2 * (field - 149). The sign is taken from sx (y's, or the dividend's where y is its
-// quotient by a positive scale and may have lost the sign of a zero).
-struct E2m1 {
-  float p, s;
-  uint32_t sign;
-  bool nan;
-};
-
-QL_DEV E2m1 e2m1_split(float y, float sx) {
-  E2m1 e;
-  const float m = fminf(fabsf(y), 6.0f);
-  e.p = u2f(max(f2u(m), 0x3F800000u) & 0x7F800000u);
-  e.s = __fmaf_rn(e.p, 4194304.0f, m);
-  e.sign = f2u(sx) & 0x80000000u;
-  e.nan = is_nan(y);  // unused (and not computed) where the caller rules NaN out
-  return e;
-}
-
-// MAYBE_NAN = false: the caller knows y is not NaN.
+// E2M1 (grid {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE, saturating; NaN -> code 0 / value 0) by the point
+// s = fma(p, 2^22, min(|y|, 6)) of e2m1_pack.cuh (p: the power of two of max(m, 1)); s - M is the
+// grid value. The sign is taken from sx (y's, or the dividend's where y is its quotient by a positive
+// scale and may have lost the sign of a zero). MAYBE_NAN = false: the caller knows y is not NaN.
 template <bool MAYBE_NAN = true>
 QL_DEV float e2m1_round(float y, float sx) {
-  const E2m1 e = e2m1_split(y, sx);
-  const float v = u2f(f2u(__fmaf_rn(e.p, -4194304.0f, e.s)) | e.sign);
-  return MAYBE_NAN && e.nan ? 0.0f : v;
+  const float m = fminf(fabsf(y), 6.0f);
+  const float p = u2f(max(f2u(m), 0x3F800000u) & 0x7F800000u);
+  const float s = __fmaf_rn(p, 4194304.0f, m);
+  const float v = u2f(f2u(__fmaf_rn(p, -4194304.0f, s)) | (f2u(sx) & 0x80000000u));
+  return MAYBE_NAN && is_nan(y) ? 0.0f : v;
 }
 
+// The code, from the same point as e2m1_pack.cuh's (which the host test runs over every fp32 value).
 template <bool MAYBE_NAN = true>
 QL_DEV uint32_t e2m1_code(float y, float sx) {
-  const E2m1 e = e2m1_split(y, sx);
-  const uint32_t bits = f2u(e.s);
-  const uint32_t c = ((bits & 0xFu) + (bits >> 22) - 298u) | (e.sign >> 28);
-  return MAYBE_NAN && e.nan ? 0u : c;
+  const uint32_t c = e2m1::code(e2m1::point(y)) | ((f2u(sx) & 0x80000000u) >> 28);
+  return MAYBE_NAN && is_nan(y) ? 0u : c;
 }
 
 // INT fake quant of one group: q / (Q / a), the code through an integer dtype (NaN and -0 -> 0). An
@@ -602,18 +585,6 @@ __global__ void __launch_bounds__(kThreads) row_int_kernel(Args args) {
     quantize_vec<T, kFake>(s, w[k], nullptr);
     static_cast<uint4*>(args.out)[row * args.VR + v] = w[k];
   }
-}
-
-// amax bits of |x| over the whole tensor into *out (zeroed first): NaN-propagating (NaN sorts high).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) absmax_kernel(const uint4* __restrict__ x, int64_t nvec, uint32_t* out) {
-  uint32_t m = 0;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * kThreads) {
-    m = max(m, Elems<T>::absmax_bits(x[i]));
-  }
-  __shared__ uint32_t red[kThreads / 32];
-  m = warps_max(m, red, kThreads / 32);
-  if (threadIdx.x == 0) atomicMax(out, m);
 }
 
 }  // namespace cuda
