@@ -42,6 +42,9 @@ def register_available() -> list[str]:
         except ImportError as exc:  # e.g. TE installed without its compiled binding
             _log.info("plugin %s not loaded: %s", plugin, exc)
             continue
+        except OSError as exc:  # a framework whose shared libraries do not load (TE against another cuDNN)
+            _log.warning("quantlib: plugin %s not loaded, %s does not import: %s", plugin, framework, exc)
+            continue
         if hasattr(module, "refresh"):  # imported earlier (by the user) before its framework's classes were
             module.refresh()
         _loaded.add(plugin)

@@ -221,7 +221,8 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     checked = 0
     for i, layer in enumerate(model.module.decoder.layers):
-        for which, leaves in (("linear_fc1", ("gate_proj", "up_proj")), ("linear_fc2", ("down_proj",))):
+        fc1 = ("gate_proj", "up_proj") if model.module.config.gated_linear_unit else ("up_proj",)
+        for which, leaves in (("linear_fc1", fc1), ("linear_fc2", ("down_proj",))):
             lin = getattr(layer.mlp.experts, which)
             for j in range(lin.num_gemms):
                 with torch.no_grad():
@@ -231,6 +232,6 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
                     got = nvfp4_dequantize(sd[f"{name}.weight"], sd[f"{name}.weight_scale"], sd[f"{name}.weight_scale_2"], part.shape[1])
                     assert torch.equal(got.to(part.dtype).cpu(), part.cpu()), name
                     checked += 1
-    assert checked == 2 * 4 * 3
+    assert checked == 2 * 4 * (len(fc1) + 1)
     for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"):
         assert key in sd, key
