@@ -78,6 +78,10 @@ def _(x, amax, block_amax, *args):
     return x.new_empty(x.shape)  # contiguous, as every backend returns
 
 
+#: whether a torch.func transform (grad, vjp, ...) is running
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 def ste_bound(spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The amax that clips the straight-through gradient of ``spec``, or None where it passes everywhere
     (no amax, a dynamic scale but NVFP4's global one, MX)."""
@@ -106,8 +110,9 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
 def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
     """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`: one fused Triton pass on a
     CUDA tensor (:func:`quantlib.kernels.triton.ste.ste_grad`), the torch expression elsewhere (and where
-    the backward itself is recorded, ``create_graph=True``: the kernel has no derivative). Same bits."""
-    if x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and triton_available():
+    the backward itself is recorded, ``create_graph=True``: the kernel has no derivative; and under
+    torch.func transforms, whose wrapped tensors it cannot read). Same bits."""
+    if x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and not _functorch_active() and triton_available():
         from .triton.ste import ste_grad as fused
 
         out = fused(grad, x, spec, amax)
@@ -140,6 +145,9 @@ class _FakeQuantSTE(torch.autograd.Function):
     the backward reads the saved input and amax (references, not copies) and clips the gradient in one
     pass, instead of a bool mask made in the forward (two passes) and applied in the backward."""
 
+    # forward(ctx, ...) rather than a separate setup_context: Function.apply binds a setup_context
+    # Function's arguments with inspect.signature on every call (+20 us); torch.func transforms, which
+    # need setup_context, take _FakeQuantSTEFunc instead (see fake_quant)
     @staticmethod
     def forward(ctx, x, amax, block_amax, spec, fn):
         bound = ste_bound(spec, amax)
@@ -155,6 +163,25 @@ class _FakeQuantSTE(torch.autograd.Function):
             x, bound = ctx.saved_tensors
             grad = ste_grad(grad, x, ctx.spec, bound)
         return grad, None, None, None, None
+
+
+class _FakeQuantSTEFunc(torch.autograd.Function):
+    """:class:`_FakeQuantSTE` in the form torch.func transforms (grad, vjp, ...) accept."""
+
+    @staticmethod
+    def forward(x, amax, block_amax, spec, fn):
+        return fn(x, spec, amax, block_amax)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, amax, _, spec, _ = inputs
+        bound = ste_bound(spec, amax)
+        ctx.spec = spec
+        ctx.masked = bound is not None
+        if ctx.masked:
+            ctx.save_for_backward(x, bound)
+
+    backward = staticmethod(_FakeQuantSTE.backward)
 
 
 def eager_call(x: torch.Tensor) -> bool:
@@ -174,7 +201,7 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] =
         return _fake_quant(x, amax, block_amax, *spec_args(spec), backend)
     fn = implementation("fake_quant", resolve(backend, x.device))
     if torch.is_grad_enabled() and x.requires_grad:
-        return _FakeQuantSTE.apply(x, amax, block_amax, spec, fn)
+        return (_FakeQuantSTEFunc if _functorch_active() else _FakeQuantSTE).apply(x, amax, block_amax, spec, fn)
     return fn(x, spec, amax, block_amax)
 
 

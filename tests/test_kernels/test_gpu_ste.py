@@ -74,3 +74,10 @@ def test_double_backward_takes_the_differentiable_expression():
     (g,) = torch.autograd.grad(y, x, v, create_graph=True)
     assert g.requires_grad  # recorded: the second derivative exists
     assert torch.equal(g.detach().cpu(), torch.tensor([1.0, 0.0, 1.0]))
+
+
+def test_torch_func_grad_on_cuda():
+    spec, amax = FormatSpec(kind=Kind.FP8, element=(4, 3)), torch.tensor(1.0, device="cuda")
+    x = torch.tensor([0.5, 2.0, -0.25], device="cuda")
+    g = torch.func.grad(lambda t: ops.fake_quant(t, spec, amax).sum())(x)
+    assert torch.equal(g.cpu(), torch.tensor([1.0, 0.0, 1.0]))

@@ -119,3 +119,10 @@ def test_double_backward_is_recorded():
     v = torch.ones_like(y).requires_grad_(True)  # a gradient that is itself differentiated
     (g,) = torch.autograd.grad(y, x, v, create_graph=True)
     assert g.requires_grad and torch.equal(g.detach(), torch.tensor([1.0, 0.0, 1.0]))
+
+
+def test_torch_func_grad_works():  # the custom op's autograd refused torch.func transforms
+    spec, amax = FormatSpec(kind=Kind.FP8, element=(4, 3)), torch.tensor(1.0)
+    x = torch.tensor([0.5, 2.0, -0.25])
+    g = torch.func.grad(lambda t: ops.fake_quant(t, spec, amax).sum())(x)
+    assert torch.equal(g, torch.tensor([1.0, 0.0, 1.0]))
