@@ -21,6 +21,7 @@ CASES = [
     ("per-row rank 3", FP8, (2, 3, 40), (2, 3, 1)),
     ("per-column", INT8, (6, 40), (40,)),
     ("per-column 2-D", FP8, (2, 3, 40), (1, 40)),
+    ("an amax per element", FP8, (6, 40), (6, 40)),
     ("no 2-D view", INT8, (2, 3, 4), (1, 3, 1)),
     ("int block 16", FormatSpec(kind=Kind.INT, num_bits=4, block=(16,)), (6, 40), "blocks"),
     ("int block (1,16) rank 3", FormatSpec(kind=Kind.INT, num_bits=4, block=(1, 16)), (2, 3, 40), "blocks"),

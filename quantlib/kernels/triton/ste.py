@@ -31,8 +31,9 @@ def ste_grad_kernel(
     MODE: tl.constexpr, B: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IN_DT: tl.constexpr,
     ROWS: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    """MODE 0: one amax; 1: amax at ``row * a_sr + col * a_sc``; 2: blocks of B along the row (NB a
-    row); 3: BM x BK blocks of [L, M, C] (MB x KB of them per matrix)."""
+    """MODE 0: one amax; 1: amax at ``row * a_sr + col * a_sc`` (4: ``a_sc`` is 0, one a row; 5: ``a_sr``
+    is 0, one a column); 2: blocks of B along the row (NB a row); 3: BM x BK blocks of [L, M, C] (MB x KB
+    of them per matrix)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
     mask = (rows < R) & (cols < C)
@@ -41,6 +42,10 @@ def ste_grad_kernel(
     x = load_f32(x_ptr, offs, mask, IN_DT)
     if MODE == 0:
         a = tl.load(a_ptr)
+    elif MODE == 4:  # one amax a row: a [ROWS, 1] load, not a gather per element
+        a = tl.load(a_ptr + r64 * a_sr, mask=rows < R, other=0.0)
+    elif MODE == 5:  # one a column
+        a = tl.load(a_ptr + cols.to(tl.int64) * a_sc, mask=cols < C, other=0.0)
     else:
         if MODE == 1:
             idx = r64 * a_sr + cols.to(tl.int64) * a_sc
@@ -85,7 +90,7 @@ def _layout(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> Optional[t
     except RuntimeError:  # not a broadcast to x's shape, or one no 2-D view expresses
         return None
     args.update(a_sr=sr, a_sc=sc)
-    return 1, args
+    return (4 if sc == 0 else 5 if sr == 0 else 1), args
 
 
 def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> Optional[torch.Tensor]:
