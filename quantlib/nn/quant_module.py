@@ -57,7 +57,8 @@ class QuantModule(nn.Module):
         """
         q = getattr(self, name)
         if member is not None:
-            q = q._modules.get(str(member)) or q[member]  # ModuleList's __getitem__ normalises the index first
+            m = q._modules.get(str(member))  # ModuleList's __getitem__ normalises the index first: slower
+            q = q[member] if m is None else m
         leaves = (q,) if type(q) is TensorQuantizer else _leaves(q)
         if all(leaf._disabled for leaf in leaves):
             return tensor  # nothing to cache: a disabled quantizer returns its input
