@@ -7,7 +7,8 @@ forward (no grad: quantlib reuses its fake-quantized weights) and forward + back
 quantized every step), median of ``triton.testing.do_bench``; ratios to the unquantized layer, and
 quantlib's speed-up over ModelOpt. Calibration (max, on two batches) is not timed. Each library runs
 in child processes of its own (ModelOpt's plugin patches TE process-wide); ``--profile FP8`` prints the
-top CUDA kernels of a preset's GroupedLinear forward + backward.
+top CUDA kernels of a preset's GroupedLinear forward + backward and its host time per step against the
+wall time (the unquantized layer's too), which says whether the step is host-bound.
 
 The first section measures what TE's GEMM does with fp32 inputs (TF32 or not): the cause of the
 difference between TE's GroupedLinear and a torch fp32 reference (issue 14).
@@ -205,6 +206,41 @@ def profile(model: torch.nn.Module, layer: Layer, label: str) -> None:
     print(f"--- profile: {label}, 5 forward steps (no grad)", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70), flush=True)
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    print(f"--- host: {label}: {host_times(model, layer)}", flush=True)
+
+
+def host_times(model: torch.nn.Module, layer: Layer, steps: int = 20) -> str:
+    """Host time per step (Python and launches, up to the last launch: no sync inside the loop) against
+    wall time per step (to the GPU's end): equal numbers mean the step is host-bound. The profiler's
+    CPU columns count torch ops only, not the Python between them."""
+    import time
+
+    args = layer.args(2)
+    x = args[0].detach().requires_grad_(True)
+    out = []
+    for name, grad in (("no-grad fwd", False), ("fwd+bwd", True)):
+        model.train(grad)
+        for _ in range(3):
+            _step(model, args, x, grad)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _step(model, args, x, grad)
+        t_host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        t_all = time.perf_counter() - t0
+        out.append(f"{name} host {1e3 * t_host / steps:.3f} ms, wall {1e3 * t_all / steps:.3f} ms")
+    model.eval()
+    return "; ".join(out)
+
+
+def _step(model, args, x, grad: bool) -> None:
+    if grad:
+        y = _out(model(x, *args[1:]))
+        y.backward(torch.ones_like(y))
+    else:
+        with torch.no_grad():
+            model(*args)
 
 
 def child(args) -> None:
@@ -223,7 +259,10 @@ def child(args) -> None:
             f.write(json.dumps(row) + "\n")
 
     if lib == "bf16":
-        t = time_layer(layer.build(), layer)
+        model = layer.build()
+        t = time_layer(model, layer)
+        if args.profile and kind == "GroupedLinear":
+            print(f"--- host: bf16 {kind}: {host_times(model, layer)}", flush=True)
         emit({"layer": kind, "preset": "none", "lib": "bf16", "fwd_ms": t[0], "fwd_bwd_ms": t[1]})
         return
     for preset in presets:

@@ -13,7 +13,7 @@ import torch
 from ..formats import FormatSpec, Kind, Rounding, blocked_shape
 from ..formats.blocks import from_blocks, to_blocks
 from ..formats.reference import check_block_amax
-from .backends import implementation, resolve
+from .backends import implementation, resolve, triton_available
 
 # --------------------------------------------------------------------------- spec <-> op arguments
 
@@ -78,9 +78,21 @@ def _(x, amax, block_amax, *args):
     return x.new_empty(x.shape)  # contiguous, as every backend returns
 
 
+#: whether a torch.func transform (grad, vjp, ...) is running
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def ste_bound(spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The amax that clips the straight-through gradient of ``spec``, or None where it passes everywhere
+    (no amax, a dynamic scale but NVFP4's global one, MX)."""
+    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
+        return None
+    return amax.detach()
+
+
 def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Where the straight-through gradient passes (``|x| <= amax``), or None where it passes everywhere."""
-    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
+    if ste_bound(spec, amax) is None:
         return None
     # |x| stays in x's dtype: comparing it with a dimensioned fp32 amax promotes each element to fp32
     # inside the comparison (exact for bf16/fp16), without an fp32 copy of x; a 0-dim amax would not
@@ -93,6 +105,20 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     if bound.dim() == 0 and x.dim() > 0:
         bound = bound.reshape(1)
     return mag <= bound
+
+
+def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
+    """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`: one fused Triton pass on a
+    CUDA tensor (:func:`quantlib.kernels.triton.ste.ste_grad`), the torch expression elsewhere (and where
+    the backward itself is recorded, ``create_graph=True``: the kernel has no derivative; and under
+    torch.func transforms, whose wrapped tensors it cannot read). Same bits."""
+    if x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and not _functorch_active() and triton_available():
+        from .triton.ste import ste_grad as fused
+
+        out = fused(grad, x, spec, amax)
+        if out is not None:
+            return out
+    return torch.where(ste_mask(x, spec, amax), grad, 0.0)  # one pass; no mask copy in grad's dtype
 
 
 def _setup_context(ctx, inputs, output):
@@ -114,6 +140,50 @@ def _backward(ctx, grad):
 _fake_quant.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _FakeQuantSTE(torch.autograd.Function):
+    """Eager QAT: the implementation called directly (no dispatcher, no spec re-parsed from op args);
+    the backward reads the saved input and amax (references, not copies) and clips the gradient in one
+    pass, instead of a bool mask made in the forward (two passes) and applied in the backward."""
+
+    # forward(ctx, ...) rather than a separate setup_context: Function.apply binds a setup_context
+    # Function's arguments with inspect.signature on every call (+20 us); torch.func transforms, which
+    # need setup_context, take _FakeQuantSTEFunc instead (see fake_quant)
+    @staticmethod
+    def forward(ctx, x, amax, block_amax, spec, fn):
+        bound = ste_bound(spec, amax)
+        ctx.spec = spec
+        ctx.masked = bound is not None
+        if ctx.masked:
+            ctx.save_for_backward(x, bound)
+        return fn(x, spec, amax, block_amax)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.masked:
+            x, bound = ctx.saved_tensors
+            grad = ste_grad(grad, x, ctx.spec, bound)
+        return grad, None, None, None, None
+
+
+class _FakeQuantSTEFunc(torch.autograd.Function):
+    """:class:`_FakeQuantSTE` in the form torch.func transforms (grad, vjp, ...) accept."""
+
+    @staticmethod
+    def forward(x, amax, block_amax, spec, fn):
+        return fn(x, spec, amax, block_amax)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, amax, _, spec, _ = inputs
+        bound = ste_bound(spec, amax)
+        ctx.spec = spec
+        ctx.masked = bound is not None
+        if ctx.masked:
+            ctx.save_for_backward(x, bound)
+
+    backward = staticmethod(_FakeQuantSTE.backward)
+
+
 def eager_call(x: torch.Tensor) -> bool:
     """Whether an op may call its implementation directly: not traced by torch.compile and no autograd
     graph to record. Same function, same bits; it skips the dispatcher's per-call cost and the
@@ -123,11 +193,16 @@ def eager_call(x: torch.Tensor) -> bool:
 
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator.
-    ``block_amax``: the stored block amax of NVFP4 with static blocks (``amax`` is then the global one)."""
+    ``block_amax``: the stored block amax of NVFP4 with static blocks (``amax`` is then the global one).
+    Eager calls run the implementation directly (through :class:`_FakeQuantSTE` where autograd records);
+    torch.compile traces the custom op, whose fake kernel keeps the graph whole."""
     check_block_amax(spec, block_amax)
-    if eager_call(x):
-        return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax, block_amax)
-    return _fake_quant(x, amax, block_amax, *spec_args(spec), backend)
+    if torch.compiler.is_compiling():
+        return _fake_quant(x, amax, block_amax, *spec_args(spec), backend)
+    fn = implementation("fake_quant", resolve(backend, x.device))
+    if torch.is_grad_enabled() and x.requires_grad:
+        return (_FakeQuantSTEFunc if _functorch_active() else _FakeQuantSTE).apply(x, amax, block_amax, spec, fn)
+    return fn(x, spec, amax, block_amax)
 
 
 # --------------------------------------------------------------------------- real quantization

@@ -57,12 +57,14 @@ class QuantModule(nn.Module):
         """
         q = getattr(self, name)
         if member is not None:
-            q = q[member]
-        if all_disabled((q,)):
+            m = q._modules.get(str(member))  # ModuleList's __getitem__ normalises the index first: slower
+            q = q[member] if m is None else m
+        leaves = (q,) if type(q) is TensorQuantizer else _leaves(q)
+        if all(leaf._disabled for leaf in leaves):
             return tensor  # nothing to cache: a disabled quantizer returns its input
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and tensor.requires_grad):
             return q(tensor)
-        token = _quantizer_token(q)
+        token = _quantizer_token(leaves)
         if token is None or tensor.is_inference():
             return q(tensor)
         key = (id(tensor), tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device, token)
@@ -71,9 +73,9 @@ class QuantModule(nn.Module):
         if hit is not None and hit[0] == key:
             return hit[1]
         out = q(tensor)
-        # the entry keeps alive every object whose id() is in its key: no new tensor, config or
-        # quantizer can get one of those ids (and hit a stale entry) while the entry exists
-        cache[(name, member)] = (key, out, (tensor, [(leaf, leaf._attrs, leaf.amax) for leaf in _leaves(q)]))
+        # the entry keeps alive every object whose id() is in its key: no new tensor, config,
+        # quantizer or state buffer can get one of those ids (and hit a stale entry) while it exists
+        cache[(name, member)] = (key, out, (tensor, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
         return out
 
     def quantizers_off(self) -> bool:
@@ -182,18 +184,20 @@ def _leaves(q: nn.Module) -> list[TensorQuantizer]:
     return list(q.leaves()) if hasattr(q, "leaves") else [q]
 
 
-def _quantizer_token(q: nn.Module) -> Optional[tuple]:
-    """Everything a quantizer's output depends on besides its input; None while it calibrates or
-    where an amax has no version counter (an inference tensor)."""
+def _quantizer_token(leaves) -> Optional[tuple]:
+    """Everything the output of a quantizer with these leaves depends on besides its input: switches,
+    config and every buffer (amax, static block amax, pre-quant scale, bias) with its version; None
+    while one calibrates or where a buffer has no version counter (an inference tensor). Built on every
+    forward of a quantized module, hence the direct reads of ``_buffers``."""
     token = []
-    for leaf in _leaves(q):
-        if leaf._if_calib and leaf.is_enabled:
+    for leaf in leaves:
+        if leaf._if_calib and not leaf._disabled:
             return None
-        amax = leaf.amax
-        if (amax is not None and amax.is_inference()) or (leaf.pre_quant_scale is not None and leaf.pre_quant_scale.is_inference()):
+        try:
+            state = [(k, id(t), t._version) for k, t in leaf._buffers.items() if t is not None]
+        except RuntimeError:  # "Inference tensors do not track version counter"
             return None
-        pqs = leaf.pre_quant_scale
-        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), None if amax is None else (id(amax), amax._version), None if pqs is None else (id(pqs), pqs._version)))
+        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), *state))
     return tuple(token)
 
 

@@ -128,7 +128,7 @@ class TensorQuantizer(nn.Module):
     # ------------------------------------------------------------------ amax
     @property
     def amax(self) -> Optional[torch.Tensor]:
-        return getattr(self, "_amax", None)
+        return self._buffers.get("_amax")  # not getattr: a missing buffer would raise inside nn.Module
 
     @amax.setter
     def amax(self, value: Optional[torch.Tensor]) -> None:
@@ -141,7 +141,7 @@ class TensorQuantizer(nn.Module):
     def block_amax(self) -> Optional[torch.Tensor]:
         """NVFP4 static blocks: the fp32 amax of every block (shape ``blocked_shape(weight)``), chosen
         against :attr:`amax` (the global amax); None: each block's max |x| at quantization time."""
-        return getattr(self, "_block_amax", None)
+        return self._buffers.get("_block_amax")
 
     @block_amax.setter
     def block_amax(self, value: Optional[torch.Tensor]) -> None:
@@ -184,7 +184,7 @@ class TensorQuantizer(nn.Module):
         weight quantizer, which then quantizes ``W * s``. Applied whenever set, even with quantization
         disabled, since the module's function depends on both halves. A 2-D ``[E, C]`` scale belongs to
         an input quantizer shared by E fused experts: row e scales expert e's tokens (``row=e``)."""
-        return getattr(self, "_pre_quant_scale", None)
+        return self._buffers.get("_pre_quant_scale")
 
     @pre_quant_scale.setter
     def pre_quant_scale(self, value: Optional[torch.Tensor]) -> None:
@@ -227,7 +227,7 @@ class TensorQuantizer(nn.Module):
     def bias_value(self) -> Optional[torch.Tensor]:
         """The calibrated static bias (fp32, the input's shape with the averaged axes of size 1), or None.
         ``bias`` in the config says which axes; see :mod:`quantlib.calib.bias`."""
-        return getattr(self, "_bias_value", None)
+        return self._buffers.get("_bias_value")
 
     @bias_value.setter
     def bias_value(self, value: Optional[torch.Tensor]) -> None:

@@ -375,8 +375,17 @@ class QuantTEGroupedLinearBase(QuantTEModuleBase):
 def _calibrating(module: nn.Module) -> bool:
     """Whether a calibration forward loop is running through ``module`` (quantlib.calibrate turns
     on collection in its activation quantizers, or turns off quantization of every enabled one)."""
-    leaves = [m for m in module.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
-    return any(q._if_calib or not q._if_quant for q in leaves)
+    # every forward asks: a walk of the children by hand, stopping at the first calibrating quantizer
+    # (named_modules' generators and memo set cost more than the check)
+    stack = list(module._modules.values())
+    while stack:
+        m = stack.pop()
+        if isinstance(m, TensorQuantizer):
+            if not m._disabled and (m._if_calib or not m._if_quant):
+                return True
+        elif m is not None:
+            stack.extend(m._modules.values())
+    return False
 
 
 def record_tokens(module: nn.Module, counts: Any, input_quantizer: TensorQuantizer) -> None:

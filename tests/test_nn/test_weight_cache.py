@@ -75,6 +75,21 @@ def test_amax_change_invalidates():
     assert not torch.equal(replaced, in_place)
 
 
+def test_in_place_write_to_static_block_amax_invalidates():
+    nvfp4_static = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
+    model = _quantized_linear(ql.presets.preset(nvfp4_static))
+    q = model[0].weight_quantizer
+    assert q.block_amax is not None
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = model(x)
+        q._block_amax.mul_(0.5)  # in place: only the block amax buffer's version changes
+        after = model(x)
+    wq = ql.kernels.fake_quant(model[0].weight.detach(), q.attrs, q.amax, block_amax=q.block_amax)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, nn.functional.linear(x, wq, model[0].bias))
+
+
 @pytest.mark.parametrize("change", ["config", "disable"])
 def test_quantizer_config_change_invalidates(change):
     model = _quantized_linear()
