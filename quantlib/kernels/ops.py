@@ -6,6 +6,7 @@ resolves its backend (see :mod:`quantlib.kernels.backends`) and calls that backe
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -107,12 +108,19 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     return mag <= bound
 
 
+#: the fused straight-through backward kernel on CUDA is opt-in (QUANTLIB_FUSED_STE=1): it matches the
+#: torch expression bit for bit under Triton's interpreter, but its GPU tests have not yet passed in a
+#: complete H200 run (2026-12-04: 12 failures of unknown cause in a run cut short), so the default
+#: stays the torch expression, which the GPU suite has validated
+FUSED_STE = os.environ.get("QUANTLIB_FUSED_STE", "0") == "1"
+
+
 def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
     """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`: one fused Triton pass on a
-    CUDA tensor (:func:`quantlib.kernels.triton.ste.ste_grad`), the torch expression elsewhere (and where
-    the backward itself is recorded, ``create_graph=True``: the kernel has no derivative; and under
-    torch.func transforms, whose wrapped tensors it cannot read). Same bits."""
-    if x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and not _functorch_active() and triton_available():
+    CUDA tensor with ``QUANTLIB_FUSED_STE=1`` (:func:`quantlib.kernels.triton.ste.ste_grad`), the torch
+    expression otherwise (and where the backward itself is recorded, ``create_graph=True``: the kernel
+    has no derivative; and under torch.func transforms, whose wrapped tensors it cannot read). Same bits."""
+    if FUSED_STE and x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and not _functorch_active() and triton_available():
         from .triton.ste import ste_grad as fused
 
         out = fused(grad, x, spec, amax)
