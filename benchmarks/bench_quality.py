@@ -8,6 +8,11 @@ when missing or with ``--retrain``): a dense byte-level decoder (d=256, 4 blocks
 
 Each row quantizes the model with one ModelOpt preset dict (``lm_head`` and router stay in full
 precision; integers full range, ModelOpt's default) and one algorithm, given alike to both libraries.
+``W4A16_NVFP4_CFG:static`` is that preset with static weight block scales, the form on which ``mse``
+searches each block's amax and ``mse_fp8_sweep`` (``{"method": "mse", "fp8_scale_sweep": True}``,
+the algorithm of ModelOpt's NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG) tries every E4M3 block scale; its
+max row is its own baseline (fused siblings share one global amax there, so it is not the dynamic
+preset's max). Perplexity is over ``--windows`` evenly spaced, disjoint held-out windows.
 Calibration is repeated on ``--seeds`` disjoint draws of training windows; per row: held-out
 perplexity (mean over the draws), its difference from the same draw's ``max`` row in percent (mean
 and sample std: a claim "better than max" is only as good as this std), the mean KL divergence per
@@ -42,32 +47,56 @@ import quality_models as qm  # noqa: E402
 import quantlib as ql  # noqa: E402
 
 ALL = ["max", "mse", "awq_lite", "awq_clip", "awq_full"]
+#: NVFP4 weights with static block scales (the W4A16 preset's weight blocks made ``"static"``): max, the
+#: multiplier search of each block's amax, and ModelOpt's E4M3 scale sweep (its
+#: NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG algorithm, here weight-only)
+STATIC = ["max", "mse", "mse_fp8_sweep"]
 # (preset, algorithms) per model: max first, the baseline each algorithm must beat
 ROWS = {
     "dense": [
         ("INT4_AWQ_CFG", ALL),
         ("W4A16_NVFP4_CFG", ALL),
+        ("W4A16_NVFP4_CFG:static", STATIC),
         ("W4A8_AWQ_BETA_CFG", ["max", "awq_lite"]),
         ("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]),
     ],
-    "moe": [("INT4_AWQ_CFG", ALL)],
+    "moe": [("INT4_AWQ_CFG", ALL), ("W4A16_NVFP4_CFG", ALL), ("W4A16_NVFP4_CFG:static", STATIC)],
 }
 QUICK_ROWS = {"dense": [("INT4_AWQ_CFG", ["max", "awq_lite"])], "moe": [("INT4_AWQ_CFG", ["max", "awq_lite"])]}
+#: algorithm dicts beyond ``{"method": name}``
+ALGORITHMS = {"mse_fp8_sweep": {"method": "mse", "fp8_scale_sweep": True}}
 #: presets whose fake quant ModelOpt runs on the CPU (its NVFP4 / MX need CUDA)
 MODELOPT_CPU = {"INT4_AWQ_CFG", "W4A8_AWQ_BETA_CFG", "INT8_SMOOTHQUANT_CFG"}
 BUILDERS: dict[str, Callable[..., nn.Module]] = {"dense": qm.dense_model, "moe": qm.moe_model}
 
 
+def static_weight_blocks(cfg: dict) -> dict:
+    """``cfg`` with its weight quantizers' dynamic block scales made static (ModelOpt's list form of
+    ``quant_cfg`` or quantlib's dict form), in place."""
+    qc = cfg["quant_cfg"]
+    pairs = [(e.get("quantizer_name", ""), e.get("cfg")) for e in qc] if isinstance(qc, list) else list(qc.items())
+    for name, attrs in pairs:
+        for a in attrs if isinstance(attrs, list) else [attrs]:
+            if name.endswith("weight_quantizer") and isinstance(a, dict) and (a.get("block_sizes") or {}).get("type") == "dynamic":
+                a["block_sizes"]["type"] = "static"
+    return cfg
+
+
 def configs(preset: str, algorithm: str) -> tuple[dict, dict | None]:
-    """(quantlib config, ModelOpt config or None): ModelOpt's preset dict when ModelOpt imports."""
+    """(quantlib config, ModelOpt config or None) of ``preset`` (``NAME`` or ``NAME:static``, static
+    weight block scales) and ``algorithm``: ModelOpt's preset dict when ModelOpt imports."""
+    name, _, variant = preset.partition(":")
+    algo = copy.deepcopy(ALGORITHMS.get(algorithm, {"method": algorithm}))
     try:
         import modelopt.torch.quantization as mtq
     except ImportError:
-        cfg = copy.deepcopy(ql.PRESETS[preset])
-        cfg["algorithm"] = algorithm
-        return cfg, None
-    mo = copy.deepcopy(getattr(mtq, preset))
-    mo["algorithm"] = {"method": algorithm}
+        cfg = copy.deepcopy(ql.PRESETS[name])
+        cfg["algorithm"] = algo
+        return (static_weight_blocks(cfg) if variant == "static" else cfg), None
+    mo = copy.deepcopy(getattr(mtq, name))
+    mo["algorithm"] = algo
+    if variant == "static":
+        static_weight_blocks(mo)
     ours = copy.deepcopy(mo)
     for entry in ours["quant_cfg"]:
         for attrs in entry.get("cfg") if isinstance(entry.get("cfg"), list) else [entry.get("cfg")]:
@@ -80,7 +109,7 @@ def configs(preset: str, algorithm: str) -> tuple[dict, dict | None]:
 def evaluate(model: nn.Module, held: torch.Tensor, ref_logp: torch.Tensor | None = None, windows: int = 64) -> tuple[float, float, torch.Tensor]:
     """(held-out perplexity, mean KL(reference || model) per byte in nats, log-probs)."""
     device = next(model.parameters()).device
-    batch = qm.windows(held, windows, seed=12345).to(device)
+    batch = qm.spaced_windows(held, windows).to(device)
     logp = torch.cat([F.log_softmax(model(b[:, :-1]).float(), dim=-1) for b in batch.split(16)])
     ppl = math.exp(F.nll_loss(logp.reshape(-1, qm.VOCAB), batch[:, 1:].reshape(-1)).item())
     kl = 0.0 if ref_logp is None else float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
@@ -114,7 +143,7 @@ def run_model(name: str, rows: list, seeds: int, batches: int, device: str, wind
         for algo in algos:
             ours, mo = configs(preset, algo)
             libs = [("quantlib", ql.quantize, ours)]
-            if mo is not None and (device == "cuda" or preset in MODELOPT_CPU):
+            if mo is not None and (device == "cuda" or preset.partition(":")[0] in MODELOPT_CPU):
                 import modelopt.torch.quantization as mtq
 
                 libs.append(("modelopt", mtq.quantize, mo))
@@ -181,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seeds", type=int, default=3, help="calibration draws (ppl vs max: mean and std over them)")
     parser.add_argument("--batches", type=int, default=8, help="calibration batches of 4 x 128 bytes per draw")
-    parser.add_argument("--windows", type=int, default=128, help="held-out windows of 128 bytes evaluated")
+    parser.add_argument("--windows", type=int, default=256, help="held-out windows of 128 bytes evaluated (evenly spaced)")
     parser.add_argument("--quick", action="store_true", help="INT4 max and awq_lite only, one draw of 4 batches, 16 windows")
     parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
     parser.add_argument("--threads", type=int, default=2)

@@ -44,6 +44,31 @@ def test_corpus_holds_out_the_tail():
     assert abs(train.numel() - 9 * held.numel()) <= 9 and held.numel() > 100_000 and int(train.max()) < qm.VOCAB
 
 
+def test_held_out_windows_cover_the_text_without_overlap():
+    text = torch.arange(10 * qm.CTX)
+    w = qm.spaced_windows(text, 9)
+    assert w.shape == (9, qm.CTX + 1) and int(w[0, 0]) == 0 and int(w[-1, -1]) == text.numel() - 1
+    assert bool((w[1:, 0] - w[:-1, 0] >= qm.CTX).all())  # the inputs of consecutive windows are disjoint
+
+
+def test_static_variant_sweeps_static_weight_blocks_only():
+    ours, mo = bq.configs("W4A16_NVFP4_CFG:static", "mse_fp8_sweep")
+    assert ours["algorithm"] == {"method": "mse", "fp8_scale_sweep": True}
+    entries = ours["quant_cfg"] if isinstance(ours["quant_cfg"], list) else [{"quantizer_name": k, "cfg": v} for k, v in ours["quant_cfg"].items()]
+    types = {e["quantizer_name"]: e["cfg"]["block_sizes"]["type"] for e in entries if isinstance(e.get("cfg"), dict) and "block_sizes" in e["cfg"]}
+    assert types == {"*weight_quantizer": "static"}
+    assert bq.configs("W4A16_NVFP4_CFG", "mse")[0]["algorithm"] == {"method": "mse"}
+    if mo is not None:  # the library's preset itself is left dynamic
+        import modelopt.torch.quantization as mtq
+
+        assert "'dynamic'" in repr(mtq.W4A16_NVFP4_CFG) and mo["algorithm"] == ours["algorithm"]
+    torch.manual_seed(0)
+    model, data = _tiny().eval(), [torch.randint(0, qm.VOCAB, (2, 16))]
+    q = {a: bq._calibrate(bq.ql.quantize, model, bq.configs("W4A16_NVFP4_CFG:static", a)[0], data)[0] for a in ("max", "mse_fp8_sweep")}
+    blocks = {a: m.layers[0].mlp.down_proj.weight_quantizer.block_amax for a, m in q.items()}
+    assert blocks["max"] is not None and not torch.equal(blocks["max"], blocks["mse_fp8_sweep"])
+
+
 def test_summary_compares_each_draw_with_its_own_max():
     rec = lambda algo, seed, ppl: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": seed, "ppl": ppl, "kl": 0.001, "calib_s": 1.0 + seed}  # noqa: E731
     rows = bq.summarize([rec("max", 0, 10.0), rec("max", 1, 20.0), rec("awq_lite", 0, 9.9), rec("awq_lite", 1, 19.6)])
