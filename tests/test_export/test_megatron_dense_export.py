@@ -4,14 +4,12 @@ weights dequantize to the rows of quantlib's fake-quantized Megatron weights, un
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
-from tests.test_export.test_megatron_export import _digest  # noqa: E402
+from tests.test_export.test_megatron_export import export_layouts, nvfp4_weights  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 import quantlib as ql  # noqa: E402
@@ -34,38 +32,12 @@ def _build_dense(tp: int):
 
 
 def _export_all(rank: int, world: int, tmp: str) -> dict:
-    from megatron.core import parallel_state as mpu
-
-    from quantlib.export.megatron import _qkv_rows, export_megatron_checkpoint
-
-    out: dict = {}
-    for layout in ("tp1", "tp2"):
-        tp, ep = shims.LAYOUTS[layout]
-        shims.set_layout(tp, ep)
-        for fmt, cfg in CASES.items():
-            model = _build_dense(tp)
-            dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-            data = shims.token_batches(4, 1)[dp_rank::dp]
-            ql.quantize(model, cfg, shims.forward_loop(data), parallel_state=ql.ParallelState.from_megatron())
-            path = os.path.join(tmp, f"{layout}-{fmt}")
-            export_megatron_checkpoint(model, path, fmt)
-            if rank == 0:
-                out[(layout, fmt)] = _digest(path)
-                if layout == "tp1" and fmt == "modelopt_nvfp4":
-                    out["check"] = _check_tp1(model, path, _qkv_rows(model.config))
-    return out
+    return export_layouts(tmp, ("tp1", "tp2"), CASES, lambda tp, ep: _build_dense(tp), _check_tp1)
 
 
 def _check_tp1(model, path: str, qkv) -> list[str]:
-    from safetensors.torch import load_file
-
-    from quantlib.formats.nvfp4 import nvfp4_dequantize
-
-    sd = load_file(os.path.join(path, "model.safetensors"))
+    deq = nvfp4_weights(path)
     bad = []
-
-    def deq(name: str) -> torch.Tensor:
-        return nvfp4_dequantize(sd[f"{name}.weight"], sd[f"{name}.weight_scale"], sd[f"{name}.weight_scale_2"], sd[f"{name}.weight"].shape[1] * 2)
 
     def check(name: str, expected: torch.Tensor) -> None:
         if not torch.equal(deq(name), expected):
@@ -85,7 +57,7 @@ def _check_tp1(model, path: str, qkv) -> list[str]:
         fc2 = layer.mlp.linear_fc2
         check(f"model.layers.{i}.mlp.down_proj", fc2.weight_quantizer(fc2.weight))
     for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"):
-        if key not in sd:
+        if key not in deq.keys:
             bad.append(f"missing {key}")
     return bad
 

@@ -29,39 +29,58 @@ def _digest(out_dir: str) -> dict[str, str]:
     return {f: hashlib.sha256(open(os.path.join(out_dir, f), "rb").read()).hexdigest() for f in sorted(os.listdir(out_dir))}
 
 
-def _export_all(rank: int, world: int, tmp: str) -> dict:
+def export_layouts(tmp: str, layouts: tuple, cases: dict, build, check) -> dict:
+    """On every rank: each layout's model built by ``build(tp, ep)``, max-calibrated with each case's config
+    on its share of the data and exported; on rank 0, the file digests by (layout, format) and, under
+    "check", ``check(model, path, qkv rows)`` of the TP1 ModelOpt NVFP4 export."""
     from megatron.core import parallel_state as mpu
 
     from quantlib.export.megatron import _qkv_rows, export_megatron_checkpoint
 
     out: dict = {}
-    for layout in ("tp1", "tp2ep2"):
+    for layout in layouts:
         tp, ep = shims.LAYOUTS[layout]
         shims.set_layout(tp, ep)
-        for fmt, cfg in CASES.items():
-            model = shims.build_gpt(tp, ep, 0, gated_linear_unit=True)
+        for fmt, cfg in cases.items():
+            model = build(tp, ep)
             dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
             data = shims.token_batches(4, 1)[dp_rank::dp]
             ql.quantize(model, cfg, shims.forward_loop(data), parallel_state=ql.ParallelState.from_megatron())
             path = os.path.join(tmp, f"{layout}-{fmt}")
             export_megatron_checkpoint(model, path, fmt)
-            if rank == 0:
+            if torch.distributed.get_rank() == 0:
                 out[(layout, fmt)] = _digest(path)
                 if layout == "tp1" and fmt == "modelopt_nvfp4":
-                    out["check"] = _check_tp1(model, path, _qkv_rows(model.config))
+                    out["check"] = check(model, path, _qkv_rows(model.config))
     return out
 
 
-def _check_tp1(model, path: str, qkv) -> list[str]:
+def nvfp4_weights(path: str):
+    """A function of a module name: its dequantized weight in the ModelOpt NVFP4 export at ``path``."""
     from safetensors.torch import load_file
 
     from quantlib.formats.nvfp4 import nvfp4_dequantize
 
     sd = load_file(os.path.join(path, "model.safetensors"))
-    bad = []
 
     def deq(name: str) -> torch.Tensor:
         return nvfp4_dequantize(sd[f"{name}.weight"], sd[f"{name}.weight_scale"], sd[f"{name}.weight_scale_2"], sd[f"{name}.weight"].shape[1] * 2)
+
+    deq.keys = sd.keys()
+    return deq
+
+
+def _build_moe(tp: int, ep: int):
+    return shims.build_gpt(tp, ep, 0, gated_linear_unit=True)
+
+
+def _export_all(rank: int, world: int, tmp: str) -> dict:
+    return export_layouts(tmp, ("tp1", "tp2ep2"), CASES, _build_moe, _check_tp1)
+
+
+def _check_tp1(model, path: str, qkv) -> list[str]:
+    deq = nvfp4_weights(path)
+    bad = []
 
     for i, layer in enumerate(model.decoder.layers):
         attn = layer.self_attention.linear_qkv

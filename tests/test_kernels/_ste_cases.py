@@ -63,3 +63,11 @@ def inputs(shape: tuple, amax: torch.Tensor, dtype: torch.dtype, seed: int = 0) 
     for i, v in enumerate([float("nan"), float("inf"), -0.0][: n // 4]):
         gf[picks[-1 - i]] = v
     return x, grad
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of a float tensor as integers, on the CPU (NaN payloads and -0 compare exactly)."""
+    return t.detach().cpu().contiguous().view(_INT_VIEW[t.dtype])

@@ -11,6 +11,7 @@ from quantlib.formats import FormatSpec, Kind
 from quantlib.kernels import ops
 
 from ._ste_cases import CASES, amax_for, inputs
+from ._ste_cases import bits as _bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,7 +19,6 @@ pytestmark = [
 ]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 LARGE = [
     ("per-tensor", FormatSpec(kind=Kind.FP8, element=(4, 3)), (4096, 4096), ()),
     ("per-row", FormatSpec(kind=Kind.INT, num_bits=8), (1000, 4096), (1000, 1)),
@@ -26,9 +26,6 @@ LARGE = [
     ("fp8 block 128x128", FormatSpec(kind=Kind.FP8_BLOCK, element=(4, 3), block=(128, 128)), (2, 300, 520), "blocks"),
 ]
 
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(_INT_VIEW[t.dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

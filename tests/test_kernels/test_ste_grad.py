@@ -11,13 +11,10 @@ from quantlib.formats import FormatSpec, Kind, Rounding
 from quantlib.kernels import ops
 
 from ._ste_cases import CASES, amax_for, inputs
+from ._ste_cases import bits as _bits
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_INT_VIEW[t.dtype])
 
 
 def _custom_op_grad(x: torch.Tensor, spec: FormatSpec, amax, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

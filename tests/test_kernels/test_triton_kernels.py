@@ -9,22 +9,13 @@ used). Shapes are small: every test runs in well under a second.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 import torch  # noqa: E402
 
-# The interpreter must be on when triton is first imported (it decides at decoration time whether
-# a @triton.jit function, its own standard library's included, is interpreted), and the switch is
-# process-wide: where a GPU is present, turning it on here would make every later GPU test of this
-# worker run interpreted (115 GPU failures on the H200, 2026-12-03), so there the module runs in a
-# subprocess (which inherits TRITON_INTERPRET=1 from test_module_in_a_fresh_interpreter).
-_FRESH = os.environ.get("TRITON_INTERPRET") == "1" or ("triton" not in sys.modules and not torch.cuda.is_available())
-if _FRESH:
-    os.environ["TRITON_INTERPRET"] = "1"
+from . import _interpreted  # noqa: E402
+
+_FRESH = _interpreted.start()
 
 triton = pytest.importorskip("triton")
 
@@ -39,16 +30,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @pytest.fixture(autouse=True)
 def interpreted(request):
     """Run in this process only when triton came up interpreted; else the subprocess test runs all."""
-    if request.node.name != "test_module_in_a_fresh_interpreter" and not _FRESH:
-        pytest.skip("triton was imported before this module: these tests run in a subprocess instead")
+    _interpreted.skip_unless_fresh(request, _FRESH)
 
 
 def test_module_in_a_fresh_interpreter():
-    if _FRESH:
-        pytest.skip("the tests of this module run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+    _interpreted.run_in_subprocess(__file__, _FRESH)
 
 
 def T():

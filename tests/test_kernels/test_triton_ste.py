@@ -7,40 +7,30 @@ is process-wide, so where a GPU is present (or triton came up compiled) the modu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-_FRESH = os.environ.get("TRITON_INTERPRET") == "1" or ("triton" not in sys.modules and not torch.cuda.is_available())
-if _FRESH:
-    os.environ["TRITON_INTERPRET"] = "1"
+from . import _interpreted  # noqa: E402
+
+_FRESH = _interpreted.start()
 
 triton = pytest.importorskip("triton")
 
 from quantlib.formats import FormatSpec, Kind  # noqa: E402
 from quantlib.kernels import ops  # noqa: E402
 
-from ._ste_cases import CASES, amax_for, inputs  # noqa: E402
+from ._ste_cases import CASES, amax_for, bits, inputs  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 @pytest.fixture(autouse=True)
 def interpreted(request):
-    if request.node.name != "test_module_in_a_fresh_interpreter" and not _FRESH:
-        pytest.skip("triton was imported before this module: these tests run in a subprocess instead")
+    _interpreted.skip_unless_fresh(request, _FRESH)
 
 
 def test_module_in_a_fresh_interpreter():
-    if _FRESH:
-        pytest.skip("the tests of this module run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+    _interpreted.run_in_subprocess(__file__, _FRESH)
 
 
 def _fused(grad, x, spec, amax):
@@ -50,7 +40,7 @@ def _fused(grad, x, spec, amax):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(_INT_VIEW[a.dtype]), b.contiguous().view(_INT_VIEW[b.dtype]))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
