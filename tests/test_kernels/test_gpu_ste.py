@@ -63,7 +63,7 @@ def test_cuda_qat_gradient_equals_the_cpu_one(case, dtype, fused, monkeypatch):
     x = torch.where(x.isfinite(), x, 0.0)
     grads = []
     for dev in ("cpu", "cuda"):
-        xr = x.to(dev).requires_grad_(True)
+        xr = x.detach().to(dev).clone().requires_grad_(True)  # x.to('cpu') is x itself: a leaf of its own per device
         ops.fake_quant(xr, spec, amax.to(dev)).backward(grad.to(dev))
         grads.append(_bits(xr.grad))
     assert torch.equal(grads[0], grads[1])
