@@ -542,14 +542,4 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     _commit(units)
 
 
-def all_reduce_over_data(t: torch.Tensor, parallel_state: ParallelState, op: str = "sum") -> torch.Tensor:
-    """All-reduce ``t`` in place over ``data_group`` with ``op`` ("sum" or "max") and return it: the
-    statistics and per-candidate losses of a calibration search, so every data-parallel rank makes the
-    choice that the union of their data makes."""
-    group = parallel_state.group("data")
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
-    return t
-
-
-__all__ = ["GROUP_NAMES", "all_reduce_over_data", "AmaxSyncError", "LayoutError", "ParallelState", "discover_parallel_state", "sync_amax", "tp_shard_dim"]
+__all__ = ["GROUP_NAMES", "AmaxSyncError", "LayoutError", "ParallelState", "discover_parallel_state", "sync_amax", "tp_shard_dim"]

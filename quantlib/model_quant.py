@@ -146,7 +146,7 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
 
         parallel_state = discover_parallel_state()
     check_bias_support(model, algo.method, parallel_state, sequential=bool(sequential))
-    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), _over_data(parallel_state, "sum"), _over_data(parallel_state, "max"), policy, *_split_over_ranks(parallel_state), sync=StatSync(parallel_state))
+    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), policy, tensor_parallel=_tensor_parallel(parallel_state), sync=StatSync(parallel_state))
     local_error = None
     try:
         if sequential:
@@ -195,20 +195,9 @@ def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_stat
                 raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced across them; calibrate on one rank")
 
 
-def _split_over_ranks(parallel_state) -> tuple[bool, bool]:
-    """(expert parallel, tensor parallel) of a layout (None: neither)."""
-    if parallel_state is None:
-        return False, False
-    return parallel_state.size("expert") > 1, parallel_state.size("tensor") > 1 or parallel_state.size("expert_tensor") > 1
-
-
-def _over_data(parallel_state, op: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """In-place ``op`` all-reduce over the data-parallel ranks (the identity without any)."""
-    if parallel_state is None:
-        return lambda t: t
-    from .distributed import all_reduce_over_data
-
-    return lambda t: all_reduce_over_data(t, parallel_state, op)
+def _tensor_parallel(parallel_state) -> bool:
+    """Whether a layout (None: one rank) splits linears over several ranks."""
+    return parallel_state is not None and (parallel_state.size("tensor") > 1 or parallel_state.size("expert_tensor") > 1)
 
 
 @register_runner("max")

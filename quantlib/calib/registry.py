@@ -100,19 +100,13 @@ class AwqLiteConfig(AlgorithmConfig):
 class CalibContext:
     """What a runner gets besides the model and its config: the user's ``forward_loop`` (None: weights
     only), ``max_calibrate(model)`` (weights from the weights, activations from one forward_loop pass:
-    the max algorithm), ``all_reduce_sum`` / ``all_reduce_max(tensor)`` (in place over the
-    data-parallel ranks; the identity on one rank) and ``sync``, the routine through which quantlib's
-    searches reduce their statistics and losses over the whole layout (data, tensor and expert
-    parallel), so every rank makes the same choice."""
+    the max algorithm) and ``sync``, the routine through which quantlib's searches reduce their
+    statistics and losses over the whole layout (data, tensor and expert parallel), so every rank makes
+    the same choice."""
 
     forward_loop: Optional[Callable[[Any], Any]]
     max_calibrate: Callable[[Any], None]
-    all_reduce_sum: Callable[[Any], Any]
-    all_reduce_max: Callable[[Any], Any]
     expert_input_policy: str = "max_of_peers"
-    #: True when experts are spread over several ranks (expert parallelism): their replicas are not
-    #: the data-parallel group, which the reductions above span
-    expert_parallel: bool = False
     #: True when linears are split over several ranks (tensor parallelism)
     tensor_parallel: bool = False
     #: the searches' sync routine over the whole layout (a ``quantlib.calib.collectives.StatSync``:

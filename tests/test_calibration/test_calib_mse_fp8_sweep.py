@@ -262,6 +262,6 @@ def test_sweep_under_tensor_parallelism_is_refused_by_name():
 
     model = ql.convert(mlp())
     ql.set_quantizer_by_cfg(model, ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG)
-    ctx = CalibContext(None, lambda m: max_calibrate(m, None, "max_of_peers"), lambda t: t, lambda t: t, tensor_parallel=True)
+    ctx = CalibContext(None, lambda m: max_calibrate(m, None, "max_of_peers"), tensor_parallel=True)
     with pytest.raises(ValueError, match=r"0.weight_quantizer: mse on NVFP4 static block scales under tensor parallelism"):
         run_mse(model, MseConfig(fp8_scale_sweep=True), ctx)
