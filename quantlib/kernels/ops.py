@@ -148,6 +148,15 @@ def _backward(ctx, grad):
 _fake_quant.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _save_for_ste(ctx, x: torch.Tensor, amax: Optional[torch.Tensor], spec: FormatSpec) -> None:
+    """Keep what the straight-through backward reads: the input and the clipping amax (references), if any."""
+    bound = ste_bound(spec, amax)
+    ctx.spec = spec
+    ctx.masked = bound is not None
+    if ctx.masked:
+        ctx.save_for_backward(x, bound)
+
+
 class _FakeQuantSTE(torch.autograd.Function):
     """Eager QAT: the implementation called directly (no dispatcher, no spec re-parsed from op args);
     the backward reads the saved input and amax (references, not copies) and clips the gradient in one
@@ -158,11 +167,7 @@ class _FakeQuantSTE(torch.autograd.Function):
     # need setup_context, take _FakeQuantSTEFunc instead (see fake_quant)
     @staticmethod
     def forward(ctx, x, amax, block_amax, spec, fn):
-        bound = ste_bound(spec, amax)
-        ctx.spec = spec
-        ctx.masked = bound is not None
-        if ctx.masked:
-            ctx.save_for_backward(x, bound)
+        _save_for_ste(ctx, x, amax, spec)
         return fn(x, spec, amax, block_amax)
 
     @staticmethod
@@ -183,11 +188,7 @@ class _FakeQuantSTEFunc(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, amax, _, spec, _ = inputs
-        bound = ste_bound(spec, amax)
-        ctx.spec = spec
-        ctx.masked = bound is not None
-        if ctx.masked:
-            ctx.save_for_backward(x, bound)
+        _save_for_ste(ctx, x, amax, spec)
 
     backward = staticmethod(_FakeQuantSTE.backward)
 
