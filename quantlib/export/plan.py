@@ -219,11 +219,6 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
     return finite, values
 
 
-def all_finite(items: list[Item]) -> bool:
-    """Whether every amax of ``items`` is finite (one device-to-host read per device)."""
-    return read_amax(items)[0]
-
-
 def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
     spec, where = it.spec, it.where
     if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
