@@ -91,8 +91,8 @@ def _pieces(model: nn.Module) -> list[tuple]:
 
 
 def _specs(model: nn.Module) -> dict[tuple, tuple]:
-    """(layer, Megatron module after ``decoder.layers.``, global expert or None) -> (weight spec, input spec) of
-    each enabled quantized linear of this rank."""
+    """(layer, Megatron module after ``decoder.layers.``, global expert or None) -> (weight spec, input spec,
+    module name, weight quantizer name) of each enabled quantized linear (or grouped GEMM) of this rank."""
     out = {}
     for name, module in model.named_modules():
         if not isinstance(module, QuantModule) or not name.startswith("decoder.layers."):
@@ -114,7 +114,7 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
                     continue
                 if not isinstance(member, TensorQuantizer):
                     raise ExportError(f"{name}.weight_quantizer[{i}] = {type(member).__name__}: the Megatron export takes one TensorQuantizer per expert GEMM")
-                out[(layer, generic, module.expert_offset + i)] = (member.spec, ispec, f"{name}.weight_quantizer[{i}]")
+                out[(layer, generic, module.expert_offset + i)] = (member.spec, ispec, name, f"{name}.weight_quantizer[{i}]")
             continue
         if not isinstance(q, TensorQuantizer):
             raise ExportError(f"{name}.weight_quantizer = {type(q).__name__}: the Megatron export takes one TensorQuantizer per linear")
@@ -122,7 +122,7 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
         if rest[:3] == ["mlp", "experts", "local_experts"]:
             experts = model.get_submodule(".".join(parts[:5]))
             expert, rest = experts.expert_offset + int(rest[3]), ["mlp", "experts", "experts"] + rest[4:]
-        out[(layer, ".".join(rest), expert)] = (q.spec, ispec, name)
+        out[(layer, ".".join(rest), expert)] = (q.spec, ispec, name, f"{name}.weight_quantizer")
     return out
 
 
@@ -227,15 +227,13 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, prepend: di
         if spec is None:
             out.append(Item(name, "unquantized", name, extras={"weight": get}, expert=e, parent=hf, leaf=leaf))
             continue
-        wspec, ispec, where = spec
+        wspec, ispec, where, where_q = spec
         amax = full.get(f"decoder.layers.{module}.weight_quantizer._amax")
         amax = None if amax is None else amax[index]
         ikey = f"decoder.layers.{module}.input_quantizer._amax"
         iamax = full.get(ikey)
         # a grouped linear's input quantizer is one per layer (no expert axis), SequentialMLP's one per expert
         iamax = None if iamax is None or ispec is None else iamax[index[: prepend[ikey]]]
-        where_q = where if where.endswith("]") else f"{where}.weight_quantizer"
-        where = where.rsplit(".weight_quantizer[", 1)[0]
         out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, _select(amax, wspec, w.shape[0], idx, where_q), ispec, iamax,
                         expert=e, shard=shard, parent=hf, leaf=leaf or name.rpartition(".")[2], shape=(len(idx), w.shape[1]), fused=f"model.layers.{i}.mlp.experts",
                         input_where=f"{where}.input_quantizer"))  # fmt: skip
