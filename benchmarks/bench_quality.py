@@ -106,14 +106,23 @@ def configs(preset: str, algorithm: str) -> tuple[dict, dict | None]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, held: torch.Tensor, ref_logp: torch.Tensor | None = None, windows: int = 64) -> tuple[float, float, torch.Tensor]:
-    """(held-out perplexity, mean KL(reference || model) per byte in nats, log-probs)."""
+def evaluate(model: nn.Module, held: torch.Tensor, ref_logp: torch.Tensor | None = None, windows: int = 64) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """(held-out perplexity, mean KL(reference || model) per byte in nats, log-probs, mean NLL per
+    window); ``windows=0`` evaluates every disjoint window of the held-out text."""
     device = next(model.parameters()).device
-    batch = qm.spaced_windows(held, windows).to(device)
+    batch = qm.spaced_windows(held, windows or held.numel() // (qm.CTX + 1)).to(device)
     logp = torch.cat([F.log_softmax(model(b[:, :-1]).float(), dim=-1) for b in batch.split(16)])
-    ppl = math.exp(F.nll_loss(logp.reshape(-1, qm.VOCAB), batch[:, 1:].reshape(-1)).item())
+    nll = -logp.gather(-1, batch[:, 1:, None]).squeeze(-1).double()
     kl = 0.0 if ref_logp is None else float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
-    return ppl, kl, logp
+    return math.exp(nll.mean().item()), kl, logp, nll.mean(1)
+
+
+def paired(nll: torch.Tensor, base: torch.Tensor) -> dict:
+    """The held-out sample's noise on a difference from ``base`` (the same draw's max row), from the
+    per-window mean NLL of both on the same windows: the standard error of the perplexity ratio in
+    percent (delta method: d ppl / ppl = d mean NLL) and how many windows got a lower NLL."""
+    d = nll - base
+    return {"se_pct": 100 * float(d.std() / math.sqrt(d.numel())), "windows_better": int((d < 0).sum()), "windows": d.numel()}
 
 
 def calibration(text: torch.Tensor, seed: int, batches: int, device: str) -> list[torch.Tensor]:
@@ -135,10 +144,11 @@ def run_model(name: str, rows: list, seeds: int, batches: int, device: str, wind
     """One record per (preset, algorithm, library, seed) for model ``name``."""
     model = BUILDERS[name](retrain=retrain).to(device)
     train_text, held = qm.corpus()
-    ppl, _, ref = evaluate(model, held, windows=windows)
+    ppl, _, ref, _ = evaluate(model, held, windows=windows)
     out = [{"model": name, "preset": "fp32", "algorithm": "-", "lib": "torch", "seed": 0, "ppl": ppl, "kl": 0.0}]
-    ppl, kl, _ = evaluate(copy.deepcopy(model).bfloat16(), held, ref, windows)
+    ppl, kl, _, _ = evaluate(copy.deepcopy(model).bfloat16(), held, ref, windows)
     out.append({"model": name, "preset": "bf16", "algorithm": "-", "lib": "torch", "seed": 0, "ppl": ppl, "kl": kl})
+    max_nll: dict[tuple, torch.Tensor] = {}
     for preset, algos in rows:
         for algo in algos:
             ours, mo = configs(preset, algo)
@@ -151,8 +161,12 @@ def run_model(name: str, rows: list, seeds: int, batches: int, device: str, wind
                 data = calibration(train_text, seed, batches, device)
                 for lib, quantize, cfg in libs:
                     q, secs = _calibrate(quantize, model, cfg, data)
-                    ppl, kl, _ = evaluate(q, held, ref, windows)
+                    ppl, kl, _, nll = evaluate(q, held, ref, windows)
                     rec = {"model": name, "preset": preset, "algorithm": algo, "lib": lib, "seed": seed, "ppl": ppl, "kl": kl, "calib_s": secs}
+                    if algo == "max":
+                        max_nll[preset, lib, seed] = nll
+                    elif (preset, lib, seed) in max_nll:
+                        rec.update(paired(nll, max_nll[preset, lib, seed]))
                     out.append(rec)
                     print(json.dumps(rec), file=sys.stderr)
     return out
@@ -175,6 +189,9 @@ def summarize(records: list[dict]) -> list[dict]:
         if diffs and algo != "max":
             row["vs_max_pct"] = statistics.fmean(diffs)
             row["vs_max_std"] = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        if all("se_pct" in r for r in rs):
+            row["se_pct"] = statistics.fmean(r["se_pct"] for r in rs)
+            row["windows_better"] = f"{sum(r['windows_better'] for r in rs)}/{sum(r['windows'] for r in rs)}"
         rows.append(row)
     return rows
 
@@ -184,8 +201,8 @@ def table(rows: list[dict]) -> str:
     by = {(r["model"], r["preset"], r["algorithm"], r["lib"]): r for r in rows}
     keys = list(dict.fromkeys((r["model"], r["preset"], r["algorithm"]) for r in rows))
     out = [
-        "| model | preset | algorithm | ppl quantlib | vs max % quantlib | ppl ModelOpt | vs max % ModelOpt | KL quantlib (mnat) | KL ModelOpt (mnat) | calib s quantlib | calib s ModelOpt |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | preset | algorithm | ppl quantlib | vs max % quantlib | held-out SE % | windows better | ppl ModelOpt | vs max % ModelOpt | KL quantlib (mnat) | KL ModelOpt (mnat) | calib s quantlib | calib s ModelOpt |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, preset, algo in keys:
         ours = by.get((model, preset, algo, "quantlib")) or by.get((model, preset, algo, "torch"))
@@ -196,9 +213,11 @@ def table(rows: list[dict]) -> str:
                 return "-"
             if key == "vs_max_pct":
                 return f"{r[key]:+.2f} ± {r['vs_max_std']:.2f}"
+            if key == "windows_better":
+                return r[key]
             return f"{r[key] * 1e3:.3f}" if key == "kl" else f"{r[key]:.4f}" if key == "ppl" else f"{r[key]:.2f}"
 
-        cells = [cell(ours, "ppl"), cell(ours, "vs_max_pct"), cell(mo, "ppl"), cell(mo, "vs_max_pct"), cell(ours, "kl"), cell(mo, "kl"), cell(ours, "calib_s"), cell(mo, "calib_s")]
+        cells = [cell(ours, "ppl"), cell(ours, "vs_max_pct"), cell(ours, "se_pct"), cell(ours, "windows_better"), cell(mo, "ppl"), cell(mo, "vs_max_pct"), cell(ours, "kl"), cell(mo, "kl"), cell(ours, "calib_s"), cell(mo, "calib_s")]
         out.append(f"| {model} | {preset} | {algo} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -210,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seeds", type=int, default=3, help="calibration draws (ppl vs max: mean and std over them)")
     parser.add_argument("--batches", type=int, default=8, help="calibration batches of 4 x 128 bytes per draw")
-    parser.add_argument("--windows", type=int, default=256, help="held-out windows of 128 bytes evaluated (evenly spaced)")
+    parser.add_argument("--windows", type=int, default=256, help="held-out windows of 128 bytes evaluated (evenly spaced); 0: every disjoint one")
     parser.add_argument("--quick", action="store_true", help="INT4 max and awq_lite only, one draw of 4 batches, 16 windows")
     parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
     parser.add_argument("--threads", type=int, default=2)

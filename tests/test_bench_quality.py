@@ -92,3 +92,12 @@ def test_quick_rows_run_on_the_cached_models():
         assert int4["kl"] > 0 and math.isfinite(int4["ppl"])
         if ("INT4_AWQ_CFG", "modelopt") in by:  # same config and data: ModelOpt's max gives the same model
             assert by[("INT4_AWQ_CFG", "modelopt")]["ppl"] == pytest.approx(int4["ppl"], rel=5e-3)
+
+
+def test_paired_error_is_the_standard_error_of_the_per_window_difference():
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    out = bq.paired(base + torch.tensor([-0.01, -0.03, 0.01, -0.01], dtype=torch.float64), base)
+    assert out["se_pct"] == pytest.approx(100 * 0.016329931618554522 / 2) and out["windows_better"] == 3 and out["windows"] == 4
+    rec = lambda algo, se: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": 0, "ppl": 1.0, "kl": 0.0, "se_pct": se, "windows_better": 3, "windows": 4}  # noqa: E731
+    row = next(r for r in bq.summarize([rec("max", 0.0), rec("mse", 0.5)]) if r["algorithm"] == "mse")
+    assert row["se_pct"] == 0.5 and row["windows_better"] == "3/4" and "| 0.50 | 3/4 |" in bq.table([row])
