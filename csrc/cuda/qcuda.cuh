@@ -505,7 +505,10 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
 }
 
 // 128 x 128 blocks over the last two dims of [L, M, K]: one CTA per block, 64 elements per thread
-// in registers (P passes of 16-byte vectors), amax by warp shuffles + shared memory.
+// in registers (P passes of 16-byte vectors), amax by warp shuffles + shared memory. A static amax
+// other than INT's needs no block reduction (no barrier between the loads and the stores): the largest
+// |x| then only chooses the reciprocal or the division, which give the same bits, so each thread
+// chooses for its own elements. INT keeps it: a NaN anywhere in its group makes the whole group NaN.
 template <typename T, int KIND, int OP, bool STATIC, bool POW2>
 __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
   using S = BlockScale<KIND, POW2, false, false>;
@@ -526,6 +529,8 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
   const int64_t v = kb * VPR + vc;  // this thread's vector within its rows
   const bool col_ok = v < vrow;
 
+  constexpr bool LOCAL = STATIC && KIND != kInt;
+  const float a_static = LOCAL ? __ldg(args.amax + blk) : 0.0f;  // in flight with the loads below
   uint4 w[P];
 #pragma unroll
   for (int p = 0; p < P; ++p) {
@@ -535,9 +540,10 @@ __global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
   uint32_t m = 0;
 #pragma unroll
   for (int p = 0; p < P; ++p) m = max(m, Elems<T>::absmax_bits(w[p]));
-  m = warps_max(m, red, kThreads / 32);
+  if (!LOCAL) m = warps_max(m, red, kThreads / 32);
 
-  const S s(group_amax<KIND, STATIC>(args.amax, blk, m), u2f(m), args.eps, args.lo, args.hi, Divisor{}, 1.0f);
+  const float a = LOCAL ? a_static : group_amax<KIND, STATIC>(args.amax, blk, m);
+  const S s(a, u2f(m), args.eps, args.lo, args.hi, Divisor{}, 1.0f);
   if (OP == kCast && threadIdx.x == 0) static_cast<uint32_t*>(args.scale)[blk] = s.stored;
   if (!col_ok) return;
 #pragma unroll

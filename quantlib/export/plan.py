@@ -106,9 +106,15 @@ def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) ->
                 )
 
 
+def _child(module: nn.Module, name: str) -> Optional[nn.Module]:
+    # quantizers are submodules: nn.Module.__getattr__ finds them only after missing three dicts
+    sub = module._modules
+    return sub[name] if name in sub else getattr(module, name, None)
+
+
 def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optional[nn.Module]]]:
     """(full name, quantizer) of every quantizer of the quantized module ``name``."""
-    return [(f"{name}.{qn}", getattr(module, qn, None)) for qn in module.quantizer_names]
+    return [(f"{name}.{qn}", _child(module, qn)) for qn in module.quantizer_names]
 
 
 def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
@@ -121,8 +127,22 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
 
 
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` without the quantizers (one traversal, shared by the plan's walks)."""
-    return [(n, m) for n, m in model.named_modules() if not isinstance(m, (TensorQuantizer, QuantizerContainer))]
+    """``model.named_modules()`` without the quantizers, in its order and with its names (one traversal,
+    shared by the plan's walks). It does not descend into quantizers: ``named_modules`` would visit every
+    quantizer's own submodules (a generator each), a third of a GPU export's host time."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue  # a module reachable twice keeps its first name, as in named_modules
+        seen.add(id(module))
+        out.append((name, module))
+        prefix = name + "." if name else ""
+        children = [(prefix + k, c) for k, c in module._modules.items() if c is not None and not isinstance(c, (TensorQuantizer, QuantizerContainer))]
+        stack.extend(reversed(children))
+    return out
 
 
 def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
@@ -144,14 +164,14 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
         elif isinstance(module, QuantModule) and "weight" in direct:
             groups = list(module.weight_groups())
-            q = getattr(module, "weight_quantizer", None)
+            q = _child(module, "weight_quantizer")
             if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not module.weight:
                 raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
             if isinstance(q, SequentialQuantizer) and q.is_enabled:
                 raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
             if isinstance(q, TensorQuantizer) and q.is_enabled:
                 w = direct.pop("weight")
-                ispec, iamax = _active_input(getattr(module, "input_quantizer", None))
+                ispec, iamax = _active_input(_child(module, "input_quantizer"))
                 extras = {k: _getter(t) for k, t in direct.items()}
                 spec = q.spec
                 block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup

@@ -78,15 +78,16 @@ def static_scales(pairs: list[tuple[FormatSpec, torch.Tensor]]) -> list[Optional
 
 
 def _fp8_codes(w: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
-    """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula), on the CPU in row chunks whose fp32
-    temporaries stay in cache; ``scale`` is per tensor or per row."""
+    """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula) in row chunks, so that the fp32
+    temporaries stay small: in cache on the CPU (64 Ki elements), and at most 16 Mi elements (64 MiB) on
+    a GPU, where a whole-tensor fp32 copy took 4x the codes' memory; ``scale`` is per tensor or per row."""
     q = FLOAT_FORMATS[element][0]
-    if w.device.type != "cpu":  # whole-tensor kernels, in place on one fp32 copy (a copy: w may be fp32 itself)
-        return w.to(torch.float32, copy=True).mul_(scale).clamp_(-q, q).to(fp8_dtype(element))
-    step = max(1, (1 << 16) // max(1, w.shape[1]))
+    limit = (1 << 16) if w.device.type == "cpu" else (1 << 24)
+    step = max(1, limit // max(1, w.shape[1]))
     per_row = scale.dim() == 2 and scale.shape[0] == w.shape[0] and w.shape[0] > 1
     out = torch.empty(w.shape, dtype=fp8_dtype(element), device=w.device)
     for r0 in range(0, w.shape[0], step):
-        y = w[r0 : r0 + step].float() * (scale[r0 : r0 + step] if per_row else scale)
-        out[r0 : r0 + step] = y.clamp_(-q, q).to(out.dtype)
+        # a copy, then in place: w may be fp32 itself
+        y = w[r0 : r0 + step].to(torch.float32, copy=True).mul_(scale[r0 : r0 + step] if per_row else scale)
+        out[r0 : r0 + step] = y.clamp_(-q, q)
     return out

@@ -132,3 +132,18 @@ def test_gpu_export_equals_cpu_export(fmt):
         g = on_gpu[k]
         assert g.dtype == t.dtype and g.shape == t.shape, k
         assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, t.view(torch.uint8) if t.dtype.itemsize == 1 else t), k
+
+
+def test_plan_traversal_is_named_modules_without_the_quantizers():
+    """The plan's own traversal (which skips quantizer subtrees) lists exactly what ``named_modules``
+    lists once the quantizers are filtered out: the same names, order and first names of shared modules."""
+    from quantlib.export.plan import named_modules
+    from quantlib.nn.containers import QuantizerContainer
+    from quantlib.nn.tensor_quantizer import TensorQuantizer
+
+    from tests.test_export._export_models import llama, qwen3_moe
+
+    for model in (quantized(llama(), CASES["modelopt_fp8"]), quantized(qwen3_moe(), CASES["hf_mxfp8"])):
+        model.extra = torch.nn.ModuleList([model.model.layers[1].mlp, torch.nn.Linear(2, 2)])  # shared: keeps its first name
+        torch_order = [(n, id(m)) for n, m in model.named_modules() if not isinstance(m, (TensorQuantizer, QuantizerContainer))]
+        assert [(n, id(m)) for n, m in named_modules(model)] == torch_order and "extra.1" in dict(torch_order)
