@@ -9,6 +9,15 @@ quantized together: the weight is stacked once per candidate along a new leading
 one kernel call with a per-candidate, per-group amax, on the weight's device; chunks of candidates
 bound the memory (:data:`CHUNK_ELEMENTS`).
 
+NVFP4 weights with dynamic blocks (``"type": "dynamic"``, e.g. ``W4A16_NVFP4_CFG``) search their global
+amax, as ModelOpt's ``MseCalibrator`` does with the per-tensor ``_amax`` of such a quantizer (its op's
+global amax): each candidate ``max_amax * m`` is the fake quant's global amax, the E4M3 block scales
+recomputed from every block's max against it (a block whose max exceeds ``m * max_amax`` gets scale 448
+and is clipped there), and the first candidate of least squared error summed over the whole weight
+becomes the quantizer's amax, which fake quant and export use. The kernels take one global amax, so the
+candidates are quantized in one batch by the format's reference math
+(:func:`quantlib.formats.nvfp4.nvfp4_fake_quant_stacked`, bit for bit every backend's fake quant).
+
 NVFP4 weights with static blocks search their block amax (the global amax stays the max-calibrated
 one, which the block scales are relative to). ``fp8_scale_sweep`` (ModelOpt's
 ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG``) replaces the multipliers by the 126 positive finite E4M3
@@ -31,6 +40,7 @@ from torch import nn
 
 from ..formats import FormatSpec, Kind
 from ..formats.blocks import to_blocks
+from ..formats.nvfp4 import nvfp4_fake_quant_stacked
 from ..kernels import block_amax, ops
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
@@ -74,6 +84,15 @@ def search_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidate
     return (a * cands[best]).reshape(shape), best.reshape(shape)
 
 
+def search_global_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 dynamic blocks: (best global amax, index of the chosen candidate) of weight ``w`` with max
+    global amax ``amax``: the first multiple of least squared error summed over the whole weight."""
+    a = amax.to(w.device, torch.float32)
+    batch = a.reshape(()) * candidates.to(w.device, torch.float32)  # [K], as ModelOpt's amax * candidate
+    best = _first_least(w, spec, batch, lambda xs, c: nvfp4_fake_quant_stacked(xs, c, spec.block[0]), whole=True)
+    return batch[best].reshape(a.shape), best
+
+
 def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tensor, block_amax: torch.Tensor, candidates: torch.Tensor, sweep: bool, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 static blocks: (best block amax, index of the chosen candidate per block) of weight ``w``
     against the fixed ``global_amax``: candidates are multipliers of ``block_amax``, or with ``sweep``
@@ -86,16 +105,18 @@ def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tens
     return base * cands[best], best
 
 
-def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], whole: bool = False) -> torch.Tensor:
     """Per group, the index of the first of the ``K`` candidate amax ``batch_amax`` [K, *amax] whose
-    fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group."""
+    fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group
+    (``whole``: one group, the whole weight)."""
     x = w.detach().float()
     chunk = max(1, CHUNK_ELEMENTS // max(1, x.numel()))
     losses = []
     for start in range(0, batch_amax.shape[0], chunk):
         c = batch_amax[start : start + chunk]
         xs = x.unsqueeze(0).expand((c.shape[0],) + tuple(x.shape)).contiguous()
-        losses.append(group_sq_error((quant(xs, c) - xs).square(), spec, tuple(c.shape[1:])))
+        err = (quant(xs, c) - xs).square()
+        losses.append(err.flatten(1).sum(-1) if whole else group_sq_error(err, spec, tuple(c.shape[1:])))
     return torch.argmin(torch.cat(losses), dim=0)  # first minimum: the smaller candidate wins ties
 
 
@@ -108,14 +129,15 @@ def _static_weight_members(module: QuantModule) -> Iterator[tuple[str, TensorQua
             if not isinstance(leaf, TensorQuantizer):
                 _log.info("mse: %s is a chain of quantizers; it keeps its max amax", where)
                 continue
-            if leaf.is_enabled and leaf.needs_calibration and (leaf.spec.kind != Kind.NVFP4 or leaf.static_blocks):
+            if leaf.is_enabled and leaf.needs_calibration:  # dynamic NVFP4 blocks: the global amax is searched
                 yield where, leaf, w
 
 
 @register_runner("mse")
 def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
-    """Max calibration, then the MSE search of every static weight quantizer's amax (with
-    ``fp8_scale_sweep``: the E4M3 scale sweep of NVFP4 static block weights only)."""
+    """Max calibration, then the MSE search of every static weight quantizer's amax (NVFP4 dynamic
+    blocks: the global amax; with ``fp8_scale_sweep``: the E4M3 scale sweep of NVFP4 static block
+    weights only)."""
     ctx.max_calibrate(model)
     candidates = fp8_scale_candidates() if cfg.fp8_scale_sweep else multipliers(cfg)
     members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf, w in _static_weight_members(module)]
@@ -132,5 +154,7 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
             if leaf.static_blocks:
                 blocks = leaf.block_amax if leaf.block_amax is not None else block_amax(x.detach(), leaf.spec.block, backend=leaf.attrs.backend)
                 leaf.block_amax, _ = search_block_amax(x, leaf.spec, leaf.amax, blocks, candidates, cfg.fp8_scale_sweep, leaf.attrs.backend)
+            elif leaf.spec.kind == Kind.NVFP4:
+                leaf.amax, _ = search_global_amax(x, leaf.spec, leaf.amax, candidates)
             else:
                 leaf.amax, _ = search_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
