@@ -14,9 +14,9 @@ amax, as ModelOpt's ``MseCalibrator`` does with the per-tensor ``_amax`` of such
 global amax): each candidate ``max_amax * m`` is the fake quant's global amax, the E4M3 block scales
 recomputed from every block's max against it (a block whose max exceeds ``m * max_amax`` gets scale 448
 and is clipped there), and the first candidate of least squared error summed over the whole weight
-becomes the quantizer's amax, which fake quant and export use. The kernels take one global amax, so the
-candidates are quantized in one batch by the format's reference math
-(:func:`quantlib.formats.nvfp4.nvfp4_fake_quant_stacked`, bit for bit every backend's fake quant).
+becomes the quantizer's amax, which fake quant and export use. The kernels take one global amax, so
+each candidate is one kernel call over the whole weight (a group of one: nothing to batch), its loss
+kept on the device; one argmin reads the choice.
 
 NVFP4 weights with static blocks search their block amax (the global amax stays the max-calibrated
 one, which the block scales are relative to). ``fp8_scale_sweep`` (ModelOpt's
@@ -40,7 +40,6 @@ from torch import nn
 
 from ..formats import FormatSpec, Kind
 from ..formats.blocks import to_blocks
-from ..formats.nvfp4 import nvfp4_fake_quant_stacked
 from ..kernels import block_amax, ops
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
@@ -84,12 +83,14 @@ def search_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidate
     return (a * cands[best]).reshape(shape), best.reshape(shape)
 
 
-def search_global_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def search_global_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 dynamic blocks: (best global amax, index of the chosen candidate) of weight ``w`` with max
     global amax ``amax``: the first multiple of least squared error summed over the whole weight."""
     a = amax.to(w.device, torch.float32)
     batch = a.reshape(()) * candidates.to(w.device, torch.float32)  # [K], as ModelOpt's amax * candidate
-    best = _first_least(w, spec, batch, lambda xs, c: nvfp4_fake_quant_stacked(xs, c, spec.block[0]), whole=True)
+    x = w.detach().float()  # as ModelOpt: the error of the fp32 weight's fake quant
+    losses = torch.stack([(ops.fake_quant(x, spec, g, backend) - x).square().sum() for g in batch])
+    best = torch.argmin(losses)  # first minimum: the smaller candidate wins ties
     return batch[best].reshape(a.shape), best
 
 
@@ -105,18 +106,16 @@ def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tens
     return base * cands[best], best
 
 
-def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], whole: bool = False) -> torch.Tensor:
+def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Per group, the index of the first of the ``K`` candidate amax ``batch_amax`` [K, *amax] whose
-    fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group
-    (``whole``: one group, the whole weight)."""
+    fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group."""
     x = w.detach().float()
     chunk = max(1, CHUNK_ELEMENTS // max(1, x.numel()))
     losses = []
     for start in range(0, batch_amax.shape[0], chunk):
         c = batch_amax[start : start + chunk]
         xs = x.unsqueeze(0).expand((c.shape[0],) + tuple(x.shape)).contiguous()
-        err = (quant(xs, c) - xs).square()
-        losses.append(err.flatten(1).sum(-1) if whole else group_sq_error(err, spec, tuple(c.shape[1:])))
+        losses.append(group_sq_error((quant(xs, c) - xs).square(), spec, tuple(c.shape[1:])))
     return torch.argmin(torch.cat(losses), dim=0)  # first minimum: the smaller candidate wins ties
 
 
@@ -155,6 +154,6 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
                 blocks = leaf.block_amax if leaf.block_amax is not None else block_amax(x.detach(), leaf.spec.block, backend=leaf.attrs.backend)
                 leaf.block_amax, _ = search_block_amax(x, leaf.spec, leaf.amax, blocks, candidates, cfg.fp8_scale_sweep, leaf.attrs.backend)
             elif leaf.spec.kind == Kind.NVFP4:
-                leaf.amax, _ = search_global_amax(x, leaf.spec, leaf.amax, candidates)
+                leaf.amax, _ = search_global_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
             else:
                 leaf.amax, _ = search_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)

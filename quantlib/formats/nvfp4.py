@@ -24,11 +24,7 @@ _SB_MIN = 2.0**-9
 
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """fp32 scalar ``s2`` from the global amax ``A``."""
-    return _global_scales(global_amax.float().reshape(()))
-
-
-def _global_scales(a: torch.Tensor) -> torch.Tensor:
-    """``s2`` of every fp32 global amax in ``a`` (any shape)."""
+    a = global_amax.float().reshape(())
     return torch.where(a <= TINY_AMAX, torch.ones_like(a), a / torch.full_like(a, 6.0 * _E4M3_MAX))  # IEEE on every device
 
 
@@ -81,14 +77,3 @@ def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, b
     """fp32 fake-quantized ``x``."""
     packed, sb8, s2 = nvfp4_quantize(x, global_amax, block, block_amax)
     return nvfp4_dequantize(packed, sb8, s2, x.shape[-1], block)
-
-
-def nvfp4_fake_quant_stacked(xs: torch.Tensor, global_amax: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
-    """fp32 fake quant of every ``xs[k]`` with dynamic blocks and its own global amax ``global_amax[k]``:
-    :func:`nvfp4_fake_quant` of each, bit for bit, in one batch (the kernels take one global amax)."""
-    xf = xs.float()
-    s2 = _global_scales(global_amax.to(xf.device, torch.float32).reshape((-1,) + (1,) * (xs.dim() - 1)))
-    a = max_per_block(xf, (block,))  # [K, ..., blocks]
-    d = (nvfp4_block_scale(a, s2).float() * s2).unsqueeze(-1)
-    values = e2m1_decode(e2m1_encode(to_blocks(xf, (block,)) / d)) * d
-    return from_blocks(values, (block,), xs.shape)
