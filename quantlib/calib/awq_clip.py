@@ -12,7 +12,8 @@ grid, rounded to 2 decimals):
   evenly strided) tokens of ``(sum over the block of x' (Q_r(W') - W'))^2``, summed over calls;
 - NVFP4: the mean of ``(x' Q_r(W')^T - x' W'^T)^2`` summed over calls;
 
-``Q_r`` quantizing with ``r`` times the max amax of ``W'``. Losses are SUM-reduced over the
+``Q_r`` quantizing with ``r`` times the max amax of ``W'``. Blocks search every ratio at once (one
+batched GEMM per call over ``W'`` and its quantized copies, bit for bit the per-ratio losses). Losses are SUM-reduced over the
 data-parallel ranks; each group keeps the first ratio of least loss. As ModelOpt's ``awq_clip``,
 computed from cached inputs instead of another forward_loop pass. Chains of weight quantizers (W4A8)
 and other layouts keep their amax, with a warning. Fused experts: each expert's weight quantizer member
@@ -28,7 +29,7 @@ amax on a row-parallel linear; a column-parallel NVFP4 loss is the mean over eve
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +48,14 @@ from .shards import groups_span_shards
 
 _log = logging.getLogger("quantlib")
 
+#: largest number of weight elements (quantized copies included) one batched clip search holds
+CHUNK_ELEMENTS = 1 << 24
+
 
 def clip_ratios(cfg: AwqClipConfig) -> list[float]:
     """ModelOpt's ratios: ``arange(min_clip_ratio, 1, shrink_step)`` rounded to 2 decimals, then 1
     (once: fp32 steps can land on 0.99999..., which rounds to 1 as well)."""
-    return list(dict.fromkeys([round(float(k), 2) for k in torch.arange(cfg.min_clip_ratio, 1.0, cfg.shrink_step)] + [1.0]))
+    return list(dict.fromkeys([round(k, 2) for k in torch.arange(cfg.min_clip_ratio, 1.0, cfg.shrink_step).tolist()] + [1.0]))
 
 
 def clippable(q: nn.Module) -> bool:
@@ -73,10 +77,23 @@ def _blocked(w: torch.Tensor, block: int) -> torch.Tensor:
     return (F.pad(w, (0, pad)) if pad else w).reshape(w.shape[0], -1, block).permute(1, 2, 0)
 
 
-def _block_outputs(xb: torch.Tensor, wb: torch.Tensor, co_batch: int) -> list[torch.Tensor]:
-    """Per output-channel batch, [co_batch, tokens, n_blocks]: each block's partial dot products, one
-    batched matmul over the blocks (``xb``: [n_blocks, tokens, block])."""
-    return [torch.bmm(xb, wb[:, :, start : start + co_batch]).permute(2, 1, 0) for start in range(0, wb.shape[-1], co_batch)]
+def _pieces(rows: int, cols: int, n_ratios: int, co_batch: int) -> list[tuple[slice, slice]]:
+    """(output channels, ratios) searched by one batched product: ``co_batch`` channels, and as many
+    ratios as :data:`CHUNK_ELEMENTS` weight elements hold (at least one)."""
+    per = max(1, min(n_ratios, CHUNK_ELEMENTS // max(1, min(rows, co_batch) * cols) - 1))  # - 1: the reference
+    return [(slice(r, min(r + co_batch, rows)), slice(k, min(k + per, n_ratios))) for r in range(0, rows, co_batch) for k in range(0, n_ratios, per)]
+
+
+def _piece_weights(q: TensorQuantizer, w: torch.Tensor, cands: torch.Tensor, rows: slice, ks: slice, block: int) -> torch.Tensor:
+    """[(1 + k) * n_blocks, block, co]: the blocks (:func:`_blocked`) of the ``rows`` of ``w`` (the
+    reference), then of their fake quant with each candidate amax of ``cands[ks]``, quantized by one
+    kernel call (a block lies in one row: a row slice quantizes as the whole weight does)."""
+    ws = w[rows]
+    c = cands[ks, rows].transpose(0, 1).contiguous()  # [co, k, n_blocks]
+    wq = _quantize(q, ws.unsqueeze(1).expand(ws.shape[0], c.shape[1], ws.shape[1]).contiguous(), c)
+    both = torch.cat([ws.unsqueeze(1), wq], dim=1)  # [co, 1 + k, ci]: each copy's blocks side by side
+    pad = -both.shape[-1] % block
+    return _blocked((F.pad(both, (0, pad)) if pad else both).flatten(1), block)
 
 
 def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig, sync: Optional[StatSync] = None, span: bool = False) -> torch.Tensor:
@@ -89,9 +106,8 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     role = sync.role(module)
     w = q.pre_scale(module.weight.detach())
     xs = [input_pre_scale(module, x) for x in inputs]
-    per_tensor = q.spec.kind == Kind.NVFP4
-    losses = torch.zeros((len(ratios),) + (() if per_tensor else tuple(w_amax.shape)), dtype=torch.float32, device=w.device)
-    if per_tensor:
+    if q.spec.kind == Kind.NVFP4:
+        losses = torch.zeros(len(ratios), dtype=torch.float32, device=w.device)
         refs = [x @ w.T for x in xs]
         for k, r in enumerate(ratios):
             wq = _quantize(q, w, w_amax * r)
@@ -103,34 +119,69 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
         if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
             losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
         return losses
-    tokens = []
-    for x in xs:
-        x = x.reshape(-1, x.shape[-1])
-        tokens.append(x[0 :: max(1, x.shape[0] // cfg.max_tokens_per_batch)])
-    block, co_batch = q.spec.block[0], cfg.max_co_batch_size
-    for x in tokens:
-        pad = -x.shape[-1] % block
-        xb = (F.pad(x, (0, pad)) if pad else x).reshape(x.shape[0], -1, block).transpose(0, 1)
-        refs = _block_outputs(xb, _blocked(w, block), co_batch)  # once per call, as ModelOpt's org_out
-        for k, r in enumerate(ratios):
-            # one quantized copy at a time: quantizing is ~1/tokens of the products below
-            cur = _block_outputs(xb, _blocked(_quantize(q, w, w_amax * r), block), co_batch)
-            errs = [(c - ref).float() for c, ref in zip(cur, refs)]
-            if span:  # each shard holds a part of the one block of a row: the block's output is their sum
-                errs = [sync.over_shards(e, "sum", module) for e in errs]
-            losses[k] += torch.cat([e.pow(2).mean(dim=1) for e in errs])
+    losses = block_losses(q, w, xs, w_amax, ratios, cfg, (lambda e: sync.over_shards(e, "sum", module)) if span else None)
     if role == "replicated" and sync.peer_group(module):  # whole copies on every tensor rank: one loss
         losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
     return losses
 
 
+def block_losses(q: TensorQuantizer, w: torch.Tensor, xs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig, span: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """fp32 [len(ratios), *w_amax.shape]: per block, the summed loss of every ratio of weight ``w`` on
+    the (pre-scaled) inputs ``xs``; ``span`` sums a block's partial outputs over the shards.
+
+    Every ratio is searched at once: the blocks of the reference weight and of its quantized copies
+    are one batched GEMM's entries, so a call costs a fixed number of ops whatever the number of
+    ratios; each GEMM (same shape and operand layout) and each reduction (same layout, same reduced
+    dim) is the one a single ratio's search runs, so the losses are bit for bit the per-ratio ones. The copies are quantized once per linear
+    where they fit (:data:`CHUNK_ELEMENTS` in all), else once per call (as ModelOpt: ~1/tokens of the
+    products)."""
+    block, rows = q.spec.block[0], w.shape[0]
+    cands = w_amax.unsqueeze(0) * _ratio_tensor(ratios, w_amax.device).reshape((-1,) + (1,) * w_amax.dim())
+    pieces = _pieces(rows, w.shape[-1], len(ratios), cfg.max_co_batch_size)
+    kept = [_piece_weights(q, w, cands, r, k, block) for r, k in pieces] if len(pieces) == 1 or (len(ratios) + 1) * w.numel() <= CHUNK_ELEMENTS else None
+    sums: list[Optional[torch.Tensor]] = [None] * len(pieces)  # per piece: the sum over the calls so far
+    for x in xs:
+        x = x.reshape(-1, x.shape[-1])
+        x = x[0 :: max(1, x.shape[0] // cfg.max_tokens_per_batch)]
+        pad = -x.shape[-1] % block
+        x = F.pad(x, (0, pad)) if pad else x
+        for i, (r, k) in enumerate(pieces):
+            n = 1 + k.stop - k.start
+            # each GEMM of the batch is one copy's block: the very product a single copy's bmm computes
+            xb = x.repeat(1, n).reshape(x.shape[0], -1, block).transpose(0, 1)
+            out = torch.bmm(xb, kept[i] if kept is not None else _piece_weights(q, w, cands, r, k, block)).unflatten(0, (n, -1))
+            err = out[1:] - out[:1]  # [k, n_blocks, tokens, co]
+            err = err if err.dtype == torch.float32 else err.float()
+            if span is not None:  # each shard holds a part of the one block of a row: the block's output is their sum
+                err = span(err)
+            loss = err.permute(0, 3, 2, 1).pow(2).mean(dim=2)  # [k, co, n_blocks]
+            sums[i] = loss if sums[i] is None else sums[i].add_(loss)  # 0 + loss would be loss: the same sums
+    losses = torch.zeros((len(ratios),) + tuple(w_amax.shape), dtype=torch.float32, device=w.device)
+    for (r, k), total in zip(pieces, sums):
+        if total is not None:
+            losses[k, r] = total
+    return losses
+
+
+_RATIOS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+
+def _ratio_tensor(ratios: list[float], device: torch.device) -> torch.Tensor:
+    """fp32 ``ratios`` on ``device``, copied there once."""
+    key = (tuple(ratios), torch.device(device))
+    if key not in _RATIOS:
+        _RATIOS[key] = torch.tensor(ratios, dtype=torch.float32, device=device)
+    return _RATIOS[key]
+
+
 def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float], cfg: AwqClipConfig, ctx: CalibContext) -> None:
     """The clip search of every clippable target, then the chosen amax set. Every rank calls the
     replicas' reduction of every clippable target's losses (zeros where it got no tokens), and raises,
-    together with the others, only once every target is searched."""
+    together with the others, only once every target is searched. The losses' finiteness is read back
+    once for every target (one device sync), not per target."""
     sync = stat_sync(ctx)
     ratios = clip_ratios(cfg)
-    chosen, bad = [], []
+    searched, finite = [], []
     with torch.no_grad():
         for (name, m, _), n_calls in progress(zip(targets, calls), "awq_clip search", len(targets)):
             q = m.weight_quantizer
@@ -151,14 +202,14 @@ def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float
             inputs[name] = []
             if not n_calls:
                 continue
-            if not bool(torch.isfinite(losses).all()):
-                bad.append(name)
-                continue
             best = torch.argmin(losses, dim=0)  # first least loss: the smaller ratio wins ties
-            ratio = torch.tensor(ratios, dtype=torch.float32, device=w_amax.device)[best]
-            chosen.append((m, q, w_amax * ratio.reshape(w_amax.shape), ratio))
+            ratio = _ratio_tensor(ratios, w_amax.device)[best]
+            searched.append((name, m, q, w_amax * ratio.reshape(w_amax.shape), ratio))
+            finite.append(torch.isfinite(losses).all())
+    ok = torch.stack([f.to(finite[0].device) for f in finite]).tolist() if finite else []  # targets may sit on several devices
+    bad = [name for (name, *_), good in zip(searched, ok) if not good]
     sync.step("awq_clip", lambda: _raise_nonfinite(bad))
-    for m, q, amax, ratio in chosen:
+    for _, m, q, amax, ratio in searched:
         q.amax = amax
         store_result(m, "awq_clip_ratio", ratio)
 

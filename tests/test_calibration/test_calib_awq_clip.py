@@ -127,3 +127,58 @@ def test_dp2_awq_full_ranks_agree_and_match_one_process():
         assert torch.equal(outs[0]["amax"][k], outs[1]["amax"][k]) and torch.equal(outs[0]["pqs"][k], outs[1]["pqs"][k])
         torch.testing.assert_close(outs[0]["amax"][k], single[i].weight_quantizer.amax, rtol=1e-5, atol=0)
         torch.testing.assert_close(outs[0]["pqs"][k], single[i].input_quantizer.pre_quant_scale, rtol=1e-5, atol=0)
+
+
+def _per_ratio_losses(q, w, xs, w_amax, ratios, cfg, block):
+    """The search one ratio at a time (the loop before ratios were batched): per call, ratio and
+    ``max_co_batch_size`` output channels, one quantized weight and one bmm."""
+    from quantlib.calib.awq_clip import _blocked, _quantize
+
+    def outputs(xb, wb):
+        return [torch.bmm(xb, wb[:, :, s : s + cfg.max_co_batch_size]).permute(2, 1, 0) for s in range(0, wb.shape[-1], cfg.max_co_batch_size)]
+
+    losses = torch.zeros((len(ratios),) + tuple(w_amax.shape))
+    for x in xs:
+        x = x.reshape(-1, x.shape[-1])
+        x = x[0 :: max(1, x.shape[0] // cfg.max_tokens_per_batch)]
+        xb = x.reshape(x.shape[0], -1, block).transpose(0, 1)
+        refs = outputs(xb, _blocked(w, block))
+        for k, r in enumerate(ratios):
+            curs = outputs(xb, _blocked(_quantize(q, w, w_amax * r), block))
+            losses[k] += torch.cat([(c - ref).float().pow(2).mean(dim=1) for c, ref in zip(curs, refs)])
+    return losses
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_batched_ratios_give_the_per_ratio_losses_bit_for_bit(monkeypatch, dtype, chunk):
+    from quantlib.calib import awq_clip
+
+    if chunk is not None:  # one ratio per product, re-quantized every call
+        monkeypatch.setattr(awq_clip, "CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(5)
+    model = ql.quantize(nn.Sequential(nn.Linear(96, 40, bias=False)).to(dtype), _cfg("max"))
+    q, w = model[0].weight_quantizer, model[0].weight.detach()
+    xs = [torch.randn(n, 96, generator=g).to(dtype) for n in (70, 300)]
+    cfg = AwqClipConfig(max_co_batch_size=16)  # three output-channel pieces
+    ratios = clip_ratios(cfg)
+    got = awq_clip.block_losses(q, w, xs, q.amax, ratios, cfg)
+    assert torch.equal(got, _per_ratio_losses(q, w, xs, q.amax, ratios, cfg, 32))
+
+
+def test_search_reads_nothing_back_per_linear_or_ratio(monkeypatch):
+    from torch.profiler import ProfilerActivity, profile
+
+    from quantlib.calib import awq_clip
+
+    counts = {}
+    inner = awq_clip.clip
+
+    def profiled(*args, **kwargs):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            inner(*args, **kwargs)
+        counts.update({e.key: e.count for e in prof.key_averages()})
+
+    monkeypatch.setattr(awq_clip, "clip", profiled)
+    ql.quantize(mlp(), _cfg("awq_clip"), loop(outlier_data()))
+    assert counts.get("aten::bmm", 0) > 0 and counts.get("aten::_local_scalar_dense", 0) == 0 and counts.get("aten::is_nonzero", 0) == 0
