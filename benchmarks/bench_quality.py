@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--windows", type=int, default=256, help="held-out windows of 128 bytes evaluated (evenly spaced); 0: every disjoint one")
     parser.add_argument("--quick", action="store_true", help="INT4 max and awq_lite only, one draw of 4 batches, 16 windows")
     parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
+    parser.add_argument("--presets", nargs="+", default=None, help="only these rows' presets (e.g. W4A16_NVFP4_CFG 'W4A16_NVFP4_CFG:static')")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     models = ["dense", "moe"] if args.model == "both" else [args.model]
     records = []
     for name in models:
-        rows = (QUICK_ROWS if args.quick else ROWS)[name]
+        rows = [r for r in (QUICK_ROWS if args.quick else ROWS)[name] if args.presets is None or r[0] in args.presets]
         records += run_model(name, rows, args.seeds, args.batches, args.device, args.windows, args.retrain)
     rows = summarize(records)
     print(table(rows))
