@@ -127,6 +127,11 @@ class QuantFusedExperts(QuantModule):
     def _linear(self, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
         w = self.quantize_weight(self._expert_view(proj, e), f"{proj}_weight_quantizer", e)
         bias = getattr(self, f"{proj}_bias")[e] if flag(self, "has_bias") else None
+        if flag(self, "is_transposed"):
+            # transformers' transposed layouts (GPT-OSS) compute x @ W + b: a GEMM, then the bias added;
+            # F.linear would fuse the bias into the GEMM's accumulation and round differently
+            h = x @ w.transpose(0, 1).contiguous()  # W as transformers holds it: row-major (in, out)
+            return h if bias is None else h + bias
         return F.linear(x, w, bias)
 
     def _calibrating(self) -> bool:
