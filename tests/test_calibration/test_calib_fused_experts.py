@@ -101,8 +101,18 @@ def routed_inputs(model: nn.Module, data: list[torch.Tensor]) -> dict[tuple[str,
             xe = hidden[tok]
             out.setdefault(("gate_up_proj", e), []).append(xe)
             with torch.no_grad():
-                out.setdefault(("down_proj", e), []).append(experts._apply_gate(F.linear(xe, *_slice(experts, "gate_up_proj", e))))
+                out.setdefault(("down_proj", e), []).append(experts._apply_gate(_gemm(experts, "gate_up_proj", e, xe)))
     return out
+
+
+def _gemm(experts: nn.Module, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's unquantized GEMM as transformers computes it: transposed layouts (GPT-OSS) as
+    ``x @ W + b``, the others as a linear; the down projection's inputs must be those bits."""
+    w, b = _slice(experts, proj, e)
+    if not experts.is_transposed:
+        return F.linear(x, w, b)
+    h = x @ getattr(experts, proj)[e]
+    return h if b is None else h + b
 
 
 def _slice(experts: nn.Module, proj: str, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
