@@ -3,6 +3,7 @@ anything is packed or written (DESIGN §9)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -68,11 +69,15 @@ def _fused_experts_class() -> type:
     return QuantFusedExperts
 
 
-def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
-    # the module's own dicts: named_parameters(recurse=False) costs a generator and a memo per module
-    out = {k: p for k, p in module._parameters.items() if p is not None}
-    for k, b in module._buffers.items():
-        if b is not None and k not in module._non_persistent_buffers_set:
+def _direct(module: nn.Module, seen: frozenset | set = frozenset()) -> dict[str, torch.Tensor]:
+    """The module's own persistent tensors not in ``seen`` (ids): read from its dicts, since
+    named_parameters(recurse=False) costs a generator and a memo per module."""
+    params, buffers = module._parameters, module._buffers
+    if not params and not buffers:
+        return {}
+    out = {k: p for k, p in params.items() if p is not None and id(p) not in seen}
+    for k, b in buffers.items():
+        if b is not None and k not in module._non_persistent_buffers_set and id(b) not in seen:
             out[k] = b
     return out
 
@@ -117,6 +122,18 @@ def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optiona
     return [(f"{name}.{qn}", _child(module, qn)) for qn in module.quantizer_names]
 
 
+def _holds_pre_quant_scale(module: QuantModule) -> bool:
+    # the walk's quick test before refuse_pre_quant_scale names the quantizer: an unset scale is in
+    # neither the buffers nor the instance dict (a container's members are checked by the slow path)
+    for q in module._modules.values():
+        if isinstance(q, TensorQuantizer):
+            if _PQS in q._buffers or _PQS in q.__dict__:
+                return True
+        elif isinstance(q, QuantizerContainer):
+            return True
+    return False
+
+
 def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
     """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
     if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
@@ -124,6 +141,9 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     if spec.block is not None and len(spec.block) == 2:
         return amax[r0 // spec.block[0] : -(-r1 // spec.block[0])]
     return amax[r0:r1] if amax.shape[0] == rows else amax
+
+
+_QUANTIZERS = (TensorQuantizer, QuantizerContainer)
 
 
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -139,8 +159,10 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue  # a module reachable twice keeps its first name, as in named_modules
         seen.add(id(module))
         out.append((name, module))
+        if not module._modules:
+            continue  # a leaf: most modules
         prefix = name + "." if name else ""
-        children = [(prefix + k, c) for k, c in module._modules.items() if c is not None and not isinstance(c, (TensorQuantizer, QuantizerContainer))]
+        children = [(prefix + k, c) for k, c in module._modules.items() if c is not None and not isinstance(c, _QUANTIZERS)]
         stack.extend(reversed(children))
     return out
 
@@ -151,22 +173,25 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
+    base_groups = QuantModule.weight_groups
     for name, module in named_modules(model) if modules is None else modules:
-        direct = {k: t for k, t in _direct(module).items() if id(t) not in seen}
-        if not direct and not isinstance(module, QuantModule):
+        direct = _direct(module, seen)
+        quant = isinstance(module, QuantModule)
+        if not direct and not quant:
             continue  # a container: nothing of its own to write or check
-        seen.update(id(t) for t in direct.values())
+        seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if isinstance(module, QuantModule):
+        if quant and _holds_pre_quant_scale(module):
             refuse_pre_quant_scale(module_quantizers(module, name))
-        if isinstance(module, fused_cls):
+        if quant and isinstance(module, fused_cls):
             items += _fused_items(module, name, layout, direct)
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
-        elif isinstance(module, QuantModule) and "weight" in direct:
-            groups = list(module.weight_groups())
+        elif quant and "weight" in direct:
+            if type(module).weight_groups is not base_groups:  # the base yields this module's weight alone
+                groups = list(module.weight_groups())
+                if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not direct["weight"]:
+                    raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
             q = _child(module, "weight_quantizer")
-            if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not module.weight:
-                raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
             if isinstance(q, SequentialQuantizer) and q.is_enabled:
                 raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
             if isinstance(q, TensorQuantizer) and q.is_enabled:
@@ -239,7 +264,9 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
     return finite, values
 
 
-def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -> None:
+def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, passed: Optional[set] = None) -> None:
+    """Refuse what ``it`` cannot be exported as; ``passed``: the keys of the format and block checks that
+    earlier items of the same call passed (a model's linears share a handful of them)."""
     spec, where = it.spec, it.where
     if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
         what = f"expert {it.expert} " if it.expert is not None else ""
@@ -249,10 +276,17 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False) -
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
-    packer.check(spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
+    # the format and block checks depend on these alone (the names only make their messages)
+    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp)
+    done = passed is not None and key in passed
+    if not done:
+        packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
     if it.input_spec is not None and it.input_amax is None and not it.input_spec.dynamic:
         raise ExportError(f"{it.input_where}: static {describe(it.input_spec)} without an amax; calibrate with a forward_loop")
-    _check_blocks(it, spec, tp)
+    if not done:
+        _check_blocks(it, spec, tp)
+        if passed is not None:
+            passed.add(key)
 
 
 def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
@@ -322,9 +356,11 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
         it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
+    passed: set = set()
+    scheme = _key(first.spec), _key(first.input_spec)
     for it in quantized:
-        _check_item(it, packer, tp, finite_known=finite)
-        if _key(it.spec) != _key(first.spec) or _key(it.input_spec) != _key(first.input_spec):
+        _check_item(it, packer, tp, finite_known=finite, passed=passed)
+        if (_key(it.spec), _key(it.input_spec)) != scheme:
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
@@ -333,6 +369,7 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     return Plan(items, info, unified)
 
 
+@functools.lru_cache(maxsize=256)  # specs are frozen and few: a model's linears share a handful
 def _key(spec: Optional[FormatSpec]) -> Optional[tuple]:
     return None if spec is None else (spec.kind, spec.num_bits, spec.element, spec.unsigned, spec.block, spec.dynamic, spec.pow2)
 
