@@ -19,7 +19,7 @@ and sample std: a claim "better than max" is only as good as this std), the mean
 byte from the fp32 model's next-byte distribution, and the calibration time (best over the draws).
 ModelOpt runs where its fake quant runs on the device (its NVFP4 needs CUDA).
 
-    python benchmarks/bench_quality.py [--quick] [--model dense|moe|both] [--device cpu|cuda] [--json out.json]
+    python benchmarks/bench_quality.py [--quick] [--model dense|moe|both] [--device cpu|cuda] [--count-ops] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,8 +141,29 @@ def _calibrate(quantize: Callable, model: nn.Module, cfg: dict, data: list[torch
     return q, time.perf_counter() - t
 
 
-def run_model(name: str, rows: list, seeds: int, batches: int, device: str, windows: int, retrain: bool) -> list[dict]:
-    """One record per (preset, algorithm, library, seed) for model ``name``."""
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (on a GPU, a small model's calibration is launch-bound:
+    its time follows this count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(quantize: Callable, model: nn.Module, cfg: dict, data: list[torch.Tensor]) -> int:
+    """The aten ops one calibration of a copy of ``model`` dispatches (untimed)."""
+    with _OpCounter() as counter:
+        _calibrate(quantize, model, cfg, data)
+    return counter.ops
+
+
+def run_model(name: str, rows: list, seeds: int, batches: int, device: str, windows: int, retrain: bool, ops: bool = False) -> list[dict]:
+    """One record per (preset, algorithm, library, seed) for model ``name``; ``ops``: also count the
+    aten ops of draw 0's calibration."""
     model = BUILDERS[name](retrain=retrain).to(device)
     train_text, held = qm.corpus()
     ppl, _, ref, _ = evaluate(model, held, windows=windows)
@@ -163,6 +185,8 @@ def run_model(name: str, rows: list, seeds: int, batches: int, device: str, wind
                     q, secs = _calibrate(quantize, model, cfg, data)
                     ppl, kl, _, nll = evaluate(q, held, ref, windows)
                     rec = {"model": name, "preset": preset, "algorithm": algo, "lib": lib, "seed": seed, "ppl": ppl, "kl": kl, "calib_s": secs}
+                    if ops and seed == 0:
+                        rec["ops"] = count_ops(quantize, model, cfg, data)
                     if algo == "max":
                         max_nll[preset, lib, seed] = nll
                     elif (preset, lib, seed) in max_nll:
@@ -189,6 +213,8 @@ def summarize(records: list[dict]) -> list[dict]:
         if diffs and algo != "max":
             row["vs_max_pct"] = statistics.fmean(diffs)
             row["vs_max_std"] = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        if "ops" in rs[0]:
+            row["ops"] = rs[0]["ops"]
         if all("se_pct" in r for r in rs):
             row["se_pct"] = statistics.fmean(r["se_pct"] for r in rs)
             row["windows_better"] = f"{sum(r['windows_better'] for r in rs)}/{sum(r['windows'] for r in rs)}"
@@ -222,6 +248,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def ops_table(rows: list[dict]) -> str:
+    """Markdown: aten ops of one calibration per row, both libraries (empty without ``--count-ops``)."""
+    by = {(r["model"], r["preset"], r["algorithm"], r["lib"]): r["ops"] for r in rows if "ops" in r}
+    keys = list(dict.fromkeys(k[:3] for k in by))
+    if not keys:
+        return ""
+    out = ["| model | preset | algorithm | aten ops quantlib | aten ops ModelOpt | ratio |", "|---|---|---|---|---|---|"]
+    for k in keys:
+        ours, mo = by.get((*k, "quantlib")), by.get((*k, "modelopt"))
+        ratio = f"{ours / mo:.2f}" if ours and mo else "-"
+        out.append(f"| {' | '.join(k)} | {ours if ours is not None else '-'} | {mo if mo is not None else '-'} | {ratio} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark; print the table (and write the records and rows with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -234,6 +274,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
     parser.add_argument("--presets", nargs="+", default=None, help="only these rows' presets (e.g. W4A16_NVFP4_CFG 'W4A16_NVFP4_CFG:static')")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--count-ops", action="store_true", help="also count the aten ops of each row's first calibration (a proxy for launch-bound GPU time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.getLogger("quantlib").setLevel(logging.ERROR)
@@ -244,9 +285,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = []
     for name in models:
         rows = [r for r in (QUICK_ROWS if args.quick else ROWS)[name] if args.presets is None or r[0] in args.presets]
-        records += run_model(name, rows, args.seeds, args.batches, args.device, args.windows, args.retrain)
+        records += run_model(name, rows, args.seeds, args.batches, args.device, args.windows, args.retrain, ops=args.count_ops)
     rows = summarize(records)
     print(table(rows))
+    if args.count_ops:
+        print("\n" + ops_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"records": records, "rows": rows, "args": vars(args)}, f, indent=1)

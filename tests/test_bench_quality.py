@@ -101,3 +101,14 @@ def test_paired_error_is_the_standard_error_of_the_per_window_difference():
     rec = lambda algo, se: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": 0, "ppl": 1.0, "kl": 0.0, "se_pct": se, "windows_better": 3, "windows": 4}  # noqa: E731
     row = next(r for r in bq.summarize([rec("max", 0.0), rec("mse", 0.5)]) if r["algorithm"] == "mse")
     assert row["se_pct"] == 0.5 and row["windows_better"] == "3/4" and "| 0.50 | 3/4 |" in bq.table([row])
+
+
+def test_op_count_counts_the_calibrations_aten_ops():
+    model = _tiny()
+    data = [torch.randint(0, 256, (2, 16))]
+    max_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}}, "algorithm": "max"}, data)
+    awq_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 16}}}, "algorithm": "awq_lite"}, data)
+    assert 0 < max_ops < awq_ops  # the search runs the layers again per alpha
+    rec = lambda lib, ops: {"model": "m", "preset": "P", "algorithm": "max", "lib": lib, "seed": 0, "ppl": 1.0, "kl": 0.0, "ops": ops}  # noqa: E731
+    assert "| m | P | max | 30 | 120 | 0.25 |" in bq.ops_table(bq.summarize([rec("quantlib", 30), rec("modelopt", 120)]))
+    assert bq.ops_table(bq.summarize([{k: v for k, v in rec("quantlib", 1).items() if k != "ops"}])) == ""
