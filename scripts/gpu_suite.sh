@@ -4,17 +4,19 @@
 # Installs nothing from the network: build quantlib's CUDA extension first (`pip install
 # --no-build-isolation -e .` or `python setup.py build_ext --inplace`), with TE / Megatron-Core installed
 # or on PYTHONPATH. Logs, JUnit XML and benchmark JSON go to LOGDIR.
-# Benchmark "sequential" (not in the default list): peak GPU memory of layer-by-layer calibration
-# (benchmarks/bench_sequential.py --device cuda, about a minute).
+# Benchmarks not in the default list: "sequential" (peak GPU memory of layer-by-layer calibration,
+# about a minute), "export" (bench_export.py --profile: packing GB/s against the copy and ModelOpt),
+# "casts" (the FP4 casts export runs, at 16384x7168), "quality" (bench_quality.py on the GPU, every
+# held-out window, with each row's aten-op count; ModelOpt's rows where it imports; ~10 min).
 #
-#   scripts/gpu_suite.sh LOGDIR [--tests "PATHS"] [--benchmarks "kernels calibrate te" | none] [--python PY]
-#                        [--workers N]
+#   scripts/gpu_suite.sh LOGDIR [--tests "PATHS" | none] [--benchmarks "kernels calibrate te" | none]
+#                        [--python PY] [--workers N]
 #
 # All GPU tests run in one pytest process, or in N pytest-xdist workers that share the GPU (each must pass
 # whatever ran before it in its process). Exit status: that of pytest, or 1 where a benchmark failed.
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,15p' "$0" >&2
+    sed -n '2,16p' "$0" >&2
     exit 2
 fi
 logdir=$1
@@ -59,10 +61,13 @@ EOF
 } > "$logdir/env.txt" 2>&1
 cat "$logdir/env.txt"
 
-# shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 "$py" -m pytest -m gpu $tests "${workers[@]}" -ra -q --junitxml="$logdir/pytest_gpu.xml" 2>&1 | tee "$logdir/pytest_gpu.log"
-status=${PIPESTATUS[0]}
-tail -1 "$logdir/pytest_gpu.log"
+status=0
+if [ "$tests" != none ]; then
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 "$py" -m pytest -m gpu $tests "${workers[@]}" -ra -q --junitxml="$logdir/pytest_gpu.xml" 2>&1 | tee "$logdir/pytest_gpu.log"
+    status=${PIPESTATUS[0]}
+    tail -1 "$logdir/pytest_gpu.log"
+fi
 
 for bench in $benchmarks; do
     case "$bench" in
@@ -70,6 +75,9 @@ for bench in $benchmarks; do
         calibrate) cmd=("$py" benchmarks/bench_calibrate.py --device cuda --dim 1024 --blocks 8 --tokens 4096 --batches 8 --warmup) ;;
         te) cmd=("$py" benchmarks/bench_te.py --json "$logdir/bench_te.json") ;;
         sequential) cmd=("$py" benchmarks/bench_sequential.py --device cuda --json "$logdir/bench_sequential.json") ;;
+        export) cmd=("$py" benchmarks/bench_export.py --profile --out "$logdir/bench_export.md") ;;
+        casts) cmd=("$py" benchmarks/bench_kernels.py --shapes 16384x7168 --cases "mx_cast MXFP4,nvfp4_cast" --no-peers --no-reference --json "$logdir/bench_casts.json") ;;
+        quality) cmd=("$py" benchmarks/bench_quality.py --device cuda --windows 0 --count-ops --json "$logdir/bench_quality.json") ;;
         *) echo "gpu_suite.sh: unknown benchmark $bench" >&2; [ "$status" -eq 0 ] && status=2; continue ;;
     esac
     echo "+ ${cmd[*]}"
