@@ -235,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> list[tuple]:
     gpu = f" ({torch.cuda.get_device_name()})" if dev.startswith("cuda") else ""
     lines = [
         (f"{datetime.date.today()} {platform.node()} {dev}{gpu} torch {torch.__version__} threads {torch.get_num_threads()}; Llama hidden {args.hidden}, "
-         f"intermediate {args.intermediate}, {args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of {args.runs} after a warm-up, one device sync a run"),
+         f"intermediate {args.intermediate}, {args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of {args.runs} after three warm-ups (garbage collector paused), one device sync a run"),
         "",
         "| what | ms | GB/s of bf16 weights | of the copy | quantlib's speed-up |",
         "|---|---|---|---|---|",
