@@ -95,16 +95,19 @@ def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optiona
 _PQS = "_pre_quant_scale"  # TensorQuantizer's buffer behind pre_quant_scale
 
 
+def _pqs_slot(leaf: TensorQuantizer) -> bool:
+    # an unset pre_quant_scale is in neither dict: this skips the attribute lookup, whose miss raises
+    # inside nn.Module
+    return _PQS in leaf._buffers or _PQS in leaf.__dict__
+
+
 def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
     """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
     ``pre_quant_scale`` (SmoothQuant / AWQ): no export format writes one, and the weights packed
     without it would not compute what the calibrated model computes."""
     for name, q in quantizers:
         for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
-            # an unset one is in neither dict: skip the attribute lookup, whose miss raises inside nn.Module
-            if _PQS not in leaf._buffers and _PQS not in leaf.__dict__:
-                continue
-            if leaf.pre_quant_scale is not None:
+            if _pqs_slot(leaf) and leaf.pre_quant_scale is not None:
                 raise ExportError(
                     f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which no export format carries; "
                     "export a model calibrated with 'max' or 'mse'"
@@ -123,11 +126,11 @@ def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optiona
 
 
 def _holds_pre_quant_scale(module: QuantModule) -> bool:
-    # the walk's quick test before refuse_pre_quant_scale names the quantizer: an unset scale is in
-    # neither the buffers nor the instance dict (a container's members are checked by the slow path)
+    # the walk's quick test before refuse_pre_quant_scale names the quantizer (a container's members
+    # are left to that slower path)
     for q in module._modules.values():
         if isinstance(q, TensorQuantizer):
-            if _PQS in q._buffers or _PQS in q.__dict__:
+            if _pqs_slot(q):
                 return True
         elif isinstance(q, QuantizerContainer):
             return True
