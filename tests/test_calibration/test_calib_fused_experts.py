@@ -111,7 +111,7 @@ def _gemm(experts: nn.Module, proj: str, e: int, x: torch.Tensor) -> torch.Tenso
     w, b = _slice(experts, proj, e)
     if not experts.is_transposed:
         return F.linear(x, w, b)
-    h = x @ getattr(experts, proj)[e]
+    h = x @ w.transpose(0, 1)  # W as stored, (in, out)
     return h if b is None else h + b
 
 
