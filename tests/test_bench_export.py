@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from ._bench import load_benchmark
+
 pytest.importorskip("transformers")
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_export.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_export", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_small_cpu_run_times_every_format_against_the_copy(tmp_path):
     out = tmp_path / "r.md"
-    rows = _load().main(["--device", "cpu", "--small", "--runs", "1", "--no-modelopt", "--out", str(out)])
+    rows = load_benchmark("bench_export").main(["--device", "cpu", "--small", "--runs", "1", "--no-modelopt", "--out", str(out)])
     names = [r[0] for r in rows]
     assert names[0].startswith("bf16 copy")
     for label in ("FP8 128x128", "MXFP8", "FP8 per tensor"):

@@ -4,24 +4,15 @@ runs on the cached trained models with quantlib next to ModelOpt."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from ._bench import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bq = _load("bench_quality")
+bq = load_benchmark("bench_quality")
 qm = bq.qm
 
 
