@@ -4,7 +4,9 @@ unquantized and against ModelOpt's TE plugin on the same layer and preset, in on
 Layers: ``te.GroupedLinear`` (E experts, hidden -> ffn) and Megatron-Core's ``TEGroupedMLP`` (fc1, GELU,
 fc2 as TE grouped linears; TP = EP = 1), bf16, the tokens split evenly over the experts. For each preset:
 forward (no grad: quantlib reuses its fake-quantized weights) and forward + backward (QAT: weights
-quantized every step), median of ``triton.testing.do_bench``; ratios to the unquantized layer, and
+quantized every step; the straight-through backward passes the gradient everywhere in both libraries,
+their default, or zeroes it where ``|x| > amax`` in both with ``--clipped-ste``), median of
+``triton.testing.do_bench``; ratios to the unquantized layer, and
 quantlib's speed-up over ModelOpt. Calibration (max, on two batches) is not timed. Each library runs
 in child processes of its own (ModelOpt's plugin patches TE process-wide); ``--profile FP8`` prints the
 top CUDA kernels of a preset's GroupedLinear forward + backward and its host time per step against the
@@ -129,16 +131,39 @@ def _out(y):
     return y[0] if isinstance(y, tuple) else y
 
 
-def quantized(lib: str, layer: Layer, preset: str) -> torch.nn.Module:
+def quantized(lib: str, layer: Layer, preset: str, clipped_ste: bool = False) -> torch.nn.Module:
     model = layer.build()
     ours, theirs = PRESETS[preset]
     if lib == "quantlib":
         import quantlib as ql
 
-        return ql.quantize(model, getattr(ql, ours), layer.loop)
+        cfg = copy.deepcopy(getattr(ql, ours))
+        return ql.quantize(model, clipped(cfg) if clipped_ste else cfg, layer.loop)
     import modelopt.torch.quantization as mtq
 
-    return mtq.quantize(model, modelopt_config(preset), layer.loop)
+    cfg = modelopt_config(preset)
+    return mtq.quantize(model, clipped(cfg) if clipped_ste else cfg, layer.loop)
+
+
+def clipped(cfg: dict) -> dict:
+    """``cfg`` (ModelOpt's dict or list form) with ``pass_through_bwd=False`` in every quantizer config
+    that sets more than ``enable``: the straight-through gradient zeroed where ``|x| > amax``."""
+
+    def clip(c):
+        if isinstance(c, list):
+            return [clip(m) for m in c]
+        if not isinstance(c, dict) or set(c) <= {"enable"}:
+            return c
+        if any(isinstance(v, dict) for k, v in c.items() if k not in ("block_sizes", "bias")):
+            return {k: clip(v) for k, v in c.items()}  # a class-scoped entry: {pattern: config}
+        return {**c, "pass_through_bwd": False}
+
+    qc = cfg["quant_cfg"]
+    if isinstance(qc, dict):
+        cfg["quant_cfg"] = {k: clip(v) for k, v in qc.items()}
+    else:
+        cfg["quant_cfg"] = [{**e, "cfg": clip(e["cfg"])} if e.get("cfg") is not None else e for e in qc]
+    return cfg
 
 
 def modelopt_config(preset: str) -> dict:
@@ -268,7 +293,7 @@ def child(args) -> None:
     for preset in presets:
         row = {"layer": kind, "preset": preset, "lib": lib}
         try:
-            model = quantized(lib, layer, preset)
+            model = quantized(lib, layer, preset, args.clipped_ste)
             row.update(zip(("fwd_ms", "fwd_bwd_ms"), time_layer(model, layer)))
             if preset in args.profile and kind == "GroupedLinear":
                 profile(model, layer, f"{lib} {kind} {preset}")
@@ -305,6 +330,7 @@ def run(args) -> dict:
         except Exception as exc:
             results[name.replace(".", "_")] = f"unavailable: {type(exc).__name__}: {exc}"
     sizes = ["--experts", str(args.experts), "--hidden", str(args.hidden), "--ffn", str(args.ffn), "--tokens", str(args.tokens)]
+    sizes += ["--clipped-ste"] if args.clipped_ste else []
     for kind, lib, presets in jobs:
         with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as rows:
             cmd = [sys.executable, os.path.abspath(__file__), *sizes, "--rows", rows.name, "--profile", *args.profile, "--_child", kind, lib, *presets]
@@ -366,6 +392,7 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--layers", nargs="+", default=["GroupedLinear", "TEGroupedMLP"], choices=["GroupedLinear", "TEGroupedMLP"])
     p.add_argument("--no-modelopt", action="store_true")
+    p.add_argument("--clipped-ste", action="store_true", help="both libraries with pass_through_bwd=False (gradient zeroed where |x| > amax); default: both pass through, ModelOpt 0.47's default")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", nargs="*", default=[], choices=list(PRESETS), help="print the top CUDA kernels of these presets' GroupedLinear forward + backward")
     p.add_argument("--child-timeout", type=int, default=300, help="seconds one child process may take")

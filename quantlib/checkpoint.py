@@ -1,8 +1,8 @@
 """Quantizer state: capture, atomic save, validated restore into a fresh model, schema migrations.
 
-State (schema 5)::
+State (schema 6)::
 
-    {"schema": 5, "config": <QuantizeConfig.to_dict() or None>,
+    {"schema": 6, "config": <QuantizeConfig.to_dict() or None>,
      "quantizers": {full name: {"type": "tensor", "attrs": {...}, "_amax": Tensor | None,
                                 "_pre_quant_scale": Tensor | None, "_bias_value": Tensor | None,
                                 "_block_amax": Tensor (NVFP4 static blocks only)}
@@ -17,7 +17,9 @@ single shared ``"tensor"`` entry (the anchor implementation's layout); 2 always 
 ``"grouped"`` with one member per GEMM (:func:`migrate_v1_to_v2`); 3 adds each tensor quantizer's
 ``_pre_quant_scale`` (SmoothQuant / AWQ, :func:`migrate_v2_to_v3`); 4 adds ``_bias_value`` (the
 calibrated bias of affine quantization, ``attrs["bias"]``, :func:`migrate_v3_to_v4`); 5 adds the
-attention modules' ``p_bmm_quantizer`` (the softmax output, :func:`migrate_v4_to_v5`).
+attention modules' ``p_bmm_quantizer`` (the softmax output, :func:`migrate_v4_to_v5`); 6 adds the attribute
+``pass_through_bwd``, False in every older config (they clipped the straight-through gradient,
+:func:`migrate_v5_to_v6`).
 
 ``_block_amax`` (the block amax of NVFP4 with static blocks, ``block_sizes`` ``"type": "static"``) is
 written only for those quantizers, which no earlier schema could express, so it needs no migration:
@@ -43,7 +45,7 @@ from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class CheckpointError(ValueError):
@@ -80,15 +82,20 @@ def migrate_v1_to_v2(state: dict, layout: Optional[ModelLayout] = None) -> dict:
     return {**state, "schema": 2, "quantizers": quantizers}
 
 
-def _with_entry(qstate: Any, key: str) -> Any:
-    """``qstate`` with ``key`` (None where absent) in every tensor quantizer entry, members included."""
+def _each_tensor_entry(qstate: Any, fn: Callable[[dict], dict]) -> Any:
+    """``qstate`` with ``fn`` applied to every tensor quantizer entry, members of containers included."""
     if not isinstance(qstate, dict):
         return qstate  # malformed: left for restore to refuse by name
     if qstate.get("type") == "tensor":
-        return {**qstate, key: qstate.get(key)}
+        return fn(qstate)
     if isinstance(qstate.get("members"), list):
-        return {**qstate, "members": [_with_entry(m, key) for m in qstate["members"]]}
+        return {**qstate, "members": [_each_tensor_entry(m, fn) for m in qstate["members"]]}
     return qstate
+
+
+def _with_entry(qstate: Any, key: str) -> Any:
+    """``qstate`` with ``key`` (None where absent) in every tensor quantizer entry, members included."""
+    return _each_tensor_entry(qstate, lambda entry: {**entry, key: entry.get(key)})
 
 
 def migrate_v2_to_v3(state: dict, layout: Optional[ModelLayout] = None) -> dict:
@@ -119,8 +126,39 @@ def migrate_v4_to_v5(state: dict, layout: Optional[ModelLayout] = None) -> dict:
     return {**state, "schema": 5, "quantizers": quantizers}
 
 
+def _clipped(attrs: Any) -> Any:
+    """An attribute config dict (or a list of them) with ``pass_through_bwd`` False. Set, not defaulted:
+    no schema-5 config could hold the field, but the entries :func:`migrate_v4_to_v5` builds with
+    today's code carry today's default."""
+    if isinstance(attrs, list):
+        return [_clipped(a) for a in attrs]
+    return {**attrs, "pass_through_bwd": False} if isinstance(attrs, dict) else attrs
+
+
+def migrate_v5_to_v6(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+    """Schema 5 -> 6: every attribute config (each tensor quantizer's ``attrs`` and the saved config's
+    ``quant_cfg`` entries) gets ``"pass_through_bwd": False``: schema 5 had no such field and always
+    zeroed the straight-through gradient where ``|x| > amax``, which the field's default (True, as in
+    ModelOpt) would no longer do. ``layout`` is not needed; ``state`` is not modified."""
+
+    def entry(e: dict) -> dict:
+        return {**e, "attrs": _clipped(e["attrs"])} if "attrs" in e else e
+
+    config = state.get("config")
+    if isinstance(config, dict) and isinstance(config.get("quant_cfg"), list):
+        items = [{**item, "cfg": _clipped(item.get("cfg"))} if isinstance(item, dict) and "cfg" in item else item for item in config["quant_cfg"]]
+        config = {**config, "quant_cfg": items}
+    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry) for name, q in state["quantizers"].items()}}
+
+
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {1: migrate_v1_to_v2, 2: migrate_v2_to_v3, 3: migrate_v3_to_v4, 4: migrate_v4_to_v5}
+MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {
+    1: migrate_v1_to_v2,
+    2: migrate_v2_to_v3,
+    3: migrate_v3_to_v4,
+    4: migrate_v4_to_v5,
+    5: migrate_v5_to_v6,
+}
 
 
 # ------------------------------------------------------------------------------------ capture

@@ -114,11 +114,14 @@ class QuantizerAttributeConfig:
     backend: str = "auto"  # kernels backend
     # ModelOpt's affine quantization: a calibrated mean, subtracted before quantizing and added back after
     bias: Optional[dict] = None
+    # QAT backward: True (ModelOpt 0.47's default) passes the gradient everywhere and saves nothing for
+    # the backward; False zeroes it where |x| > amax (static amax), which keeps x alive until the backward
+    pass_through_bwd: bool = True
 
     def __post_init__(self) -> None:
         self.num_bits = _as_bits(self.num_bits)
         self.axis = _as_axis(self.axis)
-        for key in ("enable", "unsigned", "narrow_range", "fake_quant", "learn_amax", "pow2_scale"):
+        for key in ("enable", "unsigned", "narrow_range", "fake_quant", "learn_amax", "pow2_scale", "pass_through_bwd"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
         if not self.fake_quant:

@@ -53,6 +53,7 @@ BAD_ATTRS: dict[str, list[tuple[str, dict, list[str]]]] = {
         ("eps_subnormal_scale", dict(FP8_BLOCK, eps=1e-40), ["eps", "1e-40"]),
     ],
     "pow2_scale": [("pow2_scale_string", {"pow2_scale": "yes"}, ["pow2_scale", "'yes'"])],
+    "pass_through_bwd": [("pass_through_bwd_int", {"pass_through_bwd": 1}, ["pass_through_bwd", "1"])],
     "rounding": [("rounding_int", {"rounding": 1}, ["rounding", "1"]), ("rounding_list", {"rounding": ["rceil"]}, ["rounding", "['rceil']"])],
     "backend": [("backend_int", {"backend": 1}, ["backend", "1"]), ("backend_list", {"backend": ["cpu"]}, ["backend", "['cpu']"])],
     "bias": [

@@ -23,9 +23,10 @@ def _spec_of(attrs) -> FormatSpec:
 
 
 def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward
-    (``block_amax``: NVFP4's static block amax, with ``amax`` its global amax)."""
-    return ops.fake_quant(x, _spec_of(attrs), amax, backend, block_amax)
+    """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward:
+    clipped at a static amax unless a config's ``pass_through_bwd`` says otherwise (a FormatSpec has no
+    such field: clipped). ``block_amax``: NVFP4's static block amax, with ``amax`` its global amax."""
+    return ops.fake_quant(x, _spec_of(attrs), amax, backend, block_amax, not getattr(attrs, "pass_through_bwd", False))
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, ...], backend: str = "auto") -> torch.Tensor:

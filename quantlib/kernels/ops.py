@@ -69,6 +69,7 @@ def _fake_quant(
     pow2: bool,
     rounding: str,
     backend: str,
+    clip_grad: bool,
 ) -> torch.Tensor:
     spec = spec_from_args(kind, num_bits, element, unsigned, narrow_range, block, dynamic, eps, pow2, rounding)
     return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax, block_amax)
@@ -129,9 +130,8 @@ def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.
 
 
 def _setup_context(ctx, inputs, output):
-    x, amax = inputs[0], inputs[1]
-    spec = spec_from_args(*inputs[3:13])
-    mask = ste_mask(x, spec, amax)
+    x, amax, clip_grad = inputs[0], inputs[1], inputs[14]
+    mask = ste_mask(x, spec_from_args(*inputs[3:13]), amax) if clip_grad else None
     ctx.has_mask = mask is not None
     if mask is not None:
         ctx.save_for_backward(mask)
@@ -141,15 +141,16 @@ def _backward(ctx, grad):
     if ctx.has_mask:
         (mask,) = ctx.saved_tensors
         grad = torch.where(mask, grad, 0.0)  # one pass; no mask copy in grad's dtype
-    return (grad,) + (None,) * 13
+    return (grad,) + (None,) * 14
 
 
 _fake_quant.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _save_for_ste(ctx, x: torch.Tensor, amax: Optional[torch.Tensor], spec: FormatSpec) -> None:
-    """Keep what the straight-through backward reads: the input and the clipping amax (references), if any."""
-    bound = ste_bound(spec, amax)
+def _save_for_ste(ctx, x: torch.Tensor, amax: Optional[torch.Tensor], spec: FormatSpec, clip_grad: bool) -> None:
+    """Keep what the straight-through backward reads: the input and the clipping amax (references), if
+    the gradient is clipped at all."""
+    bound = ste_bound(spec, amax) if clip_grad else None
     ctx.spec = spec
     ctx.masked = bound is not None
     if ctx.masked:
@@ -165,8 +166,8 @@ class _FakeQuantSTE(torch.autograd.Function):
     # Function's arguments with inspect.signature on every call (+20 us); torch.func transforms, which
     # need setup_context, take _FakeQuantSTEFunc instead (see fake_quant)
     @staticmethod
-    def forward(ctx, x, amax, block_amax, spec, fn):
-        _save_for_ste(ctx, x, amax, spec)
+    def forward(ctx, x, amax, block_amax, spec, fn, clip_grad):
+        _save_for_ste(ctx, x, amax, spec, clip_grad)
         return fn(x, spec, amax, block_amax)
 
     @staticmethod
@@ -174,20 +175,20 @@ class _FakeQuantSTE(torch.autograd.Function):
         if ctx.masked:
             x, bound = ctx.saved_tensors
             grad = ste_grad(grad, x, ctx.spec, bound)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class _FakeQuantSTEFunc(torch.autograd.Function):
     """:class:`_FakeQuantSTE` in the form torch.func transforms (grad, vjp, ...) accept."""
 
     @staticmethod
-    def forward(x, amax, block_amax, spec, fn):
+    def forward(x, amax, block_amax, spec, fn, clip_grad):
         return fn(x, spec, amax, block_amax)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, amax, _, spec, _ = inputs
-        _save_for_ste(ctx, x, amax, spec)
+        x, amax, _, spec, _, clip_grad = inputs
+        _save_for_ste(ctx, x, amax, spec, clip_grad)
 
     backward = staticmethod(_FakeQuantSTE.backward)
 
@@ -199,17 +200,20 @@ def eager_call(x: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
 
 
-def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator.
-    ``block_amax``: the stored block amax of NVFP4 with static blocks (``amax`` is then the global one).
+def fake_quant(
+    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
+) -> torch.Tensor:
+    """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator,
+    whose gradient is zeroed where ``|x| > amax`` (static amax) if ``clip_grad``, and passes everywhere
+    otherwise. ``block_amax``: the stored block amax of NVFP4 with static blocks (``amax`` is then the global one).
     Eager calls run the implementation directly (through :class:`_FakeQuantSTE` where autograd records);
     torch.compile traces the custom op, whose fake kernel keeps the graph whole."""
     check_block_amax(spec, block_amax)
     if torch.compiler.is_compiling():
-        return _fake_quant(x, amax, block_amax, *spec_args(spec), backend)
+        return _fake_quant(x, amax, block_amax, *spec_args(spec), backend, clip_grad)
     fn = implementation("fake_quant", resolve(backend, x.device))
     if torch.is_grad_enabled() and x.requires_grad:
-        return (_FakeQuantSTEFunc if _functorch_active() else _FakeQuantSTE).apply(x, amax, block_amax, spec, fn)
+        return (_FakeQuantSTEFunc if _functorch_active() else _FakeQuantSTE).apply(x, amax, block_amax, spec, fn, clip_grad)
     return fn(x, spec, amax, block_amax)
 
 

@@ -368,6 +368,10 @@ class TensorQuantizer(nn.Module):
             return static_amax(x, spec, self._attrs.axis, self._attrs.backend)
         return amax
 
+    def _fake_quant(self, x: torch.Tensor, amax: Optional[torch.Tensor], block_amax: Optional[torch.Tensor]) -> torch.Tensor:
+        """The op with this quantizer's spec, backend and straight-through rule (``pass_through_bwd``)."""
+        return ops.fake_quant(x, self.spec, amax, self._attrs.backend, block_amax, not self._attrs.pass_through_bwd)
+
     def _block_amax_for(self) -> Optional[torch.Tensor]:
         """The stored block amax where the op uses it: static NVFP4 blocks with a calibrated global amax."""
         return self.block_amax if self.static_blocks and self.amax is not None else None
@@ -379,8 +383,8 @@ class TensorQuantizer(nn.Module):
                 raise NotImplementedError(f"bias={self._attrs.bias}: a quantizer with a bias cannot be a member of a SequentialQuantizer")
             x = self.pre_scale(x)
             if self._calibrator.compute_amax() is not None:
-                return ops.fake_quant(x, self.spec, self._calibrator.compute_amax(), self._attrs.backend, self._block_calibrator.compute_amax())
-            return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend, self._block_amax_for())
+                return self._fake_quant(x, self._calibrator.compute_amax(), self._block_calibrator.compute_amax())
+            return self._fake_quant(x, self._amax_for(x), self._block_amax_for())
         except Exception as exc:
             _raise_named(exc, self._qname)
 
@@ -398,7 +402,7 @@ class TensorQuantizer(nn.Module):
                 return x
             if self._attrs.bias is not None:
                 return self._affine_fake_quant(x)
-            return ops.fake_quant(x, self.spec, self._amax_for(x), self._attrs.backend, self._block_amax_for())
+            return self._fake_quant(x, self._amax_for(x), self._block_amax_for())
         except Exception as exc:
             _raise_named(exc, self._qname)
 
@@ -406,7 +410,7 @@ class TensorQuantizer(nn.Module):
         """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.calib.bias`)."""
         bias = self._bias_for(x).to(x.device)
         shifted = x.float() - bias
-        return (ops.fake_quant(shifted, self.spec, self._amax_for(shifted), self._attrs.backend, self._block_amax_for()) + bias).to(x.dtype)
+        return (self._fake_quant(shifted, self._amax_for(shifted), self._block_amax_for()) + bias).to(x.dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The amax buffer exists only once calibrated; a state dict that has one brings it along.

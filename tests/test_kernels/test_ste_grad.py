@@ -17,17 +17,17 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 
-def _custom_op_grad(x: torch.Tensor, spec: FormatSpec, amax, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _custom_op_grad(x: torch.Tensor, spec: FormatSpec, amax, grad: torch.Tensor, clip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, input gradient) through the custom op and its registered autograd (the path before)."""
     xr = x.detach().clone().requires_grad_(True)
-    y = ops._fake_quant(xr, amax, None, *ops.spec_args(spec), "auto")
+    y = ops._fake_quant(xr, amax, None, *ops.spec_args(spec), "auto", clip)
     y.backward(grad)
     return y.detach(), xr.grad
 
 
-def _eager_grad(x: torch.Tensor, spec: FormatSpec, amax, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _eager_grad(x: torch.Tensor, spec: FormatSpec, amax, grad: torch.Tensor, clip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     xr = x.detach().clone().requires_grad_(True)
-    y = ops.fake_quant(xr, spec, amax)
+    y = ops.fake_quant(xr, spec, amax, clip_grad=clip)
     y.backward(grad)
     return y.detach(), xr.grad
 
@@ -57,6 +57,22 @@ def test_eager_gradient_bits_equal_the_custom_op_gradient(case, dtype):
     assert torch.equal(_bits(y), _bits(y_op))
     assert torch.equal(_bits(g), _bits(g_op))
     assert torch.equal(_bits(g), _bits(expected))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_without_clip_grad_every_gradient_passes_on_both_paths(case):
+    # ModelOpt's pass_through_bwd: the same forward, the gradient untouched even where |x| > amax
+    _, spec, shape, amax_shape = case
+    amax = amax_for(spec, shape, amax_shape)
+    x, grad = inputs(shape, amax, torch.float32)
+    if not _checked(x, spec, amax):
+        pytest.skip("no CPU forward for this layout")
+    y_clip, g_clip = _eager_grad(x, spec, amax, grad)
+    y_op, g_op = _custom_op_grad(x, spec, amax, grad, clip=False)
+    y, g = _eager_grad(x, spec, amax, grad, clip=False)
+    assert not torch.equal(_bits(g_clip), _bits(grad))  # the case does clip when asked to
+    assert torch.equal(_bits(y), _bits(y_clip)) and torch.equal(_bits(y_op), _bits(y_clip))
+    assert torch.equal(_bits(g), _bits(grad)) and torch.equal(_bits(g_op), _bits(grad))
 
 
 PASS_THROUGH = [
@@ -98,6 +114,9 @@ def test_backward_saves_the_input_itself_and_no_mask():
     # a format without a mask saves nothing
     z = ops.fake_quant(x, FormatSpec(kind=Kind.INT, num_bits=8, dynamic=True))
     assert z.grad_fn.saved_tensors == ()
+    # nor does a pass-through backward: x is not kept alive until the backward
+    p = ops.fake_quant(x, FormatSpec(kind=Kind.INT, num_bits=8), amax, clip_grad=False)
+    assert p.grad_fn.saved_tensors == ()
 
 
 def test_ste_grad_runs_torch_on_the_cpu(monkeypatch):

@@ -79,10 +79,11 @@ def test_standalone_nvfp4_dynamic_equals_calibrated_on_the_same_tensor():
 
 
 # ------------------------------------------------------------------------------------ STE backward
+# pass_through_bwd=False: the clipped estimator (the default, True, is tested in test_pass_through_bwd.py)
 
 
 def test_ste_gradient_zero_outside_amax_passes_inside():
-    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8), amax=torch.tensor(1.0))
+    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, pass_through_bwd=False), amax=torch.tensor(1.0))
     x = t([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.0001, 2.0]).requires_grad_()
     q(x).backward(t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]))
     assert torch.equal(x.grad, t([0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.0, 0.0]))
@@ -90,28 +91,28 @@ def test_ste_gradient_zero_outside_amax_passes_inside():
 
 def test_ste_bf16_input_compares_with_the_fp32_amax_unrounded():
     # amax 1.006 rounds to bf16 1.0078125: a comparison in bf16 would let that value's gradient through
-    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8), amax=torch.tensor(1.006))
+    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, pass_through_bwd=False), amax=torch.tensor(1.006))
     x = t([1.0, 1.0078125, -1.0078125, 0.5], torch.bfloat16).requires_grad_()
     q(x).backward(torch.ones(4, dtype=torch.bfloat16))
     assert torch.equal(x.grad, t([1.0, 0.0, 0.0, 1.0], torch.bfloat16))
 
 
 def test_ste_zeroes_non_finite_gradients_outside_amax():
-    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8), amax=torch.tensor(1.0))
+    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, pass_through_bwd=False), amax=torch.tensor(1.0))
     x = t([0.5, 3.0]).requires_grad_()
     q(x).backward(t([2.0, float("nan")]))
     assert torch.equal(x.grad, t([2.0, 0.0]))
 
 
 def test_ste_per_channel_amax():
-    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, axis=0), amax=t([[1.0], [3.0]]))
+    q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, axis=0, pass_through_bwd=False), amax=t([[1.0], [3.0]]))
     x = t([[0.5, -2.0, 1.0], [2.5, -3.5, 4.0]]).requires_grad_()
     q(x).sum().backward()
     assert torch.equal(x.grad, t([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]))
 
 
 def test_ste_per_block_amax():
-    q = TensorQuantizer({"num_bits": 4, "block_sizes": {-1: 4}}, amax=t([[1.0, 2.0]]))
+    q = TensorQuantizer({"num_bits": 4, "block_sizes": {-1: 4}, "pass_through_bwd": False}, amax=t([[1.0, 2.0]]))
     x = t([[0.5, 1.5, -1.0, -0.1, 2.5, 1.9, -2.1, 0.0]]).requires_grad_()
     q(x).sum().backward()
     assert torch.equal(x.grad, t([[1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]]))
