@@ -110,3 +110,17 @@ def test_schema_5_checkpoint_restores_with_the_clipped_backward():
 
     again = ckpt.restore_state(v2.build(), ckpt.quantizer_state(restored))
     assert again.fc2.input_quantizer.attrs.pass_through_bwd is False
+
+
+def test_kernels_fake_quant_follows_the_configs_field():
+    from quantlib import kernels
+
+    x0, amax = torch.tensor([-2.0, 0.5, 1.5]), torch.tensor(1.0)
+    for attrs, expected in (
+        (QuantizerAttributeConfig(num_bits=8), [1.0, 1.0, 1.0]),
+        (QuantizerAttributeConfig(num_bits=8, pass_through_bwd=False), [0.0, 1.0, 0.0]),
+        (QuantizerAttributeConfig(num_bits=8).format_spec(), [0.0, 1.0, 0.0]),  # a FormatSpec has no field: clipped
+    ):
+        x = x0.clone().requires_grad_(True)
+        kernels.fake_quant(x, attrs, amax).sum().backward()
+        assert torch.equal(x.grad, torch.tensor(expected))
