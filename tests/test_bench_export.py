@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._bench import load_benchmark
+from ._scripts import load_benchmark
 
 pytest.importorskip("transformers")
 

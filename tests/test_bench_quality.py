@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._bench import load_benchmark
+from ._scripts import load_benchmark
 
 bq = load_benchmark("bench_quality")
 qm = bq.qm

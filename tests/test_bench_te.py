@@ -9,7 +9,7 @@ import pytest
 import quantlib as ql
 from quantlib.config import QuantizeConfig
 
-from ._bench import load_benchmark
+from ._scripts import load_benchmark
 
 bt = load_benchmark("bench_te")
 

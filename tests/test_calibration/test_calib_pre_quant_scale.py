@@ -4,7 +4,6 @@ save / restore) and the schema 2 -> 3 migration against the frozen golden file t
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import pytest
@@ -15,10 +14,10 @@ from quantlib import checkpoint as ckpt
 from quantlib.kernels import fake_quant
 from quantlib.nn import TensorQuantizer
 
+from tests._scripts import load_golden_writer
+
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-_spec = importlib.util.spec_from_file_location("write_v2_golden", os.path.join(DATA, "write_v2_golden.py"))
-golden_v2 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden_v2)
+golden_v2 = load_golden_writer(2)
 
 INT8 = {"num_bits": 8, "axis": None}
 

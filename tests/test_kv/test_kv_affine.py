@@ -23,6 +23,7 @@ import quantlib as ql  # noqa: E402
 from quantlib import checkpoint as ckpt  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 
+from tests._scripts import load_golden_writer  # noqa: E402
 from tests.test_kv.test_kv_hf import MODELS, HandAttention, batches, build, fp8_by_hand, forward_loop  # noqa: E402
 from tests.ranks import run_on_ranks  # noqa: E402
 
@@ -178,10 +179,7 @@ def test_affine_kv_checkpoint_bias_refused_when_bad():
 
 
 def _golden_v3():
-    spec = importlib.util.spec_from_file_location("write_v3_golden", os.path.join(DATA, "write_v3_golden.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_golden_writer(3)
 
 
 def test_golden_v3_checkpoint_without_bias_restores():

@@ -5,7 +5,6 @@ it): a schema-4 golden checkpoint (``tests/data/v4_llama.pt``, written before at
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import pytest
@@ -16,6 +15,7 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 import quantlib as ql  # noqa: E402
 from quantlib import checkpoint as ckpt  # noqa: E402
 
+from tests._scripts import load_golden_writer  # noqa: E402
 from tests.test_kv.test_kv_hf import batches, build, forward_loop  # noqa: E402
 from tests.test_kv.test_probs_hf import P_RULE  # noqa: E402
 
@@ -24,11 +24,7 @@ ATTN = "model.layers.0.self_attn."
 
 
 def _golden_v4():
-    # loaded by path: tests/data is never put on sys.path
-    spec = importlib.util.spec_from_file_location("write_v4_golden", os.path.join(DATA, "write_v4_golden.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_golden_writer(4)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

@@ -6,7 +6,6 @@ clipped) restoring with the clipped backward."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import pytest
@@ -16,6 +15,8 @@ from torch import nn
 import quantlib as ql
 from quantlib import checkpoint as ckpt
 from quantlib.config import ConfigError, QuantizerAttributeConfig
+
+from tests._scripts import load_golden_writer
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.quantization.config import QuantizerAttributeConfig as MoAttributeConfig  # noqa: E402
@@ -98,9 +99,7 @@ def test_schema_5_checkpoint_restores_with_the_clipped_backward():
     cfgs = [item["cfg"] for item in v6["config"]["quant_cfg"] if item["cfg"] is not None]
     assert cfgs and all(c["pass_through_bwd"] is False for cfg in cfgs for c in (cfg if isinstance(cfg, list) else [cfg]))
 
-    spec = importlib.util.spec_from_file_location("write_v2_golden", os.path.join(DATA, "write_v2_golden.py"))
-    v2 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(v2)
+    v2 = load_golden_writer(2)
     restored = ql.restore(v2.build(), os.path.join(DATA, "v5_mlp.pt"))
     q = restored.fc2.input_quantizer
     assert q.attrs.pass_through_bwd is False
