@@ -7,8 +7,8 @@ needs a second read of the input, is counted at one read, as are peers. Shapes: 
 nvfp4_quantize under torch.compile) and ModelOpt (TensorQuantizer fake quant, NVFP4QTensor.quantize).
 
 Usage: ``python benchmarks/bench_kernels.py [--shapes 8192x8192,16384x7168] [--cases SUBSTR,...] [--json out.json]``.
-Prints markdown tables; "best ours / copy" is the % of the copy's GB/s. The FP4 casts that export
-runs, alone: ``--shapes 16384x7168 --cases "mx_cast MXFP4,nvfp4_cast" --no-peers --no-reference``.
+Prints markdown tables; "best ours / copy" is the % of the copy's GB/s. The casts that export
+runs, alone: ``--shapes 16384x7168 --cases "mx_cast MXFP4,nvfp4_cast,fp8_cast" --no-peers --no-reference``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def cast_cases(x: torch.Tensor):
         ("mx_cast MXFP4", "mx_cast", ("e2m1", 32, Rounding.RCEIL), n // 2 + n // 32),
         ("nvfp4_cast (static)", "nvfp4_cast", (g,), n // 2 + n // 16),
         ("nvfp4_cast (dynamic)", "nvfp4_cast", (None,), n // 2 + n // 16),
+        ("fp8_cast per tensor", "fp8_cast", ((448.0 / g).reshape(()), (4, 3)), n),
         ("block_amax 1x128", "block_amax", ((128,),), 4 * n // 128),
     ]
 

@@ -6,7 +6,7 @@
 # or on PYTHONPATH. Logs, JUnit XML and benchmark JSON go to LOGDIR.
 # Benchmarks not in the default list: "sequential" (peak GPU memory of layer-by-layer calibration,
 # about a minute), "export" (bench_export.py --profile: packing GB/s against the copy and ModelOpt),
-# "casts" (the FP4 casts export runs, at 16384x7168), "quality" (bench_quality.py on the GPU, every
+# "casts" (the FP4 and FP8 per-tensor casts export runs, at 16384x7168), "quality" (bench_quality.py on the GPU, every
 # held-out window, with each row's aten-op count; ModelOpt's rows where it imports; ~10 min).
 #
 #   scripts/gpu_suite.sh LOGDIR [--tests "PATHS" | none] [--benchmarks "kernels calibrate te" | none]
@@ -76,7 +76,7 @@ for bench in $benchmarks; do
         te) cmd=("$py" benchmarks/bench_te.py --json "$logdir/bench_te.json") ;;
         sequential) cmd=("$py" benchmarks/bench_sequential.py --device cuda --json "$logdir/bench_sequential.json") ;;
         export) cmd=("$py" benchmarks/bench_export.py --profile --out "$logdir/bench_export.md") ;;
-        casts) cmd=("$py" benchmarks/bench_kernels.py --shapes 16384x7168 --cases "mx_cast MXFP4,nvfp4_cast" --no-peers --no-reference --json "$logdir/bench_casts.json") ;;
+        casts) cmd=("$py" benchmarks/bench_kernels.py --shapes 16384x7168 --cases "mx_cast MXFP4,nvfp4_cast,fp8_cast" --no-peers --no-reference --json "$logdir/bench_casts.json") ;;
         quality) cmd=("$py" benchmarks/bench_quality.py --device cuda --windows 0 --count-ops --json "$logdir/bench_quality.json") ;;
         *) echo "gpu_suite.sh: unknown benchmark $bench" >&2; [ "$status" -eq 0 ] && status=2; continue ;;
     esac

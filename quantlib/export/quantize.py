@@ -13,10 +13,9 @@ import torch
 
 from .. import kernels
 from ..formats import FormatSpec, Kind, QuantizedTensor, blocked_shape, quantize
-from ..formats.fp8 import fp8_dtype, fp8_scale
+from ..formats.fp8 import fp8_scale
 from ..formats.fp8_blockwise import blockwise_scale
 from ..formats.mx import mx_element_name, spec_element
-from ..formats.spec import FLOAT_FORMATS
 
 
 def real_quantize(
@@ -40,9 +39,11 @@ def real_quantize(
         static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape, spec.block))  # e.g. one amax for every block
         codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend, amax=static)
         return QuantizedTensor(codes, d, spec, shape, dtype)
-    if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2:
+    if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2 and (amax.numel() == 1 or tuple(amax.shape) == (shape[0], 1)):
+        # one scale, or one per output row (axis=0); other broadcasts take the reference formula below
         scale = scale if scale is not None else static_scale(amax.to(w.device), spec)
-        return QuantizedTensor(_fp8_codes(w, scale, spec.element), torch.reciprocal(scale), spec, shape, dtype)
+        codes = kernels.fp8_cast(w, scale.reshape(()) if scale.numel() == 1 else scale, spec.element, backend=backend)
+        return QuantizedTensor(codes, torch.reciprocal(scale), spec, shape, dtype)
     # INT: the reference formulas (what every fake-quant backend equals)
     return quantize(w, spec, None if amax is None else amax.to(w.device))
 
@@ -74,20 +75,4 @@ def static_scales(pairs: list[tuple[FormatSpec, torch.Tensor]]) -> list[Optional
         scales = static_scale(flat, spec).split([pairs[i][1].numel() for i in idx])
         for i, sc in zip(idx, scales):
             out[i] = sc.reshape(pairs[i][1].shape)
-    return out
-
-
-def _fp8_codes(w: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
-    """``cast_fp8(clamp(w.float() * scale))`` (the FP8 formula) in row chunks, so that the fp32
-    temporaries stay small: in cache on the CPU (64 Ki elements), and at most 16 Mi elements (64 MiB) on
-    a GPU, where a whole-tensor fp32 copy took 4x the codes' memory; ``scale`` is per tensor or per row."""
-    q = FLOAT_FORMATS[element][0]
-    limit = (1 << 16) if w.device.type == "cpu" else (1 << 24)
-    step = max(1, limit // max(1, w.shape[1]))
-    per_row = scale.dim() == 2 and scale.shape[0] == w.shape[0] and w.shape[0] > 1
-    out = torch.empty(w.shape, dtype=fp8_dtype(element), device=w.device)
-    for r0 in range(0, w.shape[0], step):
-        # a copy, then in place: w may be fp32 itself
-        y = w[r0 : r0 + step].to(torch.float32, copy=True).mul_(scale[r0 : r0 + step] if per_row else scale)
-        out[r0 : r0 + step] = y.clamp_(-q, q)
     return out

@@ -44,6 +44,26 @@ def fp8_quantize(x: torch.Tensor, amax: torch.Tensor, element: tuple[int, int]) 
     return cast_fp8(x.float() * s, element), torch.reciprocal(s)
 
 
+def fp8_codes(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    """``cast_fp8(x.float() * scale)`` with ``scale`` one value or one per row of the last dim (shape
+    ``x.shape[:-1] + (1,)``), in row chunks so that the fp32 temporaries stay small: in cache on the CPU
+    (64 Ki elements), at most 64 MiB on a GPU. Elementwise, so equal to the unchunked formula."""
+    q = FLOAT_FORMATS[tuple(element)][0]
+    out = torch.empty(x.shape, dtype=fp8_dtype(element), device=x.device)
+    if x.numel() == 0:
+        return out
+    cols = x.shape[-1] if x.dim() else 1
+    x2, o2 = x.reshape(-1, cols), out.view(-1, cols)
+    s = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+    limit = (1 << 16) if x.device.type == "cpu" else (1 << 24)
+    step = max(1, limit // cols)
+    for r0 in range(0, x2.shape[0], step):
+        # a copy, then in place: x may be fp32 itself
+        y = x2[r0 : r0 + step].to(torch.float32, copy=True).mul_(s[r0 : r0 + step] if s.dim() else s)
+        o2[r0 : r0 + step] = y.clamp_(-q, q)
+    return out
+
+
 def fp8_dequantize(codes: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * inv_scale
 

@@ -10,6 +10,7 @@ from typing import Optional, Union
 import torch
 
 from ..formats import FormatSpec, Rounding, blocked_shape
+from ..formats.fp8 import fp8_dtype
 from ..formats.spec import MIN_EPS
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import MX_ELEMENTS, mx_dequantize
@@ -58,6 +59,19 @@ def fp8_blockwise_cast(
     if ops.eager_call(x):
         return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, block, float(eps), bool(pow2), amax)
     return ops._fp8_blockwise_cast(x, list(block), float(eps), bool(pow2), amax, backend)
+
+
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int] = (4, 3), backend: str = "auto") -> torch.Tensor:
+    """FP8 codes ``cast(clamp(x * scale, -Q, Q))`` (E4M3 or E5M2 dtype, shape of ``x``) with the quantization
+    scale ``Q / amax`` of a per-tensor (one value) or per-row (shape ``x.shape[:-1] + (1,)``) quantizer."""
+    ops._check_float_input(x, "fp8_cast")
+    element = tuple(int(e) for e in element)
+    fp8_dtype(element)  # names the element formats when it is none of them
+    if scale.numel() != 1 and tuple(scale.shape) != tuple(x.shape[:-1]) + (1,):
+        raise ValueError(f"fp8_cast: scale must have one element or shape {tuple(x.shape[:-1]) + (1,)} (one per row of the input {tuple(x.shape)}), got {tuple(scale.shape)}")
+    if ops.eager_call(x):
+        return implementation("fp8_cast", resolve(backend, x.device))(x, scale, element)
+    return ops._fp8_cast(x, scale, list(element), backend)
 
 
 def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil", backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,4 +126,4 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_sc
     return out.to(dtype)
 
 
-__all__ = ["BACKENDS", "block_amax", "dequantize", "fake_quant", "fp8_blockwise_cast", "mx_cast", "nvfp4_cast", "resolve"]
+__all__ = ["BACKENDS", "block_amax", "dequantize", "fake_quant", "fp8_blockwise_cast", "fp8_cast", "mx_cast", "nvfp4_cast", "resolve"]

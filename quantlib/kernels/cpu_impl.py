@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from ..formats import FormatSpec, Kind, Rounding
+from ..formats.fp8 import fp8_codes
 from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
 from ..formats.mx import mx_element_name, spec_element
 from .backends import native_extension, register
@@ -102,3 +103,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 @register("nvfp4_cast", "cpu")
 def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ext().cpu_nvfp4_cast(x, global_amax, block, block_amax)
+
+
+# No C++ kernel: one multiply, a clamp and a cast, which torch's vectorised CPU ops run in cache-sized
+# row chunks (the formula of the reference, chunked).
+register("fp8_cast", "cpu")(fp8_codes)

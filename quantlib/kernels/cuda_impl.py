@@ -15,7 +15,7 @@ cast fused):
 all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whole number of 16-byte
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
-Everything else -- FP8 per tensor / per channel / dynamic per row, INT per tensor or with other
+Everything else -- FP8 per tensor / per channel / dynamic per row (``fp8_cast`` too), INT per tensor or with other
 broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4 with static
 block amax, other last dims, empty
 tensors, and ``block_amax`` -- goes explicitly to the Triton
@@ -173,3 +173,8 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
         return _triton("nvfp4_cast", f"nvfp4_cast (shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None})")(x, global_amax, block, block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))
+
+
+@register("fp8_cast", "cuda")
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    return _triton("fp8_cast", f"fp8_cast (element {tuple(element)}, shape {tuple(x.shape)})")(x, scale, element)

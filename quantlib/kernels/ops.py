@@ -13,6 +13,7 @@ import torch
 
 from ..formats import FormatSpec, Kind, Rounding, blocked_shape
 from ..formats.blocks import from_blocks, to_blocks
+from ..formats.fp8 import fp8_dtype
 from ..formats.reference import check_block_amax
 from .backends import implementation, resolve, triton_available
 
@@ -243,6 +244,16 @@ def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: boo
 @_fp8_blockwise_cast.register_fake
 def _(x, block, eps, pow2, amax, backend):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(blocked_shape(x.shape, tuple(block)), dtype=torch.float32)
+
+
+@torch.library.custom_op("quantlib::fp8_cast", mutates_args=())
+def _fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: list[int], backend: str) -> torch.Tensor:
+    return implementation("fp8_cast", resolve(backend, x.device))(x, scale, tuple(element))
+
+
+@_fp8_cast.register_fake
+def _(x, scale, element, backend):
+    return x.new_empty(x.shape, dtype=fp8_dtype(tuple(element)))
 
 
 @torch.library.custom_op("quantlib::mx_cast", mutates_args=())

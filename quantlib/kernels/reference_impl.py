@@ -6,6 +6,7 @@ import torch
 
 from .. import formats
 from ..formats import FormatSpec, Rounding
+from ..formats.fp8 import fp8_codes
 from ..formats.fp8_blockwise import fp8_blockwise_quantize
 from ..formats.mx import mx_quantize
 from ..formats.nvfp4 import nvfp4_quantize
@@ -35,3 +36,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 @register("nvfp4_cast", "reference")
 def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return nvfp4_quantize(x, global_amax, block, block_amax)
+
+
+@register("fp8_cast", "reference")
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    return fp8_codes(x, scale, element)

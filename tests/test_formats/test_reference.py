@@ -86,6 +86,36 @@ def test_fp8_codes_and_inverse_scale():
     assert quantize(t32([1.0]), FP8_E5M2, torch.tensor(1.0)).codes.dtype == torch.float8_e5m2
 
 
+@pytest.mark.parametrize("element", [(4, 3), (5, 2)], ids=str)
+def test_fp8_codes_in_chunks_equal_the_formula(element):
+    """The chunked codes of export / ``kernels.fp8_cast`` (rows of 64 Ki elements on the CPU: four chunks
+    here) equal ``cast_fp8(x * s)`` over the whole tensor, per tensor, per row and for rank 3."""
+    from quantlib import kernels
+    from quantlib.formats.fp8 import fp8_codes, fp8_quantize, fp8_scale
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(300, 700, generator=g) * 40).to(torch.bfloat16)
+    x[0, 0], x[299, 699], x[150, 3] = float("inf"), -float("inf"), NAN
+    for amax in (torch.tensor(7.0), x.float().abs().nan_to_num(0, 0, 0).amax(dim=1, keepdim=True) * 0.5):
+        want, _ = fp8_quantize(x, amax, element)
+        for backend in ("reference", "cpu", "auto"):
+            assert_bitwise(kernels.fp8_cast(x, fp8_scale(amax, element), element, backend=backend), want)
+    x3, a3 = x.view(3, 100, 700), torch.rand(3, 100, 1, generator=g) + 0.5
+    assert_bitwise(fp8_codes(x3, fp8_scale(a3, element), element), fp8_quantize(x3, a3, element)[0])
+
+
+def test_fp8_cast_refuses_bad_scale_shape_and_element():
+    from quantlib import kernels
+
+    x = torch.ones(4, 8)
+    with pytest.raises(ValueError, match=r"fp8_cast: scale must have one element or shape \(4, 1\).*got \(1, 8\)"):
+        kernels.fp8_cast(x, torch.ones(1, 8))
+    with pytest.raises(ValueError, match=r"no FP8 dtype for element format \(3, 4\)"):
+        kernels.fp8_cast(x, torch.ones(()), (3, 4))
+    with pytest.raises(TypeError, match="fp8_cast: input must be float32"):
+        kernels.fp8_cast(x.int(), torch.ones(()))
+
+
 def test_fp8_blockwise_eps_floor():
     q = quantize(torch.zeros(2, 130), FP8_1x128)
     assert q.scale.shape == (2, 2) and q.scale.dtype == torch.float32

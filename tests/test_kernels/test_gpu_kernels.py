@@ -177,6 +177,9 @@ def test_casts(dtype, backend):
         for g in (None, torch.tensor(30.0)):
             assert_same_all(_impl("nvfp4_cast", backend)(xc, None if g is None else g.cuda()), R.nvfp4_cast(x, g), f"nvfp4 {shape}")
         assert_same(_impl("block_amax", backend)(xc, (32,)), R.block_amax(x, (32,)), "block_amax")
+        for element in ((4, 3), (5, 2)):
+            for s in (torch.tensor(448.0 / 7.0), 448.0 / x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-3)):
+                assert_same(_impl("fp8_cast", backend)(xc, s.cuda(), element), R.fp8_cast(x, s, element), f"fp8_cast {element} {tuple(s.shape)} {shape}")
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])

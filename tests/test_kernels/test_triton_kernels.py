@@ -300,6 +300,22 @@ def test_fp8_blockwise_cast_static_amax(block, pow2, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("element", [(4, 3), (5, 2)], ids=str)
+def test_fp8_cast(element, dtype):
+    """FP8 per tensor and per row codes from a precomputed scale (FP8 export): the amax of the weight,
+    a smaller one (codes saturate at +-Q), a tiny one (scale of amax 1), with Inf and NaN elements."""
+    from quantlib.formats.fp8 import fp8_scale
+
+    x = edge_input((37, 300), dtype, seed=13)
+    x[3, 5], x[7, 9], x[8, 1] = INF, NAN, -NAN
+    rows = x.float().abs().nan_to_num(0, 0, 0).amax(dim=1, keepdim=True)
+    for amax in (torch.tensor(5.0), torch.tensor(1e-30), rows, rows * 0.25, torch.tensor(NAN)):
+        s = fp8_scale(amax, element)
+        assert_same(T().fp8_cast(x, s, element), R.fp8_cast(x, s, element), f"{element} {tuple(amax.shape)}")
+    assert_same(T().fp8_cast(x[:0], torch.tensor(1.0), element), R.fp8_cast(x[:0], torch.tensor(1.0), element), "empty")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("elem", ["e4m3", "e2m1", "e3m2", "e2m3", "int8"])
 @pytest.mark.parametrize("rounding", [Rounding.RCEIL, Rounding.FLOOR], ids=lambda r: r.value)
 def test_mx_cast(elem, rounding, dtype):

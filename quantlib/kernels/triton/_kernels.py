@@ -6,6 +6,8 @@
   owns one block.
 - :func:`rowwise_kernel`: INT / FP8 with a static amax broadcast over ``[R, C]``, or a dynamic amax
   per row.
+- :func:`fp8_cast_kernel`: FP8 codes of ``[R, C]`` with one quantization scale, or one a row (the export
+  of FP8 per tensor / per channel weights).
 - :func:`absmax_kernel`: partial amax bits of a flat tensor (NVFP4's dynamic global amax).
 
 ``OP``: 0 block amax, 1 fake quant, 2 real quantization (codes + scales). ``KIND``: 0 INT, 1 FP8
@@ -19,6 +21,7 @@ import triton.language as tl
 from ._numerics import (
     abs_bits,
     bits_to_f32,
+    clamp_nan,
     div_block,
     e2m1_code,
     e2m1_round,
@@ -35,6 +38,7 @@ from ._numerics import (
     mx_element_code,
     nvfp4_s2,
     nvfp4_sb8,
+    round_fp8,
     store_out,
 )
 
@@ -274,6 +278,27 @@ def nan_groups_kernel(
             flagged = tl.load(flag_ptr + aoff, mask=mask, other=0) != 0
             nan = tl.full((ROWS, BC), float("nan"), tl.float32)
             store_out(out_ptr, base + cols, nan, mask & flagged, OUT_DT)
+
+
+@triton.jit
+def fp8_cast_kernel(
+    x_ptr, out_ptr, s_ptr, R, C, PER_ROW: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr,
+    IN_DT: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, HW: tl.constexpr,
+):
+    """``out = fp8_byte(cast(clamp(x * s, -Q, Q)))`` with the precomputed scale ``s`` (``s_ptr[0]``, or
+    ``s_ptr[row]`` with PER_ROW): the codes whose fake quantization the model was evaluated with."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+    rmask = rows < R
+    mask = rmask & (cols < C)
+    offs = rows.to(tl.int64) * C + cols
+    x = load_f32(x_ptr, offs, mask, IN_DT)
+    if PER_ROW:
+        s = tl.load(s_ptr + rows, mask=rmask, other=1.0)
+    else:
+        s = tl.zeros((1, 1), dtype=tl.float32) + tl.load(s_ptr)
+    r = round_fp8(clamp_nan(x * s, -QMAX, QMAX), FP8E, HW)
+    tl.store(out_ptr + offs, fp8_byte(r, FP8E, HW).to(tl.uint8), mask=mask)
 
 
 @triton.jit

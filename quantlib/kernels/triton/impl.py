@@ -11,6 +11,7 @@ import torch
 
 from ...formats import FormatSpec, Kind, Rounding
 from ...formats.blocks import blocked_shape, check_block
+from ...formats.fp8 import fp8_dtype
 from ...formats.int import int_range
 from ...formats.mx import mx_element, mx_limits, spec_element
 from ...formats.spec import FLOAT_FORMATS
@@ -298,4 +299,19 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
     return codes, sb8, s2
 
 
-__all__ = ["block_amax", "fake_quant", "fp8_blockwise_cast", "mx_cast", "nvfp4_cast"]
+@register("fp8_cast", "triton")
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    codes = torch.empty(x.shape, dtype=fp8_dtype(element), device=x.device)
+    if x.numel() == 0:
+        return codes
+    C = x.shape[-1] if x.dim() else 1
+    R = x.numel() // C
+    xin, in_dt = in_view(x)
+    s = scale.to(device=x.device, dtype=torch.float32).contiguous()
+    consts = dict(PER_ROW=s.numel() > 1, IN_DT=in_dt, QMAX=FLOAT_FORMATS[tuple(element)][0], FP8E=_fp8e(element), HW=x.is_cuda)
+    args = (xin, codes.view(torch.uint8), s, R, C)
+    launch(K.fp8_cast_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda), x.device, x.numel())
+    return codes
+
+
+__all__ = ["block_amax", "fake_quant", "fp8_blockwise_cast", "fp8_cast", "mx_cast", "nvfp4_cast"]
