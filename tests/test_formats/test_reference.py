@@ -104,6 +104,21 @@ def test_fp8_codes_in_chunks_equal_the_formula(element):
     assert_bitwise(fp8_codes(x3, fp8_scale(a3, element), element), fp8_quantize(x3, a3, element)[0])
 
 
+@pytest.mark.parametrize("element", [(4, 3), (5, 2)], ids=str)
+def test_fp8_cast_compiles_fullgraph(element):
+    """The op's fake kernel gives the codes' FP8 dtype of each element and the input's shape."""
+    from quantlib import kernels
+
+    torch._dynamo.reset()
+    x, s = torch.randn(6, 40) * 30, torch.rand(6, 1) + 1.0
+
+    def fn(t, scale):
+        return kernels.fp8_cast(t, scale, element)
+
+    assert_bitwise(torch.compile(fn, fullgraph=True, backend="aot_eager")(x, s), fn(x, s))
+    torch._dynamo.reset()
+
+
 def test_fp8_cast_refuses_bad_scale_shape_and_element():
     from quantlib import kernels
 
