@@ -6,8 +6,9 @@
 # or on PYTHONPATH. Logs, JUnit XML and benchmark JSON go to LOGDIR.
 # Benchmarks not in the default list: "sequential" (peak GPU memory of layer-by-layer calibration,
 # about a minute), "export" (bench_export.py --profile: packing GB/s against the copy and ModelOpt),
-# "casts" (the FP4 and FP8 per-tensor casts export runs, at 16384x7168), "quality" (bench_quality.py on the GPU, every
-# held-out window, with each row's aten-op count; ModelOpt's rows where it imports; ~10 min).
+# "casts" (the FP4 and FP8 per-tensor casts export runs, at 16384x7168), "quality" (bench_quality.py
+# on the GPU, every held-out window, with each row's aten-op count; ModelOpt's rows where it imports;
+# ~10 min).
 #
 #   scripts/gpu_suite.sh LOGDIR [--tests "PATHS" | none] [--benchmarks "kernels calibrate te" | none]
 #                        [--python PY] [--workers N]
@@ -16,7 +17,7 @@
 # whatever ran before it in its process). Exit status: that of pytest, or 1 where a benchmark failed.
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,16p' "$0" >&2
+    sed -n '2,17p' "$0" >&2
     exit 2
 fi
 logdir=$1

@@ -42,7 +42,7 @@ def real_quantize(
     if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2 and (amax.numel() == 1 or tuple(amax.shape) == (shape[0], 1)):
         # one scale, or one per output row (axis=0); other broadcasts take the reference formula below
         scale = scale if scale is not None else static_scale(amax.to(w.device), spec)
-        codes = kernels.fp8_cast(w, scale.reshape(()) if scale.numel() == 1 else scale, spec.element, backend=backend)
+        codes = kernels.fp8_cast(w, scale, spec.element, backend=backend)
         return QuantizedTensor(codes, torch.reciprocal(scale), spec, shape, dtype)
     # INT: the reference formulas (what every fake-quant backend equals)
     return quantize(w, spec, None if amax is None else amax.to(w.device))

@@ -66,7 +66,10 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int] = (4
     scale ``Q / amax`` of a per-tensor (one value) or per-row (shape ``x.shape[:-1] + (1,)``) quantizer."""
     ops._check_float_input(x, "fp8_cast")
     element = tuple(int(e) for e in element)
-    fp8_dtype(element)  # names the element formats when it is none of them
+    try:
+        fp8_dtype(element)
+    except ValueError as exc:
+        raise ValueError(f"fp8_cast: {exc}") from None
     if scale.numel() != 1 and tuple(scale.shape) != tuple(x.shape[:-1]) + (1,):
         raise ValueError(f"fp8_cast: scale must have one element or shape {tuple(x.shape[:-1]) + (1,)} (one per row of the input {tuple(x.shape)}), got {tuple(scale.shape)}")
     if ops.eager_call(x):

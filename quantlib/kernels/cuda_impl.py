@@ -15,10 +15,9 @@ cast fused):
 all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whole number of 16-byte
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
-Everything else -- FP8 per tensor / per channel / dynamic per row (``fp8_cast`` too), INT per tensor or with other
-broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4 with static
-block amax, other last dims, empty
-tensors, and ``block_amax`` -- goes explicitly to the Triton
+Everything else -- FP8 per tensor / per channel / dynamic per row (``fp8_cast`` too), INT per tensor or
+with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
+with static block amax, other last dims, empty tensors, and ``block_amax`` -- goes explicitly to the Triton
 implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
 resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
 DEBUG level on the ``quantlib.kernels`` logger; without the triton package it raises

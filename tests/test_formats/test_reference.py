@@ -125,7 +125,7 @@ def test_fp8_cast_refuses_bad_scale_shape_and_element():
     x = torch.ones(4, 8)
     with pytest.raises(ValueError, match=r"fp8_cast: scale must have one element or shape \(4, 1\).*got \(1, 8\)"):
         kernels.fp8_cast(x, torch.ones(1, 8))
-    with pytest.raises(ValueError, match=r"no FP8 dtype for element format \(3, 4\)"):
+    with pytest.raises(ValueError, match=r"fp8_cast: no FP8 dtype for element format \(3, 4\)"):
         kernels.fp8_cast(x, torch.ones(()), (3, 4))
     with pytest.raises(TypeError, match="fp8_cast: input must be float32"):
         kernels.fp8_cast(x.int(), torch.ones(()))
