@@ -55,13 +55,17 @@ def test_transformers_loads_export_bit_exact(bases, tmp_path, fmt, family):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
-def test_ue8m0_scales_are_bytes(bases, tmp_path):
+def test_ue8m0_scales_are_fp32_powers_of_two(bases, tmp_path):
+    """DeepSeek-V3.1's form: vLLM's generic fp8 loader ignores ``scale_fmt`` and copies the stored numbers,
+    so E8M0 bytes would load as scales 120.0 instead of 2^-7; fp32 powers of two read right everywhere."""
     from safetensors.torch import load_file
 
     model = quantized(bases["llama"], FP8_POW2)
     export_checkpoint(model, tmp_path / "c", "hf_fp8_block_ue8m0")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
     sd = load_file(tmp_path / "c" / "model.safetensors")
     s = sd["model.layers.0.self_attn.q_proj.weight_scale_inv"]
-    assert s.dtype == torch.uint8 and tuple(s.shape) == (2, 2)
-    d = model.model.layers[0].self_attn.q_proj.weight_quantizer
-    assert torch.equal(torch.exp2(s.float() - 127), ql.kernels.fp8_blockwise_cast(model.model.layers[0].self_attn.q_proj.weight, (128, 128), pow2=True)[1]) and d.is_enabled
+    assert s.dtype == torch.float32 and tuple(s.shape) == (2, 2)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two, stored as numbers
+    linear = model.model.layers[0].self_attn.q_proj
+    assert torch.equal(s, ql.kernels.fp8_blockwise_cast(linear.weight, (128, 128), pow2=True)[1]) and linear.weight_quantizer.is_enabled

@@ -1,8 +1,10 @@
 """Hugging Face fine-grained FP8 (``quant_method: "fp8"``, transformers ``finegrained_fp8``, vLLM ``fp8``).
 
 ``weight`` float8_e4m3fn [out, in]; ``weight_scale_inv`` fp32 [ceil(out/bm), ceil(in/bn)] = quantlib's
-dequant scale ``d`` (``w = fp8 * d`` per block). The ``ue8m0`` variant stores power-of-two scales as
-their E8M0 byte (the fp32 exponent field); it needs a ``pow2_scale`` quantizer. Activations are
+dequant scale ``d`` (``w = fp8 * d`` per block). The ``ue8m0`` variant (``scale_fmt: "ue8m0"``) needs a
+``pow2_scale`` quantizer and stores its power-of-two scales in fp32, as DeepSeek-V3.1 ships them: vLLM's
+generic fp8 loader ignores ``scale_fmt`` and would read E8M0 bytes as numbers (byte 120 as 120.0, not
+2^-7), while transformers reads either form. Activations are
 quantized dynamically by the consumer (``activation_scheme: "dynamic"``, all vLLM allows with blocks).
 Unquantized modules go to ``ignored_layers``: vLLM's key, which transformers reads as its
 ``modules_to_not_convert``.
@@ -17,11 +19,6 @@ import torch
 from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportFormat
 from .base import ConfigInfo, Packer, fp8_block_weight_ok
-
-
-def pow2_to_e8m0(d: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 byte of fp32 powers of two >= 2^-127 (their exponent field)."""
-    return ((d.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
 class HFFP8Block(Packer):
@@ -40,8 +37,7 @@ class HFFP8Block(Packer):
         return "activations are quantized dynamically to FP8 E4M3 by the consumer"
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        scale = pow2_to_e8m0(q.scale) if self.ue8m0 else q.scale.float()
-        return {"weight": q.codes, "weight_scale_inv": scale}
+        return {"weight": q.codes, "weight_scale_inv": q.scale.float()}
 
     def config(self, info: ConfigInfo) -> dict:
         cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(info.weight_spec.block), "ignored_layers": list(info.ignore)}
