@@ -277,6 +277,8 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
         bad = "NaN" if bool(torch.isnan(it.amax).any()) else "Inf"
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
+    if it.role == "expert" and packer.experts_why is not None:
+        raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
     # the format and block checks depend on these alone (the names only make their messages)

@@ -45,6 +45,8 @@ class Packer:
     siblings_share_global: bool = False
     #: where the consumer needs a static input scale: the message that says which input quantizer to enable
     input_required: Optional[str] = None
+    #: why the consumer cannot load MoE experts in this format (None: it can)
+    experts_why: Optional[str] = None
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""
