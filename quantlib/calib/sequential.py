@@ -33,6 +33,7 @@ with the same model, config, algorithm and file continues after the last finishe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -40,7 +41,7 @@ import functools
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -257,6 +258,17 @@ def _release_layer(layer: nn.Module, home: _Home) -> None:
     else:
         layer.to(home.device)
     _return_freed_memory()
+
+
+@contextlib.contextmanager
+def offloaded_layer(layer: nn.Module, where: str, offload_folder: str) -> Iterator[nn.Module]:
+    """``layer`` (dotted name ``where``) with its ``meta`` tensors read from ``offload_folder`` onto the CPU
+    for the ``with`` body, and back on ``meta`` after it (what the export of an offloaded model reads)."""
+    home = _load_layer(layer, where, SequentialOptions(offload_folder=offload_folder), None)
+    try:
+        yield layer
+    finally:
+        _release_layer(layer, home)
 
 
 # ---------------------------------------------------------------------------------- inputs

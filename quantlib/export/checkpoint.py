@@ -16,6 +16,7 @@ from . import safetensors_io
 from .formats import as_format, packer as get_packer
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
+from .offload import meta_modules, read_offloaded
 from .plan import Plan, make_plan
 from .types import ExportError, ExportFormat, ExportManifest
 
@@ -25,14 +26,24 @@ _PROGRESS_BYTES = 2**30
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """Bytes of ``5GB`` / ``500MiB`` / an int."""
-    if isinstance(size, int):
+    """Bytes of ``5GB`` / ``500MiB`` / a positive int."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ExportError(f"max_shard_size={size!r}: must be positive")
         return size
+    if not isinstance(size, str):
+        raise ExportError(f"max_shard_size={size!r} ({type(size).__name__}): expected an int of bytes or a size such as '5GB'")
     s = size.strip().upper()
     for unit in sorted(_UNITS, key=len, reverse=True):
         if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * _UNITS[unit])
-    raise ExportError(f"max_shard_size={size!r}: expected an int or a size such as '5GB'")
+            try:
+                n = int(float(s[: -len(unit)]) * _UNITS[unit])
+            except ValueError:
+                break
+            if n <= 0:
+                raise ExportError(f"max_shard_size={size!r}: must be positive")
+            return n
+    raise ExportError(f"max_shard_size={size!r}: expected an int of bytes or a size such as '5GB'")
 
 
 def _base_config(model: nn.Module, hf_config: Any) -> dict:
@@ -41,7 +52,34 @@ def _base_config(model: nn.Module, hf_config: Any) -> dict:
         return {}
     if isinstance(cfg, dict):
         return dict(cfg)
+    if not callable(getattr(cfg, "to_dict", None)):
+        what = "hf_config" if hf_config is not None else f"{type(model).__name__}.config"
+        raise ExportError(f"{what}={cfg!r} ({type(cfg).__name__}): expected a transformers PretrainedConfig or a dict of config.json")
     return cfg.to_dict()
+
+
+def check_arguments(**kwargs: Any) -> None:
+    """Refuse export arguments of the wrong type or value, naming the argument and the value."""
+    for name in ("overwrite", "unify_siblings"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ExportError(f"{name}={kwargs[name]!r}: expected True or False")
+    if "progress" in kwargs and kwargs["progress"] is not None and not isinstance(kwargs["progress"], bool):
+        raise ExportError(f"progress={kwargs['progress']!r}: expected None (automatic), True or False")
+    if "tp" in kwargs:
+        tp = kwargs["tp"]
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ExportError(f"tp={tp!r}: expected a tensor-parallel degree, an int >= 1")
+    if "layout" in kwargs and kwargs["layout"] is not None and not isinstance(kwargs["layout"], ModelLayout):
+        raise ExportError(f"layout={kwargs['layout']!r}: expected a quantlib.export.ModelLayout or None")
+    if "out_dir" in kwargs and not isinstance(kwargs["out_dir"], (str, os.PathLike)):
+        raise ExportError(f"out_dir={kwargs['out_dir']!r}: expected a path")
+
+
+def _resolve_out_dir(out_dir: Union[str, os.PathLike]) -> str:
+    """The directory the export replaces: a symlink's target, as ``open`` writes through a link (the link
+    stays and points at the new export; a link to nothing gets its target created)."""
+    path = os.path.abspath(os.fspath(out_dir))
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 def _check_out_dir(out_dir: str, overwrite: bool) -> None:
@@ -53,6 +91,12 @@ def _check_out_dir(out_dir: str, overwrite: bool) -> None:
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.path.isdir(parent):
         raise ExportError(f"the parent directory of {out_dir} does not exist")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class _ShardWriter:
@@ -119,41 +163,65 @@ def export_checkpoint(
     unify_siblings: bool = False,
     tp: int = 1,
     progress: Optional[bool] = None,
+    offload_folder: Optional[str] = None,
 ) -> ExportManifest:
     """Write ``model`` to ``out_dir`` in ``format``: safetensors shards (+ index), config.json with the
     consumer's ``quantization_config`` (and ModelOpt's hf_quant_config.json). Checks everything first;
-    the directory appears whole or not at all. ``tp``: also check block divisibility at that TP degree."""
+    the directory appears whole or not at all. ``tp``: also check block divisibility at that TP degree.
+    ``offload_folder``: where the decoder layers of a model left on ``meta`` by offloaded layer-by-layer
+    calibration are read from, one at a time."""
     from quantlib import __version__
 
+    check_arguments(out_dir=out_dir, overwrite=overwrite, unify_siblings=unify_siblings, tp=tp, progress=progress, layout=layout)
     fmt = as_format(format)
     p = get_packer(fmt)
     limit = parse_size(max_shard_size)
+    config = _base_config(model, hf_config)
+    on_meta = meta_modules(model)
+    if on_meta and offload_folder is None:
+        raise ExportError(f"{on_meta[0]} (and {len(on_meta) - 1} more module(s)) hold tensors on the meta device; "
+                          "pass offload_folder= the folder layer-by-layer calibration loaded them from")
     plan = make_plan(model, p, layout or layout_for(model), unify_siblings=unify_siblings, tp=tp, version=__version__)
-    return write_plan(plan, fmt, out_dir, _base_config(model, hf_config), overwrite=overwrite, limit=limit, progress=progress)
+    if on_meta:
+        progress = progress if progress is not None else plan_bytes(plan) >= _PROGRESS_BYTES  # before the getters read files
+        with read_offloaded(model, plan, layout or layout_for(model), offload_folder):
+            return write_plan(plan, fmt, out_dir, config, overwrite=overwrite, limit=limit, progress=progress)
+    return write_plan(plan, fmt, out_dir, config, overwrite=overwrite, limit=limit, progress=progress)
 
 
 def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, overwrite: bool, limit: int, progress: Optional[bool]) -> ExportManifest:
     """Pack and write a checked plan atomically; ``config`` is the base of config.json."""
     p = get_packer(fmt)
+    shown, out_dir = os.fspath(out_dir), _resolve_out_dir(out_dir)
     _check_out_dir(out_dir, overwrite)
     config = dict(config)
     config["quantization_config"] = p.config(plan.info)
     extra = p.extra_files(plan.info)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
+    parent = os.path.dirname(out_dir)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # as os.mkdir makes it (mkdtemp's 0o700 would shut out a server running as another user)
         files = _write_all(plan, fmt, tmp, limit, config, extra, progress)
         _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportManifest(out_dir, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized, list(plan.info.ignore), plan.unified)
+    return ExportManifest(shown, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized, list(plan.info.ignore), plan.unified)
+
+
+def plan_bytes(plan: Plan) -> int:
+    """Bytes of the plan's quantized weights as they are in the model (read from their metadata, not their data)."""
+    total = 0
+    for it in plan.items:
+        if it.weight is not None:
+            w = it.weight()
+            total += w.numel() * w.element_size()
+    return total
 
 
 def _write_all(plan, fmt: ExportFormat, tmp: str, limit: int, config: dict, extra: dict, progress: Optional[bool]) -> list[str]:
     writer = _ShardWriter(tmp, limit)
-    total = sum(it.weight().numel() * it.weight().element_size() for it in plan.items if it.weight is not None)
-    show = progress if progress is not None else total >= _PROGRESS_BYTES
+    show = progress if progress is not None else plan_bytes(plan) >= _PROGRESS_BYTES
     bar = None
     if show:
         from tqdm.auto import tqdm

@@ -23,7 +23,7 @@ from ..formats import FormatSpec
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .checkpoint import parse_size, write_plan
+from .checkpoint import check_arguments, parse_size, write_plan
 from .formats import Packer, as_format, packer as get_packer
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout
@@ -261,6 +261,11 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
 
     from ..plugins.megatron_state import unwrap_megatron  # (imports Megatron)
 
+    # every rank checks its arguments before the gather, so a bad one fails everywhere, not on rank 0 alone
+    check_arguments(out_dir=out_dir, overwrite=overwrite, unify_siblings=unify_siblings)
+    if hf_config is not None and not isinstance(hf_config, dict):
+        raise ExportError(f"hf_config={hf_config!r} ({type(hf_config).__name__}): expected a dict of config.json entries or None")
+    limit = parse_size(max_shard_size)
     fmt = as_format(format)
     packer = get_packer(fmt)
     model = unwrap_megatron(model)
@@ -282,4 +287,4 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
     items = _items(full, prepend, order, all_specs, model.config)
     plan = check_items(items, packer, MEGATRON_GPT, unify_siblings=unify_siblings, version=__version__, what=type(model).__name__)
     plan.kv, plan.info.kv_spec = [all_kv[i] for i in sorted(all_kv)], kv_spec
-    return write_plan(plan, fmt, out_dir, dict(hf_config or {}), overwrite=overwrite, limit=parse_size(max_shard_size), progress=False)
+    return write_plan(plan, fmt, out_dir, dict(hf_config or {}), overwrite=overwrite, limit=limit, progress=False)

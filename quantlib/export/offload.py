@@ -1,0 +1,100 @@
+"""Export of a model whose decoder layers wait in an offload folder (layer-by-layer calibration of a model
+larger than memory): the plan is made with those layers on ``meta`` (its checks read shapes and amax, and
+quantizers stay resident), then each layer is read from its file when its first item is packed and goes
+back to ``meta`` when the next layer's turn comes, so one layer is in memory at a time."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..calib.sequential import decoder_layers, offloaded_layer
+from ..nn.containers import QuantizerContainer
+from ..nn.tensor_quantizer import TensorQuantizer
+from .layouts import ModelLayout
+from .plan import Item, Plan, named_modules, walk
+from .types import ExportError
+
+
+def meta_modules(model: nn.Module) -> list[str]:
+    """Names of the modules holding a parameter or buffer on ``meta`` (quantizers aside)."""
+    out = []
+    for name, m in named_modules(model):
+        if isinstance(m, (TensorQuantizer, QuantizerContainer)):
+            continue
+        tensors = list(m._parameters.values()) + list(m._buffers.values())
+        if any(t is not None and t.is_meta for t in tensors):
+            out.append(name or type(model).__name__)
+    return out
+
+
+class _Reader:
+    """Serves the plan's tensor getters from the one decoder layer currently read from disk."""
+
+    def __init__(self, model: nn.Module, layout: ModelLayout, folder: str) -> None:
+        self.model, self.layout, self.folder = model, layout, folder
+        self.list_name, self.layers = decoder_layers(model)
+        self.modules = named_modules(model)
+        self.stack = contextlib.ExitStack()
+        self.current: Optional[int] = None
+        self.fresh: dict[tuple[str, str], Item] = {}
+
+    def layer_of(self, it: Item) -> Optional[int]:
+        prefix = self.list_name + "."
+        if not it.where.startswith(prefix):
+            return None
+        index = it.where[len(prefix):].split(".", 1)[0]
+        return int(index) if index.isdigit() and int(index) < len(self.layers) else None
+
+    def enter(self, idx: int) -> None:
+        """Read layer ``idx`` (the one before goes back to ``meta``) and walk it for live getters."""
+        if self.current == idx:
+            return
+        self.stack.close()
+        self.current, self.fresh = None, {}
+        where = f"{self.list_name}.{idx}"
+        try:
+            self.stack.enter_context(offloaded_layer(self.layers[idx], where, self.folder))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ExportError(f"{where}: cannot read it from the offload folder {self.folder}: {exc}") from exc
+        self.current = idx
+        inside = [(n, m) for n, m in self.modules if n == where or n.startswith(where + ".")]
+        self.fresh = {(it.name, it.where): it for it in walk(self.model, self.layout, inside)}
+
+    def getter(self, it: Item, idx: Optional[int], key: Optional[str], get: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            if idx is not None:
+                self.enter(idx)
+                fresh = self.fresh.get((it.name, it.where))
+                if fresh is None:
+                    raise ExportError(f"{it.where}: not found again in {self.list_name}.{idx} after reading it from {self.folder}")
+                t = fresh.weight() if key is None else fresh.extras[key]()
+            else:
+                t = get()
+            if t.is_meta:
+                raise ExportError(f"{it.where}: {key or 'weight'} is on the meta device and is not part of a decoder layer in {self.folder}")
+            return t
+
+        return read
+
+
+@contextlib.contextmanager
+def read_offloaded(model: nn.Module, plan: Plan, layout: ModelLayout, folder: str) -> Iterator[None]:
+    """For the ``with`` body, the plan's getters read each decoder layer from ``folder`` in turn; after it
+    the model's layers are back on ``meta`` and the plan's getters as they were."""
+    reader = _Reader(model, layout, folder)
+    saved = [(it, it.weight, dict(it.extras)) for it in plan.items]
+    for it in plan.items:
+        idx = reader.layer_of(it)
+        if it.weight is not None:
+            it.weight = reader.getter(it, idx, None, it.weight)
+        it.extras = {k: reader.getter(it, idx, k, get) for k, get in it.extras.items()}
+    try:
+        yield
+    finally:
+        reader.stack.close()
+        for it, weight, extras in saved:
+            it.weight, it.extras = weight, extras
