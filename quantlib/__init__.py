@@ -1,5 +1,6 @@
 """quantlib: post-training quantization and QAT of PyTorch models, ModelOpt-compatible configs."""
 
+from .auto_quantize import auto_quantize
 from .checkpoint import CheckpointError, quantizer_state, restore, restore_state, save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .coverage import WeightCoverage, weight_coverage
@@ -42,6 +43,7 @@ from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegi
 __version__ = "0.1.0"
 
 __all__ = [
+    "auto_quantize",
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
     "FP8_AFFINE_KV_CFG",
     "FP8_BLOCKWISE_CFG",
