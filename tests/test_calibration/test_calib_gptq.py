@@ -318,3 +318,23 @@ def test_dp2_ranks_update_alike_and_as_one_process_on_the_global_data():
     single = _dp_rank(0, 1, data)
     assert (outs[0] != single).float().mean().item() < 0.01  # the same Hessian summed in another order
     assert not torch.equal(outs[0], linear()[0].weight)
+
+
+def test_export_writes_the_updated_weights(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from quantlib.export import export_checkpoint
+    from tests.test_export._export_models import llama, tokens
+    from tests.test_export.test_compressed_tensors import _decompress, _ulp_distance
+
+    cfg = copy.deepcopy(ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG)
+    cfg["algorithm"] = "gptq"
+    maxed = ql.quantize(llama(), {**cfg, "algorithm": "max"}, loop([tokens(3), tokens(4)]))
+    model = ql.quantize(llama(), cfg, loop([tokens(3), tokens(4)]))
+    export_checkpoint(model, tmp_path / "c", "ct_int_pack")
+    _, got, _ = _decompress(tmp_path / "c")
+    assert got
+    for name, out in got.items():
+        m = model.get_submodule(name)
+        with torch.no_grad():
+            assert int(_ulp_distance(out, m.weight).max()) <= 1, name  # the consumer's codes x scale: GPTQ's weight
+            assert not torch.equal(m.weight_quantizer(m.weight), maxed.get_submodule(name).weight_quantizer(maxed.get_submodule(name).weight)), name
