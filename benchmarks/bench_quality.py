@@ -48,20 +48,23 @@ import quality_models as qm  # noqa: E402
 import quantlib as ql  # noqa: E402
 
 ALL = ["max", "mse", "awq_lite", "awq_clip", "awq_full"]
+#: INT4 blocks and static NVFP4 blocks also get GPTQ (ModelOpt's ``{"method": "gptq"}``: perc_damp 0.01,
+#: block_size 128; its weight scales are fixed from the weights first, which dynamic NVFP4 blocks are not)
+WITH_GPTQ = ALL + ["gptq"]
 #: NVFP4 weights with static block scales (the W4A16 preset's weight blocks made ``"static"``): max, the
 #: multiplier search of each block's amax, and ModelOpt's E4M3 scale sweep (its
 #: NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG algorithm, here weight-only)
-STATIC = ["max", "mse", "mse_fp8_sweep"]
+STATIC = ["max", "mse", "mse_fp8_sweep", "gptq"]
 # (preset, algorithms) per model: max first, the baseline each algorithm must beat
 ROWS = {
     "dense": [
-        ("INT4_AWQ_CFG", ALL),
+        ("INT4_AWQ_CFG", WITH_GPTQ),
         ("W4A16_NVFP4_CFG", ALL),
         ("W4A16_NVFP4_CFG:static", STATIC),
-        ("W4A8_AWQ_BETA_CFG", ["max", "awq_lite"]),
+        ("W4A8_AWQ_BETA_CFG", ["max", "awq_lite", "gptq"]),
         ("INT8_SMOOTHQUANT_CFG", ["max", "smoothquant"]),
     ],
-    "moe": [("INT4_AWQ_CFG", ALL), ("W4A16_NVFP4_CFG", ALL), ("W4A16_NVFP4_CFG:static", STATIC)],
+    "moe": [("INT4_AWQ_CFG", WITH_GPTQ), ("W4A16_NVFP4_CFG", ALL), ("W4A16_NVFP4_CFG:static", STATIC)],
 }
 QUICK_ROWS = {"dense": [("INT4_AWQ_CFG", ["max", "awq_lite"])], "moe": [("INT4_AWQ_CFG", ["max", "awq_lite"])]}
 #: algorithm dicts beyond ``{"method": name}``
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="INT4 max and awq_lite only, one draw of 4 batches, 16 windows")
     parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
     parser.add_argument("--presets", nargs="+", default=None, help="only these rows' presets (e.g. W4A16_NVFP4_CFG 'W4A16_NVFP4_CFG:static')")
+    parser.add_argument("--algorithms", nargs="+", default=None, help="only these algorithms of each row (max is kept: the baseline)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--count-ops", action="store_true", help="also count the aten ops of each row's first calibration (a proxy for launch-bound GPU time)")
     parser.add_argument("--json", default=None)
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = []
     for name in models:
         rows = [r for r in (QUICK_ROWS if args.quick else ROWS)[name] if args.presets is None or r[0] in args.presets]
+        if args.algorithms is not None:
+            rows = [(preset, [a for a in algos if a == "max" or a in args.algorithms]) for preset, algos in rows]
         records += run_model(name, rows, args.seeds, args.batches, args.device, args.windows, args.retrain, ops=args.count_ops)
     rows = summarize(records)
     print(table(rows))

@@ -293,7 +293,7 @@ def _edit(state: dict, how: str) -> dict:
     elif how == "missing_quantizer":
         del state["quantizers"]["fc2.output_quantizer"]
     elif how == "invalid_config":
-        state["config"]["algorithm"] = "gptq"
+        state["config"]["algorithm"] = "local_hessian"
     return state
 
 
@@ -309,7 +309,7 @@ EDITS = {
     "empty_sequential": r"fc1\.weight_quantizer: a sequential quantizer with no members",
     "extra_quantizer": r"1 unknown to the model \['fc3\.weight_quantizer'\]",
     "missing_quantizer": r"1 quantizer\(s\) missing from it \['fc2\.output_quantizer'\]",
-    "invalid_config": r"invalid config in the checkpoint: algorithm='gptq'",
+    "invalid_config": r"invalid config in the checkpoint: algorithm='local_hessian'",
 }
 
 

@@ -162,7 +162,7 @@ INVALID_QUANTIZE_CONFIGS = {
     "missing_quant_cfg": ({"algorithm": "max"}, ["quant_cfg"]),
     "not_a_dict": (["*", {"enable": False}], ["list"]),
     "quant_cfg_string": ({"quant_cfg": "*"}, ["quant_cfg", "str"]),
-    "algorithm_unknown": ({"quant_cfg": {}, "algorithm": "gptq"}, ["algorithm", "'gptq'"]),
+    "algorithm_unknown": ({"quant_cfg": {}, "algorithm": "local_hessian"}, ["algorithm", "'local_hessian'"]),
     "algorithm_dict_unknown": ({"quant_cfg": {}, "algorithm": {"method": "svdquant"}}, ["algorithm", "'svdquant'"]),
     "algorithm_dict_without_method": ({"quant_cfg": {}, "algorithm": {"alpha": 0.5}}, ["method", "alpha"]),
     "expert_input_policy": ({"quant_cfg": {}, "expert_input_policy": "zero"}, ["expert_input_policy", "'zero'"]),

@@ -27,11 +27,30 @@ class AlgorithmConfig:
     """Base of the typed algorithm configs; ``method`` is the registered name."""
 
     method: ClassVar[str] = ""
+    #: True where the runner rewrites weights (not only quantizer state): layer-by-layer calibration
+    #: then refuses what would lose them (an offload folder, a resume file)
+    mutates_weights: ClassVar[bool] = False
+    #: other libraries' names of fields (``{"dampening_frac": "perc_damp"}``), read as the field
+    ALIASES: ClassVar[dict[str, str]] = {}
     #: ModelOpt's ``distributed_sync``: MAX-reduce the amax over the ranks after calibration
     distributed_sync: bool = True
 
     def check(self) -> None:
         """Range checks of the fields (types are checked by :func:`parse_algorithm`)."""
+
+    @classmethod
+    def normalize(cls, value: dict) -> dict:
+        """``value`` (an ``algorithm`` dict) with :attr:`ALIASES` renamed to their fields; an alias given
+        next to its field raises."""
+        out = dict(value)
+        for alias, field in cls.ALIASES.items():
+            if alias in out:
+                if field in out:
+                    raise AlgorithmConfigError(
+                        f"algorithm {cls.method!r}: {alias!r} (value {out[alias]!r}) is another name of {field!r}; give one of them"
+                    )
+                out[field] = out.pop(alias)
+        return out
 
     def to_dict(self) -> dict:
         """``{"method": ..., fields}``: what :func:`parse_algorithm` reads back."""
@@ -165,8 +184,49 @@ class AwqFullConfig(AwqClipConfig):
         return AwqClipConfig(self.distributed_sync, self.max_co_batch_size, self.max_tokens_per_batch, self.min_clip_ratio, self.shrink_step, self.debug)
 
 
+@dataclass(frozen=True)
+class GptqConfig(AlgorithmConfig):
+    """``gptq``: per linear, each weight column quantized in turn (fixed scales from max calibration),
+    its error spread over the later columns through the inverse Hessian ``H = 2 X^T X / n`` of the
+    linear's inputs, damped by ``perc_damp`` times its mean diagonal; lazy updates every ``block_size``
+    columns; ``act_order`` takes columns by decreasing ``H_jj``. ``fused`` is ModelOpt's switch to its
+    Triton kernel: accepted, the same loop runs either way. Also read: llm-compressor's
+    ``dampening_frac`` and ``actorder`` (None or "static"), AutoGPTQ's ``damp_percent`` and ``desc_act``."""
+
+    method: ClassVar[str] = "gptq"
+    mutates_weights: ClassVar[bool] = True
+    ALIASES: ClassVar[dict[str, str]] = {
+        "dampening_frac": "perc_damp",
+        "damp_percent": "perc_damp",
+        "desc_act": "act_order",
+        "actorder": "act_order",
+    }
+    perc_damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    fused: bool = False
+
+    @classmethod
+    def normalize(cls, value: dict) -> dict:
+        out = {k: v for k, v in value.items() if not (k in ("perc_damp", "block_size") and v is None)}  # ModelOpt's None: the default
+        if "actorder" in out:  # llm-compressor's enum: "static" keeps each group's scale, as this runner does
+            v = out["actorder"]
+            if v not in (None, False, True, "static"):
+                why = "groups formed in activation order need a g_idx"
+                raise AlgorithmConfigError(f"algorithm 'gptq': actorder={v!r} is not supported ({why}); use None or 'static'")
+            out["actorder"] = v in (True, "static")
+        return super().normalize(out)
+
+    def check(self) -> None:
+        _in_range(self, "perc_damp", 0.0, 1.0, True, False)
+        if self.block_size < 1:
+            raise AlgorithmConfigError(f"algorithm 'gptq': block_size={self.block_size!r} must be >= 1")
+
+
 #: method name -> its config class; a name is here only where a runner implements it
-ALGORITHMS: dict[str, type[AlgorithmConfig]] = {c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig, AwqLiteConfig, AwqClipConfig, AwqFullConfig)}
+ALGORITHMS: dict[str, type[AlgorithmConfig]] = {
+    c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig, AwqLiteConfig, AwqClipConfig, AwqFullConfig, GptqConfig)
+}
 
 _RUNNERS: dict[str, Callable[..., Any]] = {}
 
@@ -225,6 +285,7 @@ def parse_algorithm(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[
     cls = ALGORITHMS.get(method) if isinstance(method, str) else None
     if cls is None:
         raise AlgorithmConfigError(f"algorithm={method!r}: available methods are {sorted(ALGORITHMS)} and None")
+    value = cls.normalize(value)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     kwargs = {}

@@ -41,7 +41,7 @@ def test_to_dict_round_trips_a_typed_config():
 
 
 BAD = {
-    "unknown_method": ("gptq", ["algorithm", "'gptq'"]),
+    "unknown_method": ("local_hessian", ["algorithm", "'local_hessian'"]),
     "method_not_a_string": ({"method": 3}, ["algorithm", "3"]),
     "not_a_dict": (["max"], ["algorithm", "['max']"]),
     "dict_without_method": ({"distributed_sync": True}, ["'method'"]),
