@@ -7,7 +7,7 @@ offline (``tokenizer.json``, made with ``tokenizers``: token id = byte value), a
 held-out standard-library modules the pipeline calibrates and evaluates on. Seeded and single-threaded
 reductions fixed, so a rerun on the same machine gives the same weights.
 
-    python scripts/train_embedded_lm.py [--steps 600] [--device cuda] [--out quantlib/embedded]
+    python scripts/train_embedded_lm.py [--steps 800] [--device cuda] [--out quantlib/embedded]
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def held_out_loss(model, text: torch.Tensor, n: int = 32) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: minutes on a GPU instead of an hour on a laptop CPU")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "quantlib", "embedded"))
     args = ap.parse_args()
