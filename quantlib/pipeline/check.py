@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -109,42 +109,70 @@ def compare(expected: dict[str, torch.Tensor], loaded: nn.Module, consumer: str,
     return res
 
 
-def _modelopt_dense(export_dir: str, fmt: str, shapes: dict[str, torch.Size], out_dir: str) -> None:
-    """A dense copy of a ModelOpt-format export, each weight dequantized by ModelOpt's own qtensors."""
-    import warnings
-
+def _read_modules(export_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Checkpoint module -> its tensors by local name, from every safetensors file of ``export_dir``."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
+
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for f in sorted(n for n in os.listdir(export_dir) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(export_dir, f), "pt") as sf:
+            for k in sf.keys():
+                mod, _, local = k.rpartition(".")
+                by_module.setdefault(mod, {})[local] = sf.get_tensor(k)
+    return by_module
+
+
+def _ct_dequantizer(export_dir: str) -> Callable[[dict, torch.Size], torch.Tensor]:
+    """compressed-tensors' own decompressor for the export's one config group."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    with open(os.path.join(export_dir, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    groups = QuantizationConfig.model_validate(qc).config_groups
+    if len(groups) != 1:
+        raise PipelineError(f"check: the export has {len(groups)} compressed-tensors config groups; the check reads one")
+    scheme = next(iter(groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(qc["format"])
+    return lambda t, shape: compressor.decompress(t, scheme)["weight"].float()
+
+
+def _modelopt_dequantizer(fmt: str) -> Callable[[dict, torch.Size], torch.Tensor]:
+    """ModelOpt's own qtensor ``dequantize`` for ``fmt``."""
+    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
         from modelopt.torch.quantization import qtensor
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(n for n in os.listdir(export_dir) if n.endswith(".safetensors")):
-        with safe_open(os.path.join(export_dir, f), "pt") as sf:
-            tensors.update({k: sf.get_tensor(k) for k in sf.keys()})
-    dense = {}
-    by_module: dict[str, dict[str, torch.Tensor]] = {}
-    for k, t in tensors.items():
-        mod, _, local = k.rpartition(".")
-        by_module.setdefault(mod, {})[local] = t
-    for mod, t in by_module.items():
-        if mod not in shapes or "weight_scale" not in t:
-            dense.update({f"{mod}.{k}": v for k, v in t.items() if not k.endswith(("_scale", "_scale_2", "input_scale"))})
-            continue
-        shape = shapes[mod]
+
+    def dequantize(t: dict, shape: torch.Size) -> torch.Tensor:
         if fmt == "modelopt_nvfp4":
-            w = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
-        elif fmt == "modelopt_mxfp8":
-            w = qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
-        elif fmt == "modelopt_fp8_pb":
+            q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
+            return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
+        if fmt == "modelopt_mxfp8":
+            return qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
+        q = qtensor.FP8QTensor(shape, torch.float32, t["weight"])
+        if fmt == "modelopt_fp8_pb":
             s = t["weight_scale"]
-            w = qtensor.FP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
+            return q.dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
+        return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
+
+    return dequantize
+
+
+def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str) -> None:
+    """A dense checkpoint of the export in ``out_dir``: each quantized weight dequantized by the consumer's own
+    code, the other tensors as written; config.json without its quantization_config."""
+    from safetensors.torch import save_file
+
+    dense = {}
+    for mod, t in _read_modules(export_dir).items():
+        if mod in shapes:
+            dense[f"{mod}.weight"] = dequantize(t, shapes[mod])
+            if "bias" in t:
+                dense[f"{mod}.bias"] = t["bias"]
         else:
-            w = qtensor.FP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
-        dense[f"{mod}.weight"] = w
-        if "bias" in t:
-            dense[f"{mod}.bias"] = t["bias"]
+            dense.update({f"{mod}.{k}": v for k, v in t.items() if k not in ("k_scale", "v_scale")})
     save_file(dense, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(export_dir, "config.json")) as f:
         config = json.load(f)
@@ -154,30 +182,25 @@ def _modelopt_dense(export_dir: str, fmt: str, shapes: dict[str, torch.Size], ou
 
 
 def reload_export(export_dir: str, fmt: str, expected: dict[str, torch.Tensor], trust_remote_code: bool) -> tuple[Optional[nn.Module], str, str]:
-    """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model;
-    None and the reason when the consumer is not installed."""
+    """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
+    (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
+    dense weights then loaded by transformers); None and the reason when the consumer is not installed."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code)
     if fmt.startswith("hf_"):
         return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""
-    if fmt.startswith("ct_"):
-        try:
-            import compressed_tensors  # noqa: F401
-        except ImportError:
-            return None, "compressed-tensors", "compressed-tensors is not installed (pip install quantlib[export])"
-        from transformers import CompressedTensorsConfig
-
-        qc = CompressedTensorsConfig(run_compressed=False, dequantize=True)
-        return AutoModelForCausalLM.from_pretrained(export_dir, quantization_config=qc, **kwargs).eval(), "transformers + compressed-tensors (dequantized)", ""
     try:
-        import modelopt.torch.quantization.qtensor  # noqa: F401
-    except ImportError:
-        return None, "ModelOpt qtensor", "nvidia-modelopt is not installed"
+        if fmt.startswith("ct_"):
+            dequantize, consumer = _ct_dequantizer(export_dir), "compressed-tensors decompressor"
+        else:
+            dequantize, consumer = _modelopt_dequantizer(fmt), "ModelOpt qtensor dequantize"
+    except ImportError as exc:
+        return None, fmt, f"its consumer is not installed ({exc.name}; pip install quantlib[export])"
     tmp = tempfile.mkdtemp(prefix=".reload-", dir=os.path.dirname(os.path.abspath(export_dir)))
     try:
-        _modelopt_dense(export_dir, fmt, {n: w.shape for n, w in expected.items()}, tmp)
-        return AutoModelForCausalLM.from_pretrained(tmp, **kwargs).eval(), "ModelOpt qtensor dequantize + transformers", ""
+        _dense_copy(export_dir, dequantize, {n: w.shape for n, w in expected.items()}, tmp)
+        return AutoModelForCausalLM.from_pretrained(tmp, **kwargs).eval(), consumer, ""
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -195,14 +195,14 @@ def run(opts: OneshotOptions) -> dict[str, Any]:
     except KeyboardInterrupt:
         stages.end()
         raise Interrupted(f"interrupted; nothing was written to {out}; the finished work is in {staging}: run the same command with --resume to continue") from None
-    except OSError as exc:
+    except (OSError, ExportError) as exc:
         stages.end()
-        if exc.errno == errno.ENOSPC:
-            raise PipelineError(f"no space left on the device writing {exc.filename or staging}; free space (or pass --out on another disk) and rerun with --resume") from None
+        disk_error = exc if isinstance(exc, OSError) else exc.__cause__
+        if isinstance(disk_error, OSError) and disk_error.errno == errno.ENOSPC:
+            raise PipelineError(f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and rerun with --resume") from None
+        if isinstance(exc, ExportError):
+            raise PipelineError(f"export {fmt}: {exc}; pass another --export-format or recipe") from None
         raise
-    except ExportError as exc:
-        stages.end()
-        raise PipelineError(f"export {fmt}: {exc}; pass another --export-format or recipe") from None
     return report
 
 
