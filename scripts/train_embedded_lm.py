@@ -13,20 +13,21 @@ reductions fixed, so a rerun on the same machine gives the same weights.
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import sys
 import sysconfig
-import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import quality_models as qm  # noqa: E402
 
 TRAIN_PACKAGES = ("email", "http", "logging", "urllib", "concurrent", "importlib", "xml", "json", "unittest")
 #: modules outside the training packages: the shipped calibration / held-out text
 HELD_OUT = ("textwrap.py", "string.py", "csv.py", "fractions.py", "heapq.py", "shlex.py", "bisect.py")
 EOS = "<|endoftext|>"
 VOCAB = 272  # 256 bytes + end of text, padded to a multiple of 16
-CTX = 128  # training window; the model takes up to MAX_POSITIONS
 MAX_POSITIONS = 1024
 
 LICENSE_NOTE = """The text in stdlib_sample.txt is the source of the Python standard library modules {mods}
@@ -88,33 +89,10 @@ def build_model():
     return LlamaForCausalLM(cfg)
 
 
-def train(model, text: torch.Tensor, steps: int, batch: int, lr: float) -> None:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    model.train()
-    t0 = time.time()
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        starts = torch.randint(0, text.numel() - CTX - 1, (batch,), generator=g)
-        w = text[starts[:, None] + torch.arange(CTX + 1)[None, :].to(starts)]
-        logits = model(w[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step}: loss {loss.item():.3f} ({time.time() - t0:.0f} s)", flush=True)
-    model.eval()
-
-
 @torch.no_grad()
 def held_out_loss(model, text: torch.Tensor, n: int = 32) -> float:
-    starts = torch.linspace(0, text.numel() - CTX - 1, n).long().tolist()
-    w = torch.stack([text[s : s + CTX + 1] for s in starts])
-    logits = model(w[:, :-1]).logits
+    w = qm.spaced_windows(text, n)
+    logits = model(w[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1)).item()
 
 
@@ -133,13 +111,14 @@ def main() -> None:
     held = stdlib_bytes(HELD_OUT)
     held_text = torch.frombuffer(bytearray(held), dtype=torch.uint8).long()
     print(f"training bytes {train_text.numel()}, held-out bytes {held_text.numel()}")
-    model = build_model().to(args.device)
-    train(model, train_text.to(args.device), args.steps, args.batch, args.lr)
+    lm = build_model().to(args.device)
+    model = qm.LogitsOnly(lm)
+    qm.train(model, train_text.to(args.device), args.steps, args.batch, args.lr)  # the quality benchmark's loop (AdamW, cosine)
     held_text = held_text.to(args.device)
     print(f"held-out loss {held_out_loss(model, held_text):.4f} nats/byte")
-    model.to(device="cpu", dtype=torch.bfloat16)
-    model.config.dtype = "bfloat16"
-    model.save_pretrained(args.out)
+    lm.to(device="cpu", dtype=torch.bfloat16)
+    lm.config.dtype = "bfloat16"
+    lm.save_pretrained(args.out)
     write_tokenizer(args.out)
     with open(os.path.join(args.out, "stdlib_sample.txt"), "wb") as f:
         f.write(held)

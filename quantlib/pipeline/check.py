@@ -3,6 +3,7 @@ weights the fake-quantized model ran with, under each format's rule (DESIGN sect
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -137,27 +138,25 @@ def _ct_dequantizer(export_dir: str) -> Callable[[dict, torch.Size], torch.Tenso
     return lambda t, shape: compressor.decompress(t, scheme)["weight"].float()
 
 
-def _modelopt_dequantizer(fmt: str) -> Callable[[dict, torch.Size], torch.Tensor]:
-    """ModelOpt's own qtensor ``dequantize`` for ``fmt``."""
+def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """One module's weight of a ModelOpt-format export (its tensors ``t`` by local name) as ModelOpt's own
+    qtensor ``dequantize`` gives it, in fp32."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
         from modelopt.torch.quantization import qtensor
 
-    def dequantize(t: dict, shape: torch.Size) -> torch.Tensor:
-        if fmt == "modelopt_nvfp4":
-            q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
-            return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
-        if fmt == "modelopt_mxfp8":
-            return qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
-        q = qtensor.FP8QTensor(shape, torch.float32, t["weight"])
-        if fmt == "modelopt_fp8_pb":
-            s = t["weight_scale"]
-            return q.dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
-        return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
-
-    return dequantize
+    if fmt == "modelopt_nvfp4":
+        q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
+        return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
+    if fmt == "modelopt_mxfp8":
+        return qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
+    q = qtensor.FP8QTensor(shape, torch.float32, t["weight"])
+    if fmt == "modelopt_fp8_pb":
+        s = t["weight_scale"]
+        return q.dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
+    return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
 
 
 def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str) -> None:
@@ -194,7 +193,9 @@ def reload_export(export_dir: str, fmt: str, expected: dict[str, torch.Tensor], 
         if fmt.startswith("ct_"):
             dequantize, consumer = _ct_dequantizer(export_dir), "compressed-tensors decompressor"
         else:
-            dequantize, consumer = _modelopt_dequantizer(fmt), "ModelOpt qtensor dequantize"
+            import modelopt.torch.quantization.qtensor  # noqa: F401  (fail here, not per module)
+
+            dequantize, consumer = functools.partial(modelopt_dequantize, fmt), "ModelOpt qtensor dequantize"
     except ImportError as exc:
         return None, fmt, f"its consumer is not installed ({exc.name}; pip install quantlib[export])"
     tmp = tempfile.mkdtemp(prefix=".reload-", dir=os.path.dirname(os.path.abspath(export_dir)))
