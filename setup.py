@@ -64,6 +64,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["quantlib", "quantlib.*"]),
+    # the small language model `quantlib quantize` runs on without --model (scripts/train_embedded_lm.py), with its text
+    package_data={"quantlib": ["embedded/*"]},
     install_requires=["torch>=2.4,<=2.14.1", "numpy", "tqdm"],
     extras_require={
         "test": TEST + MEGATRON + TRANSFORMERS,

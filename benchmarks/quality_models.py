@@ -155,7 +155,8 @@ def train(model: nn.Module, text: torch.Tensor, steps: int, batch: int = 16, lr:
     model.train()
     for step in range(steps):
         w = windows(text, batch, seed=step)
-        loss = F.cross_entropy(model(w[:, :-1]).reshape(-1, VOCAB), w[:, 1:].reshape(-1))
+        logits = model(w[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -39,6 +39,7 @@ from .distributed import AmaxSyncError, ParallelState, sync_amax
 from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
 from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
+from .pipeline import oneshot
 
 __version__ = "0.1.0"
 
@@ -95,6 +96,7 @@ __all__ = [
     "disable_quantizer",
     "enable_quantizer",
     "merge_kv_config",
+    "oneshot",
     "print_quant_summary",
     "quant_summary",
     "quantize",

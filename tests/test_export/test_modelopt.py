@@ -20,6 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
+from quantlib.pipeline.check import modelopt_dequantize  # noqa: E402
 
 from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
@@ -37,18 +38,11 @@ def bases():
 
 
 def _dequantize(fmt: str, t: dict, shape) -> torch.Tensor:
-    if fmt == "modelopt_nvfp4":
-        q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
-        return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
-    if fmt == "modelopt_mxfp8":
-        return qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
-    q = qtensor.FP8QTensor(shape, torch.float32, t["weight"])
     if fmt == "modelopt_fp8_pb":
-        s = t["weight_scale"]
-        assert s.dim() == 4
-        return q.dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
-    assert t["weight_scale"].dim() == 0 and t["input_scale"].dim() == 0
-    return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
+        assert t["weight_scale"].dim() == 4
+    elif fmt == "modelopt_fp8":
+        assert t["weight_scale"].dim() == 0 and t["input_scale"].dim() == 0
+    return modelopt_dequantize(fmt, t, shape)
 
 
 @pytest.mark.parametrize("fmt", sorted(CASES))

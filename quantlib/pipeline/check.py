@@ -1,0 +1,215 @@
+"""The export loaded back by its consumer (transformers, compressed-tensors, ModelOpt) and compared with the
+weights the fake-quantized model ran with, under each format's rule (DESIGN section 9)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..nn.quant_module import QuantModule
+from ..plugins import hf_experts
+from .options import PipelineError
+
+#: format -> how the consumer's weight must compare with quantlib's: "exact"; "bf16ulp1" (compressed-tensors
+#: multiplies NVFP4 values by their scales in bf16, which can round a tie the other way: at most 1 bf16 ulp
+#: from quantlib's fp32 weight rounded to bf16); "ulp1" (INT: consumers multiply codes by a stored scale)
+RULES = {"ct_nvfp4": "bf16ulp1", "ct_int8": "ulp1", "ct_int_pack": "ulp1"}
+
+
+@dataclass
+class CheckResult:
+    """What loading the export back gave: the consumer, the modules compared, the worst ulp distance, and
+    the modules that broke the format's rule (empty: passed)."""
+
+    consumer: str
+    rule: str
+    compared: int = 0
+    max_ulp: int = 0
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.compared > 0 and not self.mismatched
+
+
+@torch.no_grad()
+def iter_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(checkpoint module name, weight, the weight the fake-quantized model computes with) of every quantized
+    weight; experts per expert, gate/up split as checkpoints hold them."""
+    for name, m in model.named_modules():
+        if isinstance(m, hf_experts.QuantFusedExperts):
+            for proj in m.projections:
+                for e in range(m.num_experts):
+                    raw = hf_experts.expert_weight(m, proj, e)
+                    w = m.quantize_weight(raw, f"{proj}_weight_quantizer", e)
+                    if proj == "gate_up_proj":
+                        half = w.shape[0] // 2
+                        yield f"{name}.{e}.gate_proj", raw[:half], w[:half]
+                        yield f"{name}.{e}.up_proj", raw[half:], w[half:]
+                    else:
+                        yield f"{name}.{e}.{proj}", raw, w
+        elif isinstance(m, QuantModule) and hasattr(m, "weight") and m.weight_quantizer.is_enabled:
+            yield name, m.weight, m.quantize_weight(m.weight)
+
+
+def fake_quant_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint module name -> the weight the fake-quantized model computes with."""
+    return {name: w for name, _, w in iter_weights(model)}
+
+
+def loaded_weight(model: nn.Module, name: str) -> torch.Tensor:
+    """The weight a loaded transformers model holds under checkpoint name ``name`` (experts from their fused tensors)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[-1] in ("gate_proj", "up_proj", "down_proj") and parts[-3] == "experts":
+        experts, e = model.get_submodule(".".join(parts[:-2])), int(parts[-2])
+        if parts[-1] == "down_proj":
+            return hf_experts.expert_weight(experts, "down_proj", e)
+        gu = hf_experts.expert_weight(experts, "gate_up_proj", e)
+        half = gu.shape[0] // 2
+        return gu[:half] if parts[-1] == "gate_proj" else gu[half:]
+    return model.get_submodule(name).weight
+
+
+def _ulp(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
+    """Largest distance in units of the last place of ``dtype`` (fp32 or bf16) between ``a`` and ``b``."""
+    a, b = a.to(dtype), b.to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    d = (a.view(bits).long() - b.view(bits).long()).abs()
+    d = torch.where((a == 0) & (b == 0), torch.zeros_like(d), d)  # packed codes keep no sign of zero
+    return int(d.max()) if d.numel() else 0
+
+
+def compare(expected: dict[str, torch.Tensor], loaded: nn.Module, consumer: str, fmt: str) -> CheckResult:
+    """Compare ``loaded``'s weights with ``expected`` (fake-quantized) under ``fmt``'s rule."""
+    rule = RULES.get(fmt, "exact")
+    res = CheckResult(consumer, rule)
+    for name, ref in expected.items():
+        try:
+            got = loaded_weight(loaded, name).detach().to(ref.device)
+        except AttributeError:
+            res.mismatched.append(f"{name} (absent from the reloaded model)")
+            continue
+        res.compared += 1
+        if got.shape != ref.shape:
+            res.mismatched.append(f"{name} (shape {tuple(got.shape)} != {tuple(ref.shape)})")
+            continue
+        got = got.to(ref.dtype)
+        ulp = _ulp(got, ref)
+        res.max_ulp = max(res.max_ulp, ulp)
+        ok = {"exact": ulp == 0, "ulp1": ulp <= 1, "bf16ulp1": _ulp(got, ref, torch.bfloat16) <= 1}[rule]
+        if not ok:
+            res.mismatched.append(f"{name} ({ulp} ulp)")
+    return res
+
+
+def _read_modules(export_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Checkpoint module -> its tensors by local name, from every safetensors file of ``export_dir``."""
+    from safetensors import safe_open
+
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for f in sorted(n for n in os.listdir(export_dir) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(export_dir, f), "pt") as sf:
+            for k in sf.keys():
+                mod, _, local = k.rpartition(".")
+                by_module.setdefault(mod, {})[local] = sf.get_tensor(k)
+    return by_module
+
+
+def _ct_dequantizer(export_dir: str) -> Callable[[dict, torch.Size], torch.Tensor]:
+    """compressed-tensors' own decompressor for the export's one config group."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    with open(os.path.join(export_dir, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    groups = QuantizationConfig.model_validate(qc).config_groups
+    if len(groups) != 1:
+        raise PipelineError(f"check: the export has {len(groups)} compressed-tensors config groups; the check reads one")
+    scheme = next(iter(groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(qc["format"])
+    return lambda t, shape: compressor.decompress(t, scheme)["weight"].float()
+
+
+def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """One module's weight of a ModelOpt-format export (its tensors ``t`` by local name) as ModelOpt's own
+    qtensor ``dequantize`` gives it, in fp32."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
+        from modelopt.torch.quantization import qtensor
+
+    if fmt == "modelopt_nvfp4":
+        q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
+        return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
+    if fmt == "modelopt_mxfp8":
+        return qtensor.MXFP8QTensor(shape, torch.float32, t["weight"]).dequantize(dtype=torch.float32, scale=t["weight_scale"])
+    q = qtensor.FP8QTensor(shape, torch.float32, t["weight"])
+    if fmt == "modelopt_fp8_pb":
+        s = t["weight_scale"]
+        return q.dequantize(dtype=torch.float32, scale=s.reshape(s.shape[0], s.shape[2]), block_sizes={-1: 128, -2: 128})
+    return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
+
+
+def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str) -> None:
+    """A dense checkpoint of the export in ``out_dir``: each quantized weight dequantized by the consumer's own
+    code, the other tensors as written; config.json without its quantization_config."""
+    from safetensors.torch import save_file
+
+    dense = {}
+    for mod, t in _read_modules(export_dir).items():
+        if mod in shapes:
+            dense[f"{mod}.weight"] = dequantize(t, shapes[mod])
+            if "bias" in t:
+                dense[f"{mod}.bias"] = t["bias"]
+        else:
+            dense.update({f"{mod}.{k}": v for k, v in t.items() if k not in ("k_scale", "v_scale")})
+    save_file(dense, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(export_dir, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def reload_export(export_dir: str, fmt: str, expected: dict[str, torch.Tensor], trust_remote_code: bool) -> tuple[Optional[nn.Module], str, str]:
+    """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
+    (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
+    dense weights then loaded by transformers); None and the reason when the consumer is not installed."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code)
+    if fmt.startswith("hf_"):
+        return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""
+    try:
+        if fmt.startswith("ct_"):
+            dequantize, consumer = _ct_dequantizer(export_dir), "compressed-tensors decompressor"
+        else:
+            import modelopt.torch.quantization.qtensor  # noqa: F401  (fail here, not per module)
+
+            dequantize, consumer = functools.partial(modelopt_dequantize, fmt), "ModelOpt qtensor dequantize"
+    except ImportError as exc:
+        return None, fmt, f"its consumer is not installed ({exc.name}; pip install quantlib[export])"
+    tmp = tempfile.mkdtemp(prefix=".reload-", dir=os.path.dirname(os.path.abspath(export_dir)))
+    try:
+        _dense_copy(export_dir, dequantize, {n: w.shape for n, w in expected.items()}, tmp)
+        return AutoModelForCausalLM.from_pretrained(tmp, **kwargs).eval(), consumer, ""
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def require_passed(res: CheckResult, fmt: str) -> None:
+    """Stop the run when the consumer's weights break the format's rule."""
+    if res.compared == 0:
+        raise PipelineError(f"check: the {fmt} export holds no quantized weight the reloaded model could be compared on")
+    if res.mismatched:
+        raise PipelineError(f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
+                            f"(rule {res.rule}): {', '.join(res.mismatched[:3])}")  # fmt: skip

@@ -1,0 +1,142 @@
+"""``quantlib.oneshot`` / ``quantlib quantize`` end to end on tiny transformers models written to disk (Llama,
+Qwen3, Qwen3-MoE): every preset family exported, reloaded by its consumer and checked; layer-by-layer
+calibration equal to in-memory; resume after a crash and after Ctrl-C; the CLI equal to the function."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+import quantlib as ql  # noqa: E402
+from quantlib.__main__ import main  # noqa: E402
+from quantlib.calib import sequential as seq_mod  # noqa: E402
+from quantlib.pipeline import run as run_mod  # noqa: E402
+from quantlib.pipeline.run import Interrupted  # noqa: E402
+
+from tests.test_pipeline._models import FAST, write_jsonl, write_model, write_text  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    return {"root": root, "text": write_text(root / "calib.txt"), "jsonl": write_jsonl(root / "calib.jsonl"),
+            **{f: write_model(root, f) for f in ("llama", "qwen3", "qwen3_moe")}}  # fmt: skip
+
+
+def _run(disk, tmp_path, family="llama", **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    opts = dict(FAST, data=str(disk["text"]), out=str(tmp_path / "out"))
+    opts.update(kw)
+    return ql.oneshot(str(disk[family]), **opts)
+
+
+# one model per preset family, each with the format its consumer reloads on the CPU
+@pytest.mark.parametrize(
+    "preset, fmt, family",
+    [
+        ("FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block", "qwen3_moe"),
+        ("INT8_DEFAULT_CFG", "ct_int8", "qwen3"),
+        ("FP8_DEFAULT_CFG", "modelopt_fp8", "llama"),
+        ("NVFP4_DEFAULT_CFG", "ct_nvfp4", "qwen3_moe"),
+        ("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "ct_int_pack", "llama"),
+        ("MXFP8_DEFAULT_CFG", "hf_mxfp8", "qwen3"),
+    ],
+)
+def test_preset_exported_reloaded_and_checked(disk, tmp_path, preset, fmt, family):
+    report = _run(disk, tmp_path, family, preset=preset, data=str(disk["jsonl"]))
+    out = tmp_path / "out"
+    assert report["export"]["format"] == fmt and report["check"]["passed"] is True
+    assert {"config.json", "report.json", "report.html", "tokenizer.json"} <= set(os.listdir(out))
+    assert not (tmp_path / "out.partial").exists()
+    assert json.loads((out / "report.json").read_text())["perplexity"] == report["perplexity"]
+    ppl = report["perplexity"]
+    assert set(ppl) == {"before", "after", "reloaded"} and all(v["perplexity"] > 1 and v["stderr"] > 0 for v in ppl.values())
+    assert report["coverage"]["silent_share"] == 0 and report["effective_bits"] > 4
+    assert report["size_bytes"]["after"] < report["size_bytes"]["before"]
+    n_linear = {"llama": 14, "qwen3": 14, "qwen3_moe": 8 + 2 * 3 * 4}[family]
+    assert len(report["layer_errors"]) == n_linear and all(0 < e["rel_error"] < 0.5 for e in report["layer_errors"])
+    assert "<svg" in (out / "report.html").read_text()
+
+
+def test_awq_recipe_evaluates_without_export(disk, tmp_path):
+    report = _run(disk, tmp_path, preset="INT4_AWQ_CFG", export_format="none")
+    assert report["check"]["passed"] is None and report["perplexity"].keys() == {"before", "after"}
+    assert sorted(os.listdir(tmp_path / "out")) == ["report.html", "report.json"]
+
+
+def test_sequential_equals_in_memory(disk, tmp_path):
+    a = _run(disk, tmp_path / "a", "qwen3_moe", preset="NVFP4_DEFAULT_CFG", sequential="off")
+    b = _run(disk, tmp_path / "b", "qwen3_moe", preset="NVFP4_DEFAULT_CFG", sequential="on")
+    assert not a["sequential"] and b["sequential"]
+    assert a["perplexity"] == b["perplexity"] and a["layer_errors"] == b["layer_errors"]
+    assert _files(tmp_path / "a" / "out") == _files(tmp_path / "b" / "out")
+
+
+def _files(d) -> dict[str, bytes]:
+    return {f: (d / f).read_bytes() for f in sorted(os.listdir(d)) if f.endswith(".safetensors")}
+
+
+def test_resume_after_a_crash_in_layer_calibration(disk, tmp_path, monkeypatch):
+    expected = _run(disk, tmp_path / "ref", preset="INT8_DEFAULT_CFG", sequential="on")
+    real = seq_mod._calibrate_layer
+
+    def crash_on_layer_1(model, driver, idx, *args):
+        if idx == 1:
+            raise RuntimeError("simulated crash")
+        return real(model, driver, idx, *args)
+
+    monkeypatch.setattr(seq_mod, "_calibrate_layer", crash_on_layer_1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(disk, tmp_path, preset="INT8_DEFAULT_CFG", sequential="on")
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "calib.resume").exists()
+    monkeypatch.setattr(seq_mod, "_calibrate_layer", real)
+    calls = []
+    monkeypatch.setattr(seq_mod, "_calibrate_layer", lambda model, driver, idx, *a: calls.append(idx) or real(model, driver, idx, *a))
+    resumed = _run(disk, tmp_path, preset="INT8_DEFAULT_CFG", sequential="on", resume=True)
+    assert calls == [1]  # layer 0 was not calibrated again
+    assert resumed["perplexity"] == expected["perplexity"] and resumed["layer_errors"] == expected["layer_errors"]
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref" / "out")
+
+
+def test_ctrl_c_leaves_nothing_at_out_and_resume_finishes(disk, tmp_path, monkeypatch):
+    real = run_mod.export_checkpoint
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "export_checkpoint", interrupt)
+    with pytest.raises(Interrupted, match="--resume"):
+        _run(disk, tmp_path)
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "quantizer_state.pt").exists()
+    monkeypatch.setattr(run_mod, "export_checkpoint", real)
+    report = _run(disk, tmp_path, resume=True)
+    assert "calibrate (restored)" in report["stage_seconds"] and report["check"]["passed"]
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_cli_equals_function(disk, tmp_path, capsys):
+    args = ["quantize", "--model", str(disk["llama"]), "--data", str(disk["text"]), "--preset", "MXFP8_DEFAULT_CFG", "--export-format", "ct_mxfp8", "--exclude", "*layers.1.mlp*",
+            "--num-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--batch-size", "2", "--out", str(tmp_path / "cli"), "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    by_cli = json.loads((tmp_path / "cli" / "report.json").read_text())
+    by_fn = ql.oneshot(str(disk["llama"]), **dict(FAST, data=str(disk["text"]), preset="MXFP8_DEFAULT_CFG", export_format="ct_mxfp8", exclude=["*layers.1.mlp*"], out=str(tmp_path / "fn")))
+    for key in ("perplexity", "layer_errors", "modules", "coverage", "effective_bits", "check"):
+        assert by_cli[key] == json.loads(json.dumps(by_fn[key])), key
+    assert not any("layers.1.mlp" in e["module"] for e in by_fn["layer_errors"])
+    assert _files(tmp_path / "cli") == _files(tmp_path / "fn")
+
+
+def test_embedded_default_runs_offline(tmp_path, capsys):
+    """No --model, no --data: the shipped model on its shipped text (the README's first command, smaller)."""
+    report = ql.oneshot(out=str(tmp_path / "out"), num_samples=2, eval_samples=2, seq_len=64, batch_size=2, progress=True)
+    assert report["model"].startswith("embedded") and report["check"]["passed"]
+    assert report["perplexity"]["after"]["perplexity"] < 20  # a trained model on real text (bytes: 272-way)
+    printed = capsys.readouterr()
+    assert "perplexity reloaded" in printed.out and "calibrate" in printed.err
+    assert torch.tensor(report["perplexity"]["before"]["perplexity"]) < 20
