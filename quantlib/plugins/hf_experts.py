@@ -15,6 +15,16 @@ per layer, as inference engines take it). ``tokens_per_expert`` counts the token
 during the last calibration. AWQ / SmoothQuant search each expert on its own tokens: expert e's scales
 are row e of the input quantizer's 2-D ``pre_quant_scale`` and member e's (weight) ``pre_quant_scale``;
 ``_input_observer(proj, e, x)``, when set, sees each expert GEMM's input (their recorder).
+
+The forward reads nothing back to the host: the (token, expert) assignments are sorted by expert on the
+device (:mod:`.expert_dispatch`), each projection's weights are fake-quantized as one (E, out, in) stack
+with per-expert amax (:mod:`.expert_weights`) and multiplied by one grouped GEMM
+(:func:`quantlib.kernels.grouped_mm.grouped_mm`), so ``torch.compile(fullgraph=True)`` makes one graph for
+every routing; its bits are those of the per-expert loop. The loop (which reads the list of experts that
+got tokens) remains for what the grouped path cannot reproduce exactly: an observer recording each
+expert's input, an input quantizer whose scale depends on which tokens it sees together (an uncalibrated
+static amax, an affine bias), a non-transposed layout with biases (``F.linear`` fuses the bias into the
+GEMM), GEMM sizes that are not multiples of 16 bytes, and calibration under expert parallelism.
 """
 
 from __future__ import annotations

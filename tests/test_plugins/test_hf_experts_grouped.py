@@ -153,3 +153,22 @@ def test_unaligned_shapes_and_dynamic_input_scales_take_the_loop():
     m.down_proj_input_quantizer.reset_amax()  # an uncalibrated static input: its amax would come from each expert's rows
     assert "down_proj_input_quantizer" in m._grouped_refusal(hidden, False)
     assert "aligned" in m._grouped_refusal(hidden.double(), False)
+
+
+def test_expert_parallel_sentinels_add_nothing_and_get_no_gradient():
+    """Under transformers' expert parallelism an index equal to num_experts marks a remote expert (its
+    weight zero): the grouped path leaves those rows out, as the loop does, and the backward gives them none."""
+    _, experts = _quantized("qwen3_moe", "fp8")
+    m = experts[0]
+    m._is_expert_parallel = True
+    idx, w = _routing(m.num_experts, seed=6)
+    idx[::3, 1] = m.num_experts
+    w = torch.where(idx == m.num_experts, 0.0, w)
+    hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(m._grouped_forward(hidden, idx, w, False), m._loop_forward(hidden, idx, w, False))
+    m.train()
+    x = hidden.clone().requires_grad_()
+    m._grouped_forward(x, idx, w, False).square().sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(m.gate_up_proj.grad).all()
+    assert "expert-parallel" in m._grouped_refusal(hidden, True)
