@@ -2,8 +2,8 @@
 
 The layer is transformers' ``Qwen3MoeSparseMoeBlock`` (router + fused experts, ``gate_up_proj`` (E, 2I, H),
 ``down_proj`` (E, H, I)) built from a config: E experts, top-k, hidden H, expert width I. The unquantized
-layer runs transformers' own experts implementation (``grouped_mm`` where its backward works, else
-``eager``: the name is in the table). Each preset is applied to a copy by ``quantlib.quantize`` and by
+layer runs transformers' own experts implementation (``grouped_mm`` on an accelerator, ``eager`` on the
+CPU, or ``--baseline``: the name is in the table). Each preset is applied to a copy by ``quantlib.quantize`` and by
 ModelOpt's ``mtq.quantize`` (same preset name, max calibration on one batch, not timed). Timed, median of
 ``--reps``: forward without grad (quantlib reuses its fake-quantized weights: the weight cache) and
 forward + backward (QAT: weights fake-quantized every step). Ratios: to the unquantized layer, and
@@ -90,8 +90,11 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int) -> 
 
 
 def baseline(shape: tuple, args, x: torch.Tensor) -> tuple[str, dict]:
-    """The unquantized layer with transformers' fastest experts implementation whose backward runs here."""
-    for impl in ("grouped_mm", "eager"):
+    """The unquantized layer with transformers' experts implementation (``--baseline``; else ``grouped_mm`` on
+    an accelerator, ``eager`` on the CPU, where torch's ``_grouped_mm`` is slower than a loop of BLAS calls),
+    the next one where its backward does not run here."""
+    first = args.baseline or ("eager" if args.device == "cpu" else "grouped_mm")
+    for impl in dict.fromkeys((first, "grouped_mm", "eager")):
         layer = build_layer(*shape, args.top_k, impl, args.dtype, args.device)
         try:
             layer(x).float().sum().backward()
@@ -124,6 +127,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; --small: 5)")
+    p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation of the unquantized layer")
     p.add_argument("--no-modelopt", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
