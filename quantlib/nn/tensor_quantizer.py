@@ -198,9 +198,10 @@ class TensorQuantizer(nn.Module):
             raise ValueError(f"{self._qname}: pre_quant_scale must be finite and positive, got {value[:4].tolist()}...")
         self._set_kept_buffer("_pre_quant_scale", value)
 
-    def pre_scale(self, x: torch.Tensor, row: Optional[int] = None) -> torch.Tensor:
+    def pre_scale(self, x: torch.Tensor, row: Optional[Union[int, torch.Tensor]] = None) -> torch.Tensor:
         """``x`` times ``pre_quant_scale`` along its last dim (``x`` itself when there is none); a 2-D
-        scale takes its row ``row`` (the expert whose tokens ``x`` holds), which must then be given."""
+        scale takes its row ``row`` (the expert whose tokens ``x`` holds), which must then be given; a
+        tensor ``row`` names the expert of each row of a 2-D ``x`` (tokens of several experts, sorted)."""
         pqs = self.pre_quant_scale
         if pqs is None:
             return x
@@ -208,8 +209,8 @@ class TensorQuantizer(nn.Module):
             if row is None:
                 raise ValueError(f"{self._qname}: pre_quant_scale holds one row per expert {tuple(pqs.shape)}; quantize each expert's tokens with its row (row=e)")
             pqs = pqs[row]
-        if x.shape[-1] != pqs.numel():
-            raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.numel()} channels, the input's last dim is {x.shape[-1]}")
+        if x.shape[-1] != pqs.shape[-1]:
+            raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.shape[-1]} channels, the input's last dim is {x.shape[-1]}")
         return x * pqs.to(x.dtype)
 
     def reset_amax(self) -> None:
@@ -313,7 +314,7 @@ class TensorQuantizer(nn.Module):
             key, value = ("block_sizes", self.block_sizes) if self.spec.block is not None else ("axis", self.axis)
             raise ValueError(f"{self._qname}: {key}={value!r} does not fit a tensor of shape {tuple(shape)}: {exc}") from None
 
-    def collect(self, x: torch.Tensor, row: Optional[int] = None) -> None:
+    def collect(self, x: torch.Tensor, row: Optional[Union[int, torch.Tensor]] = None) -> None:
         """Add ``x`` (times ``pre_quant_scale``, its row ``row`` if 2-D) to the calibration statistics (an
         empty ``x``, e.g. an expert's 0-token split, adds nothing)."""
         self._collect(self.pre_scale(x, row))
@@ -389,7 +390,7 @@ class TensorQuantizer(nn.Module):
             _raise_named(exc, self._qname)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, row: Optional[int] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row: Optional[Union[int, torch.Tensor]] = None) -> torch.Tensor:
         """Fake-quantize ``x``; ``row``: the expert whose tokens ``x`` holds (a 2-D ``pre_quant_scale``)."""
         x = self.pre_scale(x, row)
         if self._disabled or x.numel() == 0:

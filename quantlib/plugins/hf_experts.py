@@ -15,6 +15,16 @@ per layer, as inference engines take it). ``tokens_per_expert`` counts the token
 during the last calibration. AWQ / SmoothQuant search each expert on its own tokens: expert e's scales
 are row e of the input quantizer's 2-D ``pre_quant_scale`` and member e's (weight) ``pre_quant_scale``;
 ``_input_observer(proj, e, x)``, when set, sees each expert GEMM's input (their recorder).
+
+The forward reads nothing back to the host: the (token, expert) assignments are sorted by expert on the
+device (:mod:`.expert_dispatch`), each projection's weights are fake-quantized as one (E, out, in) stack
+with per-expert amax (:mod:`.expert_weights`) and multiplied by one grouped GEMM
+(:func:`quantlib.kernels.grouped_mm.grouped_mm`), so ``torch.compile(fullgraph=True)`` makes one graph for
+every routing; its bits are those of the per-expert loop. The loop (which reads the list of experts that
+got tokens) remains for what the grouped path cannot reproduce exactly: an observer recording each
+expert's input, an input quantizer whose scale depends on which tokens it sees together (an uncalibrated
+static amax, an affine bias), a non-transposed layout with biases (``F.linear`` fuses the bias into the
+GEMM), GEMM sizes that are not multiples of 16 bytes, and calibration under expert parallelism.
 """
 
 from __future__ import annotations
@@ -29,7 +39,11 @@ from ..config import QuantizerAttributeConfig
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from ..formats import Kind
+from ..kernels.grouped_mm import grouped_mm
+from .expert_dispatch import combine, dispatch
 from .expert_tokens import count_tokens
+from .expert_weights import quantize_stacked
 
 #: the instance attributes ``use_experts_implementation`` sets, which describe the layout, with the
 #: decorator's defaults (which also apply to classes registered by hand that leave one out)
@@ -149,6 +163,60 @@ class QuantFusedExperts(QuantModule):
             # the original class's forward (transformers' eager loop or the kernel its config names)
             self._was_calibrating = False
             return self._original_class.forward(self, hidden_states, top_k_index, top_k_weights)
+        calibrating = self._calibrating()
+        if self._grouped_refusal(hidden_states, calibrating):
+            return self._loop_forward(hidden_states, top_k_index, top_k_weights, calibrating)
+        return self._grouped_forward(hidden_states, top_k_index, top_k_weights, calibrating)
+
+    def _grouped_refusal(self, hidden_states: torch.Tensor, calibrating: bool) -> str:
+        """Why this forward takes the per-expert loop rather than the grouped GEMMs ('' where it need not)."""
+        if self.__dict__.get("_input_observer") is not None:
+            return "an observer records each expert's GEMM input"
+        if flag(self, "has_bias") and not flag(self, "is_transposed"):
+            return "F.linear fuses the bias into the GEMM's accumulation"
+        if calibrating and getattr(self, "_is_expert_parallel", False):
+            return "calibration with expert-parallel sentinels"
+        for proj in self.projections:
+            param = getattr(self, proj)
+            if param.dtype != hidden_states.dtype or any(n * param.element_size() % 16 for n in param.shape[1:]):
+                return f"{proj} {param.dtype} {tuple(param.shape)}: not grouped-GEMM aligned"
+            if not rowwise(getattr(self, f"{proj}_input_quantizer")):
+                return f"{proj}_input_quantizer: its scale depends on which tokens it sees together"
+        return ""
+
+    def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool) -> torch.Tensor:
+        """Tokens sorted by expert on the device, each projection one grouped GEMM over the stacked
+        fake-quantized weights: no host read, one graph under torch.compile, bit for bit the loop."""
+        up, down = self.projections
+        up_input, down_input = getattr(self, f"{up}_input_quantizer"), getattr(self, f"{down}_input_quantizer")
+        with torch.no_grad():
+            d = dispatch(top_k_index, top_k_weights, self.num_experts, bool(getattr(self, "_is_expert_parallel", False)))
+        count_tokens(self, d.counts, up_input, calibrating)
+        # one pre_quant_scale row per expert (AWQ / SmoothQuant): each row is scaled by its expert's row,
+        # then quantized with the shared amax; otherwise every token is quantized once
+        if up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2:
+            x = up_input(hidden_states[d.token], row=d.expert)
+        else:
+            x = up_input(hidden_states)[d.token]
+        h = self._grouped_linear(up, x, d)
+        h = self._apply_gate(h) if flag(self, "has_gate") else self.act_fn(h)
+        h = self._grouped_linear(down, down_input(h, row=d.expert), d)
+        if flag(self, "has_post_expert_norm"):
+            h = self.post_expert_norm(h)
+        return combine(d, h, hidden_states.dtype)
+
+    def _grouped_linear(self, proj: str, x: torch.Tensor, d) -> torch.Tensor:
+        transposed = flag(self, "is_transposed")
+        w = quantize_stacked(self, f"{proj}_weight_quantizer", getattr(self, proj), transposed)  # (E, out, in)
+        # the (E, in, out) operand as the loop multiplies: a transposed view of (out, in) slices (F.linear),
+        # or row-major (in, out) slices for transposed layouts (x @ W, as transformers holds W)
+        h = grouped_mm(x, w.transpose(1, 2).contiguous() if transposed else w.transpose(1, 2), d.offs)
+        if flag(self, "has_bias"):  # transposed layouts add the bias after the GEMM (see _linear)
+            h = h + getattr(self, f"{proj}_bias")[d.expert]
+        return h
+
+    def _loop_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool) -> torch.Tensor:
+        """One GEMM per expert that received tokens (their list read back to the host): the fallback."""
         up, down = self.projections
         num_experts = self.num_experts
         with torch.no_grad():
@@ -156,9 +224,7 @@ class QuantFusedExperts(QuantModule):
             expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
             counts = expert_mask[:num_experts].sum(dim=(-1, -2))
         up_input, down_input = getattr(self, f"{up}_input_quantizer"), getattr(self, f"{down}_input_quantizer")
-        count_tokens(self, counts, up_input, self._calibrating())
-        # one pre_quant_scale row per expert (AWQ / SmoothQuant): each expert's tokens are scaled by its
-        # row, then quantized with the shared amax; otherwise every token is quantized once
+        count_tokens(self, counts, up_input, calibrating)
         per_expert = up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2
         x = hidden_states if per_expert else up_input(hidden_states)
         observe = self.__dict__.get("_input_observer")
@@ -178,6 +244,23 @@ class QuantFusedExperts(QuantModule):
             h = h * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, h.to(out.dtype))
         return out
+
+
+def rowwise(q: nn.Module) -> bool:
+    """Whether input quantizer ``q`` treats each row (token) alone in its current state, so that quantizing
+    all experts' rows in one call equals quantizing each expert's rows apart: disabled, or a static amax
+    (calibrated) or per-row / per-block scales; and, collecting, a max (not the mean of an affine bias, nor
+    a block amax of one input shape)."""
+    if q._disabled:
+        return True
+    if q._attrs.bias is not None or (q._if_calib and q.static_blocks):
+        return False
+    if not q._if_quant:
+        return True
+    spec = q.spec
+    if spec.kind == Kind.MX or (spec.dynamic and spec.kind != Kind.NVFP4):
+        return True
+    return q.needs_calibration and q.amax is not None and not q.static_blocks
 
 
 def _default_apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:

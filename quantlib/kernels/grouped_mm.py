@@ -1,0 +1,94 @@
+"""One GEMM per group of rows, the groups given by device offsets: ``torch._grouped_mm`` as a
+``torch.library`` op with its own backward.
+
+Why an op of our own: torch 2.13's ``_grouped_mm`` runs on the CPU in any float dtype, but its autograd
+formula fails there ("Invalid strides/sizes") and its meta kernel refuses anything but bf16 under
+torch.compile; as an opaque op with a fake kernel the same kernel runs eagerly and compiled (bit for bit),
+and the backward is two more grouped GEMMs. On an accelerator the offsets stay on the device (no sync);
+on the CPU, where reading them costs nothing, each group is one BLAS ``mm`` (the per-expert loop's bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_rows: bool) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)``; on the CPU one ``mm`` per group instead (torch 2.13's CPU
+    kernel is several times slower than BLAS, and reading CPU offsets costs no device sync): groups along
+    the rows of ``a`` (``out_rows``: ``a`` (rows, in) x ``b`` (groups, in, out)) or along the columns of ``a``
+    and rows of ``b`` (``a`` (in, rows) x ``b`` (rows, out) -> (groups, in, out))."""
+    if a.device.type != "cpu":
+        return torch._grouped_mm(a, b, offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if out_rows:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            if e > s:
+                torch.mm(a[s:e], b[g], out=out[s:e])
+        return out
+    out = a.new_zeros(len(ends), a.shape[0], b.shape[-1])
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        if e > s:
+            torch.mm(a[:, s:e], b[s:e], out=out[g])
+    return out
+
+
+@torch.library.custom_op("quantlib::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _mm(x, w, offs, True)
+
+
+@_grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("quantlib::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = grad.contiguous()
+    # rows past offs[-1] (expert-parallel sentinels) belong to no group: their input gradient is zero
+    gx = grad.new_zeros(0)
+    if need_x:
+        gx = _mm(grad, w.transpose(-2, -1), offs, True)
+        inside = torch.arange(gx.shape[0], device=gx.device) < offs[-1:]  # the kernel leaves other rows unset
+        gx = torch.where(inside.unsqueeze(-1), gx, 0)
+    gw = _mm(x.transpose(0, 1), grad, offs, False) if need_w else grad.new_zeros(0)
+    return gx, gw
+
+
+@_grouped_mm_backward.register_fake
+def _(grad, x, w, offs, need_x, need_w):
+    gx = grad.new_empty(x.shape) if need_x else grad.new_empty(0)
+    gw = grad.new_empty(w.shape[0], w.shape[1], w.shape[2]) if need_w else grad.new_empty(0)
+    return gx, gw
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gx, gw = _grouped_mm_backward(grad, x, w, offs, need_x, need_w)
+    return (gx if need_x else None), (gw.to(w.dtype) if need_w else None), None
+
+
+_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x[rows of group g] @ w[g]`` for every group g: ``x`` (rows, in) sorted by group, ``w`` (groups,
+    in, out) of any strides, ``offs`` the int32 end row of each group (cumulative counts, on x's device).
+    Rows past ``offs[-1]`` are left as the kernel leaves them (mask them)."""
+    if offs.dtype != torch.int32:
+        raise TypeError(f"grouped_mm: offs must be int32 (cumulative rows per group), got {offs.dtype}")
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or offs.shape != (w.shape[0],):
+        raise ValueError(f"grouped_mm: expected x (rows, in), w (groups, in, out), offs (groups,); got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(offs.shape)}")
+    return _grouped_mm(x, w, offs)
+
+
+__all__ = ["grouped_mm"]

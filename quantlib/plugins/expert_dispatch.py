@@ -1,0 +1,64 @@
+"""Token dispatch of a top-k MoE layer on the device: the (token, expert) assignments sorted by expert,
+the cumulative row counts that a grouped GEMM takes, and the combine back to tokens.
+
+Nothing here reads a value back to the host or makes a shape that depends on the routing, so a layer
+built on it runs without a device-to-host sync and compiles into one graph that serves every routing.
+The combine adds each token's expert outputs in ascending expert order, starting from zeros, in the
+output dtype: the order of the per-expert loop of transformers' eager experts (``index_add_`` expert by
+expert), hence its bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dispatch:
+    """The sorted assignments of one forward (S = tokens * top_k rows)."""
+
+    token: torch.Tensor  #: (S,) token of each sorted row
+    expert: torch.Tensor  #: (S,) expert of each sorted row (expert-parallel sentinels clamped to E - 1)
+    weight: torch.Tensor  #: (S,) routing weight of each sorted row
+    offs: torch.Tensor  #: (E,) int32 end row of each expert's group
+    counts: torch.Tensor  #: (E,) int64 rows per expert
+    combine_index: torch.Tensor  #: (tokens, top_k) sorted row of each token's k-th smallest expert
+    valid: torch.Tensor | None  #: (S, 1) False at sentinel rows (expert index == E); None: no sentinels
+
+
+def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, sentinels: bool) -> Dispatch:
+    """Sort the assignments of ``top_k_index`` (tokens, k) by expert (within an expert: by slot, then token);
+    ``sentinels``: the index ``num_experts`` may appear (expert parallelism: a remote expert), its rows
+    sort last and belong to no group."""
+    tokens, k = top_k_index.shape
+    # slot-major (row j * tokens + t): within an expert, rows in the order of the loop's
+    # torch.where(expert_mask[e]) over (k, tokens); a GEMM's row results depend on their place in a tile
+    flat = top_k_index.t().reshape(-1)
+    expert, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))[:num_experts]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    # each token's slots in ascending expert order (sentinels, == num_experts, last)
+    by_expert = torch.sort(top_k_index, dim=1, stable=True).indices
+    combine_index = inverse[by_expert * tokens + torch.arange(tokens, device=flat.device).unsqueeze(1)]
+    valid = (expert < num_experts).unsqueeze(-1) if sentinels else None
+    if sentinels:
+        expert = expert.clamp(max=num_experts - 1)
+    return Dispatch(order % tokens, expert, top_k_weights.t().reshape(-1)[order], offs, counts, combine_index, valid)
+
+
+def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(tokens, H) sum of each token's weighted expert rows (``rows`` (S, H), sorted), in ``dtype``."""
+    rows = rows * d.weight.unsqueeze(-1)
+    if d.valid is not None:
+        rows = torch.where(d.valid, rows, 0)  # sentinel rows are unset by the grouped GEMM: NaN * 0 is NaN
+    picked = rows.to(dtype)[d.combine_index]  # (tokens, k, H)
+    out = torch.zeros(picked.shape[0], picked.shape[2], dtype=dtype, device=rows.device)
+    for j in range(picked.shape[1]):
+        out = out + picked[:, j]
+    return out
+
+
+__all__ = ["Dispatch", "combine", "dispatch"]
