@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, check_receiver, iter_packed, sync_pairs  # noqa: E402
 from quantlib.export.vllm_names import candidates  # noqa: E402
+from quantlib.formats.nvfp4 import nvfp4_global_scale  # noqa: E402
 
 from tests.test_export._export_models import quantized, qwen3_moe, weight_only  # noqa: E402
 
@@ -59,3 +60,14 @@ def test_candidates():
 def test_unknown_style_refused(moe):
     with pytest.raises(ExportError, match=r"expert_names='deep': expected one of \['flat', 'nested'\]"):
         list(sync_pairs(moe, "modelopt_nvfp4", expert_names="deep"))
+
+
+def test_w4a4_activation_scales_travel_with_the_experts():
+    model = quantized(qwen3_moe(), ql.NVFP4_DEFAULT_CFG)
+    pairs = dict(sync_pairs(model, "modelopt_nvfp4"))
+    experts = model.model.layers[1].mlp.experts
+    # one input scale per expert (the layer's input quantizer), once for w13 (gate and up read one input)
+    assert pairs["model.layers.1.mlp.experts.w13_input_scale"].shape == (4,)
+    assert torch.equal(pairs["model.layers.1.mlp.experts.w13_input_scale"], nvfp4_global_scale(experts.gate_up_proj_input_quantizer.amax).reshape(1).expand(4))
+    assert torch.equal(pairs["model.layers.1.mlp.experts.w2_input_scale"], nvfp4_global_scale(experts.down_proj_input_quantizer.amax).reshape(1).expand(4))
+    assert "model.layers.1.self_attn.q_proj.input_scale" in pairs
