@@ -48,21 +48,28 @@ def current_amax(w: torch.Tensor, spec: FormatSpec, shape: tuple[int, ...]) -> t
     return abs_max(w, tuple(d for d, s in enumerate(shape) if s == 1)).reshape(shape)
 
 
-def _shared(it: Item) -> bool:
-    # one amax for the whole tensor that the consumer's fused siblings must share (NVFP4 global, FP8 per tensor)
-    return it.group is not None and it.amax is not None and it.amax.numel() == 1
+def _share_key(it: Item, experts: bool) -> Optional[tuple]:
+    """Items of one key share one amax for the whole tensor (NVFP4 global, FP8 per tensor): siblings
+    that the consumer fuses, and with ``experts`` every expert of a fused-experts module per projection."""
+    if it.spec is None or it.amax is None or it.amax.numel() != 1:
+        return None
+    if experts and it.fused:
+        return it.fused, it.group or it.leaf
+    return None if it.group is None else (it.parent, it.group)
 
 
-def dynamic_items(items: list[Item], global_amax: Optional[dict[int, torch.Tensor]] = None) -> list[Item]:
+def dynamic_items(items: list[Item], global_amax: Optional[dict[int, torch.Tensor]] = None, share_experts: bool = False) -> list[Item]:
     """Copies of ``items`` whose weights pack with scales from the weights themselves: amax None where
     the cast computes it in its own pass (FP8 blocks, MX, NVFP4 with its dynamic global amax); the weight's
     amax where a formula needs it first (FP8 per tensor / per row, INT); for siblings that consumers fuse,
-    the max of their weights' amax (one global scale per fused GEMM). ``global_amax``: id(item) -> an amax
-    the caller chose for that item. Queued on the device; nothing is read back."""
+    the max of their weights' amax (one global scale per fused GEMM), and with ``share_experts`` (the
+    config's ``sync_expert_weight_amax``) the max over a layer's experts. ``global_amax``: id(item) -> an
+    amax the caller chose for that item. Queued on the device; nothing is read back."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        if it.spec is not None and _shared(it):
-            groups.setdefault((it.parent, it.group), []).append(it)
+        key = _share_key(it, share_experts)
+        if key is not None:
+            groups.setdefault(key, []).append(it)
     shared: dict[int, torch.Tensor] = dict(global_amax or {})
     for members in groups.values():
         todo = [m for m in members if id(m) not in shared]
@@ -121,10 +128,11 @@ def refuse_clipped(items: list[Item]) -> None:
             )
 
 
-def apply_scales(items: list[Item], scales: Scales) -> list[Item]:
-    """``items`` ready to pack with ``scales``: unchanged (calibrated), checked (static) or with dynamic amax."""
+def apply_scales(items: list[Item], scales: Scales, share_experts: bool = False) -> list[Item]:
+    """``items`` ready to pack with ``scales``: unchanged (calibrated), checked (static) or with dynamic amax
+    (``share_experts``: one per-tensor amax for all experts of a layer, see :func:`dynamic_items`)."""
     if scales is Scales.DYNAMIC:
-        return dynamic_items(items)
+        return dynamic_items(items, share_experts=share_experts)
     if scales is Scales.STATIC:
         refuse_clipped(items)
     return items
