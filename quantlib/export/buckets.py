@@ -34,10 +34,12 @@ class Bucket:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The one dtype of every tensor in the bucket."""
         return self.buffer.dtype
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffer."""
         return self.buffer.numel() * self.buffer.element_size()
 
     def tensors(self, buffer: torch.Tensor | None = None) -> list[Pair]:
@@ -75,7 +77,8 @@ def chunks_by_dtype(pairs: Iterable[Pair], chunk_bytes: int) -> Iterator[list[Pa
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     # 1-byte float8 dtypes are concatenated as bytes (torch.cat lacks some of them on some devices)
-    return t.reshape(-1).view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype not in (torch.uint8, torch.int8, torch.bool) else t.reshape(-1)
+    float8 = t.dtype.itemsize == 1 and t.dtype not in (torch.uint8, torch.int8, torch.bool)
+    return t.reshape(-1).view(torch.uint8) if float8 else t.reshape(-1)
 
 
 def bucket_by_dtype(pairs: Iterable[Pair], bucket_bytes: int) -> Iterator[Bucket]:

@@ -123,7 +123,8 @@ def refuse_clipped(items: list[Item]) -> None:
         if n:
             where = "its amax" if total == 1 else f"{int(n)} of {int(total)} amax groups; the worst"
             raise ExportError(
-                f"{it.where}: the weight {it.name} has outgrown its calibrated scale ({where}: weight amax {cur:g} > stored amax {stored:g}); "
+                f"{it.where}: the weight {it.name} has outgrown its calibrated scale "
+                f"({where}: weight amax {cur:g} > stored amax {stored:g}); "
                 "static scales would clip it: sync with scales='dynamic' (scales from the weight being sent) or recalibrate"
             )
 

@@ -103,7 +103,8 @@ def check_receiver(keys: Iterable[str], receiver: Collection[str]) -> None:
             continue
         flat, nested = candidates(key)
         has = [n for n in (flat, nested) if n in names]
-        hint = f"the receiver has {has[0]!r}: use expert_names={'nested' if has[0] == nested else 'flat'!r}" if has else "the receiver has neither"
+        style = "nested" if has and has[0] == nested else "flat"
+        hint = f"the receiver has {has[0]!r}: use expert_names={style!r}" if has else "the receiver has neither"
         missing.append(f"{key} (candidates: flat {flat!r}, nested {nested!r}; {hint})")
     if missing:
         shown = "; ".join(missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -78,7 +78,10 @@ def serialize_weight(
     input_where = where[: -len("weight_quantizer")] + "input_quantizer"
     if batched_experts:
         if not isinstance(wq, GroupedQuantizer) or tensor.dim() != 3 or len(wq) != tensor.shape[0]:
-            raise ExportError(f"{name}: batched_experts needs a [E, out, in] tensor and a GroupedQuantizer of E members, got {tuple(tensor.shape)} and {type(wq).__name__}")
+            raise ExportError(
+                f"{name}: batched_experts needs a [E, out, in] tensor and a GroupedQuantizer of E members, "
+                f"got {tuple(tensor.shape)} and {type(wq).__name__}"
+            )
         pairs = [(f"{where}[{e}]", tensor[e], wq[e]) for e in range(tensor.shape[0])]
     else:
         pairs = [(where, tensor, wq)]
@@ -111,10 +114,12 @@ def _given(global_amax: torch.Tensor, items: list[Item], name: str) -> dict[int,
 
 def _item(prefix: str, w: torch.Tensor, q: nn.Module, where: str, ispec, iamax, input_where: str) -> Item:
     if not isinstance(q, TensorQuantizer) or not q.is_enabled:
-        raise ExportError(f"{where}: {type(q).__name__} {'disabled' if isinstance(q, TensorQuantizer) else ''}: serialize_weight packs enabled TensorQuantizers")
+        state = "disabled" if isinstance(q, TensorQuantizer) else ""
+        raise ExportError(f"{where}: {type(q).__name__} {state}: serialize_weight packs enabled TensorQuantizers")
     refuse_pre_quant_scale([(where, q)])
     block_amax = q.block_amax if q.spec.kind == Kind.NVFP4 else None
-    return Item(prefix, "linear", where, lambda: w.detach(), q.spec, q.amax, ispec, iamax, shape=tuple(w.shape), input_where=input_where, block_amax=block_amax)
+    return Item(prefix, "linear", where, lambda: w.detach(), q.spec, q.amax, ispec, iamax, shape=tuple(w.shape), input_where=input_where,
+                block_amax=block_amax)
 
 
 def sync_pairs(

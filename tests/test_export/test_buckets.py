@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import quantlib as ql  # noqa: E402
 from quantlib.export import Bucket, ExportError, bucket_by_dtype, chunk_by_bytes, sync_pairs  # noqa: E402
 
-from tests.test_export._export_models import quantized, qwen3_moe, weight_only  # noqa: E402
+from tests.test_export._export_models import bit_equal, quantized, qwen3_moe, weight_only  # noqa: E402
 
 
 def _pairs() -> list[tuple[str, torch.Tensor]]:
@@ -46,7 +46,7 @@ def test_buckets_cut_back_into_the_tensors():
             seen[name] = t
     assert sorted(seen) == sorted(k for k, _ in pairs)
     for k, t in pairs:
-        assert seen[k].dtype == t.dtype and seen[k].shape == t.shape and torch.equal(seen[k].view(torch.uint8) if t.element_size() == 1 else seen[k].view(torch.int16 if t.element_size() == 2 else torch.int32), t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32))
+        assert bit_equal(seen[k], t), k
     offsets = [(e.offset, e.numel) for e in buckets[2].entries]
     assert offsets == [(0, 1), (1, 1)]
 
@@ -64,4 +64,4 @@ def test_a_model_in_buckets():
         assert b.nbytes <= 1 << 16 or len(b.entries) == 1
         got.update(b.tensors())
     assert got.keys() == pairs.keys()
-    assert all(torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)) if t.element_size() == 1 else torch.equal(got[k], t) for k, t in pairs.items())
+    assert all(bit_equal(got[k], t) for k, t in pairs.items())

@@ -107,8 +107,8 @@ def synced_weights(pairs: dict[str, torch.Tensor], recipe: str, weights: dict[st
             prefix = "w2_" if leaf == "down_proj" else "w13_"
             t = {k[len(moe) + 1 + len(prefix):]: v[int(e)] for k, v in pairs.items() if k.startswith(f"{moe}.{prefix}")}
             if leaf != "down_proj":  # w13 rows: gate then up; per-tensor scales [gate, up]
-                half = lambda v, d: v.chunk(2, d)[0 if leaf == "gate_proj" else 1]  # noqa: E731
-                t = {k: (half(v, 0).reshape(()) if v.dim() == 1 else half(v, 0)) for k, v in t.items()}
+                i = 0 if leaf == "gate_proj" else 1
+                t = {k: (v.chunk(2, 0)[i].reshape(()) if v.dim() == 1 else v.chunk(2, 0)[i]) for k, v in t.items()}
             out[name] = decode(t, recipe, weights[name].shape[-1])
         else:
             out[name] = decode({k[len(name) + 1:]: v for k, v in pairs.items() if k.rpartition(".")[0] == name}, recipe, weights[name].shape[-1])

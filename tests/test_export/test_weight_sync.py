@@ -14,7 +14,7 @@ from quantlib.export import ExportError, chunk_by_bytes, iter_packed, serialize_
 from quantlib.formats.fp8_blockwise import fp8_blockwise_dequantize  # noqa: E402
 from quantlib.formats.reference import fake_quant  # noqa: E402
 
-from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
+from tests.test_export._export_models import bit_equal, fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
 
@@ -115,11 +115,6 @@ def test_stacked_experts_tp_needs_rank_and_whole_blocks(moe):
 W8A8_FP8 = ql.FP8_DEFAULT_CFG
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-equal tensors of one dtype and shape."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
 def test_serialize_weight_w8a8_fp8_takes_the_module():
     """ModelOpt FP8 needs the static input scale: with only the weight quantizer it always failed."""
     model = quantized(llama(), W8A8_FP8)
@@ -127,12 +122,12 @@ def test_serialize_weight_w8a8_fp8_takes_the_module():
     pairs = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj, "modelopt_fp8"))
     ref = next(p for p in iter_packed(model, "modelopt_fp8", scales="dynamic") if p.name == "model.layers.0.self_attn.o_proj").tensors
     assert sorted(pairs) == [f"model.layers.0.self_attn.o_proj.{k}" for k in ("input_scale", "weight", "weight_scale")] == [f"model.layers.0.self_attn.o_proj.{k}" for k in sorted(ref)]
-    assert all(same(pairs[f"model.layers.0.self_attn.o_proj.{k}"], t) for k, t in ref.items())
+    assert all(bit_equal(pairs[f"model.layers.0.self_attn.o_proj.{k}"], t) for k, t in ref.items())
     w = o_proj.weight.detach()
     assert torch.equal(pairs["model.layers.0.self_attn.o_proj.weight"].float() * pairs["model.layers.0.self_attn.o_proj.weight_scale"], fake_quant(w, o_proj.weight_quantizer.spec, w.abs().amax()))
     # the quantizer alone plus its input quantizer says the same
     alone = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj.weight_quantizer, "modelopt_fp8", input_quantizer=o_proj.input_quantizer))
-    assert all(same(alone[k], v) for k, v in pairs.items())
+    assert all(bit_equal(alone[k], v) for k, v in pairs.items())
 
 
 def test_serialize_weight_nvfp4_w4a4_carries_the_input_global_scale(moe_nvfp4_w4a4):
