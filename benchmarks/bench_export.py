@@ -2,16 +2,18 @@
 
     python benchmarks/bench_export.py                       # GPU: Llama hidden 8192 / 28672, 3 layers (5.1 GB)
     python benchmarks/bench_export.py --device cpu --small  # smoke run: a tiny Llama on the CPU
-    options: --layers N --hidden H --intermediate I --runs R --formats fp8_block,mxfp8,fp8 --disk --profile --out FILE
+    options: --layers N --hidden H --intermediate I --runs R --formats fp8_block,mxfp8,fp8,nvfp4 --disk --profile --out FILE
 
 A transformers Llama is built in bf16 directly on ``--device`` (no CPU init of GBs, no downloads) and
 quantized by quantlib and, separately, by ModelOpt with the same recipe, calibrated on the same batch:
 FP8 128x128 weight blocks (quantlib format ``hf_fp8_block``, HF fine-grained FP8; ModelOpt FP8_PB_WO),
-MXFP8 (``hf_mxfp8``; ModelOpt MXFP8) and FP8 per tensor W8A8 (``modelopt_fp8``; ModelOpt FP8).
+MXFP8 (``hf_mxfp8``; ModelOpt MXFP8), FP8 per tensor W8A8 (``modelopt_fp8``; ModelOpt FP8) and NVFP4 W4A4
+(``modelopt_nvfp4``; ModelOpt NVFP4).
 
 Timed (median of ``--runs`` after one warm-up run, which compiles and tunes the kernels), each with one
 device synchronisation at the end only: ``iter_packed`` with a consumer that drops every tensor without
-reading it; a bf16 copy (``clone``) of every packed weight, measured the same way (the "copy
+reading it; the RL weight sync ``sync_pairs`` (scales computed from the weights being sent, as after
+optimizer steps) with the same consumer; a bf16 copy (``clone``) of every packed weight, measured the same way (the "copy
 bandwidth"); ModelOpt's in-memory ``_export_transformers_checkpoint`` on a fresh copy each run (it edits
 the model); with ``--disk`` also ``export_checkpoint`` and ModelOpt's ``export_hf_checkpoint``. GB/s =
 bytes of the bf16 linear weights that are packed / time (embeddings, norms and lm_head pass through
@@ -36,7 +38,7 @@ from typing import Callable, Optional
 import torch
 
 import quantlib as ql
-from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax
+from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax, sync_pairs
 from quantlib.export.formats import packer
 from quantlib.export.plan import make_plan
 
@@ -45,6 +47,7 @@ RECIPES = {
     "fp8_block": ("FP8 128x128 weights (HF fine-grained FP8)", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
     "mxfp8": ("MXFP8 W8A8 (HF mxfp8)", "MXFP8_DEFAULT_CFG", "hf_mxfp8", "MXFP8_DEFAULT_CFG"),
     "fp8": ("FP8 per tensor W8A8 (ModelOpt FP8)", "FP8_DEFAULT_CFG", "modelopt_fp8", "FP8_DEFAULT_CFG"),
+    "nvfp4": ("NVFP4 W4A4 (ModelOpt NVFP4)", "NVFP4_DEFAULT_CFG", "modelopt_nvfp4", "NVFP4_DEFAULT_CFG"),
 }
 
 
@@ -102,6 +105,13 @@ def drop_all(model: torch.nn.Module, fmt: str) -> None:
     """The consumer of the in-memory benchmark: takes every packed tensor and drops it (no device read)."""
     for pw in iter_packed(model, fmt):
         del pw
+
+
+def sync_all(model: torch.nn.Module, fmt: str) -> None:
+    """The RL weight-sync consumer: every ``(key, tensor)`` of :func:`sync_pairs` (scales from the weights
+    being sent), dropped without a device read."""
+    for kv in sync_pairs(model, fmt):
+        del kv
 
 
 def copy_all(weights: list[torch.Tensor]) -> None:
@@ -187,6 +197,8 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
     rows.append((f"{label}: quantlib checks only (make_plan)", timed(lambda m: make_plan(m, packer(fmt), layout_for(m)), args.runs, lambda: ours, dev), None))
     ours_s = timed(lambda m: drop_all(m, fmt), args.runs, lambda: ours, dev)
     rows.append((f"{label}: quantlib iter_packed (memory)", ours_s, None))
+    sync_s = timed(lambda m: sync_all(m, fmt), args.runs, lambda: ours, dev)
+    rows.append((f"{label}: quantlib sync_pairs, scales from the weights (memory)", sync_s, None))
     if dev.startswith("cuda"):
         peak, largest = peak_extra(ours, fmt, dev)
         notes.append(f"{label}: peak device memory above the model while iterating {peak / 1e6:.1f} MB; largest module's packed tensors {largest / 1e6:.1f} MB")
@@ -209,6 +221,7 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
         print(f"ModelOpt _export_transformers_checkpoint ({mo_cfg}) fails here: {type(exc).__name__}: {exc}")
         return rows, notes
     rows.append((f"{label}: ModelOpt _export_transformers_checkpoint (memory)", mo_s, ours_s))
+    notes.append(f"{label}: ModelOpt's in-memory export takes {mo_s / sync_s:.1f}x the time of quantlib's weight sync with dynamic scales")
     if args.disk:
         from modelopt.torch.export import export_hf_checkpoint
 

@@ -159,10 +159,12 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         if parallel_state is None:
             raise
         local_error = exc  # sync_amax makes every rank raise; this one re-raises exc
-    if parallel_state is not None and algo.distributed_sync:
-        from .distributed import sync_amax
+    # one process has no group to reduce over, but a layer's local experts still share one weight amax
+    local_experts = parallel_state is None and cfg is not None and cfg.sync_expert_weight_amax
+    if (parallel_state is not None or local_experts) and algo.distributed_sync:
+        from .distributed import ParallelState, sync_amax
 
-        sync_amax(model, parallel_state, local_error=local_error)
+        sync_amax(model, parallel_state or ParallelState(), local_error=local_error)
     elif local_error is not None:
         raise local_error
     return model

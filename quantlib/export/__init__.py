@@ -1,7 +1,8 @@
 """Export of quantized models in the formats inference engines and ``transformers`` load (DESIGN §9).
 
 ``iter_packed`` streams each module's packed tensors; ``export_checkpoint`` writes a checkpoint
-directory atomically; ``serialize_weight`` packs one tensor (RL weight sync). Packing uses the
+directory atomically; ``serialize_weight`` packs one tensor and ``sync_pairs`` a whole model for RL
+weight sync, with scales from the weights being sent (``scales="dynamic"``), in buckets of one dtype. Packing uses the
 quantizers' own amax and quantlib's kernels, so the consumer's weights are those the model was
 evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_megatron_checkpoint`.
 """
@@ -11,7 +12,10 @@ from .iterate import iter_packed
 from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
 from .siblings import share_sibling_amax
 from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
-from .weight_sync import chunk_by_bytes, serialize_weight
+from .buckets import Bucket, BucketEntry, bucket_by_dtype
+from .sync_scales import Scales
+from .vllm_names import ExpertNames, check_receiver
+from .weight_sync import chunk_by_bytes, serialize_weight, sync_pairs
 
 __all__ = [
     "GENERIC",
@@ -19,15 +23,22 @@ __all__ = [
     "LLAMA",
     "QWEN3",
     "QWEN3_MOE",
+    "Bucket",
+    "BucketEntry",
+    "ExpertNames",
     "ExportError",
     "ExportFormat",
     "ExportManifest",
     "ModelLayout",
     "PackedWeight",
+    "Scales",
+    "bucket_by_dtype",
+    "check_receiver",
     "chunk_by_bytes",
     "export_checkpoint",
     "iter_packed",
     "layout_for",
     "serialize_weight",
     "share_sibling_amax",
+    "sync_pairs",
 ]

@@ -12,6 +12,7 @@ from .formats import Packer, as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
+from .sync_scales import Scales, apply_scales, as_scales
 from .types import ExportError, ExportFormat, PackedWeight
 
 T = TypeVar("T")
@@ -102,6 +103,7 @@ def iter_packed(
     unify_siblings: bool = False,
     tp: int = 1,
     tp_rank: Optional[int] = None,
+    scales: Union[Scales, str] = Scales.CALIBRATED,
 ) -> Iterator[Union[PackedWeight, list[PackedWeight]]]:
     """Yield each checkpoint module's packed tensors, module by module, on the model's device.
 
@@ -110,14 +112,21 @@ def iter_packed(
     the TP1 tensors). With ``chunk_bytes``, yields lists of PackedWeights of at most that many bytes each
     (a single larger weight makes a list of one). ``tp`` checks blocks against that tensor-parallel degree;
     with ``experts="stacked"`` and ``tp > 1``, ``tp_rank`` picks the rank whose shard of the stacked experts
-    is yielded (vLLM's fused-MoE loader takes 3-D tensors as that rank's shard).
+    is yielded (vLLM's fused-MoE loader takes 3-D tensors as that rank's shard). ``scales``: "calibrated"
+    (the quantizers' amax, as evaluated: checkpoints), "dynamic" (from the weights being sent: RL weight
+    sync after optimizer steps) or "static" (calibrated, refusing by name a weight that outgrew it); see
+    :class:`~quantlib.export.sync_scales.Scales`.
     """
     fmt = as_format(format)
+    source = as_scales(scales)
     if experts not in ("per_expert", "stacked"):
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
     if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
-    plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings, tp=tp)
+    # dynamic scales replace the calibrated sibling amax, so their differences do not matter
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
+    config = getattr(model, "_quantlib_config", None)
+    plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:
         yield from stream

@@ -118,3 +118,8 @@ def reference_codes(model: nn.Module, name: str) -> torch.Tensor:
         return codes
     m = model.get_submodule(name)
     return quantize(m.weight, m.weight_quantizer.spec, m.weight_quantizer.amax).codes
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal tensors of one dtype and shape (signed zeros and NaN payloads told apart)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

@@ -12,8 +12,9 @@ pytest.importorskip("transformers")
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, chunk_by_bytes, iter_packed, serialize_weight  # noqa: E402
 from quantlib.formats.fp8_blockwise import fp8_blockwise_dequantize  # noqa: E402
+from quantlib.formats.reference import fake_quant  # noqa: E402
 
-from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
+from tests.test_export._export_models import bit_equal, fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
 
@@ -109,3 +110,78 @@ def test_stacked_experts_tp_needs_rank_and_whole_blocks(moe):
         list(iter_packed(moe, "hf_fp8_block", experts="stacked", tp=2))
     with pytest.raises(ExportError, match=r"at tensor parallel 2 the (rows|columns) \(128\) split into shards of 64, not a whole number of blocks of 128"):
         list(iter_packed(moe, "hf_fp8_block", experts="stacked", tp=2, tp_rank=0))
+
+
+W8A8_FP8 = ql.FP8_DEFAULT_CFG
+
+
+def test_serialize_weight_w8a8_fp8_takes_the_module():
+    """ModelOpt FP8 needs the static input scale: with only the weight quantizer it always failed."""
+    model = quantized(llama(), W8A8_FP8)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    pairs = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj, "modelopt_fp8"))
+    ref = next(p for p in iter_packed(model, "modelopt_fp8", scales="dynamic") if p.name == "model.layers.0.self_attn.o_proj").tensors
+    assert sorted(pairs) == [f"model.layers.0.self_attn.o_proj.{k}" for k in ("input_scale", "weight", "weight_scale")] == [f"model.layers.0.self_attn.o_proj.{k}" for k in sorted(ref)]
+    assert all(bit_equal(pairs[f"model.layers.0.self_attn.o_proj.{k}"], t) for k, t in ref.items())
+    w = o_proj.weight.detach()
+    assert torch.equal(pairs["model.layers.0.self_attn.o_proj.weight"].float() * pairs["model.layers.0.self_attn.o_proj.weight_scale"], fake_quant(w, o_proj.weight_quantizer.spec, w.abs().amax()))
+    # the quantizer alone plus its input quantizer says the same
+    alone = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj.weight_quantizer, "modelopt_fp8", input_quantizer=o_proj.input_quantizer))
+    assert all(bit_equal(alone[k], v) for k, v in pairs.items())
+
+
+def test_serialize_weight_nvfp4_w4a4_carries_the_input_global_scale(moe_nvfp4_w4a4):
+    experts = moe_nvfp4_w4a4.model.layers[0].mlp.experts
+    pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "ct_nvfp4", batched_experts=True))
+    gs = pairs["model.layers.0.mlp.experts.gate_up_proj.input_global_scale"]
+    assert gs.shape == (4, 1) and torch.equal(gs[0], 448 * 6 / experts.gate_up_proj_input_quantizer.amax.float().reshape(1))
+
+
+@pytest.fixture(scope="module")
+def moe_nvfp4_w4a4():
+    return quantized(qwen3_moe(), ql.NVFP4_DEFAULT_CFG)
+
+
+def test_serialize_weight_shares_a_given_global_amax():
+    model = quantized(llama(), weight_only(ql.NVFP4_DEFAULT_CFG))
+    attn = model.model.layers[0].self_attn
+    top = torch.stack([m.weight.detach().abs().amax() for m in (attn.q_proj, attn.k_proj, attn.v_proj)]).amax()
+    k = dict(serialize_weight("model.layers.0.self_attn.k_proj.weight", attn.k_proj.weight, attn.k_proj, "modelopt_nvfp4", global_amax=top))
+    assert torch.equal(k["model.layers.0.self_attn.k_proj.weight_scale_2"], (top / 2688).reshape(()))
+    with pytest.raises(ExportError, match=r"global_amax has 3 values; expected one, or one per expert \(1\)"):
+        list(serialize_weight("k.weight", attn.k_proj.weight, attn.k_proj, "modelopt_nvfp4", global_amax=torch.ones(3)))
+
+
+class HostReads:
+    """Counts reads of tensor values back to the host (``.item()``, ``.tolist()``, ``bool()``, ``float()``, ``int()``)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, **k):
+                self.count += 1
+                return _real(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_batched_expert_sync_reads_nothing_back(moe, monkeypatch):
+    """Each expert's amax check was a host read: one per expert of a stack."""
+    experts = moe.model.layers[0].mlp.experts
+    reads = HostReads(monkeypatch)
+    list(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts.gate_up_proj_weight_quantizer, "hf_fp8_block", batched_experts=True))
+    assert reads.count == 0
+    list(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "hf_fp8_block", batched_experts=True, scales="static"))
+    assert reads.count == 2  # the finiteness of the stored amax, then the clipping check: one batched read each
+
+
+def test_model_sync_reads_back_once(moe, monkeypatch):
+    from quantlib.export import sync_pairs
+
+    reads = HostReads(monkeypatch)
+    list(sync_pairs(moe, "hf_fp8_block"))
+    assert reads.count == 1  # the plan's one batched check of every amax

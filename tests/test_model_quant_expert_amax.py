@@ -1,0 +1,53 @@
+"""``sync_expert_weight_amax`` in one process: the README says expert weights then share one amax (the
+max over the layer's experts); without a process group no sync ran and the flag was ignored."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import quantlib as ql  # noqa: E402
+
+from tests.test_export._export_models import qwen3_moe, tokens  # noqa: E402
+
+
+@pytest.mark.parametrize("preset", ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"])
+def test_local_experts_share_the_max_weight_amax(preset):
+    base = qwen3_moe()  # experts of magnitudes 1, 2, 4, 8 (x their init)
+    cfg = copy.deepcopy(getattr(ql, preset))
+    per_expert = ql.quantize(copy.deepcopy(base), cfg, lambda m: m(tokens()))
+    cfg["sync_expert_weight_amax"] = True
+    shared = ql.quantize(copy.deepcopy(base), cfg, lambda m: m(tokens()))
+    for layer in range(2):
+        for proj in ("gate_up_proj", "down_proj"):
+            own = [q.amax for q in getattr(per_expert.model.layers[layer].mlp.experts, f"{proj}_weight_quantizer")]
+            got = [q.amax for q in getattr(shared.model.layers[layer].mlp.experts, f"{proj}_weight_quantizer")]
+            assert len({float(a) for a in own}) == 4  # the experts differ
+            top = torch.stack(own).amax()
+            assert all(torch.equal(a, top) for a in got), (layer, proj, [float(a) for a in got])
+    # the attention's weights are no experts: untouched
+    assert torch.equal(shared.model.layers[0].self_attn.q_proj.weight_quantizer.amax, per_expert.model.layers[0].self_attn.q_proj.weight_quantizer.amax)
+
+
+def test_dynamic_weight_sync_keeps_the_shared_expert_amax():
+    """Scales from the weights being sent still follow the config: one global amax per layer's experts."""
+    from quantlib.export import sync_pairs
+    from quantlib.formats.nvfp4 import nvfp4_global_scale
+
+    cfg = copy.deepcopy(ql.NVFP4_DEFAULT_CFG)
+    cfg["quant_cfg"] = {"*weight_quantizer": cfg["quant_cfg"]["*weight_quantizer"], "default": {"enable": False}}
+    cfg["sync_expert_weight_amax"] = True
+    model = ql.quantize(qwen3_moe(), cfg, lambda m: m(tokens()))
+    pairs = dict(sync_pairs(model, "modelopt_nvfp4"))
+    experts = model.model.layers[1].mlp.experts
+    for proj, key in (("gate_up_proj", "w13"), ("down_proj", "w2")):
+        top = getattr(experts, proj).detach().abs().amax()
+        s2 = pairs[f"model.layers.1.mlp.experts.{key}_weight_scale_2"]
+        assert torch.equal(s2, nvfp4_global_scale(top).expand_as(s2)), (proj, s2)
+    model._quantlib_config.sync_expert_weight_amax = False
+    s2 = dict(sync_pairs(model, "modelopt_nvfp4"))["model.layers.1.mlp.experts.w2_weight_scale_2"]
+    assert len(set(s2.tolist())) == 4  # per expert without the flag
