@@ -1,5 +1,5 @@
-"""quantize() all or nothing: the check of every weight quantizer against its weight before calibration,
-and the rollback that puts a model back exactly as it was when quantize() fails part way (in the
+"""quantize() and calibrate() all or nothing: the check of every weight quantizer against its weight before
+calibration, and the rollback that puts a model back exactly as it was when either fails part way (in the
 conversion, the configuration, the calibration or the user's forward loop)."""
 
 from __future__ import annotations

@@ -124,18 +124,20 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
         leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
-        calibrate(model, cfg.algorithm, forward_loop, parallel_state, sequential=sequential)
+        calibrate.__wrapped__(model, cfg.algorithm, forward_loop, parallel_state, sequential=sequential)  # quantize's own rollback covers it
     report_coverage(model, cfg)
     return model
 
 
+@atomic  # a failed or interrupted calibrate() leaves every quantizer (amax, pre_quant_scale) as it was
 def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
     ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
     from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
     other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
     ``quantlib.distributed.discover_parallel_state``). ``sequential``: calibrate one decoder layer at a
-    time, with any algorithm (``quantlib.calib.sequential``)."""
+    time, with any algorithm (``quantlib.calib.sequential``). All or nothing: where it raises (KeyboardInterrupt
+    too), the model is put back as it was on entry."""
     algo = algorithm_config(algorithm)
     if algo is None:
         return model

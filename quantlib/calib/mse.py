@@ -7,7 +7,7 @@ static weight quantizer (each member of a grouped one, on its own tensor) tries 
 + 1)`` and keeps, per group, the first ``m`` of least summed squared error. The candidates are
 quantized together: the weight is stacked once per candidate along a new leading dim and quantized by
 one kernel call with a per-candidate, per-group amax, on the weight's device; chunks of candidates
-bound the memory (:data:`CHUNK_ELEMENTS`).
+bound the memory and, on the CPU, keep the temporaries in the cache (:func:`chunk_elements`).
 
 NVFP4 weights with dynamic blocks (``"type": "dynamic"``, e.g. ``W4A16_NVFP4_CFG``) search their global
 amax, as ModelOpt's ``MseCalibrator`` does with the per-tensor ``_amax`` of such a quantizer (its op's
@@ -49,8 +49,18 @@ from .scaling import progress
 
 _log = logging.getLogger("quantlib")
 
-#: largest number of weight elements (candidates x weight) quantized by one kernel call
+#: largest number of weight elements (candidates x weight) quantized by one kernel call on a GPU, which
+#: needs large calls to be busy
 CHUNK_ELEMENTS = 1 << 24
+#: the same on the CPU, where the stacked candidates and the error's temporaries (a few fp32 copies of a
+#: chunk, 1 MiB each) must stay in the cache: with 1 << 24 (tens of MB of temporaries) the search was
+#: memory-bound, 1.3-1.65x ModelOpt's time; 1 << 18 was the fastest of 2^18..2^24 on a GPT-NeoX (notes/calib-safety)
+CPU_CHUNK_ELEMENTS = 1 << 18
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Weight elements one kernel call of the search quantizes on ``device``."""
+    return CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS
 
 
 def multipliers(cfg: MseConfig) -> torch.Tensor:
@@ -110,7 +120,7 @@ def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, qu
     """Per group, the index of the first of the ``K`` candidate amax ``batch_amax`` [K, *amax] whose
     fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group."""
     x = w.detach().float()
-    chunk = max(1, CHUNK_ELEMENTS // max(1, x.numel()))
+    chunk = max(1, chunk_elements(x.device) // max(1, x.numel()))
     losses = []
     for start in range(0, batch_amax.shape[0], chunk):
         c = batch_amax[start : start + chunk]

@@ -29,6 +29,9 @@ feed past key values (an empty cache is dropped, which changes nothing).
 Resume: after each layer the state (finished layers' amax, ``pre_quant_scale`` and the results runners
 leave on modules, the next layer's cached inputs) is written atomically to ``resume_file``; a later call
 with the same model, config, algorithm and file continues after the last finished layer and ends the same.
+The file is fingerprinted with the model's tensor shapes and weight digests and refused, naming the file and
+the first difference, for another model, config or algorithm, or where it cannot be read
+(:mod:`quantlib.calib.resume`).
 """
 
 from __future__ import annotations
@@ -47,15 +50,12 @@ import torch
 from torch import nn
 
 from .._atomic_io import atomic_torch_save
-from ..nn.containers import QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers, quant_modules
+from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers
 from .activations import max_calibrate
-from .registry import RESULT_ATTRIBUTES, AlgorithmConfig, CalibContext, runner
-
-RESUME_SCHEMA = 2  # 2: pre_quant_scale, runners' module results, the algorithm
-
+from .registry import AlgorithmConfig, CalibContext, runner
+from .resume import RESUME_SCHEMA, check_digests, digests, finished_state, fingerprint, is_quantizer, model_tensors, own_tensors, read_resume, restore_finished, view
 
 @dataclass
 class SequentialOptions:
@@ -132,24 +132,6 @@ def decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[str, n
     return best
 
 
-def _is_quantizer(m: nn.Module) -> bool:
-    return isinstance(m, (TensorQuantizer, QuantizerContainer))
-
-
-def _own_tensors(layer: nn.Module):
-    """(module, kind, name, tensor) of every parameter and buffer of ``layer`` outside its quantizers."""
-    stack = [layer]
-    while stack:
-        m = stack.pop()
-        for n, p in m._parameters.items():
-            if p is not None:
-                yield m, "_parameters", n, p
-        for n, b in m._buffers.items():
-            if b is not None:
-                yield m, "_buffers", n, b
-        stack.extend(c for c in m._modules.values() if c is not None and not _is_quantizer(c))
-
-
 def layer_file(folder: str, name: str) -> str:
     """The file of layer ``name`` (its dotted name in the model) in an offload folder."""
     return os.path.join(folder, f"{name}.pt")
@@ -157,7 +139,7 @@ def layer_file(folder: str, name: str) -> str:
 
 def _to_meta(layer: nn.Module, only: Optional[set] = None) -> None:
     """Parameters and buffers of ``layer`` outside its quantizers onto ``meta`` (``only``: those (module id, name))."""
-    for m, kind, n, t in list(_own_tensors(layer)):
+    for m, kind, n, t in list(own_tensors(layer)):
         if only is None or (id(m), n) in only:
             meta = torch.empty_like(t, device="meta")
             getattr(m, kind)[n] = nn.Parameter(meta, requires_grad=t.requires_grad) if kind == "_parameters" else meta
@@ -168,7 +150,7 @@ def offload_layer(layer: nn.Module, path: str) -> None:
     them on ``meta``: what :func:`offload_to_disk` does for each decoder layer."""
     prefixes = {id(m): p for p, m in layer.named_modules()}
     state = {}
-    for m, _, n, t in _own_tensors(layer):
+    for m, _, n, t in own_tensors(layer):
         key = f"{prefixes[id(m)]}.{n}".lstrip(".")
         if t.device.type == "meta":
             raise ValueError(f"offload_layer: {key} is already on meta")
@@ -200,7 +182,7 @@ class _Home:
 
 def _load_layer(layer: nn.Module, where: str, opts: SequentialOptions, device: Optional[torch.device]) -> _Home:
     """Bring ``layer`` onto the device (tensors on ``meta`` from the offload folder), once for all batches."""
-    tensors = list(_own_tensors(layer))
+    tensors = list(own_tensors(layer))
     on_meta = [(m, kind, n, t) for m, kind, n, t in tensors if t.device.type == "meta"]
     if not on_meta:
         home = _Home(tensors[0][3].device if tensors else torch.device("cpu"), set())
@@ -250,9 +232,9 @@ def _release_layer(layer: nn.Module, home: _Home) -> None:
         _to_meta(layer, home.loaded)
         if home.moved:  # what stays resident (quantizers, bookkeeping buffers) waits on the CPU
             for m in layer.modules():
-                if _is_quantizer(m):
+                if is_quantizer(m):
                     m.to("cpu")
-            for m, kind, n, t in list(_own_tensors(layer)):
+            for m, kind, n, t in list(own_tensors(layer)):
                 if t.device.type != "meta":
                     getattr(m, kind)[n] = t.to("cpu") if kind == "_buffers" else nn.Parameter(t.to("cpu"), requires_grad=t.requires_grad)
     else:
@@ -336,6 +318,10 @@ class _Driver:
         self.captured: list[tuple[tuple, dict]] = []
         self.templates: list[Any] = [None] * len(layers)
         self.position = 0
+        #: with a resume file: its fingerprint and the weight digests of the tensors outside the layers and
+        #: of the finished layers, by full name (None: no resume file)
+        self.fingerprint: Optional[dict] = None
+        self.digests: Optional[dict[str, tuple[int, int]]] = None
 
     def layer_forward(self, idx: int) -> Callable:
         def forward(*args, **kwargs):
@@ -395,20 +381,6 @@ class _Driver:
             raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.outputs)} cached batches but the loop ran {self.position}")
 
 
-def _view(model: nn.Module, paths: list[str]) -> nn.Module:
-    """A module tree that holds only the submodules at ``paths`` of ``model``, under the same names (plain
-    ``nn.Module`` containers in between), so a runner given it sees and names only them."""
-    root = nn.Module()
-    for path in paths:
-        parent, parts = root, path.split(".")
-        for part in parts[:-1]:
-            if part not in parent._modules:
-                parent._modules[part] = nn.Module()
-            parent = parent._modules[part]
-        parent._modules[parts[-1]] = model.get_submodule(path)
-    return root
-
-
 def _resident_paths(model: nn.Module, layers: nn.ModuleList) -> list[str]:
     """The outermost modules outside the decoder layers that are quantized or hold quantizers."""
     inside = {id(m) for m in layers.modules()}
@@ -430,62 +402,6 @@ def _context(ctx: CalibContext, loop: Callable[[nn.Module], Any]) -> CalibContex
     return dataclasses.replace(ctx, forward_loop=loop, max_calibrate=lambda m: max_calibrate(m, loop, ctx.expert_input_policy))
 
 
-def _fingerprint(model: nn.Module, layers: nn.ModuleList, algo: AlgorithmConfig) -> dict:
-    cfg = getattr(model, "_quantlib_config", None)
-    return {
-        "layers": len(layers),
-        "quantizers": [n for n, _ in iter_leaf_quantizers(model)],
-        "config": repr(cfg.to_dict()) if cfg is not None else None,
-        "algorithm": repr(algo.to_dict()),
-    }
-
-
-def _read_resume(path: Optional[str], fingerprint: dict) -> Optional[dict]:
-    if path is None or not os.path.exists(path):
-        return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("schema") != RESUME_SCHEMA or state.get("fingerprint") != fingerprint:
-        raise ValueError(f"sequential calibration: resume file {path} was written for another model, config or algorithm (or by another quantlib); delete it to start over")
-    return state
-
-
-def _cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
-
-
-def _finished_state(model: nn.Module, name: str, done: int) -> dict:
-    """amax, pre_quant_scale, NVFP4 static block amax and runners' module results of layers ``< done``, on the CPU."""
-    view = _view(model, [f"{name}.{i}" for i in range(done)])
-    leaves = list(iter_leaf_quantizers(view))
-    results = {n: {a: _cpu(getattr(m, a)) for a in RESULT_ATTRIBUTES if hasattr(m, a)} for n, m in quant_modules(view)}
-    return {
-        "amax": {n: _cpu(q.amax) for n, q in leaves if q.amax is not None},
-        "pre_quant_scale": {n: _cpu(q.pre_quant_scale) for n, q in leaves if q.pre_quant_scale is not None},
-        "block_amax": {n: _cpu(q.block_amax) for n, q in leaves if q.block_amax is not None},
-        "results": {n: r for n, r in results.items() if r},
-    }
-
-
-def _restore_finished(model: nn.Module, name: str, layers: nn.ModuleList, state: dict) -> None:
-    """Layers ``< state["done"]`` get the state :func:`_finished_state` saved, on their own device."""
-    for i in range(state["done"]):
-        tensors = [t for *_, t in _own_tensors(layers[i]) if t.device.type != "meta"]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        view = _view(model, [f"{name}.{i}"])
-        for n, q in iter_leaf_quantizers(view):
-            amax, pqs = state["amax"].get(n), state["pre_quant_scale"].get(n)
-            q.amax = None if amax is None else amax.to(device)
-            q.pre_quant_scale = None if pqs is None else pqs.to(device)
-            blocks = state.get("block_amax", {}).get(n)  # NVFP4 static blocks; absent from older resume files
-            if blocks is not None:
-                q.block_amax = blocks.to(device)
-        for n, m in quant_modules(view):
-            for attr in RESULT_ATTRIBUTES:
-                m.__dict__.pop(attr, None)
-            for attr, value in state["results"].get(n, {}).items():
-                setattr(m, attr, value.to(device) if isinstance(value, torch.Tensor) else value)
-
-
 def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibContext, options: Union[bool, dict, SequentialOptions]) -> None:
     """Calibrate ``model`` with ``algo`` (any registered algorithm), one decoder layer at a time (see the
     module docstring); ``ctx`` is the context in-memory calibration would give the runner."""
@@ -499,10 +415,9 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
     device = torch.device(opts.device) if opts.device is not None else None
     name, layers = decoder_layers(model, opts.layers)
     run = runner(algo.method)
-    residents = _view(model, _resident_paths(model, layers))
-    fingerprint = _fingerprint(model, layers, algo)
-    resume = _read_resume(opts.resume_file, fingerprint)
+    residents = view(model, _resident_paths(model, layers))
     driver = _Driver(model, name, layers)
+    resume = _open_resume(model, driver, algo, opts)
     restores = [_patch_forward(layer, driver.layer_forward(i)) for i, layer in enumerate(layers)]
     # the passes run the unquantized model, as in memory; the runners switch their own quantizers (a
     # chain's weights calibrate with quantization on: member i sees the output of members < i)
@@ -511,7 +426,7 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
         start = 0
         if resume is not None:
             start = resume["done"]
-            _restore_finished(model, name, layers, resume)
+            restore_finished(model, name, layers, resume)
             driver.templates[:start] = resume["templates"]
             driver.captured = [(tuple(a), dict(k)) for a, k in resume["inputs"]]
         else:
@@ -526,9 +441,7 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
                     driver.run_pass(loop)
                 driver.outputs = []
                 if opts.resume_file is not None:
-                    inputs = [_to_device(e, torch.device("cpu")) for e in driver.captured]
-                    state = {"schema": RESUME_SCHEMA, "fingerprint": fingerprint, "done": idx + 1, "templates": driver.templates[: idx + 1], "inputs": inputs}
-                    atomic_torch_save({**state, **_finished_state(model, name, idx + 1)}, opts.resume_file, crc32=False)
+                    _write_resume(model, driver, idx + 1, opts.resume_file)
         driver.capture_idx = None  # the last pass runs past the layers, for the quantizers outside them
         run(residents, algo, _context(ctx, lambda _view: driver.run_pass(loop)))
     finally:
@@ -536,6 +449,43 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
             restore()
     if opts.resume_file is not None and os.path.exists(opts.resume_file):
         os.unlink(opts.resume_file)  # finished: a later run starts over
+
+
+def _open_resume(model: nn.Module, driver: _Driver, algo: AlgorithmConfig, opts: SequentialOptions) -> Optional[dict]:
+    """With a resume file, fingerprint the model (shapes, and digests of the weights outside the layers) into
+    ``driver``; return the file's state where it exists and was written for this model (its finished layers'
+    weights are read again to be compared, from the offload folder where they are on meta), else None."""
+    if opts.resume_file is None:
+        return None
+    path = opts.resume_file
+    driver.fingerprint = fingerprint(model, driver.layers, algo)
+    driver.digests = digests(model_tensors(model, skip=driver.layers))
+    if not os.path.exists(path):
+        return None
+    state = read_resume(path, driver.fingerprint)
+    check_digests(path, driver.digests, state["digests"])
+    for i in range(state["done"]):
+        check_digests(path, _layer_digests(driver.layers[i], f"{driver.name}.{i}", opts), state["digests"])
+    driver.digests = dict(state["digests"])
+    return state
+
+
+def _layer_digests(layer: nn.Module, where: str, opts: SequentialOptions) -> dict[str, tuple[int, int]]:
+    """Digests of the weights of layer ``where``, loaded from the offload folder for the time where they are on meta."""
+    if not any(t.device.type == "meta" for *_, t in own_tensors(layer)):
+        return digests(model_tensors(layer, where))
+    home = _load_layer(layer, where, opts, None)
+    try:
+        return digests(model_tensors(layer, where))
+    finally:
+        _release_layer(layer, home)
+
+
+def _write_resume(model: nn.Module, driver: _Driver, done: int, path: str) -> None:
+    """Layers ``< done`` are finished: write their state, the fingerprint and the next layer's inputs to ``path``."""
+    inputs = [_to_device(e, torch.device("cpu")) for e in driver.captured]
+    state = {"schema": RESUME_SCHEMA, "fingerprint": driver.fingerprint, "digests": driver.digests, "done": done, "templates": driver.templates[:done], "inputs": inputs}
+    atomic_torch_save({**state, **finished_state(model, driver.name, done)}, path, crc32=False)
 
 
 class _QuantOff:
@@ -561,10 +511,12 @@ def _calibrate_layer(model: nn.Module, driver: _Driver, idx: int, run: Callable,
     driver.cached, driver.captured, driver.outputs = driver.captured, [], []
     home = _load_layer(layer, where, opts, device)
     try:
+        if driver.digests is not None:  # its weights are loaded now: their digest costs one read
+            driver.digests.update(digests(model_tensors(layer, where)))
         if device is not None:
             driver.cached = [_to_device(entry, device) for entry in driver.cached]
         driver.shapes = [_hidden(a, k).shape for a, k in driver.cached]
-        run(_view(model, [where]), algo, _context(ctx, driver.replay(idx)))
+        run(view(model, [where]), algo, _context(ctx, driver.replay(idx)))
     finally:
         _release_layer(layer, home)
     if driver.cached and not driver.outputs:

@@ -103,8 +103,25 @@ def test_candidate_chunks_do_not_change_the_choice(monkeypatch):
     w = _weight()
     amax = formats.block_amax(w, (16,))
     whole = search_amax(w, attrs.format_spec(), amax, multipliers(MseConfig()))
-    monkeypatch.setattr(mse, "CHUNK_ELEMENTS", w.numel() * 3)  # 13 chunks of 3 candidates
+    monkeypatch.setattr(mse, "CPU_CHUNK_ELEMENTS", w.numel() * 3)  # 13 chunks of 3 candidates
     assert all(torch.equal(a, b) for a, b in zip(whole, search_amax(w, attrs.format_spec(), amax, multipliers(MseConfig()))))
+    monkeypatch.setattr(mse, "CPU_CHUNK_ELEMENTS", 1 << 24)  # every candidate in one call
+    assert all(torch.equal(a, b) for a, b in zip(whole, search_amax(w, attrs.format_spec(), amax, multipliers(MseConfig()))))
+
+
+def test_cpu_search_keeps_each_call_cache_sized(monkeypatch):
+    """On the CPU a kernel call of the search quantizes at most 2^18 elements (1 MiB of fp32 per
+    temporary): the 2^24 of a GPU call made the CPU search memory-bound, slower than ModelOpt's."""
+    from quantlib.calib import mse
+
+    sizes = []
+    fake_quant = mse.ops.fake_quant
+    monkeypatch.setattr(mse.ops, "fake_quant", lambda x, *a, **k: sizes.append(x.numel()) or fake_quant(x, *a, **k))
+    attrs = QuantizerAttributeConfig(num_bits=4, block_sizes={-1: 128})
+    w = _weight(shape=(128, 256))  # 32768 elements: 8 of the 39 candidates a call
+    search_amax(w, attrs.format_spec(), formats.block_amax(w, (128,)), multipliers(MseConfig()))
+    assert max(sizes) <= 1 << 18 and sum(sizes) == len(multipliers(MseConfig())) * w.numel()
+    assert mse.chunk_elements(torch.device("cuda")) == 1 << 24  # a GPU needs large calls
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
