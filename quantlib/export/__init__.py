@@ -8,7 +8,7 @@ evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_meg
 
 from .checkpoint import export_checkpoint
 from .iterate import iter_packed
-from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
+from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, TRANSFORMERS, ModelLayout, layout_for, register_layout
 from .siblings import share_sibling_amax
 from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
 from .weight_sync import chunk_by_bytes, serialize_weight
@@ -19,6 +19,7 @@ __all__ = [
     "LLAMA",
     "QWEN3",
     "QWEN3_MOE",
+    "TRANSFORMERS",
     "ExportError",
     "ExportFormat",
     "ExportManifest",
@@ -28,6 +29,7 @@ __all__ = [
     "export_checkpoint",
     "iter_packed",
     "layout_for",
+    "register_layout",
     "serialize_weight",
     "share_sibling_amax",
 ]
