@@ -181,7 +181,6 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     from ..plugins.huggingface import expert_weight
 
     items = []
-    fused = layout.checkpoint_name(name)
     for e in range(module.num_experts):
         for proj in module.projections:
             q = getattr(module, f"{proj}_weight_quantizer")[e]
@@ -190,6 +189,9 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
             bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
             ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
             for full, leaf, shard, r0, r1 in layout.expert_parts(name, proj, e, rows):
+                # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
+                head, _, idx = full.rpartition(".")[0].rpartition(".")
+                fused = head if idx == str(e) else layout.checkpoint_name(name)
                 extras = {} if bias is None else {"bias": _getter(bias[e, r0:r1])}
                 get = (lambda w=w, r0=r0, r1=r1: w.detach()[r0:r1])
                 if isinstance(q, TensorQuantizer) and q.is_enabled:

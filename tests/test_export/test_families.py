@@ -93,6 +93,16 @@ def test_mixtral_experts_are_written_as_transformers_names_them(tmp_path):
     assert "model.layers.0.block_sparse_moe.gate.weight" in keys and not any("mlp.experts" in k for k in keys)
 
 
+def test_mixtral_stacked_experts_carry_the_checkpoint_module_name():
+    # vLLM's Mixtral holds its FusedMoE at block_sparse_moe.experts: weight sync names the stacked w13 / w2 there
+    from quantlib.export import iter_packed
+
+    experts = [pw for pw in iter_packed(quantized(build("mixtral"), MXFP8), "hf_mxfp8", experts="stacked") if pw.role == "expert"]
+    assert {(pw.name, pw.shard) for pw in experts} == {("model.layers.0.block_sparse_moe.experts", "w1"), ("model.layers.0.block_sparse_moe.experts", "w3"),
+                                                     ("model.layers.0.block_sparse_moe.experts", "w2")}  # fmt: skip
+    assert tuple(next(pw for pw in experts if pw.shard == "w1").tensors["w13_weight"].shape) == (4, 64, 64)
+
+
 #: fused groups per family: one attention's q/k/v, the MLP's gate/up (DeepSeek: MLA's q_a / kv_a, shared experts)
 GROUPS = {
     "attn": ("model.layers.0.self_attn.{}", ("q_proj", "k_proj", "v_proj")),
