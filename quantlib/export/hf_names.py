@@ -12,6 +12,7 @@ kept here.
 from __future__ import annotations
 
 import bisect
+import weakref
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from .modules import _direct, named_modules
 from .types import ExportError
 
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (probe signature, names)
 #: the value of :attr:`~quantlib.export.layouts.ModelLayout.experts` for a projection that the checkpoint
 #: keeps fused (3-D)
 STORED_FUSED = "stored_fused"
@@ -75,6 +77,10 @@ def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict
     probe, sources = _probe(model)
     if not probe:
         return {}, {}
+    signature = tuple((k, tuple(t.shape)) for k, t in probe.items())
+    hit = _CACHE.get(model)
+    if hit is not None and hit[0] == signature:  # weight sync exports the same model every step
+        return hit[1]
     what = type(model).__name__
     try:
         with torch.no_grad():
@@ -87,14 +93,16 @@ def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict
     experts: dict[str, dict[str, object]] = {}
     at = 0
     for key, ids in saved.items():
-        local_ids = [int(v) for v in flat[at : at + ids.numel()]]
+        values = flat[at : at + ids.numel()]
         at += ids.numel()
-        which = sorted({bisect.bisect_right(starts, v) - 1 for v in local_ids})
+        first, n = int(values[0]), len(values)
+        # ids run in order within one source, so in-order ids whose ends share a source come from it alone
+        ordered = values == list(range(first, first + n))
+        which = sorted({bisect.bisect_right(starts, v) - 1 for v in (values if not ordered else (values[0], values[-1]))})
         if len(which) != 1:
             raise ExportError(f"{what}: transformers saves {key} from several tensors ({[sources[i][1] for i in which]}); quantlib cannot write that key")
         start, src, mname, pname, info = sources[which[0]]
-        local = [v - start for v in local_ids]
-        ordered = local == list(range(local[0], local[0] + len(local)))
+        local = range(first - start, first - start + n) if ordered else [int(v) - start for v in values]
         module, _, suffix = key.rpartition(".")
         if info and ids.dim() == 3:
             if key != src or not ordered or local[0] != 0:
@@ -102,7 +110,7 @@ def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict
             experts.setdefault(mname, {})[pname] = STORED_FUSED
         elif info:
             n, per, g = info
-            e = {v // per for v in local}
+            e = {local[0] // per, local[-1] // per} if ordered else {v // per for v in local}
             if len(e) != 1 or suffix != "weight" or not ordered:
                 raise ExportError(f"{what}: transformers saves rows of experts {sorted(e)} of {src} as {key} out of order; quantlib writes an expert's contiguous rows as a 2-D weight")
             r0 = local[0] % per
@@ -118,4 +126,5 @@ def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict
             if isinstance(parts, list):
                 for e_parts in parts:
                     e_parts.sort(key=lambda p: p[1])
+    _CACHE[model] = (signature, (renames, experts))
     return renames, experts
