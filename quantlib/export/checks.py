@@ -31,27 +31,33 @@ def _linears(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module,
     return out
 
 
+def _in_features(module: QuantModule) -> int:
+    # the weight as its quantizer sees it, (out, in) (GPT-2's Conv1D stores (in, out))
+    return next(iter(module.weight_groups()))[1][0].shape[1]
+
+
 def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, what: str) -> None:
     """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
     shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
     linears = _linears(modules)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
-    unknown: dict[str, list[str]] = {}
+    unknown: dict[tuple[str, int], list[str]] = {}
     known = None if layout.standalone is None else layout.standalone | {leaf for g in layout.siblings for leaf in g}
-    for name, _, enabled in linears:
+    for name, module, enabled in linears:
         parent, _, leaf = name.rpartition(".")
         group = layout.sibling_group(leaf)
         if group is not None:
             groups.setdefault((parent, group), []).append((name, enabled))
         elif known is not None and enabled and leaf not in known:
-            unknown.setdefault(parent, []).append(name)
+            # only linears that read inputs of one width can be fused into one GEMM
+            unknown.setdefault((parent, _in_features(module)), []).append(name)
     for (parent, group), members in groups.items():
         on = [n for n, e in members if e]
         off = [n for n, e in members if not e]
         if on and off:
             raise ExportError(f"{off[0]}: its weight quantizer is off but its fused siblings {on} are quantized; consumers fuse {group} into one GEMM "
                               f"and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole group or none of it")
-    for parent, names in unknown.items():
+    for names in unknown.values():
         if len(names) > 1:
             raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not know); "
                               f"fused siblings need one global scale, so say which are: {_HOW}")

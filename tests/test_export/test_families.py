@@ -193,3 +193,14 @@ def test_unknown_family_is_refused_and_register_layout_names_it(tmp_path, monkey
 
 
 V_BERT = 64
+
+
+def test_share_sibling_amax_covers_mla_and_shared_experts(tmp_path):
+    # DeepSeek-V3: MLA's q_a_proj / kv_a_proj_with_mqa (vLLM's fused_qkv_a_proj) and the shared experts' gate / up
+    from quantlib.export import share_sibling_amax
+
+    model = quantized(build("deepseek_v3"), ql.FP8_DEFAULT_CFG)
+    changed = share_sibling_amax(model)
+    assert set(changed) == {("model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"),
+                            ("model.layers.0.mlp.shared_experts.gate_proj", "model.layers.0.mlp.shared_experts.up_proj")}  # fmt: skip
+    export_checkpoint(model, tmp_path / "q", "modelopt_fp8")  # no unify needed: the evaluated model is the exported one
