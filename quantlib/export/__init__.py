@@ -9,7 +9,7 @@ evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_meg
 
 from .checkpoint import export_checkpoint
 from .iterate import iter_packed
-from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
+from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, TRANSFORMERS, ModelLayout, layout_for, register_layout
 from .siblings import share_sibling_amax
 from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
 from .buckets import Bucket, BucketEntry, bucket_by_dtype
@@ -23,6 +23,7 @@ __all__ = [
     "LLAMA",
     "QWEN3",
     "QWEN3_MOE",
+    "TRANSFORMERS",
     "Bucket",
     "BucketEntry",
     "ExpertNames",
@@ -38,6 +39,7 @@ __all__ = [
     "export_checkpoint",
     "iter_packed",
     "layout_for",
+    "register_layout",
     "serialize_weight",
     "share_sibling_amax",
     "sync_pairs",

@@ -1,21 +1,32 @@
 """Model layouts: checkpoint names, fused parameters to split, sibling groups and vLLM shard ids.
 
-A layout names what consumers fuse: siblings (q/k/v, gate/up) that a loader concatenates into one GEMM
-and that must therefore share a per-tensor (global) scale, their shard ids, and which weights tensor
-parallelism splits by rows (column-parallel) or by columns (row-parallel). transformers 5's fused
-experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) are written per expert in
-2-D, ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``: the names every consumer loads (a fused
-3-D FP8 tensor loads silently wrong in transformers).
+A layout names what consumers fuse: siblings that a loader concatenates into one GEMM and that must
+therefore share a per-tensor (global) scale, their shard ids, and which weights tensor parallelism
+splits by rows (column-parallel) or by columns (row-parallel). The siblings are vLLM's packed modules:
+``q_proj`` / ``k_proj`` / ``v_proj`` (``qkv_proj``), ``gate_proj`` / ``up_proj`` (``gate_up_proj``),
+MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa`` (``fused_qkv_a_proj``) and ``w1`` / ``w3`` (``w13``), found
+by these leaf names within one parent module, for every transformers family.
+
+Checkpoint names are those transformers' own ``save_pretrained`` writes (:mod:`.hf_names` reads its
+conversion mapping): transformers 5's fused experts (``experts.gate_up_proj`` [E, 2I, H]) go per expert
+in 2-D under the family's names (``mlp.experts.{e}.gate_proj``, Mixtral's
+``block_sparse_moe.experts.{e}.w1`` ...), with the rows transformers takes for each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from torch import nn
 
+from .hf_names import transformers_names
+from .types import ExportError
+
 Shard = Optional[Union[str, int]]
+#: one checkpoint module of one expert's slice of a fused projection: (name, rows r0:r1 of the slice)
+ExpertPart = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -31,13 +42,22 @@ class ModelLayout:
     column: frozenset = frozenset()
     row: frozenset = frozenset()
     #: fused-experts projection -> ((checkpoint leaf, vLLM expert shard id), ...), split in equal row parts
+    #: (used where :attr:`experts` does not name the module)
     expert_split: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    #: module name -> checkpoint module name, where they differ (transformers' renamings)
+    renames: dict[str, str] = field(default_factory=dict)
+    #: fused-experts module -> projection -> per expert ((checkpoint module, r0, r1), ...), or STORED_FUSED
+    experts: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: leaf names that no consumer fuses with a neighbour; with the siblings' leaves, what the layout can
+    #: name (None: any leaf, as in a layout a user writes for their model)
+    standalone: Optional[frozenset] = None
 
     def checkpoint_name(self, module_name: str) -> str:
-        """The checkpoint name of a module (transformers' names are the checkpoint's)."""
-        return module_name
+        """The checkpoint name of a module (its own name unless transformers renames it)."""
+        return self.renames.get(module_name, module_name)
 
     def sibling_group(self, leaf: str) -> Optional[tuple[str, ...]]:
+        """The sibling group of leaf name ``leaf``, or None."""
         for group in self.siblings:
             if leaf in group:
                 return group
@@ -51,33 +71,78 @@ class ModelLayout:
             return 1
         return None
 
+    def expert_parts(self, module: str, proj: str, e: int, rows: int) -> list[tuple[str, str, str, int, int]]:
+        """(checkpoint name, leaf, vLLM shard id, r0, r1) of each checkpoint module expert ``e``'s ``rows``-row
+        slice of ``proj`` is written as."""
+        shards = _EXPERT_SHARDS.get(proj)
+        named = self.experts.get(module, {}).get(proj)
+        if isinstance(named, list):
+            parts = named[e]
+            if shards is None or len(parts) != len(shards):
+                raise ExportError(f"{module}.{proj}: the checkpoint splits it into {len(parts)} modules; quantlib knows vLLM's shards of gate_up_proj / up_proj / down_proj")
+            return [(n, n.rpartition(".")[2], s, r0, r1) for (n, r0, r1), s in zip(parts, shards)]
+        if proj not in self.expert_split:
+            raise ExportError(f"{module}.{proj}: layout {self.name} does not say how to split this fused-experts projection")
+        split = self.expert_split[proj]
+        if rows % len(split):
+            raise ExportError(f"{module}.{proj}: {rows} rows do not split into {len(split)} equal parts")
+        step = rows // len(split)
+        base = self.checkpoint_name(module)
+        return [(f"{base}.{e}.{leaf}", leaf, s, i * step, (i + 1) * step) for i, (leaf, s) in enumerate(split)]
 
+
+_EXPERT_SHARDS = {"gate_up_proj": ("w1", "w3"), "up_proj": ("w3",), "down_proj": ("w2",)}
 _EXPERT_SPLIT = {
     "gate_up_proj": (("gate_proj", "w1"), ("up_proj", "w3")),
     "up_proj": (("up_proj", "w3"),),
     "down_proj": (("down_proj", "w2"),),
 }
+#: vLLM's packed modules (``packed_modules_mapping``): qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj, w13
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+#: leaves of transformers' decoders that consumers load alone (output projections, routers, fused already)
+STANDALONE = frozenset({
+    "o_proj", "down_proj", "w2", "q_b_proj", "kv_b_proj", "q_proj", "gate", "router", "shared_expert_gate", "lm_head", "c_attn",
+    "c_proj", "c_fc", "qkv_proj", "gate_up_proj", "dense", "out_proj", "fc1", "fc2", "query_key_value", "dense_h_to_4h", "dense_4h_to_h",
+})  # fmt: skip
 _DECODER = dict(
-    siblings=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
-    shards={"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1},
-    column=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}),
-    row=frozenset({"o_proj", "down_proj"}),
+    siblings=FUSED_SIBLINGS,
+    shards={"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1, "q_a_proj": 0, "kv_a_proj_with_mqa": 1, "w1": 0, "w3": 1},
+    column=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "w1", "w3", "c_fc", "c_attn"}),
+    row=frozenset({"o_proj", "down_proj", "w2", "c_proj"}),
     expert_split=_EXPERT_SPLIT,
+    standalone=STANDALONE,
 )
 
+#: any transformers decoder: vLLM's packed siblings, transformers' own checkpoint names (filled per model)
+TRANSFORMERS = ModelLayout("transformers", **_DECODER)
 #: transformers' Llama (LlamaForCausalLM)
-LLAMA = ModelLayout("llama", **_DECODER)
+LLAMA = dataclasses.replace(TRANSFORMERS, name="llama")
 #: transformers' Qwen3 (dense)
-QWEN3 = ModelLayout("qwen3", **_DECODER)
+QWEN3 = dataclasses.replace(TRANSFORMERS, name="qwen3")
 #: transformers' Qwen3-MoE: the decoder's names plus per-expert experts.{e}.gate_proj / up_proj / down_proj
-QWEN3_MOE = ModelLayout("qwen3_moe", **_DECODER)
-#: any other model: module names as checkpoint names, no siblings, fused experts written per expert
+QWEN3_MOE = dataclasses.replace(TRANSFORMERS, name="qwen3_moe")
+#: a model that is no transformers model: module names as checkpoint names, no siblings, fused experts
+#: written per expert
 GENERIC = ModelLayout("generic", expert_split=_EXPERT_SPLIT)
 
-LAYOUTS: dict[str, ModelLayout] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+#: layouts by ``config.model_type`` that users registered (:func:`register_layout`)
+LAYOUTS: dict[str, ModelLayout] = {}
+
+
+def register_layout(model_type: str, layout: ModelLayout) -> None:
+    """Use ``layout`` for transformers models of ``config.model_type == model_type`` (your own family: its
+    sibling groups, shard ids and tensor-parallel axes); transformers' checkpoint names still apply."""
+    if not isinstance(layout, ModelLayout):
+        raise ExportError(f"register_layout({model_type!r}, ...): expected a ModelLayout, got {type(layout).__name__}")
+    LAYOUTS[model_type] = layout
 
 
 def layout_for(model: nn.Module) -> ModelLayout:
-    """The layout of a transformers model by its ``config.model_type``; :data:`GENERIC` otherwise."""
+    """The layout of a model: for a transformers model (``config.model_type``) its registered layout or
+    :data:`TRANSFORMERS`, with transformers' checkpoint names; :data:`GENERIC` otherwise."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return LAYOUTS.get(model_type, GENERIC)
+    if model_type is None:
+        return GENERIC
+    base = LAYOUTS.get(model_type) or dataclasses.replace(TRANSFORMERS, name=model_type)
+    renames, experts = transformers_names(model)
+    return dataclasses.replace(base, renames={**renames, **base.renames}, experts={**experts, **base.experts})

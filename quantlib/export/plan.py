@@ -17,7 +17,9 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from .formats import ConfigInfo, Packer
 from .formats.base import describe
 from .kv_plan import KVItem, plan_kv
+from .checks import check_structure, stored_fused
 from .layouts import ModelLayout, Shard
+from .modules import _direct, named_modules
 from .types import ExportError
 
 
@@ -67,19 +69,6 @@ def _fused_experts_class() -> type:
     from ..plugins.huggingface import QuantFusedExperts
 
     return QuantFusedExperts
-
-
-def _direct(module: nn.Module, seen: frozenset | set = frozenset()) -> dict[str, torch.Tensor]:
-    """The module's own persistent tensors not in ``seen`` (ids): read from its dicts, since
-    named_parameters(recurse=False) costs a generator and a memo per module."""
-    params, buffers = module._parameters, module._buffers
-    if not params and not buffers:
-        return {}
-    out = {k: p for k, p in params.items() if p is not None and id(p) not in seen}
-    for k, b in buffers.items():
-        if b is not None and k not in module._non_persistent_buffers_set and id(b) not in seen:
-            out[k] = b
-    return out
 
 
 def _getter(t: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -146,30 +135,6 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-_QUANTIZERS = (TensorQuantizer, QuantizerContainer)
-
-
-def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` without the quantizers, in its order and with its names (one traversal,
-    shared by the plan's walks). It does not descend into quantizers: ``named_modules`` would visit every
-    quantizer's own submodules (a generator each), a third of a GPU export's host time."""
-    out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-    stack = [("", model)]
-    while stack:
-        name, module = stack.pop()
-        if id(module) in seen:
-            continue  # a module reachable twice keeps its first name, as in named_modules
-        seen.add(id(module))
-        out.append((name, module))
-        if not module._modules:
-            continue  # a leaf: most modules
-        prefix = name + "." if name else ""
-        children = [(prefix + k, c) for k, c in module._modules.items() if c is not None and not isinstance(c, _QUANTIZERS)]
-        stack.extend(reversed(children))
-    return out
-
-
 def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
     :func:`named_modules`, when the caller has them."""
@@ -186,7 +151,7 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
         parent, _, leaf = name.rpartition(".")
         if quant and _holds_pre_quant_scale(module):
             refuse_pre_quant_scale(module_quantizers(module, name))
-        if quant and isinstance(module, fused_cls):
+        if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
             items += _fused_items(module, name, layout, direct)
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
         elif quant and "weight" in direct:
@@ -218,32 +183,26 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     items = []
     for e in range(module.num_experts):
         for proj in module.projections:
-            if proj not in layout.expert_split:
-                raise ExportError(f"{name}.{proj}: layout {layout.name} does not say how to split this fused-experts projection")
-            parts = layout.expert_split[proj]
             q = getattr(module, f"{proj}_weight_quantizer")[e]
             w = expert_weight(module, proj, e)
             rows = w.shape[0]
-            if rows % len(parts):
-                raise ExportError(f"{name}.{proj}: {rows} rows do not split into {len(parts)} equal parts")
-            step = rows // len(parts)
             bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
             ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
-            for i, (leaf, shard) in enumerate(parts):
-                r0, r1 = i * step, (i + 1) * step
+            for full, leaf, shard, r0, r1 in layout.expert_parts(name, proj, e, rows):
+                # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
+                head, _, idx = full.rpartition(".")[0].rpartition(".")
+                fused = head if idx == str(e) else layout.checkpoint_name(name)
                 extras = {} if bias is None else {"bias": _getter(bias[e, r0:r1])}
-                full = f"{layout.checkpoint_name(name)}.{e}.{leaf}"
                 get = (lambda w=w, r0=r0, r1=r1: w.detach()[r0:r1])
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
-                                      parent=f"{name}.{e}", leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(step, w.shape[1]), rows=(r0, r1, rows),
-                                      fused=layout.checkpoint_name(name), input_where=f"{name}.{proj}_input_quantizer",
-                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
+                                      parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]), rows=(r0, r1, rows),
+                                      fused=fused, input_where=f"{name}.{proj}_input_quantizer", block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
                 elif isinstance(q, SequentialQuantizer) and q.is_enabled:
                     raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
                 else:
-                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=f"{name}.{e}", leaf=leaf))
+                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0], leaf=leaf))
     return items
 
 
@@ -286,8 +245,10 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     done = passed is not None and key in passed
     if not done:
         packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
-    if it.input_spec is not None and it.input_amax is None and not it.input_spec.dynamic:
-        raise ExportError(f"{it.input_where}: static {describe(it.input_spec)} without an amax; calibrate with a forward_loop")
+    if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
+        # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
+        what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
+        raise ExportError(f"{it.input_where}: {what} {describe(it.input_spec)} input without an amax; calibrate with a forward_loop")
     if not done:
         _check_blocks(it, spec, tp)
         if passed is not None:
@@ -345,6 +306,7 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     modules = named_modules(model)
+    check_structure(modules, layout, type(model).__name__)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
     plan = check_items(walk(model, layout, modules), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec = kv, kv_spec

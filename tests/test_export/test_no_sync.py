@@ -96,7 +96,8 @@ def test_no_device_read_per_module(monkeypatch, fmt):
     assert n6 > n2
     assert after2 == [] and after6 == [], f"device reads while packing: {after6}"
     assert len(before6) == len(before2), f"up-front reads grow with the modules: 2 layers {before2}, 6 layers {before6}"
-    assert len(before2) <= 2, before2  # the batched amax read (plus the KV one)
+    # the batched amax read (plus the KV one), and the checkpoint-name probe's one read of its own host tensors
+    assert len([b for b in before2 if "hf_names.py" not in b]) <= 2 and len(before2) <= 3, before2
 
 
 @pytest.mark.gpu

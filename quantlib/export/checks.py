@@ -1,0 +1,98 @@
+"""Checks of a model's structure against its layout, made before anything is packed: fused sibling
+groups quantized whole, leaves the layout can name, tied weights, experts a checkpoint keeps fused."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..nn.quant_module import QuantModule
+from ..nn.tensor_quantizer import TensorQuantizer
+from .hf_names import STORED_FUSED
+from .layouts import ModelLayout
+from .types import ExportError
+
+_HOW = ("pass export_checkpoint(..., layout=quantlib.export.ModelLayout(name, siblings=((...), ...), shards={...}, column=..., row=...)) "
+        "or register it once with quantlib.export.register_layout(config.model_type, layout)")
+
+
+def _weight_quantizer(module: nn.Module):
+    q = module._modules.get("weight_quantizer")
+    return q if isinstance(q, TensorQuantizer) else None
+
+
+def _linears(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, weight quantizer enabled) of each quantized module with a 2-D weight of its own."""
+    out = []
+    for name, module in modules:
+        w = module._parameters.get("weight") if isinstance(module, QuantModule) else None
+        q = _weight_quantizer(module) if w is not None else None
+        if q is not None and w.dim() == 2:
+            out.append((name, module, q.is_enabled))
+    return out
+
+
+def _in_features(module: QuantModule) -> int:
+    # the weight as its quantizer sees it, (out, in) (GPT-2's Conv1D stores (in, out))
+    return next(iter(module.weight_groups()))[1][0].shape[1]
+
+
+def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, what: str) -> None:
+    """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
+    shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
+    linears = _linears(modules)
+    groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
+    unknown: dict[tuple[str, int], list[str]] = {}
+    known = None if layout.standalone is None else layout.standalone | {leaf for g in layout.siblings for leaf in g}
+    for name, module, enabled in linears:
+        parent, _, leaf = name.rpartition(".")
+        group = layout.sibling_group(leaf)
+        if group is not None:
+            groups.setdefault((parent, group), []).append((name, enabled))
+        elif known is not None and enabled and leaf not in known:
+            # only linears that read inputs of one width can be fused into one GEMM
+            unknown.setdefault((parent, _in_features(module)), []).append(name)
+    for (parent, group), members in groups.items():
+        on = [n for n, e in members if e]
+        off = [n for n, e in members if not e]
+        if on and off:
+            raise ExportError(f"{off[0]}: its weight quantizer is off but its fused siblings {on} are quantized; consumers fuse {group} into one GEMM "
+                              f"and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole group or none of it")
+    for names in unknown.values():
+        if len(names) > 1:
+            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not know); "
+                              f"fused siblings need one global scale, so say which are: {_HOW}")
+    _refuse_tied(modules)
+
+
+def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:
+    # the checkpoint holds a tied tensor once, under its first module's name: a quantized second owner
+    # would be written unquantized (or the first one quantized for both)
+    first: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in modules:
+        w = module._parameters.get("weight")
+        if w is None:
+            continue
+        owner, owner_module = first.setdefault(id(w), (name, module))
+        if owner == name:
+            continue
+        for n, m in ((owner, owner_module), (name, module)):
+            q = _weight_quantizer(m)
+            if q is not None and q.is_enabled:
+                raise ExportError(f"{n}.weight_quantizer is enabled but {name}.weight is tied to {owner}.weight (tie_word_embeddings): a checkpoint holds "
+                                  f"the tensor once, so one of them would load unquantized; disable the quantizer (quantlib.disable_quantizer(model, '*{n.rpartition('.')[2]}*')) "
+                                  "or untie the weights before quantizing")
+
+
+def stored_fused(module: nn.Module, name: str, layout: ModelLayout) -> bool:
+    """Whether the checkpoint keeps ``module``'s fused experts as they are (3-D, e.g. GPT-OSS's interleaved
+    ``gate_up_proj``): then they pass through whole, and quantized ones are refused (no format carries them)."""
+    projs = layout.experts.get(name, {})
+    if STORED_FUSED not in projs.values():
+        return False
+    for proj in module.projections:
+        q = module._modules.get(f"{proj}_weight_quantizer")
+        if q is not None and any(m.is_enabled for m in q.members()):
+            raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D tensor "
+                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and no export format carries quantized 3-D experts: "
+                              f"disable it (quantlib.disable_quantizer(model, '*experts*'))")
+    return True

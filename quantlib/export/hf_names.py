@@ -1,0 +1,130 @@
+"""Checkpoint names as transformers' own ``save_pretrained`` writes them, read from transformers itself.
+
+transformers 5 loads checkpoints through a per-family conversion mapping (Mixtral's
+``block_sparse_moe.experts.{e}.w1`` / ``w3`` merged into ``mlp.experts.gate_up_proj``, Qwen's
+``mlp.experts.{e}.gate_proj`` ...) and ``save_pretrained`` reverts it. quantlib runs that very revert
+on a probe: every tensor replaced by a small float64 tensor of unique ids (a fused-experts parameter's
+ids count expert and group of rows along its output axis). The probe's output keys are the
+checkpoint's names, and its ids say which module, expert and rows each one holds: no table of names is
+kept here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .modules import _direct, named_modules
+from .types import ExportError
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (probe signature, names)
+#: the value of :attr:`~quantlib.export.layouts.ModelLayout.experts` for a projection that the checkpoint
+#: keeps fused (3-D)
+STORED_FUSED = "stored_fused"
+
+
+def _expert_axis(module: nn.Module, t: torch.Tensor) -> Optional[int]:
+    """The output-row axis of a fused-experts parameter of ``module`` (None: not one)."""
+    if t.dim() != 3 or getattr(module, "num_experts", None) != t.shape[0]:
+        return None
+    # transformers' use_experts_implementation flag: slices stored (in, out)
+    return 2 if getattr(module, "is_transposed", False) else 1
+
+
+def _coarse(rows: int) -> int:
+    """Rows per probe id: the largest power of two leaving at least 8 ids (transformers' expert
+    conversions cut rows into a few equal parts, which the coarse ids still show)."""
+    g = 1
+    while rows % (2 * g) == 0 and rows // (2 * g) >= 8:
+        g *= 2
+    return g
+
+
+def _probe(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[int, str, str, str, tuple]]]:
+    """The probe state dict and its sources (start id, key, module, tensor name, (experts, ids per expert,
+    rows per id) or ()): a fused-experts parameter gets ids per expert and row group, any other tensor one id."""
+    probe, sources, start, seen = {}, [], 0, set()
+    for mname, module in named_modules(model):
+        direct = _direct(module, seen)
+        seen.update(map(id, direct.values()))  # a tied tensor is saved once, under its first name
+        for pname, t in direct.items():
+            key = f"{mname}.{pname}" if mname else pname
+            axis = _expert_axis(module, t)
+            if axis is not None:
+                n, g = t.shape[0], _coarse(t.shape[axis])
+                shape = [n, 1, 1]
+                shape[axis] = t.shape[axis] // g
+                ids, info = torch.arange(start, start + n * shape[axis], dtype=torch.float64).reshape(shape), (n, shape[axis], g)
+            else:
+                ids, info = torch.full((1,) * t.dim(), float(start), dtype=torch.float64), ()
+            probe[key] = ids
+            sources.append((start, key, mname, pname, info))
+            start += ids.numel()
+    return probe, sources
+
+
+def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
+    """(module renames, fused-experts parts) of a transformers model, as its ``save_pretrained`` writes
+    it: see :attr:`~quantlib.export.layouts.ModelLayout.renames` / ``experts``."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5 keeps module names as checkpoint names
+        return {}, {}
+    probe, sources = _probe(model)
+    if not probe:
+        return {}, {}
+    signature = tuple((k, tuple(t.shape)) for k, t in probe.items())
+    hit = _CACHE.get(model)
+    if hit is not None and hit[0] == signature:  # weight sync exports the same model every step
+        return hit[1]
+    what = type(model).__name__
+    try:
+        with torch.no_grad():
+            saved = revert_weight_conversion(model, dict(probe))
+    except Exception as exc:  # transformers' own failure on the probe: say so rather than guess names
+        raise ExportError(f"{what}: transformers' checkpoint conversion (revert_weight_conversion) failed on quantlib's name probe: {exc!r}") from exc
+    starts = [s[0] for s in sources]
+    flat = torch.cat([t.reshape(-1) for t in saved.values()]).tolist() if saved else []  # one read of the (host) probe
+    renames: dict[str, str] = {}
+    experts: dict[str, dict[str, object]] = {}
+    at = 0
+    for key, ids in saved.items():
+        values = flat[at : at + ids.numel()]
+        at += ids.numel()
+        first, n = int(values[0]), len(values)
+        # ids run in order within one source, so in-order ids whose ends share a source come from it alone
+        ordered = values == list(range(first, first + n))
+        which = sorted({bisect.bisect_right(starts, v) - 1 for v in (values if not ordered else (values[0], values[-1]))})
+        if len(which) != 1:
+            raise ExportError(f"{what}: transformers saves {key} from several tensors ({[sources[i][1] for i in which]}); quantlib cannot write that key")
+        start, src, mname, pname, info = sources[which[0]]
+        local = range(first - start, first - start + n) if ordered else [int(v) - start for v in values]
+        module, _, suffix = key.rpartition(".")
+        if info and ids.dim() == 3:
+            if key != src or not ordered or local[0] != 0:
+                raise ExportError(f"{what}: transformers saves {src} as {key} rearranged; quantlib cannot write it")
+            experts.setdefault(mname, {})[pname] = STORED_FUSED
+        elif info:
+            n, per, g = info
+            e = {local[0] // per, local[-1] // per} if ordered else {v // per for v in local}
+            if len(e) != 1 or suffix != "weight" or not ordered:
+                raise ExportError(f"{what}: transformers saves rows of experts {sorted(e)} of {src} as {key} out of order; quantlib writes an expert's contiguous rows as a 2-D weight")
+            r0 = local[0] % per
+            parts = experts.setdefault(mname, {}).setdefault(pname, [[] for _ in range(n)])
+            parts[e.pop()].append((module, r0 * g, (r0 + len(local)) * g))
+        else:
+            if suffix != pname:
+                raise ExportError(f"{what}: transformers saves {src} as {key} (tensor renamed); quantlib cannot write it")
+            if module != mname and renames.setdefault(mname, module) != module:
+                raise ExportError(f"{what}: transformers saves the tensors of {mname} under two modules ({renames[mname]}, {module})")
+    for projs in experts.values():
+        for parts in projs.values():
+            if isinstance(parts, list):
+                for e_parts in parts:
+                    e_parts.sort(key=lambda p: p[1])
+    _CACHE[model] = (signature, (renames, experts))
+    return renames, experts

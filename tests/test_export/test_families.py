@@ -1,0 +1,206 @@
+"""Export of tiny transformers models of many families: the checkpoint names are those of the family's
+own ``save_pretrained``, transformers loads them with no missing or unexpected key and weights equal
+to quantlib's fake-quantized ones (MXFP8), fused siblings carry one scale, and what no consumer can load
+right is refused by name. Needs transformers and accelerate (test extras)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+import quantlib as ql  # noqa: E402
+from quantlib.export import ExportError, export_checkpoint  # noqa: E402
+from quantlib.plugins import huggingface as hf  # noqa: E402
+
+from tests.test_export._export_models import weight_only  # noqa: E402
+from tests.test_export._families import FAMILIES, build, gpt2, tokens  # noqa: E402
+
+MXFP8 = weight_only(ql.MXFP8_DEFAULT_CFG)
+#: GPT-OSS's checkpoint keeps its experts fused and interleaved (3-D): no format carries them quantized
+NO_EXPERTS = {"gpt_oss": "*experts*"}
+
+
+def quantized(model, cfg, *, lm_head: bool = False, off: tuple[str, ...] = (), loop: bool = True):
+    model = copy.deepcopy(model)
+    ids = tokens(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(model, cfg, (lambda m: m(ids)) if loop else None)
+    if not lm_head:
+        ql.disable_quantizer(model, "*lm_head*")
+    for pattern in off:
+        ql.disable_quantizer(model, pattern)
+    return model
+
+
+def _off(family: str) -> tuple[str, ...]:
+    return (NO_EXPERTS[family],) if family in NO_EXPERTS else ()
+
+
+@torch.no_grad()
+def _fake_and_loaded(model, loaded) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Module-space pairs (fake-quantized weight, the weight transformers loaded) of every quantized weight."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, hf.QuantFusedExperts):
+            target = loaded.get_submodule(name)
+            for proj in m.projections:
+                for e in range(m.num_experts):
+                    if getattr(m, f"{proj}_weight_quantizer")[e].is_enabled:
+                        fake = m.quantize_weight(hf.expert_weight(m, proj, e), f"{proj}_weight_quantizer", e)
+                        out[f"{name}.{proj}[{e}]"] = fake, hf.expert_weight(target, proj, e)
+        elif isinstance(m, ql.QuantModule) and isinstance(m._parameters.get("weight"), torch.Tensor) and m.weight_quantizer.is_enabled:
+            w = next(iter(m.weight_groups()))[1][0]
+            lw = loaded.get_submodule(name).weight
+            out[name] = m.quantize_weight(w), lw.t() if isinstance(loaded.get_submodule(name), Conv1D) else lw
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_names_are_save_pretrained_and_transformers_loads_them(tmp_path, family, tie):
+    base = build(family, tie=tie)
+    base.save_pretrained(tmp_path / "ref")
+    ref = set(load_file(tmp_path / "ref" / "model.safetensors"))
+    model = quantized(base, MXFP8, off=_off(family))
+    export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+    got = load_file(tmp_path / "q" / "model.safetensors")
+    assert {k for k in got if not k.endswith("weight_scale_inv")} == ref
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, output_loading_info=True, experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    pairs = _fake_and_loaded(model, loaded)
+    assert len(pairs) >= 4
+    for name, (fake, lw) in pairs.items():
+        assert torch.equal(lw.float(), fake.float()), name
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens()).logits, model(tokens()).logits)
+
+
+def test_mixtral_experts_are_written_as_transformers_names_them(tmp_path):
+    # transformers' Mixtral checkpoint holds block_sparse_moe.experts.{e}.w1 / w3 / w2 (and vLLM's loader reads those)
+    export_checkpoint(quantized(build("mixtral"), MXFP8), tmp_path / "q", "hf_mxfp8")
+    keys = set(load_file(tmp_path / "q" / "model.safetensors"))
+    assert {f"model.layers.0.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w2", "w3")} <= keys
+    assert "model.layers.0.block_sparse_moe.gate.weight" in keys and not any("mlp.experts" in k for k in keys)
+
+
+def test_mixtral_stacked_experts_carry_the_checkpoint_module_name():
+    # vLLM's Mixtral holds its FusedMoE at block_sparse_moe.experts: weight sync names the stacked w13 / w2 there
+    from quantlib.export import iter_packed
+
+    experts = [pw for pw in iter_packed(quantized(build("mixtral"), MXFP8), "hf_mxfp8", experts="stacked") if pw.role == "expert"]
+    assert {(pw.name, pw.shard) for pw in experts} == {("model.layers.0.block_sparse_moe.experts", "w1"), ("model.layers.0.block_sparse_moe.experts", "w3"),
+                                                     ("model.layers.0.block_sparse_moe.experts", "w2")}  # fmt: skip
+    assert tuple(next(pw for pw in experts if pw.shard == "w1").tensors["w13_weight"].shape) == (4, 64, 64)
+
+
+#: fused groups per family: one attention's q/k/v, the MLP's gate/up (DeepSeek: MLA's q_a / kv_a, shared experts)
+GROUPS = {
+    "attn": ("model.layers.0.self_attn.{}", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("model.layers.0.mlp.{}", ("gate_proj", "up_proj")),
+    "mla": ("model.layers.0.self_attn.{}", ("q_a_proj", "kv_a_proj_with_mqa")),
+    "shared": ("model.layers.0.mlp.shared_experts.{}", ("gate_proj", "up_proj")),
+    "shared_expert": ("model.layers.0.mlp.shared_expert.{}", ("gate_proj", "up_proj")),
+}
+FAMILY_GROUPS = {
+    "llama": ("attn", "mlp"), "mistral": ("attn", "mlp"), "qwen2": ("attn", "mlp"), "qwen3": ("attn", "mlp"), "gemma": ("attn", "mlp"),
+    "qwen2_moe": ("attn", "shared_expert"), "qwen3_moe": ("attn",), "mixtral": ("attn",), "phimoe": ("attn",), "gpt_oss": ("attn",),
+    "deepseek_v3": ("mla", "shared"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,cfg,key", [("modelopt_fp8", ql.FP8_DEFAULT_CFG, "weight_scale"), ("modelopt_nvfp4", ql.W4A16_NVFP4_CFG, "weight_scale_2")])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_siblings_carry_one_scale(tmp_path, family, fmt, cfg, key):
+    model = quantized(build(family), cfg, off=_off(family))
+    groups = [GROUPS[g] for g in FAMILY_GROUPS[family]]
+    for parent, leaves in groups:  # calibrated apart, the siblings' amaxes differ
+        amaxes = {float(model.get_submodule(parent.format(leaf)).weight_quantizer.amax) for leaf in leaves}
+        assert len(amaxes) == len(leaves), (parent, amaxes)
+    with pytest.raises(ExportError, match="siblings .* need one global amax"):
+        export_checkpoint(model, tmp_path / "refused", fmt)
+    export_checkpoint(model, tmp_path / "q", fmt, unify_siblings=True)
+    sd = load_file(tmp_path / "q" / "model.safetensors")
+    for parent, leaves in groups:
+        scales = [sd[f"{parent.format(leaf)}.{key}"] for leaf in leaves]
+        assert all(torch.equal(s, scales[0]) for s in scales), (parent, scales)
+
+
+@pytest.mark.parametrize("family,member", [("llama", "model.layers.0.self_attn.v_proj"), ("mixtral", "model.layers.0.self_attn.k_proj"),
+                                           ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa"), ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj")])  # fmt: skip
+def test_partly_quantized_fused_group_is_refused(tmp_path, family, member):
+    model = quantized(build(family), MXFP8, off=(f"{member}.*",))
+    with pytest.raises(ExportError, match=f"{member}: its weight quantizer is off but its fused siblings"):
+        export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_quantized_tied_lm_head_is_refused(tmp_path, family):
+    model = quantized(build(family, tie=True), MXFP8, lm_head=True)
+    with pytest.raises(ExportError, match=r"lm_head.weight_quantizer is enabled but lm_head.weight is tied to model.embed_tokens.weight"):
+        export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+
+
+def test_gpt2_conv1d_and_its_tied_head(tmp_path):
+    # GPT-2's Conv1D stores its weight (in, out): no format writes it yet, and that is said, not written transposed
+    with pytest.raises(ExportError, match=r"transformer.h.0.attn.c_attn: no export layout for QuantConv1D"):
+        export_checkpoint(quantized(gpt2(), MXFP8), tmp_path / "q", "hf_mxfp8")
+    with pytest.raises(ExportError, match=r"lm_head.weight_quantizer is enabled but lm_head.weight is tied to transformer.wte.weight"):
+        export_checkpoint(quantized(gpt2(), MXFP8, lm_head=True, off=("*c_attn*", "*c_proj*", "*c_fc*")), tmp_path / "q2", "hf_mxfp8")
+
+
+def test_gpt_oss_quantized_experts_are_refused(tmp_path):
+    # transformers keeps GPT-OSS's gate_up_proj fused with gate / up interleaved: halves would be wrong rows
+    with pytest.raises(ExportError, match=r"model.layers.0.mlp.experts.gate_up_proj_weight_quantizer: .* keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D"):
+        export_checkpoint(quantized(build("gpt_oss"), MXFP8), tmp_path / "q", "hf_mxfp8")
+
+
+def test_nvfp4_w4a4_without_forward_loop_is_refused(tmp_path):
+    model = quantized(build("qwen2"), ql.NVFP4_DEFAULT_CFG, loop=False)
+    with pytest.raises(ExportError, match=r"model.layers.0.self_attn.q_proj.input_quantizer: NVFP4 .* input without an amax"):
+        export_checkpoint(model, tmp_path / "q", "modelopt_nvfp4")
+
+
+def test_unknown_family_is_refused_and_register_layout_names_it(tmp_path, monkeypatch):
+    from transformers import BertConfig, BertModel
+
+    from quantlib.export import LAYOUTS, ModelLayout, register_layout
+
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=V_BERT, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_position_embeddings=16)).eval()
+    ids = torch.randint(0, V_BERT, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(bert, ql.FP8_DEFAULT_CFG, lambda m: m(ids))
+    with pytest.raises(ExportError, match=r"cannot tell whether consumers fuse \['encoder.layer.0.attention.self.query', 'encoder.layer.0.attention.self.key', "
+                                          r"'encoder.layer.0.attention.self.value'\].*register_layout"):
+        export_checkpoint(bert, tmp_path / "refused", "modelopt_fp8", unify_siblings=True)
+    monkeypatch.setitem(LAYOUTS, "bert", LAYOUTS.get("bert"))  # restored after the test
+    register_layout("bert", ModelLayout("bert", siblings=(("query", "key", "value"),), shards={"query": "q", "key": "k", "value": "v"}))
+    export_checkpoint(bert, tmp_path / "q", "modelopt_fp8", unify_siblings=True)
+    sd = load_file(tmp_path / "q" / "model.safetensors")
+    scales = [sd[f"encoder.layer.0.attention.self.{leaf}.weight_scale"] for leaf in ("query", "key", "value")]
+    assert all(torch.equal(s, scales[0]) for s in scales)
+
+
+V_BERT = 64
+
+
+def test_share_sibling_amax_covers_mla_and_shared_experts(tmp_path):
+    # DeepSeek-V3: MLA's q_a_proj / kv_a_proj_with_mqa (vLLM's fused_qkv_a_proj) and the shared experts' gate / up
+    from quantlib.export import share_sibling_amax
+
+    model = quantized(build("deepseek_v3"), ql.FP8_DEFAULT_CFG)
+    changed = share_sibling_amax(model)
+    assert set(changed) == {("model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"),
+                            ("model.layers.0.mlp.shared_experts.gate_proj", "model.layers.0.mlp.shared_experts.up_proj")}  # fmt: skip
+    export_checkpoint(model, tmp_path / "q", "modelopt_fp8")  # no unify needed: the evaluated model is the exported one
