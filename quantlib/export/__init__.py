@@ -7,6 +7,7 @@ evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_meg
 """
 
 from .checkpoint import export_checkpoint
+from .fold import share_pre_quant_scale
 from .iterate import iter_packed
 from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, ModelLayout, layout_for
 from .siblings import share_sibling_amax
@@ -29,5 +30,6 @@ __all__ = [
     "iter_packed",
     "layout_for",
     "serialize_weight",
+    "share_pre_quant_scale",
     "share_sibling_amax",
 ]

@@ -10,12 +10,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, Kind
+from ..formats import FormatSpec, Kind, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .formats import ConfigInfo, Packer
 from .formats.base import describe
+from .fold import plan_folds
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard
 from .types import ExportError
@@ -45,6 +46,7 @@ class Item:
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
+    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a pre_quant_scale fold)
 
 
 @dataclass
@@ -170,9 +172,10 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, folded: bool = False) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
-    :func:`named_modules`, when the caller has them."""
+    :func:`named_modules`, when the caller has them; ``folded``: its pre_quant_scales are planned
+    (:func:`~quantlib.export.fold.plan_folds`), else refused."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
@@ -184,7 +187,7 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if quant and _holds_pre_quant_scale(module):
+        if quant and not folded and _holds_pre_quant_scale(module):
             refuse_pre_quant_scale(module_quantizers(module, name))
         if quant and isinstance(module, fused_cls):
             items += _fused_items(module, name, layout, direct)
@@ -343,9 +346,15 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     modules = named_modules(model)
+    folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
-    plan = check_items(walk(model, layout, modules), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
-    plan.kv, plan.info.kv_spec = kv, kv_spec
+    items = walk(model, layout, modules, folded=True)
+    folds.apply(items)
+    plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
+    why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
+    if why is not None:
+        raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} cannot carry it ({why})")
     return plan
 
 

@@ -29,6 +29,7 @@ class ExportFormat(str, enum.Enum):
     MODELOPT_FP8_PB = "modelopt_fp8_pb"  # ModelOpt FP8_PB_WO (128x128 blocks, 4-D scales)
     MODELOPT_NVFP4 = "modelopt_nvfp4"  # ModelOpt NVFP4 / W4A16_NVFP4
     MODELOPT_MXFP8 = "modelopt_mxfp8"  # ModelOpt MXFP8
+    MODELOPT_INT4_AWQ = "modelopt_int4_awq"  # ModelOpt W4A16_AWQ: INT4 two rows per byte, pre_quant_scale
 
 
 #: "linear" (a quantized dense weight), "expert" (one expert's quantized weight), "unquantized" (passed through),

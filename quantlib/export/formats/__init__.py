@@ -14,10 +14,11 @@ from .hf_fp8 import HFFP8Block, HFFP8BlockUE8M0
 from .hf_mxfp8 import HFMXFP8
 from .modelopt_fp8 import ModelOptFP8
 from .modelopt_fp8_pb import ModelOptFP8PB
+from .modelopt_int4_awq import ModelOptInt4AWQ
 from .modelopt_mxfp8 import ModelOptMXFP8
 from .modelopt_nvfp4 import ModelOptNVFP4
 
-_PACKERS: dict[ExportFormat, Packer] = {p.fmt: p for p in (HFFP8Block(), HFFP8BlockUE8M0(), HFMXFP8(), CTFP8Block(), CTNVFP4(), CTMXFP4(), CTMXFP8(), CTIntPack(), CTInt8(), ModelOptFP8(), ModelOptFP8PB(), ModelOptNVFP4(), ModelOptMXFP8())}
+_PACKERS: dict[ExportFormat, Packer] = {p.fmt: p for p in (HFFP8Block(), HFFP8BlockUE8M0(), HFMXFP8(), CTFP8Block(), CTNVFP4(), CTMXFP4(), CTMXFP8(), CTIntPack(), CTInt8(), ModelOptFP8(), ModelOptFP8PB(), ModelOptNVFP4(), ModelOptMXFP8(), ModelOptInt4AWQ())}
 assert set(_PACKERS) == set(ExportFormat), "every ExportFormat has one packer"
 
 

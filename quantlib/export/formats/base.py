@@ -21,6 +21,7 @@ class ConfigInfo:
     ignore: list[str] = field(default_factory=list)  # full names of modules left unquantized
     producer_version: str = ""
     kv_spec: Optional[FormatSpec] = None  # the KV-cache quantizers' spec; None: KV cache not quantized
+    pre_quant_scale: bool = False  # some module carries a pre_quant_scale tensor (one that folds nowhere)
 
 
 def describe(spec: Optional[FormatSpec]) -> str:
@@ -45,6 +46,8 @@ class Packer:
     siblings_share_global: bool = False
     #: where the consumer needs a static input scale: the message that says which input quantizer to enable
     input_required: Optional[str] = None
+    #: True where the format has a per-linear ``pre_quant_scale`` tensor (ModelOpt's AWQ formats)
+    carries_pre_quant_scale: bool = False
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""
@@ -65,6 +68,10 @@ class Packer:
             why = self.input_ok(inp)
             if why is not None:
                 raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
+
+    def pre_quant_scale_ok(self, info: ConfigInfo) -> Optional[str]:
+        """None if the format carries ``pre_quant_scale`` tensors in an export of ``info``; else why not."""
+        return None if self.carries_pre_quant_scale else "it has no pre_quant_scale tensor"
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one quantized weight (local names)."""

@@ -22,6 +22,8 @@ def hf_quant_config(quant_algo: str, info: ConfigInfo, group_size: Optional[int]
     quant = {"quant_algo": quant_algo, "kv_cache_quant_algo": modelopt_kv_algo(info.kv_spec)}
     if group_size is not None:
         quant["group_size"] = group_size
+    if info.pre_quant_scale:  # ModelOpt's AWQ algorithms (process_layer_quant_config)
+        quant["has_zero_point"], quant["pre_quant_scale"] = False, True
     quant["exclude_modules"] = list(info.ignore)
     return {"producer": {"name": "quantlib", "version": info.producer_version}, "quantization": quant}
 
