@@ -103,23 +103,21 @@ class Folds:
             if it.expert is not None:
                 continue
             if name in self.weight and it.spec is not None:
-                it.weight = _times(it.weight, self.weight[name], 1)
+                it.pre = lambda w, p=self.weight[name]: w * p.to(w.device, w.dtype)  # the weight quantizer's own pre_scale, bit for bit
             if name in self.out:
                 p = self.out[name]
                 if it.spec is not None:
                     it.post = lambda q, p=p: scale_rows(q, p)
                 for k in ("weight", "bias"):
                     if k in it.extras:
-                        it.extras[k] = _times(it.extras[k], p, 0)
+                        it.extras[k] = _times(it.extras[k], p)
             if name in self.carried:
                 p = self.carried[name]
                 it.extras["pre_quant_scale"] = lambda p=p: p.detach()
 
 
-def _times(get: Callable[[], torch.Tensor], p: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
-    """``get()`` times ``p`` along its ``dim`` (1: input columns, as ``pre_scale``; 0: output channels)."""
-    if dim == 1:
-        return lambda: (lambda w: w * p.to(w.device, w.dtype))(get())  # the weight quantizer's own pre_scale
+def _times(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``get()`` times ``p`` along its first dim (output channels), in fp32."""
 
     def scaled() -> torch.Tensor:
         t = get()
@@ -194,7 +192,7 @@ def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: 
     if not pending:
         return folds
     rules = rules_for(model)
-    for name in sorted(pending, key=list(by_name).index):
+    for name in [n for n, _ in modules if n in pending]:  # in module order: a group folds at its first member
         if name not in pending:
             continue  # folded with a sibling
         rule, prefix = _rule(rules, name)

@@ -23,7 +23,7 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
     p = fmt if isinstance(fmt, Packer) else get_packer(fmt)
     tensors: dict[str, torch.Tensor] = {}
     if it.spec is not None:
-        w = it.weight()
+        w = it.weight() if it.pre is None else it.pre(it.weight())
         q = real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)
         tensors.update(p.pack(q if it.post is None else it.post(q)))
         if it.input_spec is not None:

@@ -15,7 +15,7 @@ from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .formats import ConfigInfo, Packer
-from .formats.base import describe
+from .formats.base import Scheme, describe
 from .fold import plan_folds
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard
@@ -46,6 +46,7 @@ class Item:
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
+    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (its quantizer's pre_quant_scale)
     post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a pre_quant_scale fold)
 
 
@@ -365,20 +366,29 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
     for it in quantized:
-        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
+        it.group = layout.sibling_group(it.leaf) if packer.shares_global(it.spec, it.input_spec) else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()
     scheme = _key(first.spec), _key(first.input_spec)
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
-        if (_key(it.spec), _key(it.input_spec)) != scheme:
-            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
+        if not packer.mixed and (_key(it.spec), _key(it.input_spec)) != scheme:
+            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
-    info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version)
+    info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version, schemes=_schemes(quantized))
     return Plan(items, info, unified)
+
+
+def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
+    """The export's schemes (weight and input spec, one amax per tensor or not) and their modules, in order."""
+    by: dict[tuple, list[Item]] = {}
+    for it in quantized:
+        per_tensor = it.amax is not None and it.amax.numel() == 1 and it.spec.block is None
+        by.setdefault((_key(it.spec), _key(it.input_spec), per_tensor), []).append(it)
+    return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)), tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
 
 @functools.lru_cache(maxsize=256)  # specs are frozen and few: a model's linears share a handful

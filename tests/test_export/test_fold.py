@@ -12,12 +12,11 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-import quantlib as ql  # noqa: E402
-from quantlib.export import ExportError, export_checkpoint, share_pre_quant_scale, share_sibling_amax  # noqa: E402
-
-from tests.test_export._export_models import tokens  # noqa: E402
+import quantlib as ql
+from quantlib.export import ExportError, export_checkpoint, share_pre_quant_scale, share_sibling_amax
+from tests.test_export._export_models import tokens
 
 INT4_AWQ_CLIP = {**ql.INT4_AWQ_CFG, "algorithm": {"method": "awq_clip"}}
 INT4_AWQ_FULL = {**ql.INT4_AWQ_CFG, "algorithm": {"method": "awq_full", "alpha_step": 0.25}}
