@@ -14,9 +14,9 @@ from ..formats import FormatSpec, Kind, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .fold import plan_folds
 from .formats import ConfigInfo, Packer
 from .formats.base import Scheme, describe
-from .fold import plan_folds
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard
 from .types import ExportError
