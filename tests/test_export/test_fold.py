@@ -243,3 +243,33 @@ def test_model_without_fold_rules_refused(tmp_path):
     model = ql.quantize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), ql.INT4_AWQ_CFG, lambda m: m(torch.randn(4, 64)))
     with pytest.raises(ExportError, match=r"^0.input_quantizer: pre_quant_scale is set .*no fold rule for this module.*format ct_int_pack has no pre_quant_scale tensor"):
         export_checkpoint(model, tmp_path / "c", "ct_int_pack")
+
+
+def test_gpt_neox_layernorm_folds(tmp_path):
+    """GPT-NeoX: LayerNorm (weight and bias) before the fused query_key_value and dense_h_to_4h; its o-proj
+    (dense) and dense_4h_to_h (after GELU) have no fold, so they stay out of AWQ here."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(3)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                             max_position_embeddings=64, tie_word_embeddings=False)).eval()  # fmt: skip
+    cfg = copy.deepcopy(ql.INT4_AWQ_CFG)
+    cfg["quant_cfg"].update({"*attention.dense*": {"enable": False}, "*dense_4h_to_h*": {"enable": False}, "*embed_out*": {"enable": False}})
+    ql.quantize(model, cfg, _loop)
+    assert _pqs(model, "gpt_neox.layers.0.attention.query_key_value") is not None
+    export_checkpoint(model, tmp_path / "c", "ct_int_pack")
+    sd = load_file(tmp_path / "c" / "model.safetensors")
+    norm, p = model.gpt_neox.layers[1].input_layernorm, _pqs(model, "gpt_neox.layers.1.attention.query_key_value")
+    assert torch.equal(sd["gpt_neox.layers.1.input_layernorm.bias"], norm.bias.float() * p.float())
+    _assert_close(_ct_logits(tmp_path / "c"), _weight_only_logits(model))
+
+
+def test_fused_experts_scale_refused_by_name(tmp_path):
+    from tests.test_export._export_models import qwen3_moe
+
+    cfg = copy.deepcopy(ql.INT4_AWQ_CFG)
+    cfg["quant_cfg"]["*self_attn*"] = {"enable": False}
+    model = qwen3_moe()
+    ql.quantize(model, cfg, _loop)
+    with pytest.raises(ExportError, match=r"^model.layers.0.mlp.experts.gate_up_proj_input_quantizer: pre_quant_scale is set on a QuantQwen3MoeExperts, which export can fold only for plain linears"):
+        export_checkpoint(model, tmp_path / "c", "ct_int_pack")
