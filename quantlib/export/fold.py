@@ -206,6 +206,9 @@ def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: 
         if not carries:
             raise ExportError(f"{name}.input_quantizer: pre_quant_scale is set (SmoothQuant / AWQ) and cannot be folded into the op before it ({why}); format {fmt} "
                               "has no pre_quant_scale tensor: export to a ModelOpt AWQ format, or calibrate this module with 'max'")
+        if not linears[name].module.weight_quantizer.is_enabled:  # an excluded module's extra tensor would be ignored
+            raise ExportError(f"{name}.input_quantizer: pre_quant_scale is set and folds nowhere ({why}), and the module is left unquantized, "
+                              f"where format {fmt} has no pre_quant_scale")
         folds.carried[name] = linears[name].input
         pending.discard(name)
     return folds

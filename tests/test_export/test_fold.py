@@ -273,3 +273,11 @@ def test_fused_experts_scale_refused_by_name(tmp_path):
     ql.quantize(model, cfg, _loop)
     with pytest.raises(ExportError, match=r"^model.layers.0.mlp.experts.gate_up_proj_input_quantizer: pre_quant_scale is set on a QuantQwen3MoeExperts, which export can fold only for plain linears"):
         export_checkpoint(model, tmp_path / "c", "ct_int_pack")
+
+
+def test_carried_scale_of_an_unquantized_module_refused(tmp_path):
+    """A module left unquantized is an excluded module to ModelOpt: a pre_quant_scale there would be ignored."""
+    model = _calibrated("llama", ql.NVFP4_AWQ_LITE_CFG)
+    model.model.layers[0].self_attn.o_proj.weight_quantizer.disable()
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.o_proj.input_quantizer: pre_quant_scale is set and folds nowhere .* left unquantized"):
+        export_checkpoint(model, tmp_path / "c", "modelopt_nvfp4")
