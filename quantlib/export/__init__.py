@@ -8,6 +8,7 @@ evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_meg
 """
 
 from .checkpoint import export_checkpoint
+from .fold import share_pre_quant_scale
 from .iterate import iter_packed
 from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, TRANSFORMERS, ModelLayout, layout_for, register_layout
 from .siblings import share_sibling_amax
@@ -41,6 +42,7 @@ __all__ = [
     "layout_for",
     "register_layout",
     "serialize_weight",
+    "share_pre_quant_scale",
     "share_sibling_amax",
     "sync_pairs",
 ]

@@ -24,8 +24,9 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
     p = fmt if isinstance(fmt, Packer) else get_packer(fmt)
     tensors: dict[str, torch.Tensor] = {}
     if it.spec is not None:
-        w = it.weight()
-        tensors.update(p.pack(real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)))
+        w = it.weight() if it.pre is None else it.pre(it.weight())
+        q = real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)
+        tensors.update(p.pack(q if it.post is None else it.post(q)))
         if it.input_spec is not None:
             tensors.update(p.pack_input(it.input_spec, it.input_amax))
     for k, get in it.extras.items():

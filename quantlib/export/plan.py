@@ -10,12 +10,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, Kind
+from ..formats import FormatSpec, Kind, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .fold import plan_folds
 from .formats import ConfigInfo, Packer
-from .formats.base import describe
+from .formats.base import Scheme, describe
 from .kv_plan import KVItem, plan_kv
 from .checks import check_structure, stored_fused
 from .layouts import ModelLayout, Shard
@@ -47,6 +48,8 @@ class Item:
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
+    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (its quantizer's pre_quant_scale)
+    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a pre_quant_scale fold)
 
 
 @dataclass
@@ -135,9 +138,10 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, folded: bool = False) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
-    :func:`named_modules`, when the caller has them."""
+    :func:`named_modules`, when the caller has them; ``folded``: its pre_quant_scales are planned
+    (:func:`~quantlib.export.fold.plan_folds`), else refused."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
@@ -149,7 +153,7 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if quant and _holds_pre_quant_scale(module):
+        if quant and not folded and _holds_pre_quant_scale(module):
             refuse_pre_quant_scale(module_quantizers(module, name))
         if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
             items += _fused_items(module, name, layout, direct)
@@ -307,9 +311,15 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     modules = named_modules(model)
     check_structure(modules, layout, type(model).__name__)
+    folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
-    plan = check_items(walk(model, layout, modules), packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
-    plan.kv, plan.info.kv_spec = kv, kv_spec
+    items = walk(model, layout, modules, folded=True)
+    folds.apply(items)
+    plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
+    why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
+    if why is not None:
+        raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} cannot carry it ({why})")
     return plan
 
 
@@ -320,20 +330,29 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
     for it in quantized:
-        it.group = layout.sibling_group(it.leaf) if packer.siblings_share_global else None
+        it.group = layout.sibling_group(it.leaf) if packer.shares_global(it.spec, it.input_spec) else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()
     scheme = _key(first.spec), _key(first.input_spec)
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
-        if (_key(it.spec), _key(it.input_spec)) != scheme:
-            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export carries one scheme")
+        if not packer.mixed and (_key(it.spec), _key(it.input_spec)) != scheme:
+            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
-    info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version)
+    info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version, schemes=_schemes(quantized))
     return Plan(items, info, unified)
+
+
+def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
+    """The export's schemes (weight and input spec, one amax per tensor or not) and their modules, in order."""
+    by: dict[tuple, list[Item]] = {}
+    for it in quantized:
+        per_tensor = it.amax is not None and it.amax.numel() == 1 and it.spec.block is None
+        by.setdefault((_key(it.spec), _key(it.input_spec), per_tensor), []).append(it)
+    return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)), tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
 
 @functools.lru_cache(maxsize=256)  # specs are frozen and few: a model's linears share a handful

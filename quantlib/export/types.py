@@ -25,10 +25,13 @@ class ExportFormat(str, enum.Enum):
     CT_MXFP8 = "ct_mxfp8"  # compressed-tensors mxfp8-quantized
     CT_INT_PACK = "ct_int_pack"  # compressed-tensors pack-quantized (INT4 W4A16, int32 words)
     CT_INT8 = "ct_int8"  # compressed-tensors int-quantized
+    CT_MIXED = "ct_mixed"  # compressed-tensors, one config group per scheme (mixed precision)
     MODELOPT_FP8 = "modelopt_fp8"  # ModelOpt unified HF, quant_algo FP8 (per tensor)
     MODELOPT_FP8_PB = "modelopt_fp8_pb"  # ModelOpt FP8_PB_WO (128x128 blocks, 4-D scales)
     MODELOPT_NVFP4 = "modelopt_nvfp4"  # ModelOpt NVFP4 / W4A16_NVFP4
     MODELOPT_MXFP8 = "modelopt_mxfp8"  # ModelOpt MXFP8
+    MODELOPT_INT4_AWQ = "modelopt_int4_awq"  # ModelOpt W4A16_AWQ: INT4 two rows per byte, pre_quant_scale
+    MODELOPT_MIXED = "modelopt_mixed"  # ModelOpt MIXED_PRECISION: quantized_layers names each layer's algorithm
 
 
 #: "linear" (a quantized dense weight), "expert" (one expert's quantized weight), "unquantized" (passed through),

@@ -11,6 +11,17 @@ from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportError, ExportFormat
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """One scheme of an export and the modules (checkpoint names) that carry it."""
+
+    weight_spec: FormatSpec
+    input_spec: Optional[FormatSpec]
+    per_tensor: bool
+    modules: tuple[str, ...]
+    experts: tuple[str, ...] = ()  # those of ``modules`` that are MoE experts
+
+
 @dataclass
 class ConfigInfo:
     """What a format's ``config`` needs to know about the export as a whole."""
@@ -21,6 +32,8 @@ class ConfigInfo:
     ignore: list[str] = field(default_factory=list)  # full names of modules left unquantized
     producer_version: str = ""
     kv_spec: Optional[FormatSpec] = None  # the KV-cache quantizers' spec; None: KV cache not quantized
+    pre_quant_scale: bool = False  # some module carries a pre_quant_scale tensor (one that folds nowhere)
+    schemes: tuple[Scheme, ...] = ()  # every scheme of the export, in module order (one unless the format is mixed)
 
 
 def describe(spec: Optional[FormatSpec]) -> str:
@@ -47,6 +60,10 @@ class Packer:
     input_required: Optional[str] = None
     #: why the consumer cannot load MoE experts in this format (None: it can)
     experts_why: Optional[str] = None
+    #: True where the format has a per-linear ``pre_quant_scale`` tensor (ModelOpt's AWQ formats)
+    carries_pre_quant_scale: bool = False
+    #: True where one export may carry several schemes (:mod:`.mixed`)
+    mixed: bool = False
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""
@@ -67,6 +84,14 @@ class Packer:
             why = self.input_ok(inp)
             if why is not None:
                 raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
+
+    def shares_global(self, spec: FormatSpec, inp: Optional[FormatSpec]) -> bool:
+        """Whether the consumer fuses siblings of this scheme under one per-tensor (global) scale."""
+        return self.siblings_share_global
+
+    def pre_quant_scale_ok(self, info: ConfigInfo) -> Optional[str]:
+        """None if the format carries ``pre_quant_scale`` tensors in an export of ``info``; else why not."""
+        return None if self.carries_pre_quant_scale else "it has no pre_quant_scale tensor"
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one quantized weight (local names)."""
