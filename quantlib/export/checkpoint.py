@@ -184,7 +184,7 @@ def export_checkpoint(
     plan = make_plan(model, p, layout or layout_for(model), unify_siblings=unify_siblings, tp=tp, version=__version__)
     if on_meta:
         progress = progress if progress is not None else plan_bytes(plan) >= _PROGRESS_BYTES  # before the getters read files
-        with read_offloaded(model, plan, layout or layout_for(model), offload_folder):
+        with read_offloaded(model, plan, offload_folder):
             return write_plan(plan, fmt, out_dir, config, overwrite=overwrite, limit=limit, progress=progress)
     return write_plan(plan, fmt, out_dir, config, overwrite=overwrite, limit=limit, progress=progress)
 

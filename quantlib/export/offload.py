@@ -14,8 +14,8 @@ from torch import nn
 from ..calib.sequential import decoder_layers, offloaded_layer
 from ..nn.containers import QuantizerContainer
 from ..nn.tensor_quantizer import TensorQuantizer
-from .layouts import ModelLayout
-from .plan import Item, Plan, named_modules, walk
+from .modules import named_modules
+from .plan import Item, Plan
 from .types import ExportError
 
 
@@ -32,15 +32,14 @@ def meta_modules(model: nn.Module) -> list[str]:
 
 
 class _Reader:
-    """Serves the plan's tensor getters from the one decoder layer currently read from disk."""
+    """Reads the decoder layer of the item being packed from the offload folder (the one before goes back
+    to ``meta``): the plan's getters read their module's tensors when called, so they see the layer."""
 
-    def __init__(self, model: nn.Module, layout: ModelLayout, folder: str) -> None:
-        self.model, self.layout, self.folder = model, layout, folder
+    def __init__(self, model: nn.Module, folder: str) -> None:
+        self.folder = folder
         self.list_name, self.layers = decoder_layers(model)
-        self.modules = named_modules(model)
         self.stack = contextlib.ExitStack()
         self.current: Optional[int] = None
-        self.fresh: dict[tuple[str, str], Item] = {}
 
     def layer_of(self, it: Item) -> Optional[int]:
         prefix = self.list_name + "."
@@ -50,30 +49,22 @@ class _Reader:
         return int(index) if index.isdigit() and int(index) < len(self.layers) else None
 
     def enter(self, idx: int) -> None:
-        """Read layer ``idx`` (the one before goes back to ``meta``) and walk it for live getters."""
         if self.current == idx:
             return
         self.stack.close()
-        self.current, self.fresh = None, {}
+        self.current = None
         where = f"{self.list_name}.{idx}"
         try:
             self.stack.enter_context(offloaded_layer(self.layers[idx], where, self.folder))
         except (OSError, ValueError, RuntimeError) as exc:
             raise ExportError(f"{where}: cannot read it from the offload folder {self.folder}: {exc}") from exc
         self.current = idx
-        inside = [(n, m) for n, m in self.modules if n == where or n.startswith(where + ".")]
-        self.fresh = {(it.name, it.where): it for it in walk(self.model, self.layout, inside)}
 
     def getter(self, it: Item, idx: Optional[int], key: Optional[str], get: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             if idx is not None:
                 self.enter(idx)
-                fresh = self.fresh.get((it.name, it.where))
-                if fresh is None:
-                    raise ExportError(f"{it.where}: not found again in {self.list_name}.{idx} after reading it from {self.folder}")
-                t = fresh.weight() if key is None else fresh.extras[key]()
-            else:
-                t = get()
+            t = get()
             if t.is_meta:
                 raise ExportError(f"{it.where}: {key or 'weight'} is on the meta device and is not part of a decoder layer in {self.folder}")
             return t
@@ -82,10 +73,10 @@ class _Reader:
 
 
 @contextlib.contextmanager
-def read_offloaded(model: nn.Module, plan: Plan, layout: ModelLayout, folder: str) -> Iterator[None]:
+def read_offloaded(model: nn.Module, plan: Plan, folder: str) -> Iterator[None]:
     """For the ``with`` body, the plan's getters read each decoder layer from ``folder`` in turn; after it
     the model's layers are back on ``meta`` and the plan's getters as they were."""
-    reader = _Reader(model, layout, folder)
+    reader = _Reader(model, folder)
     saved = [(it, it.weight, dict(it.extras)) for it in plan.items]
     for it in plan.items:
         idx = reader.layer_of(it)

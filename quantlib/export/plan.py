@@ -74,8 +74,10 @@ def _fused_experts_class() -> type:
     return QuantFusedExperts
 
 
-def _getter(t: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: t.detach()
+def _live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:
+    """The module's tensor ``key`` as it is when called, not when planned: a layer read back from an offload
+    folder gets new parameter objects (:mod:`~quantlib.export.offload`)."""
+    return lambda: (module._parameters[key] if key in module._parameters else module._buffers[key]).detach()
 
 
 def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optional[torch.Tensor]]:
@@ -169,15 +171,15 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             if isinstance(q, TensorQuantizer) and q.is_enabled:
                 w = direct.pop("weight")
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
-                extras = {k: _getter(t) for k, t in direct.items()}
+                extras = {k: _live(module, k) for k in direct}
                 spec = q.spec
                 block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
-                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _getter(w), spec, q.amax, ispec, iamax, extras,
+                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax, ispec, iamax, extras,
                                   shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
                                   input_where=f"{name}.input_quantizer", block_amax=block_amax))
                 direct = {}
         if direct:
-            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _getter(t) for k, t in direct.items()}, parent=parent, leaf=leaf))
+            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
     return items
 
 
@@ -196,8 +198,8 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
                 head, _, idx = full.rpartition(".")[0].rpartition(".")
                 fused = head if idx == str(e) else layout.checkpoint_name(name)
-                extras = {} if bias is None else {"bias": _getter(bias[e, r0:r1])}
-                get = (lambda w=w, r0=r0, r1=r1: w.detach()[r0:r1])
+                extras = {} if bias is None else {"bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
+                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
