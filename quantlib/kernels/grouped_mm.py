@@ -4,8 +4,8 @@
 Why an op of our own: torch 2.13's ``_grouped_mm`` runs on the CPU in any float dtype, but its autograd
 formula fails there ("Invalid strides/sizes") and its meta kernel refuses anything but bf16 under
 torch.compile; as an opaque op with a fake kernel the same kernel runs eagerly and compiled (bit for bit),
-and the backward is two more grouped GEMMs. On an accelerator the offsets stay on the device (no sync);
-on the CPU, where reading them costs nothing, each group is one BLAS ``mm`` (the per-expert loop's bits).
+and the backward is two more grouped GEMMs. The offsets stay on the device: no host read. On the CPU
+each group's rows get the bits of ``F.linear`` on those rows (what the per-expert loop computed).
 """
 
 from __future__ import annotations
@@ -13,31 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_rows: bool) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs=offs)``; on the CPU one ``mm`` per group instead (torch 2.13's CPU
-    kernel is several times slower than BLAS, and reading CPU offsets costs no device sync): groups along
-    the rows of ``a`` (``out_rows``: ``a`` (rows, in) x ``b`` (groups, in, out)) or along the columns of ``a``
-    and rows of ``b`` (``a`` (in, rows) x ``b`` (rows, out) -> (groups, in, out))."""
-    if a.device.type != "cpu":
-        return torch._grouped_mm(a, b, offs=offs)
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    if out_rows:
-        out = a.new_zeros(a.shape[0], b.shape[-1])
-        for g, (s, e) in enumerate(zip(starts, ends)):
-            if e > s:
-                torch.mm(a[s:e], b[g], out=out[s:e])
-        return out
-    out = a.new_zeros(len(ends), a.shape[0], b.shape[-1])
-    for g, (s, e) in enumerate(zip(starts, ends)):
-        if e > s:
-            torch.mm(a[:, s:e], b[s:e], out=out[g])
-    return out
-
-
 @torch.library.custom_op("quantlib::grouped_mm", mutates_args=())
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return _mm(x, w, offs, True)
+    return torch._grouped_mm(x, w, offs=offs)
 
 
 @_grouped_mm.register_fake
@@ -51,10 +29,10 @@ def _grouped_mm_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, o
     # rows past offs[-1] (expert-parallel sentinels) belong to no group: their input gradient is zero
     gx = grad.new_zeros(0)
     if need_x:
-        gx = _mm(grad, w.transpose(-2, -1), offs, True)
+        gx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
         inside = torch.arange(gx.shape[0], device=gx.device) < offs[-1:]  # the kernel leaves other rows unset
         gx = torch.where(inside.unsqueeze(-1), gx, 0)
-    gw = _mm(x.transpose(0, 1), grad, offs, False) if need_w else grad.new_zeros(0)
+    gw = torch._grouped_mm(x.transpose(0, 1), grad, offs=offs) if need_w else grad.new_zeros(0)
     return gx, gw
 
 
