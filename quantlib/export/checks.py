@@ -21,13 +21,16 @@ def _weight_quantizer(module: nn.Module):
 
 
 def _linears(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
-    """(name, module, weight quantizer enabled) of each quantized module with a 2-D weight of its own."""
+    """(name, module, weight quantizer enabled) of each linear: a quantized module with a 2-D weight of its
+    own, or an ``nn.Linear`` left unconverted (never quantized)."""
     out = []
     for name, module in modules:
-        w = module._parameters.get("weight") if isinstance(module, QuantModule) else None
-        q = _weight_quantizer(module) if w is not None else None
-        if q is not None and w.dim() == 2:
-            out.append((name, module, q.is_enabled))
+        if isinstance(module, QuantModule):
+            w, q = module._parameters.get("weight"), _weight_quantizer(module)
+            if w is not None and q is not None and w.dim() == 2:
+                out.append((name, module, q.is_enabled))
+        elif isinstance(module, nn.Linear):
+            out.append((name, module, False))
     return out
 
 
@@ -55,7 +58,7 @@ def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, w
         on = [n for n, e in members if e]
         off = [n for n, e in members if not e]
         if on and off:
-            raise ExportError(f"{off[0]}: its weight quantizer is off but its fused siblings {on} are quantized; consumers fuse {group} into one GEMM "
+            raise ExportError(f"{off[0]}: not quantized (its weight quantizer is off, or it has none) but its fused siblings {on} are; consumers fuse {group} into one GEMM "
                               f"and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole group or none of it")
     for names in unknown.values():
         if len(names) > 1:

@@ -143,6 +143,13 @@ def layout_for(model: nn.Module) -> ModelLayout:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return GENERIC
-    base = LAYOUTS.get(model_type) or dataclasses.replace(TRANSFORMERS, name=model_type)
+    return with_checkpoint_names(model, LAYOUTS.get(model_type) or dataclasses.replace(TRANSFORMERS, name=model_type))
+
+
+def with_checkpoint_names(model: nn.Module, layout: ModelLayout) -> ModelLayout:
+    """``layout`` with the checkpoint names of transformers model ``model`` added (its own take precedence);
+    ``layout`` itself for a model that is no transformers model."""
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
+        return layout
     renames, experts = transformers_names(model)
-    return dataclasses.replace(base, renames={**renames, **base.renames}, experts={**experts, **base.experts})
+    return dataclasses.replace(layout, renames={**renames, **layout.renames}, experts={**experts, **layout.experts})

@@ -14,12 +14,12 @@ from ..formats import FormatSpec, Kind, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .checks import check_structure, stored_fused
 from .fold import plan_folds
 from .formats import ConfigInfo, Packer
 from .formats.base import Scheme, describe
 from .kv_plan import KVItem, plan_kv
-from .checks import check_structure, stored_fused
-from .layouts import ModelLayout, Shard
+from .layouts import ModelLayout, Shard, with_checkpoint_names
 from .modules import _direct, named_modules
 from .types import ExportError
 
@@ -312,6 +312,7 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     modules = named_modules(model)
+    layout = with_checkpoint_names(model, layout)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(modules, layout, type(model).__name__)
     folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)

@@ -87,10 +87,14 @@ def test_names_are_save_pretrained_and_transformers_loads_them(tmp_path, family,
 
 def test_mixtral_experts_are_written_as_transformers_names_them(tmp_path):
     # transformers' Mixtral checkpoint holds block_sparse_moe.experts.{e}.w1 / w3 / w2 (and vLLM's loader reads those)
-    export_checkpoint(quantized(build("mixtral"), MXFP8), tmp_path / "q", "hf_mxfp8")
-    keys = set(load_file(tmp_path / "q" / "model.safetensors"))
-    assert {f"model.layers.0.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w2", "w3")} <= keys
-    assert "model.layers.0.block_sparse_moe.gate.weight" in keys and not any("mlp.experts" in k for k in keys)
+    from quantlib.export import TRANSFORMERS
+
+    model = quantized(build("mixtral"), MXFP8)
+    for out, layout in (("q", None), ("by_hand", TRANSFORMERS)):  # a layout passed by hand keeps transformers' names
+        export_checkpoint(model, tmp_path / out, "hf_mxfp8", layout=layout)
+        keys = set(load_file(tmp_path / out / "model.safetensors"))
+        assert {f"model.layers.0.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w2", "w3")} <= keys
+        assert "model.layers.0.block_sparse_moe.gate.weight" in keys and not any("mlp.experts" in k for k in keys)
 
 
 def test_mixtral_stacked_experts_carry_the_checkpoint_module_name():
@@ -139,7 +143,7 @@ def test_fused_siblings_carry_one_scale(tmp_path, family, fmt, cfg, key):
                                            ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa"), ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj")])  # fmt: skip
 def test_partly_quantized_fused_group_is_refused(tmp_path, family, member):
     model = quantized(build(family), MXFP8, off=(f"{member}.*",))
-    with pytest.raises(ExportError, match=f"{member}: its weight quantizer is off but its fused siblings"):
+    with pytest.raises(ExportError, match=rf"{member}: not quantized \(its weight quantizer is off, or it has none\) but its fused siblings"):
         export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
 
 
@@ -204,3 +208,14 @@ def test_share_sibling_amax_covers_mla_and_shared_experts(tmp_path):
     assert set(changed) == {("model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"),
                             ("model.layers.0.mlp.shared_experts.gate_proj", "model.layers.0.mlp.shared_experts.up_proj")}  # fmt: skip
     export_checkpoint(model, tmp_path / "q", "modelopt_fp8")  # no unify needed: the evaluated model is the exported one
+
+
+def test_group_member_never_converted_is_refused(tmp_path):
+    # v_proj left a plain nn.Linear (excluded from conversion) is as unquantized as a disabled one
+    model = quantized(build("mistral"), MXFP8)
+    attn = model.model.layers[0].self_attn
+    plain = torch.nn.Linear(attn.v_proj.in_features, attn.v_proj.out_features, bias=False)
+    plain.weight = attn.v_proj.weight
+    attn.v_proj = plain
+    with pytest.raises(ExportError, match=r"model.layers.0.self_attn.v_proj: not quantized .* but its fused siblings"):
+        export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
