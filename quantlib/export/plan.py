@@ -128,18 +128,6 @@ def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optiona
     return [(f"{name}.{qn}", _child(module, qn)) for qn in module.quantizer_names]
 
 
-def _holds_pre_quant_scale(module: QuantModule) -> bool:
-    # the walk's quick test before refuse_pre_quant_scale names the quantizer (a container's members
-    # are left to that slower path)
-    for q in module._modules.values():
-        if isinstance(q, TensorQuantizer):
-            if _pqs_slot(q):
-                return True
-        elif isinstance(q, QuantizerContainer):
-            return True
-    return False
-
-
 def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
     """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
     if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
@@ -173,10 +161,9 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, folded: bool = False) -> list[Item]:
-    """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
-    :func:`named_modules`, when the caller has them; ``folded``: its pre_quant_scales are planned
-    (:func:`~quantlib.export.fold.plan_folds`), else refused."""
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+    """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
@@ -188,8 +175,6 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if quant and not folded and _holds_pre_quant_scale(module):
-            refuse_pre_quant_scale(module_quantizers(module, name))
         if quant and isinstance(module, fused_cls):
             items += _fused_items(module, name, layout, direct)
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
@@ -349,7 +334,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     modules = named_modules(model)
     folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
-    items = walk(model, layout, modules, folded=True)
+    items = walk(model, layout, modules)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
