@@ -106,14 +106,15 @@ def _pqs_slot(leaf: TensorQuantizer) -> bool:
 
 def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
     """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
-    ``pre_quant_scale`` (SmoothQuant / AWQ): no export format writes one, and the weights packed
-    without it would not compute what the calibrated model computes."""
+    ``pre_quant_scale`` (SmoothQuant / AWQ), for the paths that see no model graph to fold it into (one
+    weight's serialization, Megatron's export): packed without it, the weights would not compute what the
+    calibrated model computes."""
     for name, q in quantizers:
         for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
             if _pqs_slot(leaf) and leaf.pre_quant_scale is not None:
                 raise ExportError(
-                    f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which no export format carries; "
-                    "export a model calibrated with 'max' or 'mse'"
+                    f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which this path cannot fold into the op before it "
+                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with 'max' or 'mse'"
                 )
 
 
