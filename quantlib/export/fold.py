@@ -146,8 +146,15 @@ def _leaves(q: Optional[nn.Module]) -> list[TensorQuantizer]:
 
 
 def holds_pre_quant_scale(module: QuantModule) -> bool:
-    """Whether any quantizer of ``module`` holds a ``pre_quant_scale``."""
-    return any(_slot(leaf) is not None for qn in module.quantizer_names for leaf in _leaves(module._modules.get(qn)))
+    """Whether any quantizer of ``module`` holds a ``pre_quant_scale`` (asked of every quantized module of
+    every export: a plain quantizer is answered from its dicts, without a lookup or a list)."""
+    for q in module._modules.values():
+        if type(q) is TensorQuantizer:
+            if _PQS in q._buffers or _PQS in q.__dict__:
+                return True
+        elif isinstance(q, (TensorQuantizer, QuantizerContainer)) and any(_slot(leaf) is not None for leaf in _leaves(q)):
+            return True
+    return False
 
 
 @dataclass

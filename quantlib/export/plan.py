@@ -97,14 +97,15 @@ def _pqs_slot(leaf: TensorQuantizer) -> bool:
 
 def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
     """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
-    ``pre_quant_scale`` (SmoothQuant / AWQ): no export format writes one, and the weights packed
-    without it would not compute what the calibrated model computes."""
+    ``pre_quant_scale`` (SmoothQuant / AWQ), for the paths that see no model graph to fold it into (one
+    weight's serialization, Megatron's export): packed without it, the weights would not compute what the
+    calibrated model computes."""
     for name, q in quantizers:
         for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
             if _pqs_slot(leaf) and leaf.pre_quant_scale is not None:
                 raise ExportError(
-                    f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which no export format carries; "
-                    "export a model calibrated with 'max' or 'mse'"
+                    f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which this path cannot fold into the op before it "
+                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with 'max' or 'mse'"
                 )
 
 
@@ -119,18 +120,6 @@ def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optiona
     return [(f"{name}.{qn}", _child(module, qn)) for qn in module.quantizer_names]
 
 
-def _holds_pre_quant_scale(module: QuantModule) -> bool:
-    # the walk's quick test before refuse_pre_quant_scale names the quantizer (a container's members
-    # are left to that slower path)
-    for q in module._modules.values():
-        if isinstance(q, TensorQuantizer):
-            if _pqs_slot(q):
-                return True
-        elif isinstance(q, QuantizerContainer):
-            return True
-    return False
-
-
 def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
     """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
     if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
@@ -140,10 +129,9 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, folded: bool = False) -> list[Item]:
-    """Every checkpoint module of ``model`` in module order (nothing checked yet); ``modules``: its
-    :func:`named_modules`, when the caller has them; ``folded``: its pre_quant_scales are planned
-    (:func:`~quantlib.export.fold.plan_folds`), else refused."""
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+    """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
@@ -155,8 +143,6 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if quant and not folded and _holds_pre_quant_scale(module):
-            refuse_pre_quant_scale(module_quantizers(module, name))
         if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
             items += _fused_items(module, name, layout, direct)
             direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
@@ -316,7 +302,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     check_structure(modules, layout, type(model).__name__)
     folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
-    items = walk(model, layout, modules, folded=True)
+    items = walk(model, layout, modules)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
