@@ -159,7 +159,9 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
     return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
 
 
-def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str) -> None:
+def _dense_copy(
+    export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str
+) -> None:
     """A dense checkpoint of the export in ``out_dir``: each quantized weight dequantized by the consumer's own
     code, the other tensors as written; config.json without its quantization_config."""
     from safetensors.torch import save_file
@@ -180,7 +182,9 @@ def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.
         json.dump(config, f)
 
 
-def reload_export(export_dir: str, fmt: str, expected: dict[str, torch.Tensor], trust_remote_code: bool) -> tuple[Optional[nn.Module], str, str]:
+def reload_export(
+    export_dir: str, fmt: str, expected: dict[str, torch.Tensor], trust_remote_code: bool
+) -> tuple[Optional[nn.Module], str, str]:
     """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
     (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
     dense weights then loaded by transformers); None and the reason when the consumer is not installed."""
@@ -211,5 +215,7 @@ def require_passed(res: CheckResult, fmt: str) -> None:
     if res.compared == 0:
         raise PipelineError(f"check: the {fmt} export holds no quantized weight the reloaded model could be compared on")
     if res.mismatched:
-        raise PipelineError(f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
-                            f"(rule {res.rule}): {', '.join(res.mismatched[:3])}")  # fmt: skip
+        raise PipelineError(
+            f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
+            f"(rule {res.rule}): {', '.join(res.mismatched[:3])}"
+        )

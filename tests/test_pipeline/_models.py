@@ -13,8 +13,18 @@ import torch
 
 from quantlib.pipeline.model import EMBEDDED_DIR
 
-COMMON = dict(vocab_size=272, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
-              tie_word_embeddings=False, eos_token_id=256, pad_token_id=256)  # fmt: skip
+COMMON = dict(
+    vocab_size=272,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    eos_token_id=256,
+    pad_token_id=256,
+)
 #: small options of a run: a few short windows
 FAST = dict(num_samples=2, eval_samples=2, seq_len=32, batch_size=2, progress=False)
 
@@ -28,7 +38,9 @@ def build(family: str):
     if family == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(intermediate_size=256, **COMMON))
     if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON)
+        cfg = tf.Qwen3MoeConfig(
+            intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON
+        )
         return tf.Qwen3MoeForCausalLM(cfg)
     raise ValueError(family)
 
