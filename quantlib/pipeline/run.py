@@ -288,17 +288,28 @@ def _stages(
     ppl["after"] = perplexity(model, held_out, eval_device, stages.begin("evaluate after", total=len(held_out)))
 
     export_dir = os.path.join(staging, "export")
-    weights = list(check_mod.iter_weights(model))
-    manifest, result, consumer, why = None, None, "", f"--export-format {NO_EXPORT}"
+    manifest, loaded, consumer, why = None, None, "", f"--export-format {NO_EXPORT}"
     if fmt != NO_EXPORT:
         stage = stages.begin(f"export {fmt}", total=2)
         manifest = export_checkpoint(model, export_dir, fmt, overwrite=True, progress=False)
         stage.advance()
         tok.save_pretrained(export_dir)
         stage.advance()
-        result, consumer, why = _check(model_dir, export_dir, fmt, weights, held_out, opts, ppl, stages)
+        stage = stages.begin("check", total=len(held_out) + 2)
+        shapes = {n: raw.shape for n, raw, _ in check_mod.iter_weights(model, quantized=False)}
+        with quiet_transformers():
+            loaded, consumer, why = check_mod.reload_export(export_dir, fmt, shapes, opts.trust_remote_code)
+        stage.advance()
     else:
+        stage = stages.begin("weight errors", total=1)
         os.makedirs(export_dir, exist_ok=True)
+    result = check_mod.CheckResult(consumer, check_mod.RULES.get(fmt, "exact")) if loaded is not None else None
+    weights = _weight_pass(model, loaded, result, fmt)
+    stage.advance()
+    if loaded is not None:
+        ppl["reloaded"] = perplexity(loaded, held_out, torch.device("cpu"), stage)
+        del loaded
+        check_mod.require_passed(result, fmt)
     stages.end()
 
     report = _report(
@@ -327,20 +338,14 @@ def _stages(
     return report
 
 
-def _check(model_dir, export_dir, fmt, weights, held_out, opts, ppl, stages) -> tuple[Optional[check_mod.CheckResult], str, str]:
-    """Reload the export with its consumer, compare its weights, evaluate it; stop the run if they break the format's rule."""
-    stage = stages.begin("check", total=len(held_out) + 2)
-    expected = {n: w.detach().cpu() for n, _, w in weights}
-    with quiet_transformers():
-        loaded, consumer, why = check_mod.reload_export(export_dir, fmt, expected, opts.trust_remote_code)
-    stage.advance()
-    if loaded is None:
-        return None, consumer, why
-    result = check_mod.compare(expected, loaded, consumer, fmt)
-    stage.advance()
-    ppl["reloaded"] = perplexity(loaded, held_out, torch.device("cpu"), stage)
-    check_mod.require_passed(result, fmt)
-    return result, consumer, why
+def _weight_pass(model: nn.Module, loaded: Optional[nn.Module], result: Optional[check_mod.CheckResult], fmt: str) -> list[dict]:
+    """One quantized weight at a time: its relative error, its size, and (with a reloaded export) the check."""
+    out = []
+    for name, raw, w in check_mod.iter_weights(model):
+        out.append({"module": name, "rel_error": weight_error(raw, w), "numel": w.numel()})
+        if result is not None:
+            check_mod.check_weight(result, name, w, loaded, fmt)
+    return out
 
 
 def _report(
@@ -348,11 +353,11 @@ def _report(
 ) -> dict[str, Any]:
     labels = _labels(model)
     by_label: dict[str, int] = {}
-    for name, _, _ in weights:
-        label = labels.get(_module_of(name, labels), "?")
+    for w in weights:
+        label = labels.get(_module_of(w["module"], labels), "?")
         by_label[label] = by_label.get(label, 0) + 1
-    quantized_names = {n for n, _, _ in weights}
-    elements = sum(w.numel() for _, _, w in weights)
+    quantized_names = {w["module"] for w in weights}
+    elements = sum(w["numel"] for w in weights)
     export_dir = os.path.join(os.path.dirname(out), os.path.basename(out) + ".partial", "export")
     cov = weight_coverage(model, QuantizeConfig.from_any(copy.deepcopy(cfg)))
     if result is None:
@@ -389,7 +394,7 @@ def _report(
             "max_ulp": None if result is None else result.max_ulp,
         },
         "export": {"dir": out, "format": fmt, "files": (list(manifest.files) if manifest else []) + ["report.json", "report.html"]},
-        "layer_errors": [{"module": n, "rel_error": weight_error(raw, w)} for n, raw, w in weights],
+        "layer_errors": [{"module": w["module"], "rel_error": w["rel_error"]} for w in weights],
         "stage_seconds": dict(stages.times),
         "versions": versions(),
     }
