@@ -15,18 +15,7 @@ import quantlib as ql  # noqa: E402
 from quantlib.__main__ import main  # noqa: E402
 from quantlib.export import safetensors_io  # noqa: E402
 from quantlib.pipeline import PipelineError  # noqa: E402
-from tests.test_pipeline._models import FAST, write_jsonl, write_model, write_text  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def disk(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad")
-    return {
-        "root": root,
-        "llama": write_model(root, "llama"),
-        "no_tok": write_model(root / "nt", "llama", tokenizer=False),
-        "text": write_text(root / "t.txt"),
-    }
+from tests.test_pipeline._models import FAST, write_jsonl, write_text  # noqa: E402
 
 
 def _refused(tmp_path, match: str, model=None, **kw) -> str:

@@ -18,18 +18,7 @@ from quantlib.__main__ import main  # noqa: E402
 from quantlib.calib import sequential as seq_mod  # noqa: E402
 from quantlib.pipeline import run as run_mod  # noqa: E402
 from quantlib.pipeline.run import Interrupted  # noqa: E402
-from tests.test_pipeline._models import FAST, write_jsonl, write_model, write_text  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def disk(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    return {
-        "root": root,
-        "text": write_text(root / "calib.txt"),
-        "jsonl": write_jsonl(root / "calib.jsonl"),
-        **{f: write_model(root, f) for f in ("llama", "qwen3", "qwen3_moe")},
-    }
+from tests.test_pipeline._models import FAST  # noqa: E402
 
 
 def _run(disk, tmp_path, family="llama", **kw):
