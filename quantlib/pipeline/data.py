@@ -80,8 +80,12 @@ def _dataset_texts(name: str, text_field: str) -> Iterator[str]:
         ) from None
     parts = name.split(":")
     ds_name, config, split = parts[0], parts[1] if len(parts) > 1 and parts[1] else None, parts[2] if len(parts) > 2 else "train"
-    saved = datasets.config.HF_DATASETS_OFFLINE
-    datasets.config.HF_DATASETS_OFFLINE = True  # offline first: a dataset not in the cache fails in seconds
+    # offline first, in-process for this call only: a dataset not in the cache fails in seconds instead of hanging
+    # (datasets' load reads HF_HUB_OFFLINE in recent releases, HF_DATASETS_OFFLINE in older ones)
+    flags = [f for f in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(datasets.config, f)]
+    saved = {f: getattr(datasets.config, f) for f in flags}
+    for f in flags:
+        setattr(datasets.config, f, True)
     try:
         ds = datasets.load_dataset(ds_name, config, split=split, download_mode="reuse_cache_if_exists")
     except Exception as exc:
@@ -89,7 +93,8 @@ def _dataset_texts(name: str, text_field: str) -> Iterator[str]:
             f"--data {name}: not a file, and not a Hugging Face dataset in the local cache ({type(exc).__name__}); download it first or pass a file"
         ) from None
     finally:
-        datasets.config.HF_DATASETS_OFFLINE = saved
+        for f, v in saved.items():
+            setattr(datasets.config, f, v)
     if text_field not in ds.column_names:
         raise PipelineError(f"--data {name}: no text field {text_field!r} (columns: {ds.column_names}); pass --text-field NAME")
     for row in ds:
