@@ -89,7 +89,15 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # ModelOpt first: its import is then timed cold, and the check of a ModelOpt-format export (which
         # dequantizes with ModelOpt's qtensors) does not pay for that import
-        windows = load_windows(load_tokenizer(model_dir, False), None, EMBEDDED_TEXT if model_dir == EMBEDDED_DIR else None, "text", args.num_samples, args.eval_samples, args.seq_len)
+        windows = load_windows(
+            load_tokenizer(model_dir, False),
+            None,
+            EMBEDDED_TEXT if model_dir == EMBEDDED_DIR else None,
+            "text",
+            args.num_samples,
+            args.eval_samples,
+            args.seq_len,
+        )
         theirs = modelopt_flow(model_dir, args.preset, windows, args.batch_size, os.path.join(tmp, "mo"))
         report = ql.oneshot(args.model, preset=args.preset, device="cpu", out=os.path.join(tmp, "ql"), progress=False, **sizes)
         ours.update(report["stage_seconds"])
@@ -98,9 +106,19 @@ def main(argv=None) -> dict:
     for k in rows:
         a, b = ours.get(k), theirs.get(k)
         print(f"{k:28s} {'' if a is None else f'{a:10.2f}':>10s} {'' if b is None else f'{b:10.2f}':>10s}")
-    print(f"quantlib: perplexity before {report['perplexity']['before']['perplexity']:.4f}, after {report['perplexity']['after']['perplexity']:.4f}, "
-          f"reloaded {report['perplexity']['reloaded']['perplexity']:.4f}; {report['check']['summary']}")  # fmt: skip
-    result = {"quantlib": ours, "modelopt": theirs, "preset": args.preset, "model": model_dir, "sizes": sizes, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    print(
+        f"quantlib: perplexity before {report['perplexity']['before']['perplexity']:.4f}, after {report['perplexity']['after']['perplexity']:.4f}, "
+        f"reloaded {report['perplexity']['reloaded']['perplexity']:.4f}; {report['check']['summary']}"
+    )
+    result = {
+        "quantlib": ours,
+        "modelopt": theirs,
+        "preset": args.preset,
+        "model": model_dir,
+        "sizes": sizes,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

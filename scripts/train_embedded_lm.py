@@ -84,8 +84,19 @@ def build_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, eos_token_id=256, pad_token_id=256, bos_token_id=None)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        eos_token_id=256,
+        pad_token_id=256,
+        bos_token_id=None,
+    )
     return LlamaForCausalLM(cfg)
 
 

@@ -41,28 +41,24 @@ class CheckResult:
 
 
 @torch.no_grad()
-def iter_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def iter_weights(model: nn.Module, quantized: bool = True) -> Iterator[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
     """(checkpoint module name, weight, the weight the fake-quantized model computes with) of every quantized
-    weight; experts per expert, gate/up split as checkpoints hold them."""
+    weight, one at a time (never all at once); experts per expert, gate/up split as checkpoints hold them.
+    ``quantized=False`` yields None in place of the quantized weight (names and shapes only)."""
     for name, m in model.named_modules():
         if isinstance(m, hf_experts.QuantFusedExperts):
             for proj in m.projections:
                 for e in range(m.num_experts):
                     raw = hf_experts.expert_weight(m, proj, e)
-                    w = m.quantize_weight(raw, f"{proj}_weight_quantizer", e)
+                    w = m.quantize_weight(raw, f"{proj}_weight_quantizer", e) if quantized else raw
                     if proj == "gate_up_proj":
                         half = w.shape[0] // 2
-                        yield f"{name}.{e}.gate_proj", raw[:half], w[:half]
-                        yield f"{name}.{e}.up_proj", raw[half:], w[half:]
+                        yield f"{name}.{e}.gate_proj", raw[:half], w[:half] if quantized else None
+                        yield f"{name}.{e}.up_proj", raw[half:], w[half:] if quantized else None
                     else:
-                        yield f"{name}.{e}.{proj}", raw, w
+                        yield f"{name}.{e}.{proj}", raw, w if quantized else None
         elif isinstance(m, QuantModule) and hasattr(m, "weight") and m.weight_quantizer.is_enabled:
-            yield name, m.weight, m.quantize_weight(m.weight)
-
-
-def fake_quant_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint module name -> the weight the fake-quantized model computes with."""
-    return {name: w for name, _, w in iter_weights(model)}
+            yield name, m.weight, m.quantize_weight(m.weight) if quantized else None
 
 
 def loaded_weight(model: nn.Module, name: str) -> torch.Tensor:
@@ -87,27 +83,24 @@ def _ulp(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return int(d.max()) if d.numel() else 0
 
 
-def compare(expected: dict[str, torch.Tensor], loaded: nn.Module, consumer: str, fmt: str) -> CheckResult:
-    """Compare ``loaded``'s weights with ``expected`` (fake-quantized) under ``fmt``'s rule."""
-    rule = RULES.get(fmt, "exact")
-    res = CheckResult(consumer, rule)
-    for name, ref in expected.items():
-        try:
-            got = loaded_weight(loaded, name).detach().to(ref.device)
-        except AttributeError:
-            res.mismatched.append(f"{name} (absent from the reloaded model)")
-            continue
-        res.compared += 1
-        if got.shape != ref.shape:
-            res.mismatched.append(f"{name} (shape {tuple(got.shape)} != {tuple(ref.shape)})")
-            continue
-        got = got.to(ref.dtype)
-        ulp = _ulp(got, ref)
-        res.max_ulp = max(res.max_ulp, ulp)
-        ok = {"exact": ulp == 0, "ulp1": ulp <= 1, "bf16ulp1": _ulp(got, ref, torch.bfloat16) <= 1}[rule]
-        if not ok:
-            res.mismatched.append(f"{name} ({ulp} ulp)")
-    return res
+def check_weight(res: CheckResult, name: str, ref: torch.Tensor, loaded: nn.Module, fmt: str) -> None:
+    """Compare ``loaded``'s weight ``name`` with ``ref`` (fake-quantized) under ``fmt``'s rule; record it in ``res``."""
+    try:
+        got = loaded_weight(loaded, name).detach()
+    except AttributeError:
+        res.mismatched.append(f"{name} (absent from the reloaded model)")
+        return
+    res.compared += 1
+    if got.shape != ref.shape:
+        res.mismatched.append(f"{name} (shape {tuple(got.shape)} != {tuple(ref.shape)})")
+        return
+    ref = ref.detach().cpu()
+    got = got.cpu().to(ref.dtype)
+    ulp = _ulp(got, ref)
+    res.max_ulp = max(res.max_ulp, ulp)
+    ok = {"exact": ulp == 0, "ulp1": ulp <= 1, "bf16ulp1": _ulp(got, ref, torch.bfloat16) <= 1}[res.rule]
+    if not ok:
+        res.mismatched.append(f"{name} ({ulp} ulp)")
 
 
 def _read_modules(export_dir: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -159,7 +152,9 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
     return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
 
 
-def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str) -> None:
+def _dense_copy(
+    export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str
+) -> None:
     """A dense checkpoint of the export in ``out_dir``: each quantized weight dequantized by the consumer's own
     code, the other tensors as written; config.json without its quantization_config."""
     from safetensors.torch import save_file
@@ -180,7 +175,9 @@ def _dense_copy(export_dir: str, dequantize: Callable[[dict, torch.Size], torch.
         json.dump(config, f)
 
 
-def reload_export(export_dir: str, fmt: str, expected: dict[str, torch.Tensor], trust_remote_code: bool) -> tuple[Optional[nn.Module], str, str]:
+def reload_export(
+    export_dir: str, fmt: str, shapes: dict[str, torch.Size], trust_remote_code: bool
+) -> tuple[Optional[nn.Module], str, str]:
     """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
     (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
     dense weights then loaded by transformers); None and the reason when the consumer is not installed."""
@@ -200,7 +197,7 @@ def reload_export(export_dir: str, fmt: str, expected: dict[str, torch.Tensor], 
         return None, fmt, f"its consumer is not installed ({exc.name}; pip install quantlib[export])"
     tmp = tempfile.mkdtemp(prefix=".reload-", dir=os.path.dirname(os.path.abspath(export_dir)))
     try:
-        _dense_copy(export_dir, dequantize, {n: w.shape for n, w in expected.items()}, tmp)
+        _dense_copy(export_dir, dequantize, shapes, tmp)
         return AutoModelForCausalLM.from_pretrained(tmp, **kwargs).eval(), consumer, ""
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -211,5 +208,7 @@ def require_passed(res: CheckResult, fmt: str) -> None:
     if res.compared == 0:
         raise PipelineError(f"check: the {fmt} export holds no quantized weight the reloaded model could be compared on")
     if res.mismatched:
-        raise PipelineError(f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
-                            f"(rule {res.rule}): {', '.join(res.mismatched[:3])}")  # fmt: skip
+        raise PipelineError(
+            f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
+            f"(rule {res.rule}): {', '.join(res.mismatched[:3])}"
+        )

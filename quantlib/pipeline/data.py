@@ -75,17 +75,26 @@ def _dataset_texts(name: str, text_field: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise PipelineError(f"--data {name}: no such file or directory, and the `datasets` package (for Hugging Face datasets) is not installed") from None
+        raise PipelineError(
+            f"--data {name}: no such file or directory, and the `datasets` package (for Hugging Face datasets) is not installed"
+        ) from None
     parts = name.split(":")
     ds_name, config, split = parts[0], parts[1] if len(parts) > 1 and parts[1] else None, parts[2] if len(parts) > 2 else "train"
-    saved = datasets.config.HF_DATASETS_OFFLINE
-    datasets.config.HF_DATASETS_OFFLINE = True  # offline first: a dataset not in the cache fails in seconds
+    # offline first, in-process for this call only: a dataset not in the cache fails in seconds instead of hanging
+    # (datasets' load reads HF_HUB_OFFLINE in recent releases, HF_DATASETS_OFFLINE in older ones)
+    flags = [f for f in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(datasets.config, f)]
+    saved = {f: getattr(datasets.config, f) for f in flags}
+    for f in flags:
+        setattr(datasets.config, f, True)
     try:
         ds = datasets.load_dataset(ds_name, config, split=split, download_mode="reuse_cache_if_exists")
     except Exception as exc:
-        raise PipelineError(f"--data {name}: not a file, and not a Hugging Face dataset in the local cache ({type(exc).__name__}); download it first or pass a file") from None
+        raise PipelineError(
+            f"--data {name}: not a file, and not a Hugging Face dataset in the local cache ({type(exc).__name__}); download it first or pass a file"
+        ) from None
     finally:
-        datasets.config.HF_DATASETS_OFFLINE = saved
+        for f, v in saved.items():
+            setattr(datasets.config, f, v)
     if text_field not in ds.column_names:
         raise PipelineError(f"--data {name}: no text field {text_field!r} (columns: {ds.column_names}); pass --text-field NAME")
     for row in ds:
@@ -95,9 +104,16 @@ def _dataset_texts(name: str, text_field: str) -> Iterator[str]:
 def iter_texts(source: str, text_field: str = "text") -> Iterator[str]:
     """The documents of ``source``: a file, a directory (its files, sorted), or a cached HF dataset name."""
     if os.path.isdir(source):
-        files = sorted(os.path.join(d, n) for d, _, names in os.walk(source) for n in names if n.endswith(TEXT_SUFFIXES + (".jsonl", ".json", ".parquet")))
+        files = sorted(
+            os.path.join(d, n)
+            for d, _, names in os.walk(source)
+            for n in names
+            if n.endswith(TEXT_SUFFIXES + (".jsonl", ".json", ".parquet"))
+        )
         if not files:
-            raise PipelineError(f"--data {source}: a directory with no text, JSONL or Parquet files ({', '.join(TEXT_SUFFIXES)}, .jsonl, .parquet)")
+            raise PipelineError(
+                f"--data {source}: a directory with no text, JSONL or Parquet files ({', '.join(TEXT_SUFFIXES)}, .jsonl, .parquet)"
+            )
         for f in files:
             yield from _file_texts(f, text_field)
     elif os.path.isfile(source):
@@ -130,10 +146,14 @@ def pack(tokenizer: Any, texts: Iterator[str], source: str, num_samples: int, ev
     return TextWindows(t[:num_samples], t[num_samples:], source, len(ids))
 
 
-def load_windows(tokenizer: Any, source: Optional[str], builtin: Optional[str], text_field: str, num_samples: int, eval_samples: int, seq_len: int) -> TextWindows:
+def load_windows(
+    tokenizer: Any, source: Optional[str], builtin: Optional[str], text_field: str, num_samples: int, eval_samples: int, seq_len: int
+) -> TextWindows:
     """Windows of --data, or of the model's built-in text ``builtin`` when --data is not given."""
     if source is None:
         if builtin is None:
-            raise PipelineError("--data is required for a model without built-in text: pass a text / JSONL / Parquet file, a directory, or a cached dataset name")
+            raise PipelineError(
+                "--data is required for a model without built-in text: pass a text / JSONL / Parquet file, a directory, or a cached dataset name"
+            )
         source = builtin
     return pack(tokenizer, iter_texts(source, text_field), source, num_samples, eval_samples, seq_len)

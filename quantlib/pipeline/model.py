@@ -42,9 +42,13 @@ def check_model_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise PipelineError(f"--model {path}: no such directory; pass a Hugging Face model directory (config.json and weights)")
     if any(os.path.exists(os.path.join(path, m)) for m in _MEGATRON_MARKERS) or glob.glob(os.path.join(path, "iter_*")):
-        raise PipelineError(f"--model {path}: a Megatron-Core checkpoint; quantlib quantize reads Hugging Face model directories (quantize Megatron models in Python: see the README's Megatron-Core section)")
+        raise PipelineError(
+            f"--model {path}: a Megatron-Core checkpoint; quantlib quantize reads Hugging Face model directories (quantize Megatron models in Python: see the README's Megatron-Core section)"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise PipelineError(f"--model {path}: not a Hugging Face model directory (no config.json); pass the directory save_pretrained wrote")
+        raise PipelineError(
+            f"--model {path}: not a Hugging Face model directory (no config.json); pass the directory save_pretrained wrote"
+        )
     if not glob.glob(os.path.join(path, "*.safetensors")) and not glob.glob(os.path.join(path, "pytorch_model*.bin")):
         raise PipelineError(f"--model {path}: config.json but no weights (*.safetensors or pytorch_model*.bin)")
 
@@ -56,7 +60,9 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise PipelineError(f"--model {path}: no tokenizer that loads offline ({type(exc).__name__}); save it beside the weights (tokenizer.save_pretrained(dir))") from None
+        raise PipelineError(
+            f"--model {path}: no tokenizer that loads offline ({type(exc).__name__}); save it beside the weights (tokenizer.save_pretrained(dir))"
+        ) from None
     if not callable(tok):
         raise PipelineError(f"--model {path}: no tokenizer (AutoTokenizer gave {type(tok).__name__}); save it beside the weights")
     return tok
@@ -77,7 +83,9 @@ def load_model(path: str, dtype: str, trust_remote_code: bool) -> nn.Module:
 
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, path), local_files_only=True, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype(dtype, path), local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except PipelineError:
         raise
     except Exception as exc:

@@ -86,12 +86,16 @@ class OneshotOptions:
         if self.kv_cache is not None and self.kv_cache not in KV_CHOICES:
             raise PipelineError(f"--kv-cache {self.kv_cache!r}: one of {sorted(KV_CHOICES)}")
         if self.lm_eval_tasks:
-            raise PipelineError("--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args pretrained=OUT` on the export")
+            raise PipelineError(
+                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args pretrained=OUT` on the export"
+            )
 
 
 def _read_config_file(path: str) -> dict:
     if not os.path.isfile(path):
-        raise PipelineError(f"--config {path}: no such file; pass a YAML or JSON file in ModelOpt's schema ({{'quant_cfg': ..., 'algorithm': ...}})")
+        raise PipelineError(
+            f"--config {path}: no such file; pass a YAML or JSON file in ModelOpt's schema ({{'quant_cfg': ..., 'algorithm': ...}})"
+        )
     with open(path) as f:
         text = f.read()
     try:
@@ -104,7 +108,9 @@ def _read_config_file(path: str) -> dict:
     except ImportError:
         raise PipelineError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), or write the recipe as JSON") from None
     except Exception as exc:
-        raise PipelineError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {exc}".replace("\n", " ")) from None
+        raise PipelineError(
+            f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {exc}".replace("\n", " ")
+        ) from None
     if not isinstance(raw, dict) or "quant_cfg" not in raw:
         raise PipelineError(f"--config {path}: expected a mapping with 'quant_cfg' (and 'algorithm'), as ModelOpt's configs")
     return raw
@@ -166,8 +172,10 @@ def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
         return NO_EXPORT
     method = QuantizeConfig.from_any(copy.deepcopy(cfg)).algorithm_name
     if method in PRE_QUANT_SCALE_ALGORITHMS:
-        raise PipelineError(f"recipe {recipe}: its algorithm {method} sets pre_quant_scale, which no export format carries; "
-                            "pass --export-format none to quantize and evaluate only, or --algorithm max / mse")  # fmt: skip
+        raise PipelineError(
+            f"recipe {recipe}: its algorithm {method} sets pre_quant_scale, which no export format carries; "
+            "pass --export-format none to quantize and evaluate only, or --algorithm max / mse"
+        )
     if opts.export_format:
         try:
             return as_format(opts.export_format).value
@@ -175,4 +183,6 @@ def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
             raise PipelineError(f"--export-format: {exc}") from None
     if recipe in DEFAULT_FORMATS:
         return DEFAULT_FORMATS[recipe]
-    raise PipelineError(f"recipe {recipe}: no export format carries it by default; pass --export-format FORMAT (or none to skip the export)")
+    raise PipelineError(
+        f"recipe {recipe}: no export format carries it by default; pass --export-format FORMAT (or none to skip the export)"
+    )

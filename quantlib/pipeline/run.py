@@ -30,7 +30,17 @@ from ..nn.quant_module import QuantModule
 from . import check as check_mod
 from .data import TextWindows, load_windows
 from .evaluate import Perplexity, perplexity
-from .model import EMBEDDED_DIR, EMBEDDED_TEXT, check_model_dir, load_model, load_tokenizer, model_bytes, needs_sequential, quiet_transformers, resolve_device
+from .model import (
+    EMBEDDED_DIR,
+    EMBEDDED_TEXT,
+    check_model_dir,
+    load_model,
+    load_tokenizer,
+    model_bytes,
+    needs_sequential,
+    quiet_transformers,
+    resolve_device,
+)
 from .options import NO_EXPORT, OneshotOptions, PipelineError, export_format, resolve_recipe
 from .report import format_table, stored_weight_bytes, summary_rows, versions, weight_error, write_reports
 from .stages import Stages
@@ -41,7 +51,24 @@ class Interrupted(PipelineError):
 
 
 #: options that must match for --resume to continue a run (the others may change: --progress, --resume)
-_RESUME_KEYS = ("model", "preset", "config", "algorithm", "data", "text_field", "dtype", "num_samples", "eval_samples", "seq_len", "batch_size", "kv_cache", "exclude", "export_format", "sequential", "seed")
+_RESUME_KEYS = (
+    "model",
+    "preset",
+    "config",
+    "algorithm",
+    "data",
+    "text_field",
+    "dtype",
+    "num_samples",
+    "eval_samples",
+    "seq_len",
+    "batch_size",
+    "kv_cache",
+    "exclude",
+    "export_format",
+    "sequential",
+    "seed",
+)
 
 
 def default_out(model_dir: str, fmt: str) -> str:
@@ -65,7 +92,9 @@ def _prepare_dirs(opts: OneshotOptions, out: str) -> str:
             saved = json.load(f)
         diff = [k for k in _RESUME_KEYS if saved.get(k) != wanted[k]]
         if diff:
-            raise PipelineError(f"--resume: the unfinished run at {staging} was started with other options ({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); pass the same options or drop --resume")
+            raise PipelineError(
+                f"--resume: the unfinished run at {staging} was started with other options ({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); pass the same options or drop --resume"
+            )
         return staging
     shutil.rmtree(staging, ignore_errors=True)  # an old unfinished run, not resumed: start over
     os.makedirs(staging)
@@ -74,7 +103,9 @@ def _prepare_dirs(opts: OneshotOptions, out: str) -> str:
     return staging
 
 
-def _forward_loop(batches: list[torch.Tensor], device: torch.device, on_pass: Callable[[int], None], on_batch: Callable[[], None]) -> Callable[[nn.Module], None]:
+def _forward_loop(
+    batches: list[torch.Tensor], device: torch.device, on_pass: Callable[[int], None], on_batch: Callable[[], None]
+) -> Callable[[nn.Module], None]:
     calls = [0]
 
     def loop(model: nn.Module) -> None:
@@ -101,7 +132,16 @@ def _resident_on(model: nn.Module, device: torch.device) -> None:
         setattr(parent, attr, layers)
 
 
-def _calibrate(model: nn.Module, cfg: dict, windows: TextWindows, opts: OneshotOptions, device: torch.device, sequential: bool, staging: str, stages: Stages) -> None:
+def _calibrate(
+    model: nn.Module,
+    cfg: dict,
+    windows: TextWindows,
+    opts: OneshotOptions,
+    device: torch.device,
+    sequential: bool,
+    staging: str,
+    stages: Stages,
+) -> None:
     """Quantize ``model`` (or restore the state a crashed run saved), then share sibling amax as the export formats need."""
     state_file = os.path.join(staging, "quantizer_state.pt")
     if opts.resume and os.path.isfile(state_file):
@@ -194,19 +234,25 @@ def run(opts: OneshotOptions) -> dict[str, Any]:
         report = _stages(opts, recipe, cfg, fmt, model_dir, out, staging, stages)
     except KeyboardInterrupt:
         stages.end()
-        raise Interrupted(f"interrupted; nothing was written to {out}; the finished work is in {staging}: run the same command with --resume to continue") from None
+        raise Interrupted(
+            f"interrupted; nothing was written to {out}; the finished work is in {staging}: run the same command with --resume to continue"
+        ) from None
     except (OSError, ExportError) as exc:
         stages.end()
         disk_error = exc if isinstance(exc, OSError) else exc.__cause__
         if isinstance(disk_error, OSError) and disk_error.errno == errno.ENOSPC:
-            raise PipelineError(f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and rerun with --resume") from None
+            raise PipelineError(
+                f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and rerun with --resume"
+            ) from None
         if isinstance(exc, ExportError):
             raise PipelineError(f"export {fmt}: {exc}; pass another --export-format or recipe") from None
         raise
     return report
 
 
-def _stages(opts: OneshotOptions, recipe: str, cfg: dict, fmt: str, model_dir: str, out: str, staging: str, stages: Stages) -> dict[str, Any]:
+def _stages(
+    opts: OneshotOptions, recipe: str, cfg: dict, fmt: str, model_dir: str, out: str, staging: str, stages: Stages
+) -> dict[str, Any]:
     torch.manual_seed(opts.seed)
     stage = stages.begin("load", total=3)
     tok = load_tokenizer(model_dir, opts.trust_remote_code)
@@ -216,7 +262,15 @@ def _stages(opts: OneshotOptions, recipe: str, cfg: dict, fmt: str, model_dir: s
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and opts.seq_len > max_pos:
         raise PipelineError(f"--seq-len {opts.seq_len}: longer than the model's max_position_embeddings {max_pos}")
-    windows = load_windows(tok, opts.data, EMBEDDED_TEXT if model_dir == EMBEDDED_DIR else None, opts.text_field, opts.num_samples, opts.eval_samples, opts.seq_len)
+    windows = load_windows(
+        tok,
+        opts.data,
+        EMBEDDED_TEXT if model_dir == EMBEDDED_DIR else None,
+        opts.text_field,
+        opts.num_samples,
+        opts.eval_samples,
+        opts.seq_len,
+    )
     stage.advance()
     device = resolve_device(opts.device)
     sequential = needs_sequential(model, device, opts.sequential)
@@ -234,20 +288,49 @@ def _stages(opts: OneshotOptions, recipe: str, cfg: dict, fmt: str, model_dir: s
     ppl["after"] = perplexity(model, held_out, eval_device, stages.begin("evaluate after", total=len(held_out)))
 
     export_dir = os.path.join(staging, "export")
-    weights = list(check_mod.iter_weights(model))
-    manifest, result, consumer, why = None, None, "", f"--export-format {NO_EXPORT}"
+    manifest, loaded, consumer, why = None, None, "", f"--export-format {NO_EXPORT}"
     if fmt != NO_EXPORT:
         stage = stages.begin(f"export {fmt}", total=2)
         manifest = export_checkpoint(model, export_dir, fmt, overwrite=True, progress=False)
         stage.advance()
         tok.save_pretrained(export_dir)
         stage.advance()
-        result, consumer, why = _check(model_dir, export_dir, fmt, weights, held_out, opts, ppl, stages)
+        stage = stages.begin("check", total=len(held_out) + 2)
+        shapes = {n: raw.shape for n, raw, _ in check_mod.iter_weights(model, quantized=False)}
+        with quiet_transformers():
+            loaded, consumer, why = check_mod.reload_export(export_dir, fmt, shapes, opts.trust_remote_code)
+        stage.advance()
     else:
+        stage = stages.begin("weight errors", total=1)
         os.makedirs(export_dir, exist_ok=True)
+    result = check_mod.CheckResult(consumer, check_mod.RULES.get(fmt, "exact")) if loaded is not None else None
+    weights = _weight_pass(model, loaded, result, fmt)
+    stage.advance()
+    if loaded is not None:
+        ppl["reloaded"] = perplexity(loaded, held_out, torch.device("cpu"), stage)
+        del loaded
+        check_mod.require_passed(result, fmt)
     stages.end()
 
-    report = _report(opts, recipe, cfg, fmt, model_dir, out, model, windows, weights, manifest, ppl, result, consumer, why, size_before, sequential, stages)
+    report = _report(
+        opts,
+        recipe,
+        cfg,
+        fmt,
+        model_dir,
+        out,
+        model,
+        windows,
+        weights,
+        manifest,
+        ppl,
+        result,
+        consumer,
+        why,
+        size_before,
+        sequential,
+        stages,
+    )
     write_reports(report, export_dir)
     _publish(staging, out)
     if opts.progress:
@@ -255,30 +338,26 @@ def _stages(opts: OneshotOptions, recipe: str, cfg: dict, fmt: str, model_dir: s
     return report
 
 
-def _check(model_dir, export_dir, fmt, weights, held_out, opts, ppl, stages) -> tuple[Optional[check_mod.CheckResult], str, str]:
-    """Reload the export with its consumer, compare its weights, evaluate it; stop the run if they break the format's rule."""
-    stage = stages.begin("check", total=len(held_out) + 2)
-    expected = {n: w.detach().cpu() for n, _, w in weights}
-    with quiet_transformers():
-        loaded, consumer, why = check_mod.reload_export(export_dir, fmt, expected, opts.trust_remote_code)
-    stage.advance()
-    if loaded is None:
-        return None, consumer, why
-    result = check_mod.compare(expected, loaded, consumer, fmt)
-    stage.advance()
-    ppl["reloaded"] = perplexity(loaded, held_out, torch.device("cpu"), stage)
-    check_mod.require_passed(result, fmt)
-    return result, consumer, why
+def _weight_pass(model: nn.Module, loaded: Optional[nn.Module], result: Optional[check_mod.CheckResult], fmt: str) -> list[dict]:
+    """One quantized weight at a time: its relative error, its size, and (with a reloaded export) the check."""
+    out = []
+    for name, raw, w in check_mod.iter_weights(model):
+        out.append({"module": name, "rel_error": weight_error(raw, w), "numel": w.numel()})
+        if result is not None:
+            check_mod.check_weight(result, name, w, loaded, fmt)
+    return out
 
 
-def _report(opts, recipe, cfg, fmt, model_dir, out, model, windows, weights, manifest, ppl, result, consumer, why, size_before, sequential, stages) -> dict[str, Any]:
+def _report(
+    opts, recipe, cfg, fmt, model_dir, out, model, windows, weights, manifest, ppl, result, consumer, why, size_before, sequential, stages
+) -> dict[str, Any]:
     labels = _labels(model)
     by_label: dict[str, int] = {}
-    for name, _, _ in weights:
-        label = labels.get(_module_of(name, labels), "?")
+    for w in weights:
+        label = labels.get(_module_of(w["module"], labels), "?")
         by_label[label] = by_label.get(label, 0) + 1
-    quantized_names = {n for n, _, _ in weights}
-    elements = sum(w.numel() for _, _, w in weights)
+    quantized_names = {w["module"] for w in weights}
+    elements = sum(w["numel"] for w in weights)
     export_dir = os.path.join(os.path.dirname(out), os.path.basename(out) + ".partial", "export")
     cov = weight_coverage(model, QuantizeConfig.from_any(copy.deepcopy(cfg)))
     if result is None:
@@ -290,16 +369,32 @@ def _report(opts, recipe, cfg, fmt, model_dir, out, model, windows, weights, man
         "recipe": recipe,
         "algorithm": QuantizeConfig.from_any(copy.deepcopy(cfg)).algorithm_name,
         "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "progress"},
-        "data": {"source": windows.source, "calib_windows": windows.calib.shape[0], "eval_windows": windows.held_out.shape[0], "seq_len": windows.calib.shape[1]},
+        "data": {
+            "source": os.path.relpath(windows.source, os.path.dirname(EMBEDDED_DIR)) if windows.source == EMBEDDED_TEXT else windows.source,
+            "calib_windows": windows.calib.shape[0],
+            "eval_windows": windows.held_out.shape[0],
+            "seq_len": windows.calib.shape[1],
+        },
         "sequential": sequential,
         "modules": {"quantized": by_label, "skipped": list(manifest.unquantized_modules) if manifest else _unquantized(model, labels)},
-        "coverage": {"total": cov.total, "quantized": cov.quantized, "quantized_share": 1 - cov.unquantized_share, "silent_share": cov.silent_share, "silent": cov.silent},
+        "coverage": {
+            "total": cov.total,
+            "quantized": cov.quantized,
+            "quantized_share": 1 - cov.unquantized_share,
+            "silent_share": cov.silent_share,
+            "silent": cov.silent,
+        },
         "effective_bits": 8 * stored_weight_bytes(export_dir, quantized_names) / elements if elements and manifest else None,
         "size_bytes": {"before": size_before, "after": manifest.num_bytes if manifest else None, "in_memory": model_bytes(model)},
         "perplexity": {k: (v.as_dict() if v is not None else None) for k, v in ppl.items()},
-        "check": {"consumer": consumer, "summary": summary, "passed": None if result is None else result.passed, "max_ulp": None if result is None else result.max_ulp},
+        "check": {
+            "consumer": consumer,
+            "summary": summary,
+            "passed": None if result is None else result.passed,
+            "max_ulp": None if result is None else result.max_ulp,
+        },
         "export": {"dir": out, "format": fmt, "files": (list(manifest.files) if manifest else []) + ["report.json", "report.html"]},
-        "layer_errors": [{"module": n, "rel_error": weight_error(raw, w)} for n, raw, w in weights],
+        "layer_errors": [{"module": w["module"], "rel_error": w["rel_error"]} for w in weights],
         "stage_seconds": dict(stages.times),
         "versions": versions(),
     }

@@ -13,8 +13,10 @@ import torch
 
 from quantlib.pipeline.model import EMBEDDED_DIR
 
-COMMON = dict(vocab_size=272, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
-              tie_word_embeddings=False, eos_token_id=256, pad_token_id=256)  # fmt: skip
+_SHAPE = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_id", "pad_token_id")
+with open(os.path.join(EMBEDDED_DIR, "config.json")) as _f:
+    #: the embedded model's shape and tokens (its byte tokenizer fits every family), two layers
+    COMMON = {k: v for k, v in json.load(_f).items() if k in _SHAPE} | dict(num_hidden_layers=2, max_position_embeddings=128)
 #: small options of a run: a few short windows
 FAST = dict(num_samples=2, eval_samples=2, seq_len=32, batch_size=2, progress=False)
 
@@ -28,7 +30,9 @@ def build(family: str):
     if family == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(intermediate_size=256, **COMMON))
     if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON)
+        cfg = tf.Qwen3MoeConfig(
+            intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON
+        )
         return tf.Qwen3MoeForCausalLM(cfg)
     raise ValueError(family)
 
@@ -62,3 +66,14 @@ def write_jsonl(path: Path, field: str = "text", n_docs: int = 20) -> Path:
         for i in range(n_docs):
             f.write(json.dumps({field: text[i * step : (i + 1) * step], "id": i}) + "\n")
     return path
+
+
+def write_disk(root: Path) -> dict[str, Path]:
+    """Everything the pipeline tests read: the three model families, one without a tokenizer, a text and a JSONL file."""
+    return {
+        "root": root,
+        "text": write_text(root / "calib.txt"),
+        "jsonl": write_jsonl(root / "calib.jsonl"),
+        "no_tok": write_model(root / "no_tokenizer", "llama", tokenizer=False),
+        **{f: write_model(root, f) for f in ("llama", "qwen3", "qwen3_moe")},
+    }

@@ -15,14 +15,7 @@ import quantlib as ql  # noqa: E402
 from quantlib.__main__ import main  # noqa: E402
 from quantlib.export import safetensors_io  # noqa: E402
 from quantlib.pipeline import PipelineError  # noqa: E402
-
-from tests.test_pipeline._models import FAST, write_jsonl, write_model, write_text  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def disk(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad")
-    return {"root": root, "llama": write_model(root, "llama"), "no_tok": write_model(root / "nt", "llama", tokenizer=False), "text": write_text(root / "t.txt")}
+from tests.test_pipeline._models import FAST, write_jsonl, write_text  # noqa: E402
 
 
 def _refused(tmp_path, match: str, model=None, **kw) -> str:
@@ -76,14 +69,26 @@ def test_data_that_is_neither_file_nor_cached_dataset(disk, tmp_path):
 
 
 def test_recipe_no_format_carries(disk, tmp_path):
-    _refused(tmp_path, "MXFP6_DEFAULT_CFG: no export format carries it by default; pass --export-format", model=disk["llama"], preset="MXFP6_DEFAULT_CFG")
+    _refused(
+        tmp_path,
+        "MXFP6_DEFAULT_CFG: no export format carries it by default; pass --export-format",
+        model=disk["llama"],
+        preset="MXFP6_DEFAULT_CFG",
+    )
     _refused(tmp_path, "awq_lite sets pre_quant_scale", model=disk["llama"], preset="INT4_AWQ_CFG")
     _refused(tmp_path, "unknown export format 'fp3'", model=disk["llama"], export_format="fp3")
 
 
 def test_format_the_recipe_cannot_export(disk, tmp_path):
     """INT8 weights into an FP8-block format: the export's own check refuses, naming the quantizer."""
-    msg = _refused(tmp_path, "export hf_fp8_block: .*weight_quantizer", model=disk["llama"], data=str(disk["text"]), preset="INT8_WEIGHT_ONLY_CFG", export_format="hf_fp8_block")
+    msg = _refused(
+        tmp_path,
+        "export hf_fp8_block: .*weight_quantizer",
+        model=disk["llama"],
+        data=str(disk["text"]),
+        preset="INT8_WEIGHT_ONLY_CFG",
+        export_format="hf_fp8_block",
+    )
     assert "--export-format" in msg
 
 
@@ -117,9 +122,23 @@ def test_out_not_empty(disk, tmp_path):
 def test_yaml_recipe_in_modelopt_schema(disk, tmp_path):
     yaml = pytest.importorskip("yaml")
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({"quant_cfg": {"*weight_quantizer": {"num_bits": [4, 3], "block_sizes": {-1: 128, -2: 128}}, "*input_quantizer": {"enable": False},
-                                                  "*lm_head*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}, sort_keys=False))  # fmt: skip
-    report = ql.oneshot(str(disk["llama"]), **dict(FAST, data=str(disk["text"]), config=str(path), export_format="hf_fp8_block", out=str(tmp_path / "out")))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "quant_cfg": {
+                    "*weight_quantizer": {"num_bits": [4, 3], "block_sizes": {-1: 128, -2: 128}},
+                    "*input_quantizer": {"enable": False},
+                    "*lm_head*": {"enable": False},
+                    "default": {"enable": False},
+                },
+                "algorithm": "max",
+            },
+            sort_keys=False,
+        )
+    )
+    report = ql.oneshot(
+        str(disk["llama"]), **dict(FAST, data=str(disk["text"]), config=str(path), export_format="hf_fp8_block", out=str(tmp_path / "out"))
+    )
     assert report["recipe"] == "r.yaml" and report["check"]["passed"]
 
 

@@ -10,7 +10,6 @@ from transformers import AutoTokenizer  # noqa: E402
 from quantlib.pipeline import PipelineError  # noqa: E402
 from quantlib.pipeline.data import iter_texts, load_windows, pack  # noqa: E402
 from quantlib.pipeline.model import EMBEDDED_DIR, EMBEDDED_TEXT  # noqa: E402
-
 from tests.test_pipeline._models import stdlib_text, write_jsonl, write_text  # noqa: E402
 
 

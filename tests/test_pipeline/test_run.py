@@ -18,15 +18,7 @@ from quantlib.__main__ import main  # noqa: E402
 from quantlib.calib import sequential as seq_mod  # noqa: E402
 from quantlib.pipeline import run as run_mod  # noqa: E402
 from quantlib.pipeline.run import Interrupted  # noqa: E402
-
-from tests.test_pipeline._models import FAST, write_jsonl, write_model, write_text  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def disk(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    return {"root": root, "text": write_text(root / "calib.txt"), "jsonl": write_jsonl(root / "calib.jsonl"),
-            **{f: write_model(root, f) for f in ("llama", "qwen3", "qwen3_moe")}}  # fmt: skip
+from tests.test_pipeline._models import FAST  # noqa: E402
 
 
 def _run(disk, tmp_path, family="llama", **kw):
@@ -121,11 +113,43 @@ def test_ctrl_c_leaves_nothing_at_out_and_resume_finishes(disk, tmp_path, monkey
 
 
 def test_cli_equals_function(disk, tmp_path, capsys):
-    args = ["quantize", "--model", str(disk["llama"]), "--data", str(disk["text"]), "--preset", "MXFP8_DEFAULT_CFG", "--export-format", "ct_mxfp8", "--exclude", "*layers.1.mlp*",
-            "--num-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--batch-size", "2", "--out", str(tmp_path / "cli"), "--quiet"]  # fmt: skip
+    args = [
+        "quantize",
+        "--model",
+        str(disk["llama"]),
+        "--data",
+        str(disk["text"]),
+        "--preset",
+        "MXFP8_DEFAULT_CFG",
+        "--export-format",
+        "ct_mxfp8",
+        "--exclude",
+        "*layers.1.mlp*",
+        "--num-samples",
+        "2",
+        "--eval-samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "cli"),
+        "--quiet",
+    ]
     assert main(args) == 0
     by_cli = json.loads((tmp_path / "cli" / "report.json").read_text())
-    by_fn = ql.oneshot(str(disk["llama"]), **dict(FAST, data=str(disk["text"]), preset="MXFP8_DEFAULT_CFG", export_format="ct_mxfp8", exclude=["*layers.1.mlp*"], out=str(tmp_path / "fn")))
+    by_fn = ql.oneshot(
+        str(disk["llama"]),
+        **dict(
+            FAST,
+            data=str(disk["text"]),
+            preset="MXFP8_DEFAULT_CFG",
+            export_format="ct_mxfp8",
+            exclude=["*layers.1.mlp*"],
+            out=str(tmp_path / "fn"),
+        ),
+    )
     for key in ("perplexity", "layer_errors", "modules", "coverage", "effective_bits", "check"):
         assert by_cli[key] == json.loads(json.dumps(by_fn[key])), key
     assert not any("layers.1.mlp" in e["module"] for e in by_fn["layer_errors"])
