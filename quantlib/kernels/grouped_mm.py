@@ -24,7 +24,9 @@ def _(x, w, offs):
 
 
 @torch.library.custom_op("quantlib::grouped_mm_backward", mutates_args=())
-def _grouped_mm_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_mm_backward(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, need_x: bool, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     grad = grad.contiguous()
     # rows past offs[-1] (expert-parallel sentinels) belong to no group: their input gradient is zero
     gx = grad.new_zeros(0)
@@ -65,7 +67,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if offs.dtype != torch.int32:
         raise TypeError(f"grouped_mm: offs must be int32 (cumulative rows per group), got {offs.dtype}")
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or offs.shape != (w.shape[0],):
-        raise ValueError(f"grouped_mm: expected x (rows, in), w (groups, in, out), offs (groups,); got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(offs.shape)}")
+        got = f"{tuple(x.shape)}, {tuple(w.shape)}, {tuple(offs.shape)}"
+        raise ValueError(f"grouped_mm: expected x (rows, in), w (groups, in, out), offs (groups,); got {got}")
     return _grouped_mm(x, w, offs)
 
 

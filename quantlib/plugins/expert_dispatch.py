@@ -37,7 +37,8 @@ def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts
     # torch.where(expert_mask[e]) over (k, tokens); a GEMM's row results depend on their place in a tile
     flat = top_k_index.t().reshape(-1)
     expert, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))[:num_experts]
+    bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)  # the last takes the sentinels
+    counts = bins.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))[:num_experts]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # each token's slots in ascending expert order (sentinels, == num_experts, last)

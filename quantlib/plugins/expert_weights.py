@@ -37,13 +37,14 @@ def quantize_stacked(module: nn.Module, name: str, param: torch.Tensor, transpos
     if token is None or param.is_inference():
         return _quantize(module, name, members, weights)
     key = (id(param), param.data_ptr(), param._version, param.dtype, param.device, transposed, token)
-    cache = module.__dict__.setdefault("_stacked_cache", {})
-    hit = cache.get(name)
+    # in the module's weight cache, which copies and pickles leave behind (QuantModule.__getstate__)
+    cache = module.__dict__.setdefault("_weight_cache", {})
+    hit = cache.get(("stacked", name))
     if hit is not None and hit[0] == key:
         return hit[1]
     out = _quantize(module, name, members, weights)
     # the entry keeps alive every object whose id() is in its key (see QuantModule.quantize_weight)
-    cache[name] = (key, out, (param, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
+    cache[("stacked", name)] = (key, out, (param, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
     return out
 
 

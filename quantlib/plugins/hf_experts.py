@@ -184,7 +184,9 @@ class QuantFusedExperts(QuantModule):
                 return f"{proj}_input_quantizer: its scale depends on which tokens it sees together"
         return ""
 
-    def _grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool) -> torch.Tensor:
+    def _grouped_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool
+    ) -> torch.Tensor:
         """Tokens sorted by expert on the device, each projection one grouped GEMM over the stacked
         fake-quantized weights: no host read, one graph under torch.compile, bit for bit the loop."""
         up, down = self.projections
@@ -215,7 +217,9 @@ class QuantFusedExperts(QuantModule):
             h = h + getattr(self, f"{proj}_bias")[d.expert]
         return h
 
-    def _loop_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool) -> torch.Tensor:
+    def _loop_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool
+    ) -> torch.Tensor:
         """One GEMM per expert that received tokens (their list read back to the host): the fallback."""
         up, down = self.projections
         num_experts = self.num_experts

@@ -172,3 +172,21 @@ def test_expert_parallel_sentinels_add_nothing_and_get_no_gradient():
     m._grouped_forward(x, idx, w, False).square().sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(m.gate_up_proj.grad).all()
     assert "expert-parallel" in m._grouped_refusal(hidden, True)
+
+
+def test_the_stacked_weight_cache_is_reused_and_left_behind_by_copies():
+    import pickle
+
+    _, experts = _quantized("qwen3_moe", "int4-block")
+    m = experts[0]
+    idx, w = _routing(m.num_experts, seed=8)
+    hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out = m(hidden, idx, w)
+        cached = m._weight_cache[("stacked", "gate_up_proj_weight_quantizer")][1]
+        assert torch.equal(m(hidden, idx, w), out)
+        assert m._weight_cache[("stacked", "gate_up_proj_weight_quantizer")][1] is cached  # reused, not recomputed
+        m.gate_up_proj.mul_(2)  # an in-place write: the next forward quantizes again
+        m(hidden, idx, w)
+        assert m._weight_cache[("stacked", "gate_up_proj_weight_quantizer")][1] is not cached
+    assert "_weight_cache" not in copy.deepcopy(m).__dict__ and "_weight_cache" not in pickle.loads(pickle.dumps(m)).__dict__
