@@ -74,8 +74,9 @@ def serialize_weight(
     fmt, source = as_format(format), as_scales(scales)
     prefix = name[: -len(".weight")] if name.endswith(".weight") else name
     wq, iq, where = _quantizers(module, prefix, input_quantizer)
-    ispec, iamax = _active_input(iq)
     input_where = where[: -len("weight_quantizer")] + "input_quantizer"
+    refuse_pre_quant_scale([(input_where, iq)])  # a smoothing scale on the input changes what the weight must be
+    ispec, iamax = _active_input(iq)
     if batched_experts:
         if not isinstance(wq, GroupedQuantizer) or tensor.dim() != 3 or len(wq) != tensor.shape[0]:
             raise ExportError(

@@ -185,3 +185,11 @@ def test_model_sync_reads_back_once(moe, monkeypatch):
     reads = HostReads(monkeypatch)
     list(sync_pairs(moe, "hf_fp8_block"))
     assert reads.count == 1  # the plan's one batched check of every amax
+
+
+def test_serialize_weight_refuses_an_input_pre_quant_scale():
+    model = quantized(llama(), W8A8_FP8)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.input_quantizer.pre_quant_scale = torch.full((256,), 0.5)
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.o_proj\.input_quantizer: pre_quant_scale is set"):
+        list(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj, "modelopt_fp8"))
