@@ -55,7 +55,11 @@ def _base_config(model: nn.Module, hf_config: Any) -> dict:
     if not callable(getattr(cfg, "to_dict", None)):
         what = "hf_config" if hf_config is not None else f"{type(model).__name__}.config"
         raise ExportError(f"{what}={cfg!r} ({type(cfg).__name__}): expected a transformers PretrainedConfig or a dict of config.json")
-    return cfg.to_dict()
+    out = cfg.to_dict()
+    if not out.get("architectures") and cfg is getattr(model, "config", None) and hasattr(model, "save_pretrained"):
+        # a model built from its config (never saved) has none; vLLM then picks a pooling model without lm_head
+        out["architectures"] = [type(model).__name__]
+    return out
 
 
 def check_arguments(**kwargs: Any) -> None:

@@ -138,3 +138,16 @@ def test_offloaded_model_with_a_missing_layer_file(tmp_path):
         export_checkpoint(model, tmp_path / "out", "hf_fp8_block", offload_folder=str(tmp_path / "layers"))
     assert sorted(os.listdir(tmp_path)) == ["layers"]  # nothing half-written
     assert all(p.is_meta for p in model.model.layers.parameters())
+
+
+def test_config_names_the_architecture(tmp_path):
+    """A model built from its config has ``architectures: None``; vLLM then loads a pooling model (no lm_head)."""
+    import json
+
+    model = _llama()
+    assert not model.config.architectures
+    cfg = copy.deepcopy(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+    cfg["quant_cfg"]["*lm_head*"] = {"enable": False}
+    export_checkpoint(ql.quantize(model, cfg), tmp_path / "c", "hf_fp8_block")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert model.config.architectures is None  # the model's own config is left as it was
