@@ -156,7 +156,7 @@ def resolve_recipe(opts: OneshotOptions) -> tuple[str, dict]:
     return name, cfg
 
 
-#: algorithms that leave a pre_quant_scale (a per-channel input scale) that no export format carries
+#: algorithms that leave a pre_quant_scale (a per-channel input scale), which the pipeline does not fold yet
 PRE_QUANT_SCALE_ALGORITHMS = ("smoothquant", "awq_lite", "awq_full")
 #: --export-format none: quantize and evaluate only
 NO_EXPORT = "none"
@@ -173,8 +173,9 @@ def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
     method = QuantizeConfig.from_any(copy.deepcopy(cfg)).algorithm_name
     if method in PRE_QUANT_SCALE_ALGORITHMS:
         raise PipelineError(
-            f"recipe {recipe}: its algorithm {method} sets pre_quant_scale, which no export format carries; "
-            "pass --export-format none to quantize and evaluate only, or --algorithm max / mse"
+            f"recipe {recipe}: its algorithm {method} sets pre_quant_scale, which this command does not fold into the export yet; "
+            "pass --export-format none to quantize and evaluate only, --algorithm max / mse / gptq, or export from Python "
+            "after quantlib.export.share_pre_quant_scale (see the README's export section)"
         )
     if opts.export_format:
         try:
