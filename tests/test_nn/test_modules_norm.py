@@ -109,17 +109,3 @@ def test_export_writes_a_quantized_layernorm_unquantized_and_names_it(tmp_path, 
         man = export_checkpoint(model, tmp_path / "c", "modelopt_fp8")
     assert man.quantized_modules == ["0", "2"] and man.unquantized_modules == ["1"]
     assert "the quantized inputs of 1 input-only module(s) ['1'] are written unquantized" in caplog.text
-
-
-def test_checkpoint_without_layernorm_quantizers_restores_them_off(tmp_path):
-    """A checkpoint written before nn.LayerNorm was converted (no entries for its quantizers) restores
-    strictly, with the LayerNorms unquantized as they were then."""
-    cfg = {"quant_cfg": {**ql.INT8_DEFAULT_CFG["quant_cfg"], "*layernorm*": {"enable": False}, "*layer_norm*": {"enable": False}}, "algorithm": "max"}
-    reference = ql.quantize(neox(), cfg, loop)
-    state = ql.quantizer_state(reference)
-    state["quantizers"] = {n: q for n, q in state["quantizers"].items() if "layernorm" not in n and "layer_norm" not in n}
-    restored = ql.checkpoint.restore_state(neox(), state)
-    norms = [m for m in restored.modules() if isinstance(m, nn.LayerNorm)]
-    assert norms and all(not m.input_quantizer.is_enabled for m in norms)
-    with torch.no_grad():
-        assert torch.equal(restored(BATCH).logits, reference(BATCH).logits)

@@ -24,9 +24,7 @@ class QuantInputOnly(QuantModule):
     input_only = True
 
     def _setup(self) -> None:
-        # off until a config rule turns it on: a checkpoint written before these modules were converted
-        # restores them off, as they were then (quantlib.checkpoint does not count them as missing)
-        self.input_quantizer = TensorQuantizer(QuantizerAttributeConfig(enable=False))
+        self.input_quantizer = TensorQuantizer(QuantizerAttributeConfig())
         self.output_quantizer = TensorQuantizer(QuantizerAttributeConfig(enable=False))
         self._weight_cache = {}
 
