@@ -16,9 +16,10 @@ from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.collectives import StatSync
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
-from .config import ConfigError, QuantizeConfig, algorithm_config
+from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
 from .kv_cache import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
+from .nn.modules.modelopt_only import MODELOPT_ONLY
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
@@ -85,6 +86,19 @@ def set_quantizer_by_cfg(model: nn.Module, config: Union[QuantizeConfig, dict]) 
             leaf._qname = leaf_name
 
 
+def warn_modelopt_only(model: nn.Module, cfg: QuantizeConfig) -> None:
+    """Warn, naming the modules, where ``cfg`` would enable quantizers of modules that ModelOpt converts
+    and quantlib does not (``quantlib.nn.modules.modelopt_only``): there the two libraries differ."""
+    found: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        qnames = MODELOPT_ONLY.get(type(m), ())
+        if qnames and not QuantModuleRegistry.is_registered(type(m)):
+            if any(turns_on(*cfg.resolve(f"{name}.{qn}" if name else qn, class_names(m))) for qn in qnames):
+                found.setdefault(type(m).__name__, []).append(name)
+    for cls, names in found.items():
+        _log.warning("%d nn.%s module(s) %s stay in full precision: ModelOpt would quantize them with this config, quantlib does not convert nn.%s", len(names), cls, names[:5], cls)
+
+
 def _set_enabled(model: nn.Module, pattern: str, enabled: bool) -> int:
     count = 0
     for name, _, _, q in iter_quantizers(model):
@@ -117,6 +131,7 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
     cfg = QuantizeConfig.from_any(config)
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
+    warn_modelopt_only(model, cfg)
     check_weight_quantizers(model)
     check_bias_support(model, cfg.algorithm_name)
     check_kv_reach(model, cfg)
