@@ -461,8 +461,6 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
     if not isinstance(saved, dict):
         raise CheckpointError("'quantizers' must be a dict")
     missing, unexpected = sorted(set(plan) - set(saved)), sorted(set(saved) - set(plan))
-    # input-only modules (nn.LayerNorm) were not converted by older quantlib: absent, they stay off
-    missing = [n for n in missing if not _quantized_class(plan[n][0]).input_only]
     if unexpected or (strict and missing):
         raise CheckpointError(
             f"checkpoint does not match the model: {len(missing)} quantizer(s) missing from it {missing[:3]}, "

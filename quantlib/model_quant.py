@@ -19,7 +19,7 @@ from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runn
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
 from .kv_cache import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
-from .nn.modules.norm import MODELOPT_ONLY
+from .nn.modules.modelopt_only import MODELOPT_ONLY
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
 from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
@@ -88,7 +88,7 @@ def set_quantizer_by_cfg(model: nn.Module, config: Union[QuantizeConfig, dict]) 
 
 def warn_modelopt_only(model: nn.Module, cfg: QuantizeConfig) -> None:
     """Warn, naming the modules, where ``cfg`` would enable quantizers of modules that ModelOpt converts
-    and quantlib does not (``quantlib.nn.modules.norm.MODELOPT_ONLY``): there the two libraries differ."""
+    and quantlib does not (``quantlib.nn.modules.modelopt_only``): there the two libraries differ."""
     found: dict[str, list[str]] = {}
     for name, m in model.named_modules():
         qnames = MODELOPT_ONLY.get(type(m), ())

@@ -164,8 +164,6 @@ def served_linears(model: nn.Module, method: str, needs_input: bool, tensor_para
         if callable(getattr(m, "expert_gemm", None)):
             out += _expert_gemms(name, m, needs_input)
             continue
-        if m.input_only:
-            continue  # max calibration, as ModelOpt's searches leave its QuantInputBase modules
         w = linear_weight(m)
         if w is None:
             enabled = [qn for qn in m.quantizer_names if getattr(getattr(m, qn, None), "is_enabled", False)]

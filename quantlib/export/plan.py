@@ -4,7 +4,6 @@ anything is packed or written (DESIGN §9)."""
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -23,8 +22,6 @@ from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
 from .modules import _direct, named_modules
 from .types import ExportError
-
-_log = logging.getLogger("quantlib")
 
 
 @dataclass
@@ -139,14 +136,9 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
     base_groups = QuantModule.weight_groups
-    dropped: list[str] = []
     for name, module in named_modules(model) if modules is None else modules:
         direct = _direct(module, seen)
         quant = isinstance(module, QuantModule)
-        if quant and module.input_only:  # nn.LayerNorm: no consumer format quantizes a norm's input
-            if any(q is not None and q.is_enabled for _, q in module_quantizers(module, name)):
-                dropped.append(name)
-            quant = False
         if not direct and not quant:
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
@@ -174,8 +166,6 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
                 direct = {}
         if direct:
             items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
-    if dropped:
-        _log.warning("export: the quantized inputs of %d input-only module(s) %s are written unquantized: no export format carries a norm's input scale", len(dropped), dropped[:5])
     return items
 
 

@@ -40,9 +40,6 @@ class QuantModule(nn.Module):
     #: True where the GEMM reads a transform of the forward's input (TE LayerNormLinear: the normalized
     #: input): calibration that replays inputs records what ``input_quantizer`` is called on instead.
     gemm_input_at_input_quantizer: bool = False
-    #: True for modules with an input quantizer and no weight (ModelOpt's QuantInputBase: nn.LayerNorm):
-    #: the scale searches (smoothquant, awq) leave them at max calibration
-    input_only: bool = False
 
     def _setup(self) -> None:
         """Create the quantizers (called once, right after conversion)."""

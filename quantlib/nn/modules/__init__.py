@@ -1,3 +1,3 @@
 """Quantized versions of torch.nn modules; importing registers them."""
 
-from . import conv, linear, norm  # noqa: F401  (registration)
+from . import conv, linear  # noqa: F401  (registration)
