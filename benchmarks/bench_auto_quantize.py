@@ -5,7 +5,7 @@ same model, candidates, data and budget where its fake quant runs (its NVFP4 nee
 Rows per model: uniform NVFP4 (4.5 bits) and FP8 (8 bits), NVFP4_DEFAULT_CFG / FP8_DEFAULT_CFG as ModelOpt ships
 them; "first FP8" / "last FP8": FP8 for the first (last) decisions in module order until the budget is spent,
 NVFP4 for the rest (a mix at the same bits, without any measurement); quantlib's and ModelOpt's auto_quantize
-with both candidates (and "no quantization") at the budget. Perplexity over every disjoint held-out window,
+with both candidates (and "no quantization") at the budget. Perplexity over ``--windows`` evenly spaced held-out windows,
 the effective bits each reached, and the search's wall time.
 
     python benchmarks/bench_auto_quantize.py [--bits 6.0] [--model dense|moe|both] [--device cpu|cuda] [--json out.json]
@@ -70,15 +70,15 @@ def mix(state: dict, reverse: bool) -> dict:
     return cfg, spent / total
 
 
-def run(name: str, bits: float, device: str, calib: int, score: int) -> list[dict]:
+def run(name: str, bits: float, device: str, calib: int, score: int, windows: int) -> list[dict]:
     model = bq.BUILDERS[name]().to(device)
     train, held = qm.corpus()
     data = batches(train, max(calib, score), device)
-    ref_ppl, _, ref, _ = bq.evaluate(model, held, windows=0)
+    ref_ppl, _, ref, _ = bq.evaluate(model, held, windows=windows)
     rows = [{"model": name, "row": "fp32", "bits": 16.0, "ppl": ref_ppl}]
 
     def ev(row: str, m: torch.nn.Module, b: float, secs: float | None = None) -> None:
-        ppl, kl, _, _ = bq.evaluate(m, held, ref, windows=0)
+        ppl, kl, _, _ = bq.evaluate(m, held, ref, windows=windows)
         rows.append({"model": name, "row": row, "bits": round(b, 3), "ppl": ppl, "kl": kl, "search_s": secs})
         print(json.dumps(rows[-1]), file=sys.stderr)
 
@@ -124,12 +124,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calib", type=int, default=8)
     ap.add_argument("--score", type=int, default=8)
+    ap.add_argument("--windows", type=int, default=256, help="held-out windows evaluated (evenly spaced); 0: every disjoint one")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = []
     for name in ["dense", "moe"] if args.model == "both" else [args.model]:
-        rows += run(name, args.bits, args.device, args.calib, args.score)
+        rows += run(name, args.bits, args.device, args.calib, args.score, args.windows)
     print(f"# {datetime.date.today()} {platform.node()} torch {torch.__version__} device {args.device} budget {args.bits} bits")
     print("| model | row | bits | ppl | KL/byte | search s |\n|---|---|---|---|---|---|")
     for r in rows:

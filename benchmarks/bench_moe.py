@@ -7,7 +7,8 @@ CPU, or ``--baseline``: the name is in the table). Each preset is applied to a c
 ModelOpt's ``mtq.quantize`` (same preset name, max calibration on one batch, not timed). Timed, median of
 ``--reps``: forward without grad (quantlib reuses its fake-quantized weights: the weight cache) and
 forward + backward (QAT: weights fake-quantized every step). Ratios: to the unquantized layer, and
-ModelOpt's time over quantlib's.
+ModelOpt's time over quantlib's. ModelOpt runs in a child process per preset (its plugin re-registers
+transformers' experts class process-wide).
 
     python benchmarks/bench_moe.py --device cuda --json moe.json      # E=64 and E=128, top-8, bf16
     python benchmarks/bench_moe.py --small --json moe_cpu.json        # CPU-sized layer, fp32
@@ -20,9 +21,9 @@ import copy
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
-import traceback
 
 import torch
 
@@ -112,11 +113,26 @@ def run_quantlib(shape: tuple, args, name: str, x: torch.Tensor) -> dict:
 
 
 def run_modelopt(shape: tuple, args, name: str, x: torch.Tensor) -> dict:
+    """ModelOpt's numbers, measured in a child process: its HF plugin re-registers transformers' experts
+    class process-wide, which would change every layer built after it in this process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--modelopt-child", name, ",".join(map(str, shape)), "--device", args.device,
+           "--top-k", str(args.top_k), "--reps", str(args.reps), "--tokens", str(x.shape[1])] + (["--small"] if args.small else [])  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("MODELOPT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1][len("MODELOPT ") :])
+
+
+def modelopt_child(args) -> None:
+    """In the child process: quantize the layer with ModelOpt and print its times."""
     import modelopt.torch.quantization as mtq
 
+    shape = tuple(int(v) for v in args.shape.split(","))
+    x = torch.randn(1, args.tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
     layer = build_layer(*shape, args.top_k, "eager", args.dtype, args.device)
-    mtq.quantize(layer, copy.deepcopy(getattr(mtq, name)), lambda m: m(x))
-    return measure(layer, x, args.device, args.reps)
+    mtq.quantize(layer, copy.deepcopy(getattr(mtq, args.modelopt_child)), lambda m: m(x))
+    print("MODELOPT " + json.dumps(measure(layer, x, args.device, args.reps)))
 
 
 def main() -> None:
@@ -130,10 +146,16 @@ def main() -> None:
     p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation of the unquantized layer")
     p.add_argument("--no-modelopt", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("shape", nargs="?", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.dtype = torch.float32 if args.small else torch.bfloat16
     tokens = args.tokens or (128 if args.small else 4096)
     args.reps = args.reps or (5 if args.small else 20)
+    if args.modelopt_child:
+        args.tokens = tokens
+        modelopt_child(args)
+        return
     rows = []
     for shape in SMALL_SHAPES if args.small else SHAPES:
         x = torch.randn(1, tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
@@ -148,7 +170,7 @@ def main() -> None:
                 try:
                     row["modelopt"] = run_modelopt(shape, args, theirs_name, x)
                 except Exception as exc:  # report and go on: one library's failure is a result too
-                    traceback.print_exc(limit=2)
+                    print(f"  ModelOpt {preset}: {type(exc).__name__}: {str(exc)[:200]}")
                     row["modelopt_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
             report(row)

@@ -35,12 +35,16 @@ def qwen3_moe(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False, experts_implementation="eager")  # fmt: skip
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():  # experts of different magnitudes: a shared or a neighbour's amax shows
-        for layer in model.model.layers:
-            for e in range(E):
-                layer.mlp.experts.gate_up_proj[e].mul_(2.0**e)
-                layer.mlp.experts.down_proj[e].mul_(2.0**e)
+    return scale_experts(Qwen3MoeForCausalLM(cfg).eval())
+
+
+@torch.no_grad()
+def scale_experts(model: nn.Module) -> nn.Module:
+    """Expert e's weights times 2**e in every MoE layer: a shared or a neighbour's amax shows."""
+    for layer in model.model.layers:
+        for e in range(E):
+            layer.mlp.experts.gate_up_proj[e].mul_(2.0**e)
+            layer.mlp.experts.down_proj[e].mul_(2.0**e)
     hf.refresh()
     return model
 

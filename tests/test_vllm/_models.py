@@ -1,0 +1,57 @@
+"""The quantize configs each export format takes in the vLLM tests, and a third MoE family (Qwen2-MoE: a shared
+expert beside the routed ones, q/k/v biases) next to tests/test_export's tiny Llama and Qwen3-MoE."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import quantlib as ql
+from quantlib.presets import preset
+
+from tests.test_export._export_models import E, H, INTER, MOE_INTER, llama, qwen3_moe, scale_experts
+
+
+def weight_only(preset: dict) -> dict:
+    """``preset`` with its input quantizers off, its exclusions (routers, Qwen2-MoE's shared_expert_gate) kept."""
+    cfg = copy.deepcopy(preset)
+    cfg["quant_cfg"]["*input_quantizer"] = {"enable": False}
+    return cfg
+
+
+#: W8A8 INT8 with dynamic per-token activations: the INT8 scheme vLLM's compressed-tensors MoE takes
+INT8_DYNAMIC = copy.deepcopy(ql.INT8_DEFAULT_CFG)
+INT8_DYNAMIC["quant_cfg"]["*input_quantizer"] = {"num_bits": 8, "block_sizes": {-1: None, "type": "dynamic"}}
+FP8_POW2 = preset({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "pow2_scale": True})
+#: export format -> the quantize config whose quantizers it carries (with activations where vLLM's scheme needs them)
+CONFIGS = {
+    "hf_fp8_block": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG),
+    "hf_fp8_block_ue8m0": FP8_POW2,
+    "hf_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG),
+    "ct_fp8_block": ql.FP8_BLOCKWISE_CFG,
+    "ct_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG),
+    "ct_mxfp4": weight_only(ql.MXFP4_DEFAULT_CFG),
+    "ct_nvfp4": ql.NVFP4_DEFAULT_CFG,
+    "ct_int_pack": ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
+    "ct_int8": INT8_DYNAMIC,
+    "modelopt_fp8": ql.FP8_DEFAULT_CFG,
+    "modelopt_fp8_pb": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG),
+    "modelopt_nvfp4": ql.NVFP4_DEFAULT_CFG,
+    "modelopt_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG),
+}
+
+
+def qwen2_moe(seed: int = 0) -> nn.Module:
+    """A 2-layer Qwen2-MoE, hidden 256, 4 experts of 128 and a shared expert of 256; expert e scaled by 2**e."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, shared_expert_intermediate_size=INTER, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+                         experts_implementation="eager")  # fmt: skip
+    return scale_experts(Qwen2MoeForCausalLM(cfg).eval())
+
+
+FAMILIES = {"llama": llama, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}

