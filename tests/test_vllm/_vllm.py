@@ -28,11 +28,11 @@ EXPERT = {"gate_proj": ("w13", ("gate_proj", "up_proj")), "up_proj": ("w13", ("g
 
 
 def export(model, out_dir, fmt: str) -> None:
-    """``export_checkpoint`` with ``architectures`` in config.json (quantlib leaves it null: see
-    test_config_names_the_architecture), so vLLM builds its own model class, not its Transformers fallback."""
+    """``export_checkpoint``: its config.json names the architecture (test_config_names_the_architecture), so vLLM
+    builds its own model class, not its Transformers fallback."""
     from quantlib.export import export_checkpoint
 
-    export_checkpoint(model, out_dir, fmt, hf_config={**model.config.to_dict(), "architectures": [type(model).__name__]})
+    export_checkpoint(model, out_dir, fmt)
 
 
 def _free_port() -> int:
