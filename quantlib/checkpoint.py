@@ -358,7 +358,7 @@ def _check_amax_values(amax: Any, where: str) -> None:
     and a negative amax NaN or garbage, and no calibration produces them (it refuses NaN/Inf).
 
     Zero is accepted, for every format: calibration gives it wherever the data was all zeros (a
-    pruned channel, a zero-initialised weight, a dead activation), and DESIGN section 3 defines it
+    pruned channel, a zero-initialised weight, a dead activation), and docs/design.md §3 defines it
     (INT groups with amax <= 2^-24 quantize to 0, which is the data; FP8 uses amax 1; NVFP4 uses
     s2 = 1): never NaN. Refusing it would refuse real checkpoints."""
     if not isinstance(amax, torch.Tensor):

@@ -1,4 +1,4 @@
-"""The one amax sync routine (DESIGN section 5).
+"""The one amax sync routine (docs/design.md §5).
 
 :func:`sync_amax` is the only routine that communicates: after calibration it makes every rank hold the
 amax its layout demands (a :class:`~quantlib.parallel_state.ParallelState`, whose module docstring states

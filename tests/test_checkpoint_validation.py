@@ -95,7 +95,7 @@ def test_amax_that_is_no_float_with_values_is_refused(amax, int8_model, make_mod
 
 def test_zero_amax_restores_for_every_format_and_never_gives_nan(preset_name, make_model, make_data, make_loop):
     """Zero is what calibration gives for all-zero data (a pruned channel, a zero-initialised weight);
-    DESIGN section 3 defines it for every format, never as NaN."""
+    docs/design.md §3 defines it for every format, never as NaN."""
     model = ql.quantize(make_model("mlp"), ql.PRESETS[preset_name], make_loop(make_data("mlp")))
     state = copy.deepcopy(ql.quantizer_state(model))
 

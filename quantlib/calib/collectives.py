@@ -1,5 +1,5 @@
-"""The one routine through which a calibration search's statistics meet across ranks (DESIGN sections 5
-and 10): :class:`StatSync`, built on the layout's :class:`~quantlib.parallel_state.ParallelState`.
+"""The one routine through which a calibration search's statistics meet across ranks (docs/design.md §5
+and §9): :class:`StatSync`, built on the layout's :class:`~quantlib.parallel_state.ParallelState`.
 
 A searched linear (a *target*) has replicas and, under tensor parallelism, shards:
 

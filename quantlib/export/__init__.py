@@ -1,4 +1,4 @@
-"""Export of quantized models in the formats inference engines and ``transformers`` load (DESIGN §9).
+"""Export of quantized models in the formats inference engines and ``transformers`` load (docs/design.md §8).
 
 ``iter_packed`` streams each module's packed tensors; ``export_checkpoint`` writes a checkpoint
 directory atomically; ``serialize_weight`` packs one tensor and ``sync_pairs`` a whole model for RL

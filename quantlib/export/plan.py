@@ -1,5 +1,5 @@
 """The export plan: every checkpoint module of a model, what it holds, and every check, done before
-anything is packed or written (DESIGN §9)."""
+anything is packed or written (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference of every number format (DESIGN §3): one module per format."""
+"""Pure-torch reference of every number format (docs/design.md §3): one module per format."""
 
 from .blocks import block_amax, blocked_shape
 from .qtensor import QuantizedTensor

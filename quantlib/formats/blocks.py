@@ -1,4 +1,4 @@
-"""Block views of a tensor: zero padding of partial blocks and the per-block amax (DESIGN §3)."""
+"""Block views of a tensor: zero padding of partial blocks and the per-block amax (docs/design.md §3)."""
 
 from __future__ import annotations
 

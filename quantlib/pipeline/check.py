@@ -1,5 +1,5 @@
 """The export loaded back by its consumer (transformers, compressed-tensors, ModelOpt) and compared with the
-weights the fake-quantized model ran with, under each format's rule (DESIGN section 9)."""
+weights the fake-quantized model ran with, under each format's rule (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ imports. What it registers:
   each (member i = GEMM i = global expert ``ep_rank * num_gemms + i``), tokens counted from ``m_splits``;
   the container itself needs no quantized class.
 
-Dist checkpointing (DESIGN §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`). ``sharded_state_dict`` saves every amax in a layout-independent global
+Dist checkpointing (docs/design.md §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`). ``sharded_state_dict`` saves every amax in a layout-independent global
 form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
 
 - a per-tensor amax (and the NVFP4 global amax) is replicated (the sync made it equal on all ranks);

@@ -80,7 +80,7 @@ def test_bf16_weight_is_updated_in_place_and_stays_a_fixed_point():
 
 
 def _int4_column(col: torch.Tensor, amax: torch.Tensor, j: int, block: int = 32) -> torch.Tensor:
-    """Column ``j`` of a weight in full-range INT4 with its block's amax (DESIGN section 3), by hand."""
+    """Column ``j`` of a weight in full-range INT4 with its block's amax (docs/design.md §3), by hand."""
     a = amax[:, j // block]
     scale = torch.full_like(a, 7.0) / a  # one IEEE division (7.0 / a would be reciprocal(a) * 7)
     return torch.clamp(torch.round(col * scale), -8, 7) / scale

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (quantlib._C, backend "cpu") bit for bit against the torch reference.
 
 Every op and format on a grid of shapes and dtypes, each compiled instruction-set variant of the
-kernels (baseline x86-64, AVX2, AVX-512: whichever this CPU runs), the edge cases of DESIGN.md section 3
+kernels (baseline x86-64, AVX2, AVX-512: whichever this CPU runs), the edge cases of docs/design.md §3
 (zero, NaN, Inf, subnormals, power-of-two boundaries, partial blocks, non-contiguous inputs) and a
 hypothesis fuzz. "Bit for bit" means: same dtype and shape, NaN at the same places, identical bits
 everywhere else (-0.0 differs from 0.0); NaN payloads are not compared (torch's own vectorized and

@@ -156,7 +156,7 @@ def test_fused_experts_match_separate_linears(config):
         for e in range(1, E):  # expert e is scaled by 2**e: never another expert's amax
             assert not torch.equal(members[e].amax, members[0].amax)
         # One input quantizer per projection, shared by the experts: the max over every expert's
-        # tokens, which is what the expert-group sync (DESIGN section 5) gives the separate linears.
+        # tokens, which is what the expert-group sync (docs/design.md §5) gives the separate linears.
         inq = getattr(fused, f"{proj}_input_quantizer")
         ref_in = [getattr(ref.experts[e], lin).input_quantizer for e in range(E)]
         if inq.is_enabled and inq.needs_calibration:

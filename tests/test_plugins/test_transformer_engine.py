@@ -271,7 +271,7 @@ def test_grouped_linear_matches_separate_linears(grouped):
     for i in range(1, 4):  # expert i is scaled by 2**i: its amax is never the first expert's
         assert not torch.equal(amaxes[i], amaxes[0])
     # One input quantizer for the group: the max over every split (what the expert-group sync of
-    # DESIGN section 5 gives separate expert linears).
+    # docs/design.md §5 gives separate expert linears).
     shared = torch.stack([e.input_quantizer.amax for e in ref.experts]).amax()
     assert torch.equal(model.input_quantizer.amax, shared)
     for e in ref.experts:

@@ -1,4 +1,4 @@
-"""Triton device functions of the numerics contract (DESIGN §3), exact on the GPU and in the interpreter.
+"""Triton device functions of the numerics contract (docs/design.md §3), exact on the GPU and in the interpreter.
 
 Every rounding that the contract names is done here with IEEE fp32 operations whose result is fixed
 (``div_rn``, plain multiplication, comparisons) or with integer operations on the fp32 bits; never with
