@@ -41,8 +41,13 @@ CONFIGS = {
 SCALED = {"smoothquant", "awq_lite", "awq_full"}  # algorithms that set pre_quant_scale
 
 
+#: algorithms whose layer-by-layer tests live elsewhere: gptq rewrites weights, so it refuses the offload folder
+#: and resume file these tests use (tests/test_calibration/test_calib_gptq.py has its layer-by-layer equality)
+ELSEWHERE = {"gptq"}
+
+
 def test_every_registered_algorithm_has_a_config_here():
-    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"] for c in CONFIGS.values()} == set(ALGORITHMS)
+    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"] for c in CONFIGS.values()} == set(ALGORITHMS) - ELSEWHERE
 
 
 def state_of(model: nn.Module) -> dict:
