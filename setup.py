@@ -51,9 +51,10 @@ MEGATRON = ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.
 TRANSFORMERS = ["transformers>=5.14"]
 # export consumers the CPU tests load exports with (tests/export): compressed-tensors' decompressors, transformers'
 # fine-grained FP8 loader (needs accelerate), ModelOpt's qtensors (0.47 imports requests without declaring it)
-# the README's demo loads its export back with compressed-tensors' own decompressor: extra "export"
-EXPORT = ["compressed-tensors>=0.20.1,<0.21"]
-EXPORT_CONSUMERS = EXPORT + ["accelerate>=1.16", "nvidia-modelopt==0.47.0", "requests"]
+# the README's first command (quantlib quantize) loads its export back with transformers' fine-grained FP8 loader
+# (which needs accelerate) and compressed-tensors' own decompressor: extra "export"
+EXPORT = ["compressed-tensors>=0.20.1,<0.21", "accelerate>=1.16"]
+EXPORT_CONSUMERS = EXPORT + ["nvidia-modelopt==0.47.0", "requests"]
 TEST = TEST + EXPORT_CONSUMERS
 
 setup(
