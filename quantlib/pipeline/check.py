@@ -185,7 +185,10 @@ def reload_export(
 
     kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code)
     if fmt.startswith("hf_"):
-        return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""
+        try:
+            return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""
+        except ImportError as exc:  # transformers' FP8 loader asks for accelerate when it loads, not when it imports
+            return None, fmt, f"its consumer cannot run here ({exc}; pip install quantlib[export])"
     try:
         if fmt.startswith("ct_"):
             dequantize, consumer = _ct_dequantizer(export_dir), "compressed-tensors decompressor"
