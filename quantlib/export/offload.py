@@ -12,19 +12,16 @@ import torch
 from torch import nn
 
 from ..calib.sequential import decoder_layers, offloaded_layer
-from ..nn.containers import QuantizerContainer
-from ..nn.tensor_quantizer import TensorQuantizer
 from .modules import named_modules
 from .plan import Item, Plan
 from .types import ExportError
 
 
 def meta_modules(model: nn.Module) -> list[str]:
-    """Names of the modules holding a parameter or buffer on ``meta`` (quantizers aside)."""
+    """Names of the modules holding a parameter or buffer on ``meta`` (quantizers aside: :func:`named_modules`
+    does not descend into them)."""
     out = []
     for name, m in named_modules(model):
-        if isinstance(m, (TensorQuantizer, QuantizerContainer)):
-            continue
         tensors = list(m._parameters.values()) + list(m._buffers.values())
         if any(t is not None and t.is_meta for t in tensors):
             out.append(name or type(model).__name__)
