@@ -37,6 +37,9 @@ import torch
 from torch import nn
 
 from ..formats import Kind
+from ..formats.fp8 import cast_fp8, fp8_scale
+from ..formats.int import int_range, int_scale
+from ..formats.spec import TINY_AMAX
 from ..kernels import ops
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .collectives import stat_sync, targets_digest
@@ -104,29 +107,82 @@ def _column_amax(amax: torch.Tensor, spec_block: Optional[tuple[int, ...]], cols
     return amax
 
 
-def _leaf_step(leaf: TensorQuantizer, cols: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """``fn(c, j)``: ``leaf``'s fake quant of ``c`` ``[rows, 1]``, the column ``j``, with its groups' amax."""
+def _amax_by_column(amax: torch.Tensor, block: Optional[tuple[int, ...]], rows: int, cols: int) -> Optional[torch.Tensor]:
+    """The stored amax of every weight element's group, as ``[cols, rows]`` (column ``j``'s in row ``j``,
+    contiguous), for the layouts a column step expands: per tensor, per output / input channel, 1-D
+    blocks along the input dim; None for others (2-D blocks), which take the op itself."""
+    a = amax.float()
+    if block is not None:
+        b = block[-1]
+        if len(block) != 1 or a.dim() != 2 or a.shape[0] != rows or a.shape[1] * b < cols:
+            return None
+        a = a.repeat_interleave(b, dim=1)[:, :cols]
+    elif a.numel() == 1:
+        a = a.reshape(1, 1)
+    elif a.dim() != 2 or tuple(a.shape) not in ((rows, 1), (1, cols), (rows, cols)):
+        return None
+    return a.expand(rows, cols).T.contiguous()
+
+
+def _int_step(spec, by_col: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Column ``j``'s INT fake quant as the reference computes it (:func:`quantlib.formats.int.int_codes`,
+    then ``q / scale``), with the scales of every column computed once: four small ops a column instead of
+    a kernel call that re-derives them (GPTQ's sweep is launch-bound on a GPU)."""
+    lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
+    scale = int_scale(by_col, hi)
+    zero = by_col <= TINY_AMAX  # the reference's zero groups (their scale may be inf)
+    zero = zero if bool(zero.any()) else None
+
+    def step(c: torch.Tensor, j: int) -> torch.Tensor:
+        s = scale[j]
+        q = torch.mul(c, s).round_().clamp_(lo, hi)
+        if zero is not None:
+            q.masked_fill_(zero[j], 0.0)
+        return q.div_(s)
+
+    return step
+
+
+def _fp8_step(spec, by_col: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Column ``j``'s FP8 fake quant as the reference computes it (:func:`quantlib.formats.fp8.fp8_quantize`,
+    then ``codes * (1 / s)``), the scales of every column computed once."""
+    scale = fp8_scale(by_col, spec.element)
+    inv = torch.reciprocal(scale)
+    element = tuple(spec.element)
+
+    def step(c: torch.Tensor, j: int) -> torch.Tensor:
+        return cast_fp8(torch.mul(c, scale[j]), element).float().mul_(inv[j])
+
+    return step
+
+
+def _leaf_step(leaf: TensorQuantizer, rows: int, cols: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``fn(c, j)``: ``leaf``'s fake quant of column ``j`` (fp32 ``[rows]``) with its groups' stored amax."""
     spec, backend, amax = leaf.spec, leaf.attrs.backend, leaf.amax.float()
+    if spec.kind == Kind.INT or (spec.kind == Kind.FP8 and spec.block is None):
+        by_col = _amax_by_column(amax, spec.block, rows, cols)
+        if by_col is not None:
+            return (_int_step if spec.kind == Kind.INT else _fp8_step)(spec, by_col)
     if spec.kind == Kind.NVFP4:  # the global amax stays whole; the block amax is sliced
         blocks = leaf.block_amax.float()
-        return lambda c, j: ops.fake_quant(c, spec, amax, backend, _column_amax(blocks, spec.block, cols, j))
-    return lambda c, j: ops.fake_quant(c, spec, _column_amax(amax, spec.block, cols, j), backend)
+        return lambda c, j: ops.fake_quant(c.unsqueeze(1), spec, amax, backend, _column_amax(blocks, spec.block, cols, j)).squeeze(1)
+    return lambda c, j: ops.fake_quant(c.unsqueeze(1), spec, _column_amax(amax, spec.block, cols, j), backend).squeeze(1)
 
 
-def column_quantizer(q: nn.Module, cols: int) -> ColumnQuant:
+def column_quantizer(q: nn.Module, cols: int, rows: int) -> ColumnQuant:
     """``fn(col, j) -> (quantized, stored)``: fake quant of column ``j`` (fp32 ``[rows]``) of a ``[rows,
     cols]`` weight by ``q`` with the stored amax of ``j``'s groups, and the value to store in the weight:
     the same, or for a chain (W4A8) the first member's output, whose fake quant by the chain is the
-    chain's output (the first member's is idempotent; storing the chain's would quantize it twice). A
-    column is quantized as a ``[rows, 1]`` tensor whose groups are those of ``j``, so every element takes
-    the op's own formula with its own group's scale: the same bits as quantizing the whole weight."""
-    steps = [_leaf_step(leaf, cols) for leaf in _leaves(q)]
+    chain's output (the first member's is idempotent; storing the chain's would quantize it twice). Every
+    element takes the format's own formula with its own group's scale: the same bits as quantizing the
+    whole weight."""
+    steps = [_leaf_step(leaf, rows, cols) for leaf in _leaves(q)]
 
     def quantize(col: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        stored = c = steps[0](col.unsqueeze(1), j)
+        stored = c = steps[0](col, j)
         for step in steps[1:]:
             c = step(c, j)
-        return c.squeeze(1), stored.squeeze(1)
+        return c, stored
 
     return quantize
 
@@ -160,13 +216,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, quantize: ColumnQuant,
     for i1 in range(0, cols, cfg.block_size):
         i2 = min(i1 + cfg.block_size, cols)
         W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
-        Q1, E1 = torch.zeros_like(W1), torch.zeros_like(W1)
-        for i in range(i2 - i1):
+        Q1, E1, d = torch.empty_like(W1), torch.empty_like(W1), U1.diagonal()
+        for i in range(i2 - i1):  # launch-bound on a GPU: as few ops a column as the algorithm allows
             w_col = W1[:, i]
             q_col, Q1[:, i] = quantize(w_col, index[i1 + i])
-            err = (w_col - q_col) / U1[i, i]
+            err = torch.sub(w_col, q_col, out=E1[:, i]).div_(d[i])
             W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
-            E1[:, i] = err
         W[:, i1:i2] = Q1
         W[:, i2:].addmm_(E1, U[i1:i2, i2:], alpha=-1)
     if order is not None:
@@ -222,7 +277,7 @@ def run_gptq(model: nn.Module, cfg: GptqConfig, ctx: CalibContext) -> None:
             if not bool(torch.isfinite(xtx).all()):
                 raise CalibrationError(f"{name}.input_quantizer: gptq's Hessian saw NaN/Inf inputs; check the model's activations")
             hessian = xtx.mul_(2.0 / n)
-            new = gptq_quantize(w, hessian, column_quantizer(m.weight_quantizer, w.shape[1]), cfg, name)
+            new = gptq_quantize(w, hessian, column_quantizer(m.weight_quantizer, w.shape[1], w.shape[0]), cfg, name)
             w.copy_(new.to(w.dtype))  # in place: the parameter (or the experts' slice view) keeps its storage
 
 

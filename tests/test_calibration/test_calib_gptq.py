@@ -340,3 +340,35 @@ def test_export_writes_the_updated_weights(tmp_path):
             assert int(_ulp_distance(out, m.weight).max()) <= 1, name  # the consumer's codes x scale: GPTQ's weight
             ref = maxed.get_submodule(name)
             assert not torch.equal(m.weight_quantizer(m.weight), ref.weight_quantizer(ref.weight)), name  # not round to nearest
+
+
+@pytest.mark.parametrize("weight", ["int4-block", "int8-channel", "int4-tensor", "fp8-tensor", "w4a8-chain", "uint8-channel"])
+def test_column_steps_equal_the_fake_quant_op_on_each_column(weight):
+    # the sweep quantizes a column with its scales precomputed; each must equal the op on that column, for
+    # values inside and beyond the amax and for groups whose amax is zero (a zero row: the reference's zeros)
+    from quantlib.calib.gptq import _column_amax, _leaves, column_quantizer
+    from quantlib.kernels import ops
+
+    spec = {"num_bits": 8, "axis": 0, "unsigned": True} if weight == "uint8-channel" else WEIGHTS[weight]
+    base = linear(seed=5)
+    with torch.no_grad():
+        base[0].weight[3].zero_()
+        base[0].weight[4].fill_(1e-30)  # a group under the format's tiny-amax floor
+        if weight == "uint8-channel":
+            base[0].weight.abs_()
+    model = ql.quantize(base, _cfg("max", spec), loop(correlated(n=1)))
+    q, w = model[0].weight_quantizer, model[0].weight.detach()
+    fn = column_quantizer(q, D_IN, D_OUT)
+    g = torch.Generator().manual_seed(7)
+    for j in range(D_IN):
+        col = torch.randn(D_OUT, generator=g) * w.abs().max() * 1.5
+        col[3] = 0.25 if j % 2 else 0.0  # values in the zero group (0 * an infinite scale is NaN)
+        col[4] = 0.5
+        want = col.unsqueeze(1)
+        stored_want = None
+        for leaf in _leaves(q):
+            want = ops.fake_quant(want, leaf.spec, _column_amax(leaf.amax.float(), leaf.spec.block, D_IN, j), leaf.attrs.backend)
+            stored_want = want if stored_want is None else stored_want
+        got, stored = fn(col, j)
+        assert torch.equal(got, want.squeeze(1)), j
+        assert torch.equal(stored, stored_want.squeeze(1)), j
