@@ -12,6 +12,7 @@ kept here.
 from __future__ import annotations
 
 import bisect
+import math
 import weakref
 from typing import Optional
 
@@ -44,11 +45,12 @@ def _coarse(rows: int) -> int:
     return g
 
 
-def _probe(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[int, str, str, str, tuple]]]:
-    """The probe state dict and its sources (start id, key, module, tensor name, (experts, ids per expert,
-    rows per id) or ()): a fused-experts parameter gets ids per expert and row group, any other tensor one id."""
-    probe, sources, start, seen = {}, [], 0, set()
-    for mname, module in named_modules(model):
+def _sources(modules: list[tuple[str, nn.Module]]) -> list[tuple[int, str, str, str, tuple, tuple[int, ...]]]:
+    """What the probe holds, without its tensors: (start id, key, module, tensor name, (experts, ids per
+    expert, rows per id) or (), probe shape) per tensor: a fused-experts parameter gets ids per expert and
+    row group, any other tensor one id."""
+    sources, start, seen = [], 0, set()
+    for mname, module in modules:
         direct = _direct(module, seen)
         seen.update(map(id, direct.values()))  # a tied tensor is saved once, under its first name
         for pname, t in direct.items():
@@ -58,29 +60,38 @@ def _probe(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[int, s
                 n, g = t.shape[0], _coarse(t.shape[axis])
                 shape = [n, 1, 1]
                 shape[axis] = t.shape[axis] // g
-                ids, info = torch.arange(start, start + n * shape[axis], dtype=torch.float64).reshape(shape), (n, shape[axis], g)
+                info, shape = (n, shape[axis], g), tuple(shape)
             else:
-                ids, info = torch.full((1,) * t.dim(), float(start), dtype=torch.float64), ()
-            probe[key] = ids
-            sources.append((start, key, mname, pname, info))
-            start += ids.numel()
-    return probe, sources
+                info, shape = (), (1,) * t.dim()
+            sources.append((start, key, mname, pname, info, shape))
+            start += math.prod(shape)
+    return sources
 
 
-def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
+def _probe(sources: list) -> dict[str, torch.Tensor]:
+    """The probe state dict of :func:`_sources`: each tensor's ids, in float64 (exact up to 2^53)."""
+    probe = {}
+    for start, key, _, _, info, shape in sources:
+        n = math.prod(shape)
+        probe[key] = torch.arange(start, start + n, dtype=torch.float64).reshape(shape) if info else torch.full(shape, float(start), dtype=torch.float64)
+    return probe
+
+
+def transformers_names(model: nn.Module, modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
     """(module renames, fused-experts parts) of a transformers model, as its ``save_pretrained`` writes
     it: see :attr:`~quantlib.export.layouts.ModelLayout.renames` / ``experts``."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers < 5 keeps module names as checkpoint names
         return {}, {}
-    probe, sources = _probe(model)
-    if not probe:
+    sources = _sources(named_modules(model) if modules is None else modules)
+    if not sources:
         return {}, {}
-    signature = tuple((k, tuple(t.shape)) for k, t in probe.items())
+    signature = tuple((s[1], s[5]) for s in sources)
     hit = _CACHE.get(model)
-    if hit is not None and hit[0] == signature:  # weight sync exports the same model every step
+    if hit is not None and hit[0] == signature:  # weight sync exports the same model every step: no probe
         return hit[1]
+    probe = _probe(sources)
     what = type(model).__name__
     try:
         with torch.no_grad():
@@ -101,7 +112,7 @@ def transformers_names(model: nn.Module) -> tuple[dict[str, str], dict[str, dict
         which = sorted({bisect.bisect_right(starts, v) - 1 for v in (values if not ordered else (values[0], values[-1]))})
         if len(which) != 1:
             raise ExportError(f"{what}: transformers saves {key} from several tensors ({[sources[i][1] for i in which]}); quantlib cannot write that key")
-        start, src, mname, pname, info = sources[which[0]]
+        start, src, mname, pname, info, _ = sources[which[0]]
         local = range(first - start, first - start + n) if ordered else [int(v) - start for v in values]
         module, _, suffix = key.rpartition(".")
         if info and ids.dim() == 3:

@@ -146,10 +146,11 @@ def layout_for(model: nn.Module) -> ModelLayout:
     return with_checkpoint_names(model, LAYOUTS.get(model_type) or dataclasses.replace(TRANSFORMERS, name=model_type))
 
 
-def with_checkpoint_names(model: nn.Module, layout: ModelLayout) -> ModelLayout:
+def with_checkpoint_names(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> ModelLayout:
     """``layout`` with the checkpoint names of transformers model ``model`` added (its own take precedence);
-    ``layout`` itself for a model that is no transformers model."""
+    ``layout`` itself for a model that is no transformers model. ``modules``: its ``named_modules``, when
+    the caller has them."""
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         return layout
-    renames, experts = transformers_names(model)
+    renames, experts = transformers_names(model, modules)
     return dataclasses.replace(layout, renames={**renames, **layout.renames}, experts={**experts, **layout.experts})

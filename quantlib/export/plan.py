@@ -298,7 +298,7 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     modules = named_modules(model)
-    layout = with_checkpoint_names(model, layout)  # a layout passed by hand still gets transformers' names (cached)
+    layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(modules, layout, type(model).__name__)
     folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
