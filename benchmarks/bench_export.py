@@ -13,8 +13,7 @@ MXFP8 (``hf_mxfp8``; ModelOpt MXFP8), FP8 per tensor W8A8 (``modelopt_fp8``; Mod
 Timed (median of ``--runs`` after one warm-up run, which compiles and tunes the kernels), each with one
 device synchronisation at the end only: ``iter_packed`` with a consumer that drops every tensor without
 reading it; the RL weight sync ``sync_pairs`` (scales computed from the weights being sent, as after
-optimizer steps) with the same consumer, and the same through a ``WeightSync`` (planned once before the timed
-calls, as a trainer holds it); a bf16 copy (``clone``) of every packed weight, measured the same way (the "copy
+optimizer steps) with the same consumer; a bf16 copy (``clone``) of every packed weight, measured the same way (the "copy
 bandwidth"); ModelOpt's in-memory ``_export_transformers_checkpoint`` on a fresh copy each run (it edits
 the model); with ``--disk`` also ``export_checkpoint`` and ModelOpt's ``export_hf_checkpoint``. GB/s =
 bytes of the bf16 linear weights that are packed / time (embeddings, norms and lm_head pass through
@@ -39,7 +38,7 @@ from typing import Callable, Optional
 import torch
 
 import quantlib as ql
-from quantlib.export import WeightSync, export_checkpoint, iter_packed, layout_for, share_sibling_amax, sync_pairs
+from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax, sync_pairs
 from quantlib.export.formats import packer
 from quantlib.export.plan import make_plan
 
@@ -111,12 +110,7 @@ def drop_all(model: torch.nn.Module, fmt: str) -> None:
 def sync_all(model: torch.nn.Module, fmt: str) -> None:
     """The RL weight-sync consumer: every ``(key, tensor)`` of :func:`sync_pairs` (scales from the weights
     being sent), dropped without a device read."""
-    drain(sync_pairs(model, fmt))
-
-
-def drain(pairs) -> None:
-    """Drop every ``(key, tensor)`` without a device read."""
-    for kv in pairs:
+    for kv in sync_pairs(model, fmt):
         del kv
 
 
@@ -205,9 +199,6 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
     rows.append((f"{label}: quantlib iter_packed (memory)", ours_s, None))
     sync_s = timed(lambda m: sync_all(m, fmt), args.runs, lambda: ours, dev)
     rows.append((f"{label}: quantlib sync_pairs, scales from the weights (memory)", sync_s, None))
-    session = WeightSync(ours, fmt)  # an RL trainer's sync, planned once; the timed calls replay it
-    kept_s = timed(lambda m: drain(session.pairs()), args.runs, lambda: ours, dev)
-    rows.append((f"{label}: quantlib WeightSync.pairs, plan kept, scales from the weights (memory)", kept_s, None))
     if dev.startswith("cuda"):
         peak, largest = peak_extra(ours, fmt, dev)
         notes.append(f"{label}: peak device memory above the model while iterating {peak / 1e6:.1f} MB; largest module's packed tensors {largest / 1e6:.1f} MB")
@@ -230,8 +221,7 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
         print(f"ModelOpt _export_transformers_checkpoint ({mo_cfg}) fails here: {type(exc).__name__}: {exc}")
         return rows, notes
     rows.append((f"{label}: ModelOpt _export_transformers_checkpoint (memory)", mo_s, ours_s))
-    notes.append(f"{label}: ModelOpt's in-memory export takes {mo_s / sync_s:.1f}x the time of quantlib's weight sync with dynamic scales "
-                 f"({mo_s / kept_s:.1f}x with the plan kept)")
+    notes.append(f"{label}: ModelOpt's in-memory export takes {mo_s / sync_s:.1f}x the time of quantlib's weight sync with dynamic scales")
     if args.disk:
         from modelopt.torch.export import export_hf_checkpoint
 

@@ -17,7 +17,6 @@ from .buckets import Bucket, BucketEntry, bucket_by_dtype
 from .sync_scales import Scales
 from .vllm_names import ExpertNames, check_receiver
 from .weight_sync import chunk_by_bytes, serialize_weight, sync_pairs
-from .sync_session import WeightSync
 
 __all__ = [
     "GENERIC",
@@ -35,7 +34,6 @@ __all__ = [
     "ModelLayout",
     "PackedWeight",
     "Scales",
-    "WeightSync",
     "bucket_by_dtype",
     "check_receiver",
     "chunk_by_bytes",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Callable, Iterable, Iterator, Literal, Optional, TypeVar, Union
 
 import torch
@@ -126,26 +124,15 @@ def iter_packed(
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
     if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
-    plan = plan_for_scales(model, fmt, source, layout=layout, unify_siblings=unify_siblings, tp=tp)
-    stream = iter_scaled(model, plan, fmt, source, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
+    # dynamic scales replace the calibrated sibling amax, so their differences do not matter
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
+    config = getattr(model, "_quantlib_config", None)
+    plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
+    stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:
         yield from stream
     else:
         yield from chunked(stream, lambda pw: pw.nbytes, chunk_bytes)
-
-
-def plan_for_scales(model: nn.Module, fmt: ExportFormat, source: Scales, *, layout: Optional[ModelLayout] = None, unify_siblings: bool = False,
-                    tp: int = 1) -> Plan:
-    """The checked plan of ``model`` for packing with weight scales from ``source``."""
-    # dynamic scales replace the calibrated sibling amax, so their differences do not matter
-    return make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
-
-
-def iter_scaled(model: nn.Module, plan: Plan, fmt: ExportFormat, source: Scales, *, stacked: bool = False, tp: tuple[int, int] = (0, 1)) -> Iterator[PackedWeight]:
-    """Pack ``plan`` (left as it is) with the weight scales of ``source``, taken from the weights now."""
-    config = getattr(model, "_quantlib_config", None)
-    items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
-    return iter_plan(dataclasses.replace(plan, items=items), fmt, stacked=stacked, tp=tp)
 
 
 def chunked(items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
