@@ -27,6 +27,8 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
         w = it.weight() if it.pre is None else it.pre(it.weight())
         q = real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)
         tensors.update(p.pack(q if it.post is None else it.post(q)))
+        if it.chain is not None:
+            tensors.update(p.pack_chain(*it.chain))
         if it.input_spec is not None:
             tensors.update(p.pack_input(it.input_spec, it.input_amax))
     for k, get in it.extras.items():
