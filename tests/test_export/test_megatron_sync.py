@@ -1,0 +1,151 @@
+"""The in-memory Megatron-Core sync (quantlib.export.megatron_sync) on 4 gloo ranks: the parts every rank yields
+at TP2, EP2 and TP2xEP2, gathered and put together here, equal the TP1 stream tensor for tensor, bit for bit,
+for a dense GPT with biases on every linear and a MoE GPT with q/k/v biases, a gated shared expert and stacked
+experts; output layer quantized. Weight-only configs: activation amax differ in last bits between layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("psutil")
+pytest.importorskip("megatron.core")
+from tests.test_export._export_models import bit_equal  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
+
+import quantlib as ql  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
+
+
+def weight_only(preset: dict) -> dict:
+    """``preset``'s weight quantizer alone (router off, output layer on)."""
+    return {"quant_cfg": {"*weight_quantizer": preset["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+
+
+#: NVFP4 (a global amax MAX-reduced over TP and shared by q/k/v and gate/up) and INT8 per channel (row amax of
+#: row-parallel weights reduced over TP)
+CASES = {"modelopt_nvfp4": weight_only(ql.NVFP4_DEFAULT_CFG), "ct_int8": weight_only(ql.INT8_WEIGHT_ONLY_CFG)}
+MOE = dict(gated_linear_unit=True, normalization="RMSNorm", activation_func=torch.nn.functional.silu, add_qkv_bias=True,
+           moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)  # fmt: skip
+DENSE = dict(num_moe_experts=None, moe_ffn_hidden_size=None, gated_linear_unit=True, normalization="RMSNorm",
+             activation_func=torch.nn.functional.silu, add_bias_linear=True)  # fmt: skip
+
+
+def build(tp: int, ep: int, overrides: dict):
+    """The 2-layer GPT of ``overrides`` at the current layout, weights independent of the layout."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    moe = overrides.get("num_moe_experts", 4) is not None
+    spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False, normalization="RMSNorm")
+    config = shims.gpt_config(tp, ep, **overrides)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shims.VOCAB, max_sequence_length=shims.SEQ,
+                     position_embedding_type="rope").eval()
+    shims.init_global_weights(model, 0)
+    return model
+
+
+def quantized(tp: int, ep: int, overrides: dict, cfg: dict):
+    from megatron.core import parallel_state as mpu
+
+    model = build(tp, ep, overrides)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    ql.quantize(model, cfg, shims.forward_loop(shims.token_batches(4, 1)[dp_rank::dp]), parallel_state=ql.ParallelState.from_megatron())
+    return model
+
+
+def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dict) -> dict:
+    """Per (layout, format): this rank's parts with replica 0, as (name, tensor, splits)."""
+    from quantlib.export.megatron_sync import megatron_sync_tensors
+
+    out = {}
+    for layout in layouts:
+        tp, ep = shims.LAYOUTS[layout]
+        shims.set_layout(tp, ep)
+        for fmt, cfg in CASES.items():
+            model = quantized(tp, ep, overrides, cfg)
+            parts = list(megatron_sync_tensors(model, fmt, **kwargs))
+            out[(layout, fmt)] = [(p.name, p.tensor.clone(), p.splits) for p in parts if p.replica == 0]
+    return out
+
+
+def _join(name: str, parts: list) -> torch.Tensor:
+    """The whole tensor from its parts: tensor-parallel pieces along their axis (stacked w13: the gate pieces,
+    then the up pieces, as vLLM narrows them), then the expert-parallel pieces of stacked experts (axis 0)."""
+    leaf = name.rpartition(".")[2]
+    stacked = leaf.startswith(("w13_", "w2_"))
+    outer: dict[int, list] = {}
+    for t, splits in parts:
+        ep = [s for s in splits if stacked and s.axis == 0]
+        tp = [s for s in splits if not (stacked and s.axis == 0)]
+        outer.setdefault(ep[0].part if ep else 0, []).append((t, tp))
+    pieces = []
+    for key in sorted(outer):
+        inner = sorted(outer[key], key=lambda ts: ts[1][0].part if ts[1] else 0)
+        if not inner[0][1]:
+            assert len(inner) == 1, name
+            pieces.append(inner[0][0])
+            continue
+        axis = inner[0][1][0].axis
+        ts = [t for t, _ in inner]
+        if leaf.startswith("w13_"):
+            h = ts[0].shape[axis] // 2
+            ts = [t.narrow(axis, 0, h) for t in ts] + [t.narrow(axis, h, h) for t in ts]
+        pieces.append(torch.cat(ts, axis))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+
+
+def joined(per_rank: list[list]) -> dict[str, torch.Tensor]:
+    """name -> whole tensor from every rank's replica-0 parts (each part held once)."""
+    by_name: dict[str, list] = {}
+    for parts in per_rank:
+        for name, t, splits in parts:
+            by_name.setdefault(name, []).append((t, splits))
+    for name, parts in by_name.items():
+        places = [tuple((s.axis, s.part) for s in splits) for _, splits in parts]
+        assert len(set(places)) == len(places), f"{name}: a part held twice with replica 0: {places}"
+    return {name: _join(name, parts) for name, parts in by_name.items()}
+
+
+def check_layouts(results: list[dict], layouts: tuple) -> list[str]:
+    bad = []
+    for fmt in CASES:
+        ref = joined([r[("tp1", fmt)] for r in results[:1]])
+        for layout in layouts[1:]:
+            got = joined([r[(layout, fmt)] for r in results])
+            if set(got) != set(ref):
+                bad.append(f"{layout} {fmt}: names differ: {sorted(set(got) ^ set(ref))[:6]}")
+            bad += [f"{layout} {fmt} {k}" for k in sorted(ref) if k in got and not bit_equal(got[k], ref[k])]
+    return bad
+
+
+def _moe_streams(rank: int, world: int) -> dict:
+    return _streams(rank, world, ("tp1", "tp2", "ep2", "tp2ep2"), MOE, {})
+
+
+def test_moe_stream_at_tp2_ep2_tp2ep2_equals_tp1():
+    results = shims.run_distributed(_moe_streams, 4, timeout=400)
+    ref = joined([results[0][("tp1", "modelopt_nvfp4")]])
+    # the names of what vLLM loads: q/k/v split with biases, stacked experts, Qwen2-MoE's shared expert, lm_head
+    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.bias", "model.layers.1.mlp.experts.w13_weight",
+                "model.layers.1.mlp.experts.w2_weight_scale", "model.layers.0.mlp.shared_expert.gate_proj.weight",
+                "model.layers.0.mlp.shared_expert.down_proj.weight_scale_2", "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate.weight",
+                "lm_head.weight", "lm_head.weight_scale", "model.embed_tokens.weight", "model.norm.weight"):  # fmt: skip
+        assert key in ref, key
+    assert ref["model.layers.1.mlp.experts.w13_weight"].shape == (4, 64, 16)  # [E, 2I, H/2] packed
+    assert check_layouts(results, ("tp1", "tp2", "ep2", "tp2ep2")) == []
+
+
+def _dense_streams(rank: int, world: int) -> dict:
+    return _streams(rank, world, ("tp1", "tp2"), DENSE, {})
+
+
+def test_dense_stream_with_biases_at_tp2_equals_tp1():
+    results = shims.run_distributed(_dense_streams, 4, timeout=300)
+    ref = joined([results[0][("tp1", "ct_int8")]])
+    for key in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.o_proj.bias", "model.layers.0.mlp.gate_proj.bias",
+                "model.layers.0.mlp.up_proj.bias", "model.layers.0.mlp.down_proj.bias", "lm_head.weight_scale"):  # fmt: skip
+        assert key in ref, key
+    assert not any("linear_" in k for k in ref)
+    assert check_layouts(results, ("tp1", "tp2")) == []
