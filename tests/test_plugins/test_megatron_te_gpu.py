@@ -217,7 +217,7 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
 
     cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
     model = ql.quantize(build_gpt(), cfg, gpt_loop(_tokens(2, 1)))
-    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4")
+    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4", hf_config={})
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     checked = 0
     for i, layer in enumerate(model.module.decoder.layers):
