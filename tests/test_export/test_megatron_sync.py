@@ -149,3 +149,55 @@ def test_dense_stream_with_biases_at_tp2_equals_tp1():
         assert key in ref, key
     assert not any("linear_" in k for k in ref)
     assert check_layouts(results, ("tp1", "tp2")) == []
+
+
+def _grow(model, factor: float = 3.0) -> None:
+    """An optimizer step that moved every weight past its calibrated amax (the same on every layout)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and "norm" not in name:
+                p.mul_(factor)
+
+
+def _grown(rank: int, world: int) -> dict:
+    """Dynamic scales after the weights grew: the TP2xEP2 parts against TP1; static scales refused on every
+    rank, and a refusal on one rank's shard alone raised on all (no rank left in a collective)."""
+    from quantlib.export import ExportError
+    from quantlib.export.megatron_sync import megatron_sync_tensors
+
+    out: dict = {}
+    for layout in ("tp1", "tp2ep2"):
+        tp, ep = shims.LAYOUTS[layout]
+        shims.set_layout(tp, ep)
+        model = quantized(tp, ep, MOE, CASES["modelopt_nvfp4"])
+        trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+        _grow(model)
+        out[(layout, "dynamic")] = [(p.name, p.tensor.clone(), p.splits) for p in megatron_sync_tensors(model, "modelopt_nvfp4") if p.replica == 0]
+        for which in ("static", "one rank"):
+            if which == "one rank":
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(trained[n])
+                if rank == 0:
+                    _grow(model.decoder.layers[1].self_attention.linear_proj, 3.0)
+            try:
+                list(megatron_sync_tensors(model, "modelopt_nvfp4", scales="static"))
+                out[(layout, which)] = "not refused"
+            except ExportError as exc:
+                out[(layout, which)] = str(exc)
+    return out
+
+
+def test_dynamic_scales_after_growth_and_static_refusal_on_every_rank():
+    results = shims.run_distributed(_grown, 4, timeout=300)
+    ref = joined([results[0][("tp1", "dynamic")]])
+    got = joined([r[("tp2ep2", "dynamic")] for r in results])
+    assert sorted(got) == sorted(ref) and [k for k in ref if not bit_equal(got[k], ref[k])] == []
+    # the weights grew 3x: the packed global scale follows them (ModelOpt's weight_scale_2 = amax / 2688)
+    w = results[0][("tp1", "dynamic")]
+    assert any(n == "lm_head.weight_scale_2" for n, _, _ in w)
+    for r in results:
+        assert "outgrown its calibrated scale" in r[("tp2ep2", "static")]
+        assert "outgrown" in r[("tp1", "one rank")]
+    assert "decoder.layers.1.self_attention.linear_proj.weight_quantizer" in results[0][("tp2ep2", "one rank")]
+    assert "refused on rank 0" in results[1][("tp2ep2", "one rank")], results[1][("tp2ep2", "one rank")]
