@@ -81,3 +81,24 @@ def test_qwen2_moe_export_and_stream_give_megatron_logits(tmp_path):
 def test_llama_with_biases_export_and_stream_give_megatron_logits(tmp_path):
     _check(tmp_path, DENSE, "llama", ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.o_proj.bias", "model.layers.1.mlp.gate_proj.bias",
                                       "model.layers.1.mlp.up_proj.bias", "model.layers.1.mlp.down_proj.bias"))  # fmt: skip
+
+
+def _export_layouts(rank: int, world: int, tmp: str) -> dict:
+    from quantlib.export.megatron import export_megatron_checkpoint
+    from tests.test_export.test_megatron_export import _digest
+
+    out = {}
+    for layout in ("tp1", "tp2ep2"):
+        tp, ep = shims.LAYOUTS[layout]
+        shims.set_layout(tp, ep)
+        model = quantized(tp, ep, MOE, weight_only(ql.NVFP4_DEFAULT_CFG))
+        export_megatron_checkpoint(model, os.path.join(tmp, layout), "modelopt_nvfp4")
+        if rank == 0:
+            out[layout] = _digest(os.path.join(tmp, layout))
+    return out
+
+
+def test_qwen2_moe_export_at_tp2ep2_equals_tp1_byte_for_byte(tmp_path):
+    """Shared experts, q/k/v biases and the output layer gathered from TP2xEP2 as at TP1 (NVFP4: one global amax)."""
+    out = shims.run_distributed(_export_layouts, 4, str(tmp_path), timeout=300)[0]
+    assert {"model.safetensors", "config.json", "hf_quant_config.json"} <= set(out["tp1"]) and out["tp1"] == out["tp2ep2"]
