@@ -32,6 +32,7 @@ from .megatron_names import LINEARS, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_
 from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale
 from .types import ExportError, ExportFormat, ExportManifest
 
+
 def _sharded_tensors(model: nn.Module) -> list:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -147,7 +148,8 @@ def _passthrough(name: str, t: torch.Tensor) -> Item:
     return Item(module, "unquantized", module, extras={local: (lambda t=t: t)}, parent=module.rpartition(".")[0], leaf=module.rpartition(".")[2])
 
 
-def _linear_items(prefix: str, layer: tuple, e: Optional[int], module: str, full: dict, prepend: dict, specs: dict, config: Any) -> list[Item]:
+def _linear_items(prefix: str, layer: tuple, e: Optional[int], module: str, full: dict, prepend: dict, specs: dict,
+                  config: Any) -> list[Item]:  # fmt: skip
     """The HF modules of Megatron linear ``prefix + module`` (of layer ``layer``, a 1-tuple, or () at the top),
     q / k / v and gate / up split, with their biases."""
     index = layer if e is None else (*layer, e)
@@ -172,8 +174,8 @@ def _linear_items(prefix: str, layer: tuple, e: Optional[int], module: str, full
         iamax = full.get(ikey)
         # a grouped linear's input quantizer is one per layer (no expert axis), SequentialMLP's one per expert
         iamax = None if iamax is None or ispec is None else iamax[index[: prepend[ikey]]]
-        out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, select_rows(amax, wspec, w.shape[0], idx, where_q), ispec, iamax,
-                        extras, expert=e, shard=shard, parent=hf if leaf else hf.rpartition(".")[0], leaf=leaf or name.rpartition(".")[2],
+        part = select_rows(amax, wspec, w.shape[0], idx, where_q)
+        out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, part, ispec, iamax, extras, expert=e, shard=shard, parent=hf if leaf else hf.rpartition(".")[0], leaf=leaf or name.rpartition(".")[2],
                         shape=(len(idx), w.shape[1]), fused=f"model.layers.{layer[0]}.mlp.experts" if e is not None else "",
                         input_where=f"{where}.input_quantizer"))  # fmt: skip
     return out

@@ -16,7 +16,9 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 def _require(ok: bool, what: str) -> None:
     if not ok:
-        raise ExportError(f"Megatron config {what}: no transformers family computes this; pass hf_config= (the config.json entries) to export it")
+        raise ExportError(
+            f"Megatron config {what}: no transformers family computes this; pass hf_config= (the config.json entries) to export it"
+        )
 
 
 def _family(c: Any, shared: bool) -> str:
@@ -36,7 +38,13 @@ def _family(c: Any, shared: bool) -> str:
     return "llama"
 
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def megatron_hf_config(model: nn.Module) -> dict:
@@ -47,8 +55,13 @@ def megatron_hf_config(model: nn.Module) -> dict:
     c = model.config
     shared = bool(c.num_moe_experts and c.moe_shared_expert_intermediate_size)
     _require(c.normalization == "RMSNorm", f"normalization={c.normalization!r}")
-    _require(bool(c.gated_linear_unit) and c.activation_func is F.silu, "activation (SwiGLU: gated_linear_unit=True, activation_func=F.silu)")
-    _require(getattr(model, "position_embedding_type", "rope") == "rope" and not c.rotary_interleaved, "position embedding (rope, not interleaved)")
+    _require(
+        bool(c.gated_linear_unit) and c.activation_func is F.silu, "activation (SwiGLU: gated_linear_unit=True, activation_func=F.silu)"
+    )
+    _require(
+        getattr(model, "position_embedding_type", "rope") == "rope" and not c.rotary_interleaved,
+        "position embedding (rope, not interleaved)",
+    )
     _require(float(getattr(model, "rotary_percent", 1.0)) == 1.0, f"rotary_percent={getattr(model, 'rotary_percent', None)}")
     family = _family(c, shared)
     heads = c.num_attention_heads
@@ -72,7 +85,8 @@ def megatron_hf_config(model: nn.Module) -> dict:
         freq = c.moe_layer_freq
         pattern = [1 if i % freq == 0 else 0 for i in range(c.num_layers)] if isinstance(freq, int) else list(freq)
         out.update(num_experts=c.num_moe_experts, num_experts_per_tok=c.moe_router_topk, moe_intermediate_size=c.moe_ffn_hidden_size,
-                   norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=[i for i, m in enumerate(pattern) if not m])  # fmt: skip
+                   norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i, m in enumerate(pattern) if not m])  # fmt: skip
         if shared:
             out["shared_expert_intermediate_size"] = c.moe_shared_expert_intermediate_size
     return out

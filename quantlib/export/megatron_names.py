@@ -113,7 +113,10 @@ def select_rows(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, idx: 
         bm = spec.block[0]
         contiguous = bool((idx[1:] - idx[:-1] == 1).all()) and int(idx[0]) % bm == 0 and len(idx) % bm == 0
         if not contiguous:
-            raise ExportError(f"{where}: rows of q / k / v (or gate / up) interleave within {bm}-row blocks of the fused Megatron weight; 2-D blocks cannot be split")
+            raise ExportError(
+                f"{where}: rows of q / k / v (or gate / up) interleave within {bm}-row blocks of the fused Megatron weight; "
+                "2-D blocks cannot be split"
+            )
         return amax[int(idx[0]) // bm : (int(idx[-1]) + 1) // bm]
     if amax.dim() >= 1 and amax.shape[0] == rows:
         return amax[idx]

@@ -25,7 +25,6 @@ a refusal on any rank raises on every rank before anything is yielded.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
@@ -122,19 +121,31 @@ class _Walk:
 
     def passthrough(self, name: str, t: torch.Tensor, place: _Place) -> None:
         module, _, local = name.rpartition(".")
-        self.add(Item(module, "unquantized", module, extras={local: (lambda t=t: t.detach())}, parent=module.rpartition(".")[0], leaf=module.rpartition(".")[2]), place)
+        self.add(
+            Item(
+                module,
+                "unquantized",
+                module,
+                extras={local: (lambda t=t: t.detach())},
+                parent=module.rpartition(".")[0],
+                leaf=module.rpartition(".")[2],
+            ),
+            place,
+        )
 
     def run(self) -> "_Walk":
         model = self.model
         emb = getattr(model, "embedding", None)
-        for key, p in ([] if emb is None else emb.named_parameters()):
+        for key, p in [] if emb is None else emb.named_parameters():
             if key != "word_embeddings.weight":
-                raise ExportError(f"embedding.{key}: no Hugging Face name in the Megatron sync (rotary position embeddings have no weights)")
+                raise ExportError(
+                    f"embedding.{key}: no Hugging Face name in the Megatron sync (rotary position embeddings have no weights)"
+                )
             self.passthrough(TOP_NAMES["embedding.word_embeddings.weight"], p, self.place(False, 0))
         for layer in model.decoder.layers:
             self.layer(layer, int(layer.layer_number) - 1)  # Megatron's layer_number: global (pipeline stages), from 1
         final = getattr(model.decoder, "final_layernorm", None)
-        for key, p in ([] if final is None else final._parameters.items()):
+        for key, p in [] if final is None else final._parameters.items():
             if p is not None:
                 self.passthrough(TOP_NAMES[f"decoder.final_layernorm.{key}"], p, self.place(False, None))
         out = getattr(model, "output_layer", None)
@@ -149,10 +160,15 @@ class _Walk:
                 continue
             generic, local = _generic(name)
             if any(_GROUPED_WEIGHT.match(k) for k in module._parameters):
-                raise ExportError(f"decoder.layers.{i}.{name}: {type(module).__name__} (grouped expert GEMMs): the Megatron sync takes SequentialMLP experts; "
-                                  "build the MoE layer with moe_grouped_gemm=False, or export with export_megatron_checkpoint")
+                raise ExportError(
+                    f"decoder.layers.{i}.{name}: {type(module).__name__} (grouped expert GEMMs): the Megatron sync takes "
+                    "SequentialMLP experts; build the MoE layer with moe_grouped_gemm=False, or export with export_megatron_checkpoint"
+                )
             left = dict(module._parameters)
-            if generic.rpartition(".")[2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") and module._parameters.get("weight") is not None:
+            if (
+                generic.rpartition(".")[2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+                and module._parameters.get("weight") is not None
+            ):
                 e = None
                 if local is not None:
                     e = _expert_offset(experts, self.ranks["expert"]) + local
@@ -195,9 +211,10 @@ class _Walk:
                 self.add(Item(name, "unquantized", name, extras={"weight": get, **extras}, **common), place)
                 continue
             wq = f"{where}.weight_quantizer"
-            self.add(Item(name, "expert" if expert else "linear", wq, get, q.spec, select_rows(q.amax, q.spec, rows, idx, wq), ispec, iamax, extras,
-                          tp_axis=axis, shape=(len(idx), w.shape[1]), fused=f"model.layers.{i}.mlp.experts" if expert else "",
-                          input_where=f"{where}.input_quantizer", **common), place)  # fmt: skip
+            amax = select_rows(q.amax, q.spec, rows, idx, wq)
+            fused = f"model.layers.{i}.mlp.experts" if expert else ""
+            self.add(Item(name, "expert" if expert else "linear", wq, get, q.spec, amax, ispec, iamax, extras, tp_axis=axis,
+                          shape=(len(idx), w.shape[1]), fused=fused, input_where=f"{where}.input_quantizer", **common), place)  # fmt: skip
 
 
 def _expert_offset(experts: Optional[nn.Module], ep: tuple[int, int]) -> int:
@@ -333,7 +350,9 @@ def megatron_sync_tensors(
     error, walk, items = None, None, []
     try:
         walk = _Walk(model, shared_expert).run()
-        plan = check_items(walk.items, packer, MEGATRON_GPT, unify_siblings=source is Scales.DYNAMIC, version=__version__, what=type(model).__name__)
+        plan = check_items(
+            walk.items, packer, MEGATRON_GPT, unify_siblings=source is Scales.DYNAMIC, version=__version__, what=type(model).__name__
+        )
         items = plan.items
         if source is Scales.STATIC:
             refuse_clipped(items)
@@ -349,7 +368,9 @@ def megatron_sync_tensors(
     yield from _kv(model, packer, walk.place(False, None))
 
 
-def _stream(items: list[Item], places: dict[int, _Place], packer: Packer, stacked: bool, style, ep: tuple[int, int]) -> Iterator[SyncTensor]:
+def _stream(
+    items: list[Item], places: dict[int, _Place], packer: Packer, stacked: bool, style, ep: tuple[int, int]
+) -> Iterator[SyncTensor]:
     pending: list[Item] = []
     with torch.no_grad():
         for it in items:

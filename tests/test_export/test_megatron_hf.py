@@ -17,11 +17,10 @@ import torch
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
 pytest.importorskip("accelerate")  # transformers' fine-grained FP8 / MXFP8 loader
+import quantlib as ql  # noqa: E402
 from tests.test_export._export_models import bit_equal  # noqa: E402
 from tests.test_export.test_megatron_sync import DENSE, MOE, quantized, weight_only  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
-import quantlib as ql  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 FMT = "hf_mxfp8"
@@ -66,21 +65,25 @@ def _check(tmp_path, overrides: dict, model_type: str, keys: tuple) -> None:
     # the stream alone, written beside the export's config.json, loads the same
     stream_dir = str(tmp_path / "stream")
     os.makedirs(stream_dir)
-    save_file({k: t.contiguous() for k, t in out["stream"].items()}, os.path.join(stream_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: t.contiguous() for k, t in out["stream"].items()}, os.path.join(stream_dir, "model.safetensors"), metadata={"format": "pt"}
+    )
     shutil.copy(os.path.join(path, "config.json"), stream_dir)
     torch.testing.assert_close(_hf_logits(stream_dir, out["tokens"]), out["logits"], rtol=1e-4, atol=1e-4)
     assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]["quant_method"] == "mxfp8"
 
 
 def test_qwen2_moe_export_and_stream_give_megatron_logits(tmp_path):
-    _check(tmp_path, MOE, "qwen2_moe", ("model.layers.0.self_attn.q_proj.bias", "model.layers.1.mlp.shared_expert.gate_proj.weight_scale_inv",
-                                        "model.layers.1.mlp.shared_expert.down_proj.weight_scale_inv", "model.layers.1.mlp.shared_expert_gate.weight",
-                                        "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv", "model.layers.0.mlp.gate.weight"))  # fmt: skip
+    keys = ("model.layers.0.self_attn.q_proj.bias", "model.layers.1.mlp.shared_expert.gate_proj.weight_scale_inv",
+            "model.layers.1.mlp.shared_expert.down_proj.weight_scale_inv", "model.layers.1.mlp.shared_expert_gate.weight",
+            "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv", "model.layers.0.mlp.gate.weight")  # fmt: skip
+    _check(tmp_path, MOE, "qwen2_moe", keys)
 
 
 def test_llama_with_biases_export_and_stream_give_megatron_logits(tmp_path):
-    _check(tmp_path, DENSE, "llama", ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.o_proj.bias", "model.layers.1.mlp.gate_proj.bias",
-                                      "model.layers.1.mlp.up_proj.bias", "model.layers.1.mlp.down_proj.bias"))  # fmt: skip
+    keys = ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.o_proj.bias", "model.layers.1.mlp.gate_proj.bias",
+            "model.layers.1.mlp.up_proj.bias", "model.layers.1.mlp.down_proj.bias")  # fmt: skip
+    _check(tmp_path, DENSE, "llama", keys)
 
 
 def _export_layouts(rank: int, world: int, tmp: str) -> dict:

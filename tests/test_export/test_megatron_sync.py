@@ -10,17 +10,23 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
+import quantlib as ql  # noqa: E402
 from tests.test_export._export_models import bit_equal  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
-import quantlib as ql  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 
 def weight_only(preset: dict) -> dict:
     """``preset``'s weight quantizer alone (router off, output layer on)."""
-    return {"quant_cfg": {"*weight_quantizer": preset["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+    return {
+        "quant_cfg": {
+            "*weight_quantizer": preset["quant_cfg"]["*weight_quantizer"],
+            "*router*": {"enable": False},
+            "default": {"enable": False},
+        },
+        "algorithm": "max",
+    }
 
 
 #: NVFP4 (a global amax MAX-reduced over TP and shared by q/k/v and gate/up) and INT8 per channel (row amax of
@@ -40,8 +46,9 @@ def build(tp: int, ep: int, overrides: dict):
     moe = overrides.get("num_moe_experts", 4) is not None
     spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False, normalization="RMSNorm")
     config = shims.gpt_config(tp, ep, **overrides)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shims.VOCAB, max_sequence_length=shims.SEQ,
-                     position_embedding_type="rope").eval()
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=shims.VOCAB, max_sequence_length=shims.SEQ, position_embedding_type="rope"
+    ).eval()
     shims.init_global_weights(model, 0)
     return model
 
@@ -130,8 +137,9 @@ def test_moe_stream_at_tp2_ep2_tp2ep2_equals_tp1():
     # the names of what vLLM loads: q/k/v split with biases, stacked experts, Qwen2-MoE's shared expert, lm_head
     for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.bias", "model.layers.1.mlp.experts.w13_weight",
                 "model.layers.1.mlp.experts.w2_weight_scale", "model.layers.0.mlp.shared_expert.gate_proj.weight",
-                "model.layers.0.mlp.shared_expert.down_proj.weight_scale_2", "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate.weight",
-                "lm_head.weight", "lm_head.weight_scale", "model.embed_tokens.weight", "model.norm.weight"):  # fmt: skip
+                "model.layers.0.mlp.shared_expert.down_proj.weight_scale_2", "model.layers.0.mlp.shared_expert_gate.weight",
+                "model.layers.0.mlp.gate.weight", "lm_head.weight", "lm_head.weight_scale", "model.embed_tokens.weight",
+                "model.norm.weight"):  # fmt: skip
         assert key in ref, key
     assert ref["model.layers.1.mlp.experts.w13_weight"].shape == (4, 64, 16)  # [E, 2I, H/2] packed
     assert check_layouts(results, ("tp1", "tp2", "ep2", "tp2ep2")) == []
@@ -172,7 +180,9 @@ def _grown(rank: int, world: int) -> dict:
         model = quantized(tp, ep, MOE, CASES["modelopt_nvfp4"])
         trained = {n: p.detach().clone() for n, p in model.named_parameters()}
         _grow(model)
-        out[(layout, "dynamic")] = [(p.name, p.tensor.clone(), p.splits) for p in megatron_sync_tensors(model, "modelopt_nvfp4") if p.replica == 0]
+        out[(layout, "dynamic")] = [
+            (p.name, p.tensor.clone(), p.splits) for p in megatron_sync_tensors(model, "modelopt_nvfp4") if p.replica == 0
+        ]
         for which in ("static", "one rank"):
             if which == "one rank":
                 with torch.no_grad():
