@@ -62,7 +62,7 @@ def quantized(tp: int, ep: int, overrides: dict, cfg: dict):
     return model
 
 
-def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dict) -> dict:
+def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dict, cases: dict = CASES) -> dict:
     """Per (layout, format): this rank's parts with replica 0, as (name, tensor, splits)."""
     from quantlib.export.megatron_sync import megatron_sync_tensors
 
@@ -70,7 +70,7 @@ def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dic
     for layout in layouts:
         tp, ep = shims.LAYOUTS[layout]
         shims.set_layout(tp, ep)
-        for fmt, cfg in CASES.items():
+        for fmt, cfg in cases.items():
             model = quantized(tp, ep, overrides, cfg)
             parts = list(megatron_sync_tensors(model, fmt, **kwargs))
             out[(layout, fmt)] = [(p.name, p.tensor.clone(), p.splits) for p in parts if p.replica == 0]
@@ -115,9 +115,9 @@ def joined(per_rank: list[list]) -> dict[str, torch.Tensor]:
     return {name: _join(name, parts) for name, parts in by_name.items()}
 
 
-def check_layouts(results: list[dict], layouts: tuple) -> list[str]:
+def check_layouts(results: list[dict], layouts: tuple, cases: dict = CASES) -> list[str]:
     bad = []
-    for fmt in CASES:
+    for fmt in cases:
         ref = joined([r[("tp1", fmt)] for r in results[:1]])
         for layout in layouts[1:]:
             got = joined([r[(layout, fmt)] for r in results])
@@ -211,3 +211,20 @@ def test_dynamic_scales_after_growth_and_static_refusal_on_every_rank():
         assert "outgrown" in r[("tp1", "one rank")]
     assert "decoder.layers.1.self_attention.linear_proj.weight_quantizer" in results[0][("tp2ep2", "one rank")]
     assert "refused on rank 0" in results[1][("tp2ep2", "one rank")], results[1][("tp2ep2", "one rank")]
+
+
+#: one global amax for all experts of a layer (per projection), MAX-reduced over the expert and expert-tensor groups
+SHARED_AMAX = {"modelopt_nvfp4": {**CASES["modelopt_nvfp4"], "sync_expert_weight_amax": True}}
+
+
+def _per_expert_streams(rank: int, world: int) -> dict:
+    return _streams(rank, world, ("tp1", "tp2ep2", "ep4"), MOE, {"experts": "per_expert"}, SHARED_AMAX)
+
+
+def test_per_expert_stream_with_shared_expert_amax_at_tp2ep2_and_ep4_equals_tp1():
+    results = shims.run_distributed(_per_expert_streams, 4, timeout=300)
+    assert check_layouts(results, ("tp1", "tp2ep2", "ep4"), SHARED_AMAX) == []
+    ref = joined([results[0][("tp1", "modelopt_nvfp4")]])
+    scales = [ref[f"model.layers.0.mlp.experts.{e}.{leaf}.weight_scale_2"] for e in range(4) for leaf in ("gate_proj", "up_proj")]
+    assert all(bit_equal(s, scales[0]) for s in scales)  # gate and up of every expert: one global scale
+    assert not any(".w13_" in k for k in ref)
