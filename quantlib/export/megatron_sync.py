@@ -149,7 +149,13 @@ class _Walk:
             if p is not None:
                 self.passthrough(TOP_NAMES[f"decoder.final_layernorm.{key}"], p, self.place(False, None))
         out = getattr(model, "output_layer", None)
-        if out is not None and getattr(out, "weight", None) is not None and getattr(model, "post_process", True):
+        # tied embeddings: the last pipeline stage's output_layer.weight is a copy of the embedding (HF ties them)
+        tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+        q = None if out is None else out._modules.get("weight_quantizer")
+        if tied and q is not None and q.is_enabled:
+            raise ExportError("output_layer.weight_quantizer: enabled on an output layer tied to the embedding; the HF model's lm_head is the "
+                              "embedding, unquantized: disable it ('*output_layer*': {'enable': False}) or untie the output layer")  # fmt: skip
+        if out is not None and getattr(out, "weight", None) is not None and getattr(model, "post_process", True) and not tied:
             self.linear(out, "output_layer", "output_layer", None, None)
         return self
 

@@ -39,16 +39,18 @@ DENSE = dict(num_moe_experts=None, moe_ffn_hidden_size=None, gated_linear_unit=T
 
 
 def build(tp: int, ep: int, overrides: dict):
-    """The 2-layer GPT of ``overrides`` at the current layout, weights independent of the layout."""
+    """The 2-layer GPT of ``overrides`` at the current layout, weights independent of the layout (``tied``: the
+    output layer tied to the embedding)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     moe = overrides.get("num_moe_experts", 4) is not None
     spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False, normalization="RMSNorm")
+    overrides = dict(overrides)
+    tied = overrides.pop("tied", False)
     config = shims.gpt_config(tp, ep, **overrides)
-    model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=shims.VOCAB, max_sequence_length=shims.SEQ, position_embedding_type="rope"
-    ).eval()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shims.VOCAB, max_sequence_length=shims.SEQ,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=tied).eval()  # fmt: skip
     shims.init_global_weights(model, 0)
     return model
 
@@ -228,3 +230,28 @@ def test_per_expert_stream_with_shared_expert_amax_at_tp2ep2_and_ep4_equals_tp1(
     scales = [ref[f"model.layers.0.mlp.experts.{e}.{leaf}.weight_scale_2"] for e in range(4) for leaf in ("gate_proj", "up_proj")]
     assert all(bit_equal(s, scales[0]) for s in scales)  # gate and up of every expert: one global scale
     assert not any(".w13_" in k for k in ref)
+
+
+def _tied(rank: int, world: int) -> dict:
+    from quantlib.export import ExportError
+    from quantlib.export.megatron_sync import megatron_sync_tensors
+
+    shims.set_layout(2, 1)
+    out = {}
+    for name in ("output off", "output on"):
+        model = quantized(2, 1, {**DENSE, "tied": True}, ql.INT8_WEIGHT_ONLY_CFG)
+        if name == "output on":  # (calibration refuses it: the tied output layer holds no weight of its own)
+            ql.enable_quantizer(model, "*output_layer.weight_quantizer")
+        try:
+            out[name] = sorted({p.name for p in megatron_sync_tensors(model, "ct_int8")})
+        except ExportError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_tied_output_layer_is_the_embedding_and_refused_quantized():
+    """HF ties lm_head to the embedding: nothing sent for it; quantized, the Megatron model would compute with a
+    quantized copy that the receiver never gets, so that is refused on every rank."""
+    for out in shims.run_distributed(_tied, 2, timeout=200):
+        assert "output_layer.weight_quantizer: enabled on an output layer tied" in out["output on"]
+        assert "model.embed_tokens.weight" in out["output off"] and not any(k.startswith("lm_head") for k in out["output off"])
