@@ -192,7 +192,8 @@ class _Walk:
         expert = e is not None
         axis = 0 if generic.rpartition(".")[2] in COLUMN else 1
         place = self.place(expert, axis)
-        w, bias = module.weight, getattr(module, "bias", None)
+        w, bias = module.weight, module._parameters.get("bias")
+        bias = bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor where there is none
         rows = w.shape[0]
         groups = None
         if generic == "self_attention.linear_qkv":
