@@ -19,8 +19,9 @@ Packed parts equal the same pieces of the packed TP1 tensors bit for bit: block 
 (checked), and with dynamic scales every amax that a cast needs before it runs (NVFP4 global, FP8 per tensor /
 per row of a column-split weight, INT) is MAX-reduced over the tensor-parallel group (experts: the
 expert-tensor group; with ``sync_expert_weight_amax``, the expert group too), one all-reduce per group, and
-q / k / v and gate / up share one. The collectives are the only ones: every rank of the model calls this, and
-a refusal on any rank raises on every rank before anything is yielded.
+q / k / v and gate / up share one. With one all-reduce first that agrees on refusals, these are the only
+collectives: every rank of the model calls this, and a refusal on any rank raises on every rank before anything
+is yielded. Static and calibrated scales use the stored amax, which calibration already MAX-reduced.
 """
 
 from __future__ import annotations
