@@ -14,11 +14,7 @@ import quantlib as ql
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te, pytest.mark.megatron]
-_WHY = te_gpu.gpu_and_te()
-if _WHY is not None:
-    pytest.skip(_WHY, allow_module_level=True)
-pytest.importorskip("megatron.core", reason="needs megatron-core")
-pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
+te_gpu.require_megatron_te()
 
 from tests.test_export._export_models import bit_equal  # noqa: E402
 

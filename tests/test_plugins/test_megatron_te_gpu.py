@@ -17,11 +17,7 @@ from quantlib.model_quant import iter_leaf_quantizers
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te, pytest.mark.megatron]
-_WHY = te_gpu.gpu_and_te()
-if _WHY is not None:
-    pytest.skip(_WHY, allow_module_level=True)
-pytest.importorskip("megatron.core", reason="needs megatron-core")
-pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
+te_gpu.require_megatron_te()
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.extensions import transformer_engine as mte  # noqa: E402
