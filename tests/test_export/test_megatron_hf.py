@@ -80,6 +80,13 @@ def test_qwen2_moe_export_and_stream_give_megatron_logits(tmp_path):
     _check(tmp_path, MOE, "qwen2_moe", keys)
 
 
+def test_qwen3_moe_export_and_stream_give_megatron_logits(tmp_path):
+    """q / k norms, no biases, no shared expert; the router picks before its softmax (norm_topk_prob False)."""
+    overrides = {k: v for k, v in MOE.items() if not k.startswith(("add_qkv", "moe_shared"))}
+    overrides.update(qk_layernorm=True, moe_router_pre_softmax=True)
+    _check(tmp_path, overrides, "qwen3_moe", ("model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"))
+
+
 def test_llama_with_biases_export_and_stream_give_megatron_logits(tmp_path):
     keys = ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.o_proj.bias", "model.layers.1.mlp.gate_proj.bias",
             "model.layers.1.mlp.up_proj.bias", "model.layers.1.mlp.down_proj.bias")  # fmt: skip

@@ -45,7 +45,8 @@ def build(tp: int, ep: int, overrides: dict):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     moe = overrides.get("num_moe_experts", 4) is not None
-    spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=overrides.get("qk_layernorm", False))  # fmt: skip
     overrides = dict(overrides)
     tied = overrides.pop("tied", False)
     config = shims.gpt_config(tp, ep, **overrides)
