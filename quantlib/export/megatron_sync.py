@@ -13,7 +13,9 @@ one at index ``part``; no splits: the whole tensor. For stacked ``w13_*`` the TP
 splits over expert parallelism. Several ranks hold the same part (data-parallel replicas, and every TP rank
 its replicated tensors: norms, router, biases of row-parallel linears, per-tensor and activation scales):
 ``replica`` numbers them, and the parts with ``replica == 0`` tile the model exactly once (what a gatherer
-keeps; a sender to a vLLM TP rank takes its TP part and the replicated tensors from any one replica).
+keeps; a sender to a vLLM TP rank takes its TP part and the replicated tensors from any one replica). A receiver
+of another TP degree takes whole tensors: :func:`~quantlib.export.megatron_whole.whole_tensors` gathers each TP
+part over its group, one tensor at a time.
 
 Packed parts equal the same pieces of the packed TP1 tensors bit for bit: block scales never straddle shards
 (checked), and with dynamic scales every amax that a cast needs before it runs (NVFP4 global, FP8 per tensor /
@@ -47,11 +49,14 @@ from .vllm_names import ExpertNames, named_pairs
 
 @dataclass(frozen=True)
 class Split:
-    """This part is piece ``part`` of ``parts`` equal pieces of the whole tensor along ``axis``."""
+    """This part is piece ``part`` of ``parts`` equal pieces of the whole tensor along ``axis``, one per rank of
+    Megatron's ``group`` ("tensor", "expert_tensor" or "expert", as :class:`~quantlib.parallel_state.ParallelState`
+    names them)."""
 
     axis: int
     part: int
     parts: int
+    group: str = "tensor"
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,9 @@ class _Walk:
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
         q = None if out is None else out._modules.get("weight_quantizer")
         if tied and q is not None and q.is_enabled:
-            raise ExportError("output_layer.weight_quantizer: enabled on an output layer tied to the embedding; the HF model's lm_head is the "
-                              "embedding, unquantized: disable it ('*output_layer*': {'enable': False}) or untie the output layer")  # fmt: skip
+            raise ExportError("output_layer.weight_quantizer: enabled on an output layer tied to the embedding; the HF model's "
+                              "lm_head is the embedding, unquantized: disable it ('*output_layer*': {'enable': False}) or untie "
+                              "the output layer")  # fmt: skip
         if out is not None and getattr(out, "weight", None) is not None and getattr(model, "post_process", True) and not tied:
             self.linear(out, "output_layer", "output_layer", None, None)
         return self
@@ -324,7 +330,7 @@ def _parts(key: str, t: torch.Tensor, it: Item, place: _Place, shift: int, exper
         t = t.clone()
         t[..., place.axis] *= place.parts
     if axis is not None:
-        splits.append(Split(axis, place.part, place.parts))
+        splits.append(Split(axis, place.part, place.parts, place.group))
         return SyncTensor(key, t, tuple(splits), place.replica)
     # every rank of the tensor-parallel group holds this whole: one copy per data-parallel replica and TP rank
     return SyncTensor(key, t, tuple(splits), place.replica * place.parts + place.part)
@@ -402,7 +408,7 @@ def _stacked(items: list[Item], places: dict[int, _Place], packer: Packer, style
     """A layer's local experts as vLLM's stacked parameters: the expert axis split over expert parallelism,
     each expert's rows or columns over the expert-tensor group."""
     by_shard = {it.shard: it for it in items}
-    expert_split = Split(0, ep[0], ep[1]) if ep[1] > 1 else None
+    expert_split = Split(0, ep[0], ep[1], "expert") if ep[1] > 1 else None
     for key, t in named_pairs(_stack(items, packer, (0, 1)), style):
         shard = "w2" if key.rpartition(".")[2].startswith("w2_") else "w1" if "w1" in by_shard else "w3"
         it = by_shard[shard]

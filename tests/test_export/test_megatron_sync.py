@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
 import quantlib as ql  # noqa: E402
+from quantlib.export.megatron_whole import join_tp  # noqa: E402
 from tests.test_export._export_models import bit_equal  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
@@ -65,9 +66,11 @@ def quantized(tp: int, ep: int, overrides: dict, cfg: dict):
     return model
 
 
-def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dict, cases: dict = CASES) -> dict:
-    """Per (layout, format): this rank's parts with replica 0, as (name, tensor, splits)."""
+def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dict, cases: dict = CASES, whole: bool = False) -> dict:
+    """Per (layout, format): this rank's parts with replica 0, as (name, tensor, splits); ``whole``: through
+    :func:`~quantlib.export.megatron_whole.whole_tensors`."""
     from quantlib.export.megatron_sync import megatron_sync_tensors
+    from quantlib.export.megatron_whole import whole_tensors
 
     out = {}
     for layout in layouts:
@@ -75,7 +78,8 @@ def _streams(rank: int, world: int, layouts: tuple, overrides: dict, kwargs: dic
         shims.set_layout(tp, ep)
         for fmt, cfg in cases.items():
             model = quantized(tp, ep, overrides, cfg)
-            parts = list(megatron_sync_tensors(model, fmt, **kwargs))
+            parts = megatron_sync_tensors(model, fmt, **kwargs)
+            parts = list(whole_tensors(parts) if whole else parts)
             out[(layout, fmt)] = [(p.name, p.tensor.clone(), p.splits) for p in parts if p.replica == 0]
     return out
 
@@ -97,12 +101,7 @@ def _join(name: str, parts: list) -> torch.Tensor:
             assert len(inner) == 1, name
             pieces.append(inner[0][0])
             continue
-        axis = inner[0][1][0].axis
-        ts = [t for t, _ in inner]
-        if leaf.startswith("w13_"):
-            h = ts[0].shape[axis] // 2
-            ts = [t.narrow(axis, 0, h) for t in ts] + [t.narrow(axis, h, h) for t in ts]
-        pieces.append(torch.cat(ts, axis))
+        pieces.append(join_tp(name, [t for t, _ in inner], inner[0][1][0].axis))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
 
 
@@ -256,3 +255,17 @@ def test_tied_output_layer_is_the_embedding_and_refused_quantized():
     for out in shims.run_distributed(_tied, 2, timeout=200):
         assert "output_layer.weight_quantizer: enabled on an output layer tied" in out["output on"]
         assert "model.embed_tokens.weight" in out["output off"] and not any(k.startswith("lm_head") for k in out["output off"])
+
+
+def _whole_streams(rank: int, world: int) -> dict:
+    return _streams(rank, world, ("tp1", "tp2", "tp2ep2"), MOE, {}, whole=True)
+
+
+def test_whole_tensors_at_tp2_and_tp2ep2_equal_tp1():
+    """For a receiver of another TP degree: the TP parts gathered into whole tensors, experts still one part per
+    expert-parallel rank."""
+    results = shims.run_distributed(_whole_streams, 4, timeout=400)
+    assert check_layouts(results, ("tp1", "tp2", "tp2ep2")) == []
+    for layout in ("tp2", "tp2ep2"):
+        splits = {s.group for r in results for _, _, ss in r[(layout, "modelopt_nvfp4")] for s in ss}
+        assert splits == (set() if layout == "tp2" else {"expert"}), (layout, splits)
