@@ -1,7 +1,8 @@
 """Whole tensors from the tensor-parallel parts of the Megatron sync (:mod:`.megatron_sync`), for a receiver whose
 tensor parallelism differs from the trainer's: vLLM's ``load_weights`` takes whole HF tensors and narrows them to its
 own TP rank. One all-gather per split tensor over the group that split it; expert-parallel parts stay parts (each
-expert-parallel rank sends its own experts)."""
+expert-parallel rank sends its own experts). vLLM's 3-D fused-MoE load does not narrow: for such a receiver sync
+the experts per expert (``experts="per_expert"``), whose 2-D tensors it narrows."""
 
 from __future__ import annotations
 
