@@ -168,6 +168,10 @@ class _Walk:
 
     def layer(self, layer: nn.Module, i: int) -> None:
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if getattr(router, "expert_bias", None) is not None:  # a buffer: routing would differ without it
+            raise ExportError(f"decoder.layers.{i}.mlp.router.expert_bias: the Megatron sync names the Qwen-MoE families, which route "
+                              "without an expert bias (moe_router_enable_expert_bias=True has no Hugging Face name here)")  # fmt: skip
         for name, module in layer.named_modules():
             if isinstance(module, TensorQuantizer) or not module._parameters:
                 continue

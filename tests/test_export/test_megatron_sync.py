@@ -238,6 +238,11 @@ def _tied(rank: int, world: int) -> dict:
 
     shims.set_layout(2, 1)
     out = {}
+    try:  # (a sigmoid router with an expert bias: DeepSeek-V3 style routing, no Qwen-MoE name)
+        model = quantized(2, 1, {**MOE, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}, CASES["ct_int8"])
+        out["expert bias"] = str(len(list(megatron_sync_tensors(model, "ct_int8"))))
+    except ExportError as exc:
+        out["expert bias"] = str(exc)
     for name in ("output off", "output on"):
         model = quantized(2, 1, {**DENSE, "tied": True}, ql.INT8_WEIGHT_ONLY_CFG)
         if name == "output on":  # (calibration refuses it: the tied output layer holds no weight of its own)
@@ -249,11 +254,12 @@ def _tied(rank: int, world: int) -> dict:
     return out
 
 
-def test_tied_output_layer_is_the_embedding_and_refused_quantized():
+def test_tied_output_layer_is_the_embedding_and_refused_quantized_and_router_expert_bias_refused():
     """HF ties lm_head to the embedding: nothing sent for it; quantized, the Megatron model would compute with a
     quantized copy that the receiver never gets, so that is refused on every rank."""
     for out in shims.run_distributed(_tied, 2, timeout=200):
         assert "output_layer.weight_quantizer: enabled on an output layer tied" in out["output on"]
+        assert "decoder.layers.0.mlp.router.expert_bias: " in out["expert bias"], out["expert bias"]
         assert "model.embed_tokens.weight" in out["output off"] and not any(k.startswith("lm_head") for k in out["output off"])
 
 
