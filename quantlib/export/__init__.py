@@ -4,7 +4,8 @@
 directory atomically; ``serialize_weight`` packs one tensor and ``sync_pairs`` a whole model for RL
 weight sync, with scales from the weights being sent (``scales="dynamic"``), in buckets of one dtype. Packing uses the
 quantizers' own amax and quantlib's kernels, so the consumer's weights are those the model was
-evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_megatron_checkpoint`.
+evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_megatron_checkpoint` (files) and
+:func:`quantlib.export.megatron_sync.megatron_sync_tensors` (in memory, each rank its own parts, no gather).
 """
 
 from .checkpoint import export_checkpoint

@@ -35,7 +35,8 @@ def export_layouts(tmp: str, layouts: tuple, cases: dict, build, check) -> dict:
     "check", ``check(model, path, qkv rows)`` of the TP1 ModelOpt NVFP4 export."""
     from megatron.core import parallel_state as mpu
 
-    from quantlib.export.megatron import _qkv_rows, export_megatron_checkpoint
+    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_names import qkv_rows
 
     out: dict = {}
     for layout in layouts:
@@ -47,11 +48,11 @@ def export_layouts(tmp: str, layouts: tuple, cases: dict, build, check) -> dict:
             data = shims.token_batches(4, 1)[dp_rank::dp]
             ql.quantize(model, cfg, shims.forward_loop(data), parallel_state=ql.ParallelState.from_megatron())
             path = os.path.join(tmp, f"{layout}-{fmt}")
-            export_megatron_checkpoint(model, path, fmt)
+            export_megatron_checkpoint(model, path, fmt, hf_config={})
             if torch.distributed.get_rank() == 0:
                 out[(layout, fmt)] = _digest(path)
                 if layout == "tp1" and fmt == "modelopt_nvfp4":
-                    out["check"] = check(model, path, _qkv_rows(model.config))
+                    out["check"] = check(model, path, qkv_rows(model.config))
     return out
 
 

@@ -56,16 +56,16 @@ def _export(rank: int, world: int, tmp: str) -> dict:
     amax = {key: q.amax.detach().clone() for key, q in _kv_quantizers(model).items()}
     out["amax"] = amax
     for fmt in FORMATS:
-        export_megatron_checkpoint(model, f"{tmp}/tp2-{fmt}", fmt)
+        export_megatron_checkpoint(model, f"{tmp}/tp2-{fmt}", fmt, hf_config={})
     try:
-        export_megatron_checkpoint(model, f"{tmp}/refused", "hf_fp8_block")
+        export_megatron_checkpoint(model, f"{tmp}/refused", "hf_fp8_block", hf_config={})
     except ExportError as exc:
         out["refused"] = str(exc)
     model = _quantized(1)
     for key, q in _kv_quantizers(model).items():
         q.amax = amax[key].clone()  # the same calibrated model: TP changes an activation amax's last bits
     for fmt in FORMATS:
-        export_megatron_checkpoint(model, f"{tmp}/tp1-{fmt}", fmt)
+        export_megatron_checkpoint(model, f"{tmp}/tp1-{fmt}", fmt, hf_config={})
     if rank == 0:
         out.update({(tp, fmt): _read(f"{tmp}/{tp}-{fmt}") for tp in ("tp1", "tp2") for fmt in FORMATS})
     return out

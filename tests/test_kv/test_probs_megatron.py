@@ -140,7 +140,7 @@ def _export_refused(rank: int, world: int, tmp: str) -> str:
     cfg = ql.merge_kv_config(WEIGHTS, P_CFG["quant_cfg"][1:])
     ql.quantize(model, cfg, shims.forward_loop(shims.token_batches(1, 1)), parallel_state=ql.ParallelState.from_megatron())
     try:
-        export_megatron_checkpoint(model, f"{tmp}/refused", "modelopt_nvfp4")
+        export_megatron_checkpoint(model, f"{tmp}/refused", "modelopt_nvfp4", hf_config={})
     except ExportError as exc:
         return str(exc)
     return "not refused"

@@ -17,11 +17,7 @@ from quantlib.model_quant import iter_leaf_quantizers
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te, pytest.mark.megatron]
-_WHY = te_gpu.gpu_and_te()
-if _WHY is not None:
-    pytest.skip(_WHY, allow_module_level=True)
-pytest.importorskip("megatron.core", reason="needs megatron-core")
-pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
+te_gpu.require_megatron_te()
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.extensions import transformer_engine as mte  # noqa: E402
@@ -217,7 +213,7 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
 
     cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
     model = ql.quantize(build_gpt(), cfg, gpt_loop(_tokens(2, 1)))
-    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4")
+    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4", hf_config={})
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     checked = 0
     for i, layer in enumerate(model.module.decoder.layers):

@@ -81,8 +81,8 @@ def _export_same_as_inner(model, folder: str, rank: int):
     """(files, whether the wrapper's export equals the inner GPTModel's byte for byte, quantized modules)."""
     from quantlib.export.megatron import export_megatron_checkpoint
 
-    wrapped = export_megatron_checkpoint(model, os.path.join(folder, "export_wrapped"), "modelopt_fp8")
-    inner = export_megatron_checkpoint(model.module, os.path.join(folder, "export_inner"), "modelopt_fp8")
+    wrapped = export_megatron_checkpoint(model, os.path.join(folder, "export_wrapped"), "modelopt_fp8", hf_config={})
+    inner = export_megatron_checkpoint(model.module, os.path.join(folder, "export_inner"), "modelopt_fp8", hf_config={})
     if rank != 0:
         return None
     same = [filecmp.cmp(os.path.join(wrapped.out_dir, f), os.path.join(inner.out_dir, f), shallow=False) for f in inner.files]
