@@ -340,3 +340,15 @@ def test_export_writes_the_updated_weights(tmp_path):
             assert int(_ulp_distance(out, m.weight).max()) <= 1, name  # the consumer's codes x scale: GPTQ's weight
             ref = maxed.get_submodule(name)
             assert not torch.equal(m.weight_quantizer(m.weight), ref.weight_quantizer(ref.weight)), name  # not round to nearest
+
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_shared_expert_weight_amax_is_refused_by_name(sequential):
+    # the closing amax sync would give every expert its layer's max amax: GPTQ's rounded weights off their grid
+    pytest.importorskip("transformers")
+    from .test_calib_fused_experts import batches, build
+
+    model = build(family="qwen3_moe")
+    with pytest.raises(ql.ConfigError, match="'gptq' rounds each expert's weight .* sync_expert_weight_amax=True"):
+        ql.quantize(model, {**_cfg("gptq", INT4, "*experts*"), "sync_expert_weight_amax": True}, loop(batches()), sequential=sequential)
