@@ -48,7 +48,8 @@ def _sweep(rank: int, world: int) -> dict:
         for layout in LAYOUTS:
             k = JOINED[layout]
             model = shims.build_gpt(1, 1, SEED)
-            ql.quantize(model, CFG, shims.forward_loop([torch.cat(data[i : i + k]) for i in range(0, BATCHES, k)]), parallel_state=ql.ParallelState())
+            joined = [torch.cat(data[i : i + k]) for i in range(0, BATCHES, k)]
+            ql.quantize(model, CFG, shims.forward_loop(joined), parallel_state=ql.ParallelState())
             out[("single", layout)] = shims.assemble([_weights(model)])[0]
     torch.distributed.barrier()
     return out if rank == 0 else {}
