@@ -1,4 +1,4 @@
-"""gptq under tensor, expert and data parallelism (2 gloo ranks) equals one process, bit for bit.
+"""gptq under tensor, expert and data parallelism (2 and 4 gloo ranks) equals one process, bit for bit.
 
 The model is tests/test_distributed/_layouts.py's (per layer a replicated gate, a column-parallel fc1,
 a row-parallel fc2 and two local experts whose linear_fc1 / linear_fc2 are column / row parallel over
@@ -123,11 +123,11 @@ def _one_process(layout_name: str) -> dict[str, torch.Tensor]:
     return _join([_weights(model, (0, 1), (0, 1), 0)])
 
 
-@pytest.mark.parametrize("layout_name", ["TP2", "EP2", "DP2"])
-def test_gptq_on_two_ranks_equals_one_process_bit_for_bit(layout_name):
+@pytest.mark.parametrize("layout_name", ["TP2", "EP2", "DP2", "TP2xEP2"])
+def test_gptq_on_several_ranks_equals_one_process_bit_for_bit(layout_name):
     from tests.ranks import run_on_ranks
 
-    got = _join(run_on_ranks(_rank, 2, layout_name, timeout=180))
+    got = _join(run_on_ranks(_rank, L.LAYOUTS[layout_name].world, layout_name, timeout=240))
     want = _one_process(layout_name)
     assert sorted(got) == sorted(want)
     before = _join([_weights(ql.convert(L.Net(L.Layout("EP2", 2, expert=((0, 1),)), r)), (0, 1), (0, 1), r * L.N_LOCAL) for r in (0, 1)])
