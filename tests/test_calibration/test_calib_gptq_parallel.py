@@ -134,3 +134,28 @@ def test_gptq_on_several_ranks_equals_one_process_bit_for_bit(layout_name):
     for name, w in want.items():
         assert torch.equal(got[name], w), f"{layout_name} {name}: {(got[name] != w).sum().item()} of {w.numel()} differ"
         assert not torch.equal(w, before[name]), f"{name}: gptq left the weight as it was"
+
+
+def _straddling_rank(rank: int, world: int) -> str:
+    layout = L.LAYOUTS["TP2"]
+    nvfp4 = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}
+    cfg = {"quant_cfg": {"default": {"enable": False}, "*linear_fc2.weight_quantizer": nvfp4}, "algorithm": "gptq"}
+    model = ql.convert(L.Net(layout, rank))
+    L.set_roles(model)
+    ql.set_quantizer_by_cfg(model, cfg)
+    model._quantlib_config = ql.QuantizeConfig.from_any(cfg)
+    tp, etp = layout.coord("tensor", rank), layout.coord("expert_tensor", rank)
+    try:
+        loop = _loop([0], tp, etp, [(i, i, 0) for i in range(L.N_LOCAL)])
+        ql.calibrate(model, "gptq", loop, parallel_state=L.parallel_state(layout, rank))
+    except ql.CalibrationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_nvfp4_blocks_straddling_row_shards_are_refused_on_every_rank():
+    from tests.ranks import run_on_ranks
+
+    outs = run_on_ranks(_straddling_rank, 2, timeout=120)  # an expert's linear_fc2: 8 columns a shard, blocks of 16
+    want = "layers.0.mlp.experts.local_experts.0.linear_fc2.weight_quantizer: gptq cannot join the block scales of a row-parallel linear"
+    assert all(want in o for o in outs), outs
