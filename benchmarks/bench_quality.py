@@ -139,8 +139,11 @@ def _calibrate(quantize: Callable, model: nn.Module, cfg: dict, data: list[torch
         for b in data:
             m(b)
 
+    sync = torch.cuda.synchronize if data and data[0].is_cuda else (lambda: None)  # GPU work is timed to its end
+    sync()
     t = time.perf_counter()
     q = quantize(copy.deepcopy(model), copy.deepcopy(cfg), loop)
+    sync()
     return q, time.perf_counter() - t
 
 

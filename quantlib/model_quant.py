@@ -158,6 +158,9 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
         return model
     cfg: Optional[QuantizeConfig] = getattr(model, "_quantlib_config", None)
     policy = cfg.expert_input_policy if cfg else "max_of_peers"
+    if algo.mutates_weights and cfg is not None and cfg.sync_expert_weight_amax:  # the sync would move its weights off the grid
+        why = "rounds each expert's weight with its own amax, which sync_expert_weight_amax=True then replaces"
+        raise ConfigError(f"algorithm {algo.method!r} {why}; set it to False")
     if parallel_state is None:
         from .distributed import discover_parallel_state
 

@@ -106,3 +106,15 @@ def test_op_count_counts_the_calibrations_aten_ops():
     rec = lambda lib, ops: {"model": "m", "preset": "P", "algorithm": "max", "lib": lib, "seed": 0, "ppl": 1.0, "kl": 0.0, "ops": ops}  # noqa: E731
     assert "| m | P | max | 30 | 120 | 0.25 |" in bq.ops_table(bq.summarize([rec("quantlib", 30), rec("modelopt", 120)]))
     assert bq.ops_table(bq.summarize([{k: v for k, v in rec("quantlib", 1).items() if k != "ops"}])) == ""
+
+
+def test_gpu_calibration_is_timed_to_its_end(monkeypatch):
+    # CUDA kernels run after the call returns: the clock must stop after a synchronize, not at the return
+    events: list[str] = []
+
+    class _Cuda:
+        is_cuda = True
+
+    monkeypatch.setattr(bq.torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    bq._calibrate(lambda m, c, loop: events.append("quantize") or m, torch.nn.Linear(2, 2), {}, [_Cuda()])
+    assert events == ["sync", "quantize", "sync"]

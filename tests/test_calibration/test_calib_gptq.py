@@ -372,3 +372,14 @@ def test_column_steps_equal_the_fake_quant_op_on_each_column(weight):
         got, stored = fn(col, j)
         assert torch.equal(got, want.squeeze(1)), j
         assert torch.equal(stored, stored_want.squeeze(1)), j
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_shared_expert_weight_amax_is_refused_by_name(sequential):
+    # the closing amax sync would give every expert its layer's max amax: GPTQ's rounded weights off their grid
+    pytest.importorskip("transformers")
+    from .test_calib_fused_experts import batches, build
+
+    model = build(family="qwen3_moe")
+    with pytest.raises(ql.ConfigError, match="'gptq' rounds each expert's weight .* sync_expert_weight_amax=True"):
+        ql.quantize(model, {**_cfg("gptq", INT4, "*experts*"), "sync_expert_weight_amax": True}, loop(batches()), sequential=sequential)

@@ -37,7 +37,7 @@ class MixedPacker(Packer):
         if m is None:
             why = "; ".join(f"{p.fmt.value}: {p.weight_ok(weight, amax_shape) or (p.input_ok(inp) if inp is not None else p.input_required)}" for p in self.members)
             raise ExportError(f"{weight_name} = {describe(weight)} / {input_name} = {describe(inp)}: no member of format {self.fmt.value} carries it ({why})")
-        if self.member(weight, (), inp) is not m:  # pack() picks by spec alone: it must land on the same member
+        if self._packing(weight) is not m:  # pack() picks by spec alone: it must land on the same member
             raise ExportError(f"{weight_name} = {describe(weight)}: format {self.fmt.value} cannot tell which member packs it (amax of shape {amax_shape})")
         m.check(weight, amax_shape, inp, weight_name, input_name)
 
@@ -61,8 +61,13 @@ class MixedPacker(Packer):
     def pre_quant_scale_ok(self, info: ConfigInfo) -> Optional[str]:
         return "a mixed-precision export carries no pre_quant_scale tensor"
 
+    def _packing(self, spec: FormatSpec) -> Optional[Packer]:
+        """The member that packs weights of ``spec``: the first that carries them, whatever input it needs
+        (pack sees the weight alone; :meth:`check` makes sure it is the member that carries the input too)."""
+        return next((m for m in self.members if m.weight_ok(spec, ()) is None), None)
+
     def _of(self, spec: FormatSpec) -> Packer:
-        m = self.member(spec)
+        m = self._packing(spec)
         if m is None:
             raise ExportError(f"format {self.fmt.value}: no member packs {describe(spec)}")
         return m
