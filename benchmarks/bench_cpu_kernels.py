@@ -112,7 +112,7 @@ def run(size: int, dtypes: list[torch.dtype], reps: int, min_time: float) -> tup
             if not _same(cpu_out, ref_out):
                 raise AssertionError(f"{name} ({dtype}): cpu and reference outputs differ")
             nbytes = x.numel() * x.element_size() + _nbytes(ref_out)
-            ts_ref, ts_cpu = _timings([lambda: case("reference"), lambda: case("cpu")], reps, min_time)
+            ts_ref, ts_cpu = _timings([lambda case=case: case("reference"), lambda case=case: case("cpu")], reps, min_time)
             t_ref, t_cpu = statistics.median(ts_ref), statistics.median(ts_cpu)
             rows.append(dict(op=name, dtype=str(dtype).replace("torch.", ""), ref_ms=t_ref * 1e3, cpu_ms=t_cpu * 1e3,
                              ref_gbs=nbytes / t_ref / 1e9, cpu_gbs=nbytes / t_cpu / 1e9, cpu_best_gbs=nbytes / min(ts_cpu) / 1e9,

@@ -91,13 +91,13 @@ def run_quantlib(x: torch.Tensor, backends: list[str], rows: list[dict], cases: 
         amax = amax_fn(x) if amax_fn else None
         for be in backends:
             fn = reference_impl.fake_quant if be == "reference" else implementation("fake_quant", be)
-            _measure(rows, shape, f"fake_quant {name}", be, lambda: fn(x, spec, amax), nin + nin)
+            _measure(rows, shape, f"fake_quant {name}", be, lambda fn=fn, spec=spec, amax=amax: fn(x, spec, amax), nin + nin)
     for name, op, args, written in cast_cases(x):
         if not _wanted(name, cases):
             continue
         for be in backends:
             fn = getattr(reference_impl, op) if be == "reference" else implementation(op, be)
-            _measure(rows, shape, name, be, lambda: fn(x, *args), nin + written)
+            _measure(rows, shape, name, be, lambda fn=fn, args=args: fn(x, *args), nin + written)
 
 
 def _measure(rows, shape, case, backend, fn, nbytes, rep_ms=60) -> Optional[float]:
@@ -128,7 +128,7 @@ def run_crossover(backends: list[str]) -> str:
             cells = []
             for be in backends:
                 fn = implementation("fake_quant", be)
-                cells.append(f"{bench(lambda: fn(x, spec, None), 40) * 1e3:.1f}")
+                cells.append(f"{bench(lambda fn=fn, x=x, spec=spec: fn(x, spec, None), 40) * 1e3:.1f}")
             out.append(f"| {name} | {m * k} | " + " | ".join(cells) + " |")
             print(out[-1], flush=True)
     return "\n".join(out)
@@ -142,7 +142,10 @@ def run_torchao(x: torch.Tensor, rows: list[dict]) -> None:
     n, nin = x.numel(), x.numel() * x.element_size()
     m, k = x.shape
     try:
-        from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_act_quant_lhs, triton_fp8_blockwise_weight_quant_rhs
+        from torchao.prototype.blockwise_fp8_training.kernels import (
+            triton_fp8_blockwise_act_quant_lhs,
+            triton_fp8_blockwise_weight_quant_rhs,
+        )
     except Exception as exc:
         print(f"torchao blockwise fp8 kernels not importable: {exc}")
     else:
@@ -196,7 +199,7 @@ def run_modelopt(x: torch.Tensor, rows: list[dict], only: str = "") -> None:
             if amax is not None:
                 tq.amax = amax
             with torch.no_grad():
-                _measure(rows, shape, name, "modelopt", lambda: tq(x), nin + nin)
+                _measure(rows, shape, name, "modelopt", lambda tq=tq: tq(x), nin + nin)
         except Exception as exc:
             print(f"  modelopt {name}: {type(exc).__name__}: {str(exc)[:200]}")
             rows.append({"shape": shape, "case": name, "backend": "modelopt", "error": str(exc)[:120]})

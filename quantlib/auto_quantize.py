@@ -26,8 +26,8 @@ from . import presets
 from .config import ConfigError, QuantizeConfig
 from .formats import FormatSpec, Kind
 from .model_quant import quantize
-from .nn.quant_module import QuantModule
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
+from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import TensorQuantizer
 from .traversal import clear_weight_cache
 

@@ -477,19 +477,3 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
 # ---------------------------------------------------------------------------------- presets
 # The presets live in quantlib/presets.py (plain dicts, no dependency on this module); re-exported here
 # because ModelOpt users import them from the config module.
-from .presets import (  # noqa: E402
-    FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
-    FP8_BLOCKWISE_CFG,
-    FP8_DEFAULT_CFG,
-    FP8_PER_CHANNEL_PER_TOKEN_CFG,
-    INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
-    INT8_DEFAULT_CFG,
-    INT8_WEIGHT_ONLY_CFG,
-    MXFP4_DEFAULT_CFG,
-    MXFP6_DEFAULT_CFG,
-    MXFP8_DEFAULT_CFG,
-    MXINT8_DEFAULT_CFG,
-    NVFP4_DEFAULT_CFG,
-    PRESETS,
-    W4A8_AWQ_BETA_CFG,
-)

@@ -28,7 +28,7 @@ def test_training_is_deterministic_and_the_cache_round_trips(tmp_path, monkeypat
     b = qm.load_or_train(_tiny, str(tmp_path / "b.pt"), steps=2)
     cached = qm.load_or_train(_tiny, str(tmp_path / "a.pt"), steps=2)
     untrained = (torch.manual_seed(0), _tiny())[1]
-    for (name, p), q, r, u in zip(a.state_dict().items(), b.state_dict().values(), cached.state_dict().values(), untrained.state_dict().values()):
+    for (name, p), q, r, _ in zip(a.state_dict().items(), b.state_dict().values(), cached.state_dict().values(), untrained.state_dict().values()):
         assert torch.equal(p, q) and torch.equal(p, r), name
     assert any(not torch.equal(p, u) for p, u in zip(a.state_dict().values(), untrained.state_dict().values()))
 

@@ -114,7 +114,7 @@ def test_migrate_v1_to_v2_copies_the_shared_amax_to_every_member():
         shared = v1["quantizers"][name]
         entry = v2["quantizers"][name]
         assert entry["type"] == "grouped" and len(entry["members"]) == num
-        for i, m in enumerate(entry["members"]):  # weight_quantizer.{i}._amax, a copy each
+        for m in entry["members"]:  # weight_quantizer.{i}._amax, a copy each
             assert m["type"] == "tensor" and m["attrs"] == shared["attrs"]
             assert torch.equal(m["_amax"], shared["_amax"]) and m["_amax"].data_ptr() != shared["_amax"].data_ptr()
         assert len({m["_amax"].data_ptr() for m in entry["members"]}) == num

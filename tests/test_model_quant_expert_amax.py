@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
-
 from tests.test_export._export_models import qwen3_moe, tokens  # noqa: E402
 
 

@@ -13,8 +13,8 @@ from torch import nn
 
 from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .shared_global_amax import share_static_block_global_amax
 from ..traversal import expert_group_key, iter_leaf_quantizers, leaves_of, quant_modules, weight_quantizer_ids
+from .shared_global_amax import share_static_block_global_amax
 
 ForwardLoop = Callable[[nn.Module], Any]
 _log = logging.getLogger("quantlib")

@@ -55,7 +55,20 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers
 from .activations import max_calibrate
 from .registry import AlgorithmConfig, CalibContext, runner
-from .resume import RESUME_SCHEMA, check_digests, digests, finished_state, fingerprint, is_quantizer, model_tensors, own_tensors, read_resume, restore_finished, view
+from .resume import (
+    RESUME_SCHEMA,
+    check_digests,
+    digests,
+    fingerprint,
+    finished_state,
+    is_quantizer,
+    model_tensors,
+    own_tensors,
+    read_resume,
+    restore_finished,
+    view,
+)
+
 
 @dataclass
 class SequentialOptions:

@@ -54,7 +54,7 @@ def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, w
         elif known is not None and enabled and leaf not in known:
             # only linears that read inputs of one width can be fused into one GEMM
             unknown.setdefault((parent, _in_features(module)), []).append(name)
-    for (parent, group), members in groups.items():
+    for (_parent, group), members in groups.items():
         on = [n for n, e in members if e]
         off = [n for n, e in members if not e]
         if on and off:

@@ -223,7 +223,7 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, prepend: di
     out = []
     for leaf, idx, shard in _split(module, w.shape[0], config):
         name = f"{hf}.{leaf}" if leaf else hf
-        get: Callable[[], torch.Tensor] = lambda w=w, idx=idx: w[idx]
+        get: Callable[[], torch.Tensor] = lambda w=w, idx=idx: w[idx]  # noqa: E731
         if spec is None:
             out.append(Item(name, "unquantized", name, extras={"weight": get}, expert=e, parent=hf, leaf=leaf))
             continue

@@ -185,7 +185,7 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 head, _, idx = full.rpartition(".")[0].rpartition(".")
                 fused = head if idx == str(e) else layout.checkpoint_name(name)
                 extras = {} if bias is None else {"bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
-                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])
+                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
                     items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
@@ -276,7 +276,7 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
         if id(it) in read:
             groups.setdefault((it.parent, it.group), []).append(it)
     unified = {}
-    for (_, group), members in groups.items():
+    for members in groups.values():
         values = [read[id(m)] for m in members]
         if len(set(values)) <= 1:
             continue

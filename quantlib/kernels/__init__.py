@@ -11,10 +11,10 @@ import torch
 
 from ..formats import FormatSpec, Rounding, blocked_shape
 from ..formats.fp8 import fp8_dtype
-from ..formats.spec import MIN_EPS
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import MX_ELEMENTS, mx_dequantize
 from ..formats.nvfp4 import nvfp4_dequantize
+from ..formats.spec import MIN_EPS
 from . import ops
 from .backends import BACKENDS, implementation, resolve
 

@@ -17,6 +17,7 @@ from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
 from ..formats.mx import mx_element_name, spec_element
 from .backends import native_extension, register
 
+
 def _ext() -> ModuleType:
     ext = native_extension()
     if ext is None:

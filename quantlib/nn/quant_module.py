@@ -15,7 +15,6 @@ from .containers import GroupedQuantizer
 from .rebind import rebind_hooks
 from .tensor_quantizer import TensorQuantizer
 
-
 #: the weight axis that tensor parallelism splits, by ``QuantModule.parallel_role``
 _TP_WEIGHT_AXIS = {"column": 0, "row": 1}
 

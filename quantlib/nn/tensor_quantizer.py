@@ -9,10 +9,9 @@ from torch import nn
 
 from ..calib.bias import BiasCalibrator
 from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
-from ..kernels import block_amax as blocks_amax
 from ..config import QuantizerAttributeConfig, make_attribute_config
 from ..formats import FormatSpec, Kind
-from ..kernels import ops
+from ..kernels import block_amax as blocks_amax, ops
 
 
 class CalibrationError(ValueError):

@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import QuantizerAttributeConfig
+from ..formats import Kind
+from ..kernels.grouped_mm import grouped_mm
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from ..formats import Kind
-from ..kernels.grouped_mm import grouped_mm
 from .expert_dispatch import combine, dispatch
 from .expert_tokens import count_tokens
 from .expert_weights import quantize_stacked

@@ -11,10 +11,10 @@ from torch import nn
 
 import quantlib as ql
 from quantlib import formats
-from quantlib.formats.blocks import to_blocks
 from quantlib.calib.mse import multipliers, search_amax
 from quantlib.calib.registry import MseConfig
 from quantlib.config import QuantizerAttributeConfig
+from quantlib.formats.blocks import to_blocks
 
 FORMATS = {
     "int4_block128": {"num_bits": 4, "block_sizes": {-1: 128}},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-H, I, V, E = 64, 64, 128, 4
+H, I, V, E = 64, 64, 128, 4  # noqa: E741  (I: the intermediate size, as in the model configs)
 _COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=I)
 #: family -> (config class, model class, config kwargs); names as in ``transformers``

@@ -45,7 +45,7 @@ def test_sibling_amax_differ_refused_then_unified(tmp_path):
 
 def test_expert_without_amax(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_export._export_models import qwen3_moe, quantized, weight_only
+    from tests.test_export._export_models import quantized, qwen3_moe, weight_only
 
     model = quantized(qwen3_moe(), weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG))
     model.model.layers[1].mlp.experts.gate_up_proj_weight_quantizer[2].reset_amax()
@@ -110,7 +110,7 @@ def test_unknown_format():
 
 def test_format_cannot_carry_expert_quantizer_names_the_member(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_export._export_models import qwen3_moe, quantized
+    from tests.test_export._export_models import quantized, qwen3_moe
 
     cfg = {"quant_cfg": {"*experts*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"}
     model = quantized(qwen3_moe(), cfg)

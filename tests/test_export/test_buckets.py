@@ -10,7 +10,6 @@ pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import Bucket, ExportError, bucket_by_dtype, chunk_by_bytes, sync_pairs  # noqa: E402
-
 from tests.test_export._export_models import bit_equal, quantized, qwen3_moe, weight_only  # noqa: E402
 
 

@@ -92,7 +92,7 @@ def test_iter_packed_module_by_module_and_chunks():
 
 def test_shard_and_expert_ids_of_qwen3_moe():
     pytest.importorskip("transformers")
-    from tests.test_export._export_models import qwen3_moe, quantized, weight_only
+    from tests.test_export._export_models import quantized, qwen3_moe, weight_only
 
     model = quantized(qwen3_moe(), weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG))
     ids = {p.name: (p.role, p.expert, p.shard) for p in iter_packed(model, "hf_fp8_block")}

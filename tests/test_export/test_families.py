@@ -20,7 +20,6 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-
 from tests.test_export._export_models import weight_only  # noqa: E402
 from tests.test_export._families import FAMILIES, build, gpt2, tokens  # noqa: E402
 

@@ -9,10 +9,9 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
+import quantlib as ql  # noqa: E402
 from tests.test_export.test_megatron_export import export_layouts, nvfp4_weights  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
-import quantlib as ql  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

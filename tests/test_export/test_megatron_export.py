@@ -13,9 +13,8 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

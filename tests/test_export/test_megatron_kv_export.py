@@ -14,11 +14,10 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError  # noqa: E402
 from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

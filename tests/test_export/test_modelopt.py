@@ -21,7 +21,6 @@ from safetensors.torch import load_file  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 from quantlib.pipeline.check import modelopt_dequantize  # noqa: E402
-
 from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
 CASES = {

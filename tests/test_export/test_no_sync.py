@@ -22,7 +22,6 @@ import quantlib as ql  # noqa: E402
 from quantlib import kernels  # noqa: E402
 from quantlib.export import iter_packed  # noqa: E402
 from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
-
 from tests.test_export._export_models import quantized, weight_only  # noqa: E402
 
 _METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "__repr__", "__format__")
@@ -141,7 +140,6 @@ def test_plan_traversal_is_named_modules_without_the_quantizers():
     from quantlib.export.plan import named_modules
     from quantlib.nn.containers import QuantizerContainer
     from quantlib.nn.tensor_quantizer import TensorQuantizer
-
     from tests.test_export._export_models import llama, qwen3_moe
 
     for model in (quantized(llama(), CASES["modelopt_fp8"]), quantized(qwen3_moe(), CASES["hf_mxfp8"])):

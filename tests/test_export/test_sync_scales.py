@@ -17,7 +17,6 @@ from quantlib.formats.fp8_blockwise import fp8_blockwise_fake_quant  # noqa: E40
 from quantlib.formats.nvfp4 import nvfp4_fake_quant  # noqa: E402
 from quantlib.formats.reference import fake_quant  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-
 from tests.test_export._export_models import llama, quantized, qwen3_moe, tokens, weight_only  # noqa: E402
 
 RECIPES = {  # format: (preset, synced format)

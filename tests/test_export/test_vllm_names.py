@@ -13,7 +13,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, check_receiver, iter_packed, sync_pairs  # noqa: E402
 from quantlib.export.vllm_names import candidates  # noqa: E402
 from quantlib.formats.nvfp4 import nvfp4_global_scale  # noqa: E402
-
 from tests.test_export._export_models import quantized, qwen3_moe, weight_only  # noqa: E402
 
 

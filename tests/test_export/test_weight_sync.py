@@ -13,7 +13,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, chunk_by_bytes, iter_packed, serialize_weight  # noqa: E402
 from quantlib.formats.fp8_blockwise import fp8_blockwise_dequantize  # noqa: E402
 from quantlib.formats.reference import fake_quant  # noqa: E402
-
 from tests.test_export._export_models import bit_equal, fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)

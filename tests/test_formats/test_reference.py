@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats import FormatSpec, Kind, QuantizedTensor, Rounding, dequantize, dynamic_amax, fake_quant, quantize
 

@@ -15,14 +15,13 @@ import torch
 
 C = pytest.importorskip("quantlib._C", reason="the C++ extension quantlib._C is not built")
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ._compare import assert_same, assert_same_all  # noqa: E402,F401
 from quantlib import kernels  # noqa: E402
 from quantlib.formats import FormatSpec, Kind, Rounding  # noqa: E402
-from quantlib.kernels import cpu_impl as CPU  # noqa: E402
-from quantlib.kernels import reference_impl as REF  # noqa: E402
+from quantlib.kernels import cpu_impl as CPU, reference_impl as REF  # noqa: E402
+
+from ._compare import assert_same, assert_same_all  # noqa: E402,F401
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 from quantlib.formats import FormatSpec, Kind, Rounding
 from quantlib.kernels import reference_impl as R
+
+from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 
 pytestmark = [
     pytest.mark.gpu,

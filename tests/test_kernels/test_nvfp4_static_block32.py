@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._compare import assert_same, assert_same_all
 from quantlib import kernels
 from quantlib.formats import FormatSpec, Kind, block_amax
 from quantlib.kernels import ops
+
+from ._compare import assert_same, assert_same_all
 
 NAN = float("nan")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

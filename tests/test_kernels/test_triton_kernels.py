@@ -10,7 +10,6 @@ used). Shapes are small: every test runs in well under a second.
 from __future__ import annotations
 
 import pytest
-
 import torch  # noqa: E402
 
 from . import _interpreted  # noqa: E402
@@ -19,9 +18,10 @@ _FRESH = _interpreted.start()
 
 triton = pytest.importorskip("triton")
 
-from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 from quantlib.formats import FormatSpec, Kind, Rounding  # noqa: E402
 from quantlib.kernels import reference_impl as R  # noqa: E402
+
+from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -22,10 +22,9 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 import quantlib as ql  # noqa: E402
 from quantlib import checkpoint as ckpt  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
-
 from tests._scripts import load_golden_writer  # noqa: E402
-from tests.test_kv.test_kv_hf import MODELS, HandAttention, batches, build, fp8_by_hand, forward_loop  # noqa: E402
 from tests.ranks import run_on_ranks  # noqa: E402
+from tests.test_kv.test_kv_hf import MODELS, HandAttention, batches, build, forward_loop, fp8_by_hand  # noqa: E402
 
 AFFINE = ql.merge_kv_config(None, ql.FP8_AFFINE_KV_CFG)
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")

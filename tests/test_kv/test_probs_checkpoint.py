@@ -14,7 +14,6 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 
 import quantlib as ql  # noqa: E402
 from quantlib import checkpoint as ckpt  # noqa: E402
-
 from tests._scripts import load_golden_writer  # noqa: E402
 from tests.test_kv.test_kv_hf import batches, build, forward_loop  # noqa: E402
 from tests.test_kv.test_probs_hf import P_RULE  # noqa: E402

@@ -22,7 +22,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn.quant_module import QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import attention_probs, hf_attention  # noqa: E402
 from quantlib.plugins.hf_attention import QuantHFAttention  # noqa: E402
-
 from tests.test_kv.test_kv_hf import batches, build, forward_loop, fp8_by_hand, run_modelopt  # noqa: E402
 
 NAMES = ("llama", "qwen3")

@@ -16,12 +16,10 @@ import torch
 pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
 
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
-
 from tests.test_kv.test_kv_hf import fp8_by_hand  # noqa: E402
 from tests.test_kv.test_kv_megatron import GROUPS, SEED, _save, restored_tp1  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

@@ -15,7 +15,6 @@ from torch import nn
 import quantlib as ql
 from quantlib import checkpoint as ckpt
 from quantlib.config import ConfigError, QuantizerAttributeConfig
-
 from tests._scripts import load_golden_writer
 
 mtq = pytest.importorskip("modelopt.torch.quantization")

@@ -21,8 +21,8 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 
 import quantlib as ql  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 from quantlib.plugins.hf_experts import QuantFusedExperts, flag  # noqa: E402
+from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 
 from .test_hf_experts_layouts import expert_modules, input_ids, tiny_model  # noqa: E402
 

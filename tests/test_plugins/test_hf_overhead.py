@@ -12,8 +12,7 @@ T = pytest.importorskip("transformers", reason="needs transformers (pip install 
 import quantlib as ql  # noqa: E402
 from quantlib.nn import quant_module  # noqa: E402
 from quantlib.nn.tensor_quantizer import TensorQuantizer  # noqa: E402
-from quantlib.plugins import expert_tokens  # noqa: E402
-from quantlib.plugins import huggingface as hf  # noqa: E402
+from quantlib.plugins import expert_tokens, huggingface as hf  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

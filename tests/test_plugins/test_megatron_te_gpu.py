@@ -13,7 +13,6 @@ import torch
 
 import quantlib as ql
 from quantlib.model_quant import iter_leaf_quantizers
-
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te, pytest.mark.megatron]
@@ -183,7 +182,7 @@ def test_te_gpt_moe_quantizes_calibrates_and_round_trips(preset, tmp_path):
                 # max calibration (grouped experts keep max under AWQ) through one batch: static input
                 # quantizers need one; only the weight amax is compared
                 x = torch.randn(4, m.in_features, device="cuda", dtype=DTYPE)
-                alone = ql.quantize(alone, {**te_gpu.PRESETS[preset], "algorithm": "max"}, lambda lin: lin(x))
+                alone = ql.quantize(alone, {**te_gpu.PRESETS[preset], "algorithm": "max"}, lambda lin, x=x: lin(x))
                 got, expected = te_gpu.leaf_amaxes(member), te_gpu.leaf_amaxes(alone.weight_quantizer)
                 assert got and len(got) == len(expected)
                 for a, b in zip(got, expected):

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 import quantlib as ql
 from quantlib import checkpoint as ckpt
-
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]

@@ -6,19 +6,15 @@ experts' ModuleList is longer than the layers' and must not be taken for the dec
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
 
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
 from quantlib.calib.sequential import decoder_layers  # noqa: E402
 from quantlib.model_quant import iter_leaf_quantizers  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 

@@ -10,8 +10,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.presets import preset
-
-from tests.test_export._export_models import E, H, INTER, MOE_INTER, llama, qwen3_moe, scale_experts
+from tests.test_export._export_models import INTER, MOE_INTER, E, H, llama, qwen3_moe, scale_experts
 
 
 def weight_only(preset: dict) -> dict:

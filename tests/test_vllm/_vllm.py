@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
@@ -62,12 +62,13 @@ def pretend_kernels(monkeypatch) -> None:
     from vllm.model_executor.kernels.linear.mxfp4.emulation import EmulationMxfp4LinearKernel
     from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
-    from vllm.platforms import PlatformEnum
-
     from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import Nvfp4QuantizationEmulationTritonExperts
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
     from vllm.model_executor.layers.quantization import modelopt
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import compressed_tensors_moe_w4a4_nvfp4 as ct_nvfp4_moe
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a4_nvfp4 as ct_nvfp4_moe,
+    )
+    from vllm.platforms import PlatformEnum
 
     for module in (modelopt, ct_nvfp4_moe):  # the emulation's config check wants CUDA
         monkeypatch.setattr(module, "select_nvfp4_moe_backend", lambda *a, **k: (NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts))

@@ -62,7 +62,7 @@ def _tune(kernel, grid, args, consts, candidates) -> dict:
 
     best, best_t = candidates[0], float("inf")
     for cfg in candidates:
-        t = do_bench(lambda: _run(kernel, grid, args, consts, cfg), warmup=5, rep=20, return_mode="median")
+        t = do_bench(lambda cfg=cfg: _run(kernel, grid, args, consts, cfg), warmup=5, rep=20, return_mode="median")
         if t < best_t:
             best, best_t = cfg, t
     return best
