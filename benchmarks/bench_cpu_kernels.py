@@ -97,7 +97,8 @@ def baselines(x: torch.Tensor, reps: int, min_time: float) -> str:
     out = torch.empty_like(x)
     t_new, t_copy = (statistics.median(ts) for ts in _timings([lambda: x * 2, lambda: out.copy_(x)], reps, min_time))
     nbytes = 2 * x.numel() * x.element_size()
-    return (f"{str(x.dtype).replace('torch.', '')} baselines: torch `x * 2` (fresh output) {t_new * 1e3:.1f} ms = {nbytes / t_new / 1e9:.1f} GB/s; "
+    return (f"{str(x.dtype).replace('torch.', '')} baselines: torch `x * 2` (fresh output) {t_new * 1e3:.1f} ms = "
+            f"{nbytes / t_new / 1e9:.1f} GB/s; "
             f"copy into a preallocated tensor {t_copy * 1e3:.1f} ms = {nbytes / t_copy / 1e9:.1f} GB/s.")
 
 

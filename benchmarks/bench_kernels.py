@@ -149,8 +149,10 @@ def run_torchao(x: torch.Tensor, rows: list[dict]) -> None:
     except Exception as exc:
         print(f"torchao blockwise fp8 kernels not importable: {exc}")
     else:
-        _measure(rows, shape, "fp8_blockwise_cast 1x128", "torchao", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), nin + n + 4 * m * (k // 128))
-        _measure(rows, shape, "fp8_blockwise_cast 128x128", "torchao", lambda: triton_fp8_blockwise_weight_quant_rhs(x, 128), nin + n + 4 * (m // 128) * (k // 128))
+        _measure(rows, shape, "fp8_blockwise_cast 1x128", "torchao", lambda: triton_fp8_blockwise_act_quant_lhs(x, 128), nin + n + 4 * m
+                 * (k // 128))
+        _measure(rows, shape, "fp8_blockwise_cast 128x128", "torchao", lambda: triton_fp8_blockwise_weight_quant_rhs(x, 128), nin + n + 4
+                 * (m // 128) * (k // 128))
     try:
         from torchao.prototype.mx_formats.mx_tensor import to_mx
     except Exception as exc:
@@ -207,7 +209,8 @@ def run_modelopt(x: torch.Tensor, rows: list[dict], only: str = "") -> None:
         return
     s2 = (x.float().abs().amax() / (6.0 * 448.0)).to(torch.float32)
     _measure(rows, shape, "nvfp4_cast (dynamic)", "modelopt", lambda: NVFP4QTensor.quantize(x, 16), nin + n // 2 + n // 16)
-    _measure(rows, shape, "nvfp4_cast (static)", "modelopt", lambda: NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=s2), nin + n // 2 + n // 16)
+    _measure(rows, shape, "nvfp4_cast (static)", "modelopt", lambda: NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=s2), nin
+             + n // 2 + n // 16)
 
 
 # --------------------------------------------------------------------------- report
@@ -248,10 +251,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from quantlib.kernels.backends import has_cuda_kernels, triton_available
 
-    backends = (["cuda"] if has_cuda_kernels() else []) + (["triton"] if triton_available() else []) + ([] if args.no_reference else ["reference"])
+    backends = (["cuda"] if has_cuda_kernels() else []) + (["triton"] if triton_available()
+                                                           else []) + ([] if args.no_reference else ["reference"])
     import triton
 
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, backends {backends}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
+          f"backends {backends}")
     rows: list[dict] = []
     copy: dict[str, float] = {}
     t0 = time.time()
@@ -282,7 +287,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(run_crossover([be for be in backends if be in ("cuda", "triton")]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy": copy, "rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}, f, indent=1)
+            json.dump({"copy": copy, "rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "triton": triton.__version__}, f, indent=1)
     return 0
 
 

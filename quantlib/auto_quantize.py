@@ -307,7 +307,8 @@ def auto_quantize(
     state = {
         "candidates": names,
         "decisions": [{"modules": d.modules, "numel": d.numel, "score": d.score, "bits": d.bits} for d in decisions],
-        "best": {"recipe": chosen, "effective_bits": bits, "score": sum(decisions[i].score[c] for i, c in choice.items()), "constraints": {"effective_bits": budget}},
+        "best": {"recipe": chosen, "effective_bits": bits, "score": sum(decisions[i].score[c] for i, c in choice.items()),
+                 "constraints": {"effective_bits": budget}},
         "config": config,
     }
     return model, state

@@ -146,9 +146,11 @@ def migrate_v5_to_v6(state: dict, layout: Optional[ModelLayout] = None) -> dict:
 
     config = state.get("config")
     if isinstance(config, dict) and isinstance(config.get("quant_cfg"), list):
-        items = [{**item, "cfg": _clipped(item.get("cfg"))} if isinstance(item, dict) and "cfg" in item else item for item in config["quant_cfg"]]
+        items = [{**item, "cfg": _clipped(item.get("cfg"))} if isinstance(item, dict) and "cfg" in item else item
+                 for item in config["quant_cfg"]]
         config = {**config, "quant_cfg": items}
-    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry) for name, q in state["quantizers"].items()}}
+    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry) for name,
+                                                                   q in state["quantizers"].items()}}
 
 
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
@@ -175,13 +177,16 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
             )
         pqs = q.pre_quant_scale_values
         if pqs is None and q.pre_quant_scale is not None:
-            raise CheckpointError(f"{name or q._qname}: _pre_quant_scale is on the meta device and holds no values; materialise and calibrate the model before saving")
+            raise CheckpointError(f"{name or q._qname}: _pre_quant_scale is on the meta device and holds no values; materialise and "
+                                  "calibrate the model before saving")
         bias = q.bias_values
         if bias is None and q.bias_value is not None:
-            raise CheckpointError(f"{name or q._qname}: _bias_value is on the meta device and holds no values; materialise and calibrate the model before saving")
+            raise CheckpointError(f"{name or q._qname}: _bias_value is on the meta device and holds no values; materialise and calibrate "
+                                  "the model before saving")
         blocks = q.block_amax_values
         if blocks is None and q.block_amax is not None:
-            raise CheckpointError(f"{name or q._qname}: _block_amax is on the meta device and holds no values; materialise and calibrate the model before saving")
+            raise CheckpointError(f"{name or q._qname}: _block_amax is on the meta device and holds no values; materialise and calibrate "
+                                  "the model before saving")
         entry = {
             "type": "tensor",
             "attrs": q.attrs.to_dict() | {"enable": q.is_enabled},
@@ -411,9 +416,11 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
             if leaf.amax is not None:
                 expected = leaf.amax_shape(tuple(w.shape))
                 if tuple(leaf.amax.shape) != expected:
-                    raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
+                    raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} "
+                                          f"(expected {expected})")
             if leaf.block_amax is not None and tuple(leaf.block_amax.shape) != blocked_shape(tuple(w.shape), leaf.spec.block):
-                raise CheckpointError(f"{leaf._qname}: _block_amax of shape {tuple(leaf.block_amax.shape)} does not fit weight {tuple(w.shape)} (expected {blocked_shape(tuple(w.shape), leaf.spec.block)})")
+                raise CheckpointError(f"{leaf._qname}: _block_amax of shape {tuple(leaf.block_amax.shape)} does not fit weight "
+                                      f"{tuple(w.shape)} (expected {blocked_shape(tuple(w.shape), leaf.spec.block)})")
 
 
 def _check_expert_scales(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:
@@ -427,10 +434,12 @@ def _check_expert_scales(name: str, q: nn.Module, module: nn.Module, attr: str) 
     projections = getattr(qcls, "projections", ()) if callable(getattr(qcls, "expert_gemm", None)) else ()
     proj = next((p for p in projections if attr == f"{p}_input_quantizer"), None)
     if proj is None or not isinstance(q, TensorQuantizer):
-        raise CheckpointError(f"{name}: a per-expert (2-D) _pre_quant_scale of shape {tuple(table.shape)} belongs only to a fused-experts module's input quantizer")
+        raise CheckpointError(f"{name}: a per-expert (2-D) _pre_quant_scale of shape {tuple(table.shape)} belongs only to a fused-experts "
+                              "module's input quantizer")
     expected = (module.num_experts, qcls.expert_gemm(module, proj, 0)[0].shape[1])
     if tuple(table.shape) != expected:
-        raise CheckpointError(f"{name}: _pre_quant_scale of shape {tuple(table.shape)} does not fit {proj} (expected (experts, in) = {expected})")
+        raise CheckpointError(f"{name}: _pre_quant_scale of shape {tuple(table.shape)} does not fit {proj} (expected (experts, in) = "
+                              f"{expected})")
 
 
 def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:

@@ -23,7 +23,8 @@ def _same(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(got[keep].view(torch.int32), ref[keep].view(torch.int32))  # bits: +0.0, never -0.0
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs a CUDA GPU")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -38,7 +38,8 @@ class _QuantToyGroupedLinear(QuantTEGroupedLinearBase):
 
     def forward(self, inp, m_splits):
         x = self.input_quantizer(inp)
-        outs = [F.linear(xs, self.quantize_weight(getattr(self, f"weight{i}"), "weight_quantizer", i)) for i, xs in enumerate(torch.split(x, m_splits))]
+        outs = [F.linear(xs, self.quantize_weight(getattr(self, f"weight{i}"), "weight_quantizer", i)) for i,
+                xs in enumerate(torch.split(x, m_splits))]
         return self.output_quantizer(torch.cat(outs))
 
 
@@ -234,7 +235,8 @@ def test_restore_never_broadcasts_a_reset_over_a_group(tmp_path, monkeypatch):
 def test_restored_amax_that_does_not_fit_the_weights_raises(tmp_path):
     ql.save(_calibrated(), tmp_path / "q.pt")
     wider = toy_model(int8_out=12)
-    with pytest.raises(ql.CheckpointError, match=r"experts_int8\.weight_quantizer\.0: amax of shape \(8, 1\) does not fit weight \(12, 16\)"):
+    with pytest.raises(ql.CheckpointError,
+                       match=r"experts_int8\.weight_quantizer\.0: amax of shape \(8, 1\) does not fit weight \(12, 16\)"):
         ql.restore(wider, tmp_path / "q.pt")
     assert not any(isinstance(m, ql.QuantModule) for m in wider.modules())
     fewer = toy_model(int8_gemms=2)

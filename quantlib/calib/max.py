@@ -72,7 +72,8 @@ class MaxCalibrator:
 
     def collect(self, amax: torch.Tensor) -> None:
         if self._amax is not None and self._amax.shape != amax.shape:
-            raise ValueError(f"calibration saw amax of shape {tuple(amax.shape)} after {tuple(self._amax.shape)}: inputs of a static per-channel/block quantizer must keep their shape")
+            raise ValueError(f"calibration saw amax of shape {tuple(amax.shape)} after {tuple(self._amax.shape)}: inputs of a static "
+                             "per-channel/block quantizer must keep their shape")
         self._amax = amax if self._amax is None else torch.maximum(self._amax, amax)
         self.num_batches += 1
 

@@ -41,7 +41,8 @@ def groups_span_shards(block: Optional[int], target: Any, sync: StatSync, where:
         return False
     if extent * tp <= block:
         return True
-    raise CalibrationError(f"{where}: blocks of {block} input channels straddle the {tp} tensor-parallel shards of {extent} columns each; use a block size that divides {extent} or covers all {extent * tp}")
+    raise CalibrationError(f"{where}: blocks of {block} input channels straddle the {tp} tensor-parallel shards of {extent} columns each; "
+                           f"use a block size that divides {extent} or covers all {extent * tp}")
 
 
 def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync, where: str) -> Optional[torch.Tensor]:

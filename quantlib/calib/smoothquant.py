@@ -83,7 +83,8 @@ def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext)
     sync.step("smoothquant", record, targets_digest("smoothquant", targets))
     # reached on any replica (an expert may get tokens on one rank only): every replica decides alike
     calls = reached_calls(targets, rec, sync)
-    sync.step("smoothquant", lambda: handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy))
+    sync.step("smoothquant", lambda: handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0],
+                                                      ctx.expert_input_policy))
     _, act_amax = input_statistics(targets, rec, sync, mean=False)
     with torch.no_grad():
         # per input channel, over the rows: a column-parallel shard holds some of them

@@ -193,7 +193,8 @@ def export_checkpoint(
     return write_plan(plan, fmt, out_dir, config, overwrite=overwrite, limit=limit, progress=progress)
 
 
-def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, overwrite: bool, limit: int, progress: Optional[bool]) -> ExportManifest:
+def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, overwrite: bool, limit: int,
+               progress: Optional[bool]) -> ExportManifest:
     """Pack and write a checked plan atomically; ``config`` is the base of config.json."""
     p = get_packer(fmt)
     shown, out_dir = os.fspath(out_dir), _resolve_out_dir(out_dir)
@@ -210,7 +211,8 @@ def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, ove
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportManifest(shown, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized, list(plan.info.ignore), plan.unified)
+    return ExportManifest(shown, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized,
+                          list(plan.info.ignore), plan.unified)
 
 
 def plan_bytes(plan: Plan) -> int:

@@ -113,7 +113,8 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
                 if not member.is_enabled:
                     continue
                 if not isinstance(member, TensorQuantizer):
-                    raise ExportError(f"{name}.weight_quantizer[{i}] = {type(member).__name__}: the Megatron export takes one TensorQuantizer per expert GEMM")
+                    raise ExportError(f"{name}.weight_quantizer[{i}] = {type(member).__name__}: the Megatron export takes one "
+                                      "TensorQuantizer per expert GEMM")
                 out[(layer, generic, module.expert_offset + i)] = (member.spec, ispec, name, f"{name}.weight_quantizer[{i}]")
             continue
         if not isinstance(q, TensorQuantizer):
@@ -163,7 +164,8 @@ def _select(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, idx: torc
         bm = spec.block[0]
         contiguous = bool((idx[1:] - idx[:-1] == 1).all()) and int(idx[0]) % bm == 0 and len(idx) % bm == 0
         if not contiguous:
-            raise ExportError(f"{where}: rows of q / k / v (or gate / up) interleave within {bm}-row blocks of the fused Megatron weight; 2-D blocks cannot be split")
+            raise ExportError(f"{where}: rows of q / k / v (or gate / up) interleave within {bm}-row blocks of the fused Megatron weight; "
+                              "2-D blocks cannot be split")
         return amax[int(idx[0]) // bm : (int(idx[-1]) + 1) // bm]
     if amax.dim() >= 1 and amax.shape[0] == rows:
         return amax[idx]
@@ -212,7 +214,8 @@ def _items(full: dict, prepend: dict, order: list[str], specs: dict, config: Any
 
 def _passthrough(name: str, t: torch.Tensor) -> Item:
     module, _, local = name.rpartition(".")
-    return Item(module, "unquantized", module, extras={local: (lambda t=t: t)}, parent=module.rpartition(".")[0], leaf=module.rpartition(".")[2])
+    return Item(module, "unquantized", module, extras={local: (lambda t=t: t)}, parent=module.rpartition(".")[0],
+                leaf=module.rpartition(".")[2])
 
 
 def _linear_items(i: int, e: Optional[int], module: str, full: dict, prepend: dict, specs: dict, config: Any) -> list[Item]:
@@ -234,8 +237,10 @@ def _linear_items(i: int, e: Optional[int], module: str, full: dict, prepend: di
         iamax = full.get(ikey)
         # a grouped linear's input quantizer is one per layer (no expert axis), SequentialMLP's one per expert
         iamax = None if iamax is None or ispec is None else iamax[index[: prepend[ikey]]]
-        out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, _select(amax, wspec, w.shape[0], idx, where_q), ispec, iamax,
-                        expert=e, shard=shard, parent=hf, leaf=leaf or name.rpartition(".")[2], shape=(len(idx), w.shape[1]), fused=f"model.layers.{i}.mlp.experts",
+        out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, _select(amax, wspec, w.shape[0], idx, where_q),
+                        ispec, iamax,
+                        expert=e, shard=shard, parent=hf, leaf=leaf or name.rpartition(".")[2], shape=(len(idx), w.shape[1]),
+                        fused=f"model.layers.{i}.mlp.experts",
                         input_where=f"{where}.input_quantizer"))  # fmt: skip
     return out
 
@@ -252,8 +257,10 @@ def _kv_items(model: nn.Module, packer: Packer) -> tuple[dict[int, KVItem], Opti
     return out, spec
 
 
-def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *, group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
-                               max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None, unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
+def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *,
+                               group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
+                               max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None,
+                               unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
     """Collective over ``group`` (default: the world): gather the sharded model to rank 0, which checks
     and writes ``out_dir``; returns the manifest on rank 0, None elsewhere. ``model`` may be wrapped
     (Float16Module, DistributedDataParallel): the wrapped GPTModel is exported."""

@@ -19,7 +19,8 @@ from ..formats.mx import mx_element_name, spec_element
 
 
 def real_quantize(
-    w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None, block_amax: Optional[torch.Tensor] = None
+    w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None,
+    block_amax: Optional[torch.Tensor] = None
 ) -> QuantizedTensor:
     """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it,
     queued on ``w``'s device without reading anything back.
@@ -36,7 +37,8 @@ def real_quantize(
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
         # a static quantizer's block scales come from its calibrated amax, which the cast reads (no
         # comparison with the weight's own block amax: that would read a device value back per weight)
-        static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape, spec.block))  # e.g. one amax for every block
+        static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape,
+                                                                                           spec.block))  # e.g. one amax for every block
         codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend, amax=static)
         return QuantizedTensor(codes, d, spec, shape, dtype)
     if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2 and (amax.numel() == 1 or tuple(amax.shape) == (shape[0], 1)):

@@ -174,7 +174,8 @@ def _rebuild(original: type) -> nn.Module:
 
         plugins.register_available()
     if not QuantModuleRegistry.is_registered(original):
-        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for it in this process")
+        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for "
+                        "it in this process")
     qcls = QuantModuleRegistry.quantized_class(original)
     return qcls.__new__(qcls)
 

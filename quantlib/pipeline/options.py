@@ -87,7 +87,8 @@ class OneshotOptions:
             raise PipelineError(f"--kv-cache {self.kv_cache!r}: one of {sorted(KV_CHOICES)}")
         if self.lm_eval_tasks:
             raise PipelineError(
-                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args pretrained=OUT` on the export"
+                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args "
+                "pretrained=OUT` on the export"
             )
 
 

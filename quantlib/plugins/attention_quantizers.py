@@ -14,7 +14,8 @@ from ..nn.tensor_quantizer import TensorQuantizer
 
 class AttentionQuantizers(QuantModule):
     """``q_bmm_quantizer``, ``k_bmm_quantizer``, ``v_bmm_quantizer`` and ``p_bmm_quantizer`` (the softmax
-    output; ModelOpt's names; disabled until a config enables them) and no weights: the projections around attention are quantized as linears."""
+    output; ModelOpt's names; disabled until a config enables them) and no weights: the projections around attention are quantized as
+    linears."""
 
     quantizer_names = ATTENTION_QUANTIZER_NAMES
     weight_quantizer_names = ()

@@ -97,7 +97,8 @@ def test_transformers_ct_path_dense_logits_bit_exact(bases, tmp_path):
 
     model = quantized(bases["llama"], weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG))
     export_checkpoint(model, tmp_path / "c", "ct_fp8_block")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False, dequantize=True))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(run_compressed=False, dequantize=True))
     for name, ref in fake_quant_weights(model).items():
         assert torch.equal(loaded.get_submodule(name).weight.float(), ref), name
     ids = tokens()

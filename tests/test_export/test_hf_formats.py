@@ -42,7 +42,8 @@ def test_transformers_loads_export_bit_exact(bases, tmp_path, fmt, family):
     assert "lm_head" in parsed.modules_to_not_convert and "model.embed_tokens" in parsed.modules_to_not_convert
     # the experts run as in the exported model (eager): transformers' default, grouped_mm, sums in
     # another order, so equal weights would give logits a few ulp apart
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32, experts_implementation=bases[family].config._experts_implementation)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
+                                                  experts_implementation=bases[family].config._experts_implementation)
     expected = fake_quant_weights(model)
     assert len(expected) == (14 if family == "llama" else 8 + 2 * 3 * 4)
     got = loaded_weights(loaded, expected)

@@ -106,7 +106,8 @@ def _run(rank: int, world: int, preset: str, folder: str) -> dict:
         hand_amax, expected = _reference(preset, tp, data, tokens)
         model = shims.build_gpt(tp, 1, SEED, num_query_groups=GROUPS)
         plain = shims.gpt_logits(model, tokens)
-        model = ql.quantize(model, ql.merge_kv_config(None, PRESETS[preset]), shims.forward_loop(data), parallel_state=ql.ParallelState.from_megatron())
+        model = ql.quantize(model, ql.merge_kv_config(None, PRESETS[preset]), shims.forward_loop(data),
+                            parallel_state=ql.ParallelState.from_megatron())
         got = shims.gpt_logits(model, tokens)
         amax = {}
         for layer in model.decoder.layers:

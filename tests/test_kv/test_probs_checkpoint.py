@@ -71,7 +71,8 @@ def test_golden_v4_checkpoint_without_probs_quantizer_restores():
         # schema 4 clipped the straight-through gradient: migrated, it still does (migrate_v5_to_v6)
         assert a[k]["attrs"]["pass_through_bwd"] is False and b[k]["attrs"]["pass_through_bwd"] is True, k
         assert a[k]["attrs"] | {"pass_through_bwd": True} == b[k]["attrs"], k
-        assert (a[k]["_amax"] is None) == (b[k]["_amax"] is None) and (a[k]["_amax"] is None or torch.equal(a[k]["_amax"], b[k]["_amax"])), k
+        assert (a[k]["_amax"] is None) == (b[k]["_amax"] is None) and (a[k]["_amax"] is None
+                                                                       or torch.equal(a[k]["_amax"], b[k]["_amax"])), k
     assert a[ATTN + "k_bmm_quantizer"]["_amax"] is not None
     x = batches(1, seed=9)[0] % 32
     with torch.no_grad():

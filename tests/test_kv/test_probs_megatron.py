@@ -31,7 +31,8 @@ def _run_model(model, tokens: torch.Tensor, gather: bool = True) -> torch.Tensor
     b, s = tokens.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     with torch.no_grad():
-        return model(tokens, positions, attention_mask=torch.zeros(1, 1, s, s, dtype=torch.bool), runtime_gather_output=gather).detach().clone()
+        return model(tokens, positions, attention_mask=torch.zeros(1, 1, s, s, dtype=torch.bool),
+                     runtime_gather_output=gather).detach().clone()
 
 
 def _loop(data):
@@ -146,5 +147,6 @@ def _export_refused(rank: int, world: int, tmp: str) -> str:
 
 def test_probs_megatron_export_refused(tmp_path):
     msg = shims.run_distributed(_export_refused, 1, str(tmp_path))[0]
-    assert "decoder.layers.0.self_attention.core_attention.p_bmm_quantizer = " in msg and "no export format carries attention-probabilities" in msg, msg
+    assert "decoder.layers.0.self_attention.core_attention.p_bmm_quantizer = " in msg, msg
+    assert "no export format carries attention-probabilities" in msg, msg
     assert not (tmp_path / "refused").exists()

@@ -166,7 +166,8 @@ def gpt_loop(tokens):
 def test_te_gpt_moe_quantizes_calibrates_and_round_trips(preset, tmp_path):
     model = ql.quantize(build_gpt(), te_gpu.PRESETS[preset], gpt_loop(_tokens(3, 1)))
     kinds = {type(m).__name__ for m in model.modules() if isinstance(m, ql.QuantModule)}
-    assert {"QuantTELayerNormColumnParallelLinear", "QuantTERowParallelLinear", "QuantTEColumnParallelGroupedLinear", "QuantTERowParallelGroupedLinear"} <= kinds
+    assert {"QuantTELayerNormColumnParallelLinear", "QuantTERowParallelLinear", "QuantTEColumnParallelGroupedLinear",
+            "QuantTERowParallelGroupedLinear"} <= kinds
     assert any(type(m).__name__ == "TEGroupedMLP" for m in model.modules())
     enabled = [(n, q) for n, q in iter_leaf_quantizers(model) if q.is_enabled and q.needs_calibration]
     assert enabled
@@ -214,7 +215,8 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
     from quantlib.export.megatron import export_megatron_checkpoint
     from quantlib.formats.nvfp4 import nvfp4_dequantize
 
-    cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+    cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False},
+                         "default": {"enable": False}}, "algorithm": "max"}
     model = ql.quantize(build_gpt(), cfg, gpt_loop(_tokens(2, 1)))
     export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4")
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -232,5 +234,6 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
                     assert torch.equal(got.to(part.dtype).cpu(), part.cpu()), name
                     checked += 1
     assert checked == 2 * 4 * (len(fc1) + 1)
-    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"):
+    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.weight",
+                "model.layers.0.self_attn.q_proj.weight"):
         assert key in sd, key

@@ -101,7 +101,8 @@ def _quantlib_save_restore(model, tp: int, folder: str, rank: int) -> dict:
         bare = None
     except ql.CheckpointError as exc:
         bare = str(exc)
-    return {"ql_restore_equal": bool(ours) and ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours), "ql_restore_bare": bare}
+    return {"ql_restore_equal": bool(ours) and ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours),
+            "ql_restore_bare": bare}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kerne
 MOE = ("qwen3_moe", "qwen2_moe")
 #: (format, family) -> why vLLM 0.32 does not load quantlib's export as stored (strict: a fix turns the test red)
 KNOWN = {
-    **{("hf_mxfp8", f): "vLLM's quant_method 'mxfp8' names the scale weight_scale; quantlib writes transformers' weight_scale_inv (vLLM: no parameter)" for f in FAMILIES},
+    **{("hf_mxfp8", f): "vLLM's quant_method 'mxfp8' names the scale weight_scale; quantlib writes transformers' weight_scale_inv (vLLM: "
+                        "no parameter)" for f in FAMILIES},
 }
 #: (format, family) that export refuses, by name, because vLLM cannot load it
 REFUSED = {("modelopt_fp8_pb", f): r"format modelopt_fp8_pb cannot carry MoE experts" for f in MOE}

@@ -83,7 +83,8 @@ class Packer:
         if inp is not None:
             why = self.input_ok(inp)
             if why is not None:
-                raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
+                raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input "
+                                  "quantizer or pick another format")
 
     def shares_global(self, spec: FormatSpec, inp: Optional[FormatSpec]) -> bool:
         """Whether the consumer fuses siblings of this scheme under one per-tensor (global) scale."""

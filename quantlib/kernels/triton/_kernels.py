@@ -44,7 +44,8 @@ from ._numerics import (
 
 
 @triton.jit
-def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
+def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr,
+                  E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
     """Fake-quantized fp32 values of ``x`` whose block amax ``a`` is broadcast to its shape."""
     if KIND == 0:
         return int_fake(x, a, lo, hi, HW)
