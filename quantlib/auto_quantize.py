@@ -53,9 +53,7 @@ def weight_bits(spec: Optional[FormatSpec]) -> float:
     if spec is None:
         return 16.0
     element = spec.num_bits if spec.element is None else sum(spec.element) + 1
-    if spec.kind == Kind.NVFP4:
-        return element + 8 / spec.block[0]
-    if spec.kind == Kind.MX:
+    if spec.kind in (Kind.NVFP4, Kind.MX):  # one 8-bit scale (E4M3 / E8M0) per block
         return element + 8 / spec.block[0]
     return float(element)
 

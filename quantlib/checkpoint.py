@@ -39,7 +39,7 @@ from torch import nn
 
 from ._atomic_io import atomic_torch_save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
-from .formats import Kind, blocked_shape
+from .formats import blocked_shape
 from .kv_cache import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
@@ -342,7 +342,7 @@ def _build(qstate: Any, where: str) -> nn.Module:
         amax = qstate.get("_amax")
         if amax is not None:
             _check_amax_values(amax, where)
-            per_tensor = q.spec.kind == Kind.NVFP4 or (q.spec.block is None and q.axis is None)
+            per_tensor = q.spec.per_tensor_amax(q.axis)
             if per_tensor and q.needs_calibration and amax.dim() != 0:
                 raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
             q.amax = amax

@@ -186,7 +186,7 @@ class QuantizerAttributeConfig:
     @property
     def is_dynamic(self) -> bool:
         """True where no calibrated amax is used at all (MX, dynamic blocks, per-token, ``type="dynamic"``)."""
-        return self.type == "dynamic" or (self._spec.dynamic and self._spec.kind != Kind.NVFP4)
+        return self.type == "dynamic" or not self._spec.calibrated_amax
 
     # ------------------------------------------------------------------ validation -> FormatSpec
     def _parse_blocks(self) -> tuple[Optional[tuple[int, ...]], bool, Optional[tuple[int, int]], bool]:

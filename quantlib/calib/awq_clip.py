@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import Kind
 from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -63,7 +62,7 @@ def clippable(q: nn.Module) -> bool:
     if not isinstance(q, TensorQuantizer) or not q.is_enabled:
         return False
     s = q.spec
-    return s.kind == Kind.NVFP4 or (s.block is not None and len(s.block) == 1 and not s.dynamic)
+    return s.two_level or (s.block is not None and len(s.block) == 1 and not s.dynamic)
 
 
 def _quantize(q: TensorQuantizer, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -108,7 +107,7 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     role = sync.role(module)
     w = q.pre_scale(module.weight.detach())
     xs = [input_pre_scale(module, x) for x in inputs]
-    if q.spec.kind == Kind.NVFP4:
+    if q.spec.two_level:
         losses = torch.zeros(len(ratios), dtype=torch.float32, device=w.device)
         refs = [x @ w.T for x in xs]
         for k, r in enumerate(ratios):
@@ -195,7 +194,7 @@ def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float
                                  type(q).__name__)
                 continue
             where = f"{name}.weight_quantizer"
-            per_tensor = q.spec.kind == Kind.NVFP4
+            per_tensor = q.spec.per_tensor_amax(q.axis)
             span = not per_tensor and groups_span_shards(q.spec.block[0], m, sync, where)
             w_amax = static_amax(q.pre_scale(m.weight.detach()), q.spec, q.axis, q.attrs.backend)
             if per_tensor or span:  # the global amax, or the one block of a row: over every shard

@@ -36,7 +36,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..formats import Kind
 from ..kernels import ops
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .collectives import stat_sync, targets_digest
@@ -80,9 +79,9 @@ def check_quantizer(where: str, q: nn.Module) -> None:
     for leaf in _leaves(q):
         spec = leaf.spec
         why = None
-        if spec.kind == Kind.MX or not leaf.needs_calibration or (spec.kind != Kind.NVFP4 and spec.dynamic):
+        if not spec.calibrated_amax or not leaf.needs_calibration:
             why = "its scales are dynamic (computed from the weight on every call)"
-        elif spec.kind == Kind.NVFP4 and not leaf.static_blocks:
+        elif spec.two_level and not leaf.static_blocks:
             why = "NVFP4 with dynamic block scales; set block_sizes 'type': 'static'"
         elif leaf.attrs.bias is not None:
             why = f"bias={leaf.attrs.bias!r}"
@@ -107,7 +106,7 @@ def _column_amax(amax: torch.Tensor, spec_block: Optional[tuple[int, ...]], cols
 def _leaf_step(leaf: TensorQuantizer, cols: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """``fn(c, j)``: ``leaf``'s fake quant of ``c`` ``[rows, 1]``, the column ``j``, with its groups' amax."""
     spec, backend, amax = leaf.spec, leaf.attrs.backend, leaf.amax.float()
-    if spec.kind == Kind.NVFP4:  # the global amax stays whole; the block amax is sliced
+    if spec.two_level:  # the global amax stays whole; the block amax is sliced
         blocks = leaf.block_amax.float()
         return lambda c, j: ops.fake_quant(c, spec, amax, backend, _column_amax(blocks, spec.block, cols, j))
     return lambda c, j: ops.fake_quant(c, spec, _column_amax(amax, spec.block, cols, j), backend)

@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, Kind
+from ..formats import FormatSpec
 from ..formats.blocks import to_blocks
 from ..kernels import block_amax, ops
 from ..nn.containers import GroupedQuantizer
@@ -170,7 +170,7 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
                 blocks = leaf.block_amax if leaf.block_amax is not None else block_amax(x.detach(), leaf.spec.block,
                                                                                         backend=leaf.attrs.backend)
                 leaf.block_amax, _ = search_block_amax(x, leaf.spec, leaf.amax, blocks, candidates, cfg.fp8_scale_sweep, leaf.attrs.backend)
-            elif leaf.spec.kind == Kind.NVFP4:
+            elif leaf.spec.two_level:
                 leaf.amax, _ = search_global_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
             else:
                 leaf.amax, _ = search_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)

@@ -233,8 +233,8 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
 
 def _return_freed_memory() -> None:
     """Hand the heap's free pages back to the OS. glibc keeps freed activations of a pass in its heap
-    (its mmap threshold grows after the first large free), and they add up over dozens of layers:
-    measured on a 39-layer model, peak RSS 93 MiB without this, 51 MiB with it (benchmarks/RESULTS_sequential.md)."""
+    (its mmap threshold grows after the first large free), and they add up over dozens of layers
+    (benchmarks/RESULTS_sequential.md: the peak grew with the layer count before this)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

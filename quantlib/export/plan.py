@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, Kind, QuantizedTensor
+from ..formats import FormatSpec, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
@@ -161,7 +161,7 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
                 extras = {k: _live(module, k) for k in direct}
                 spec = q.spec
-                block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
+                block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
                 items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
                                   ispec, iamax, extras, shard=layout.shards.get(leaf), parent=parent, leaf=leaf,
                                   tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape), input_where=f"{name}.input_quantizer",
@@ -232,7 +232,7 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     """Refuse what ``it`` cannot be exported as; ``passed``: the keys of the format and block checks that
     earlier items of the same call passed (a model's linears share a handful of them)."""
     spec, where = it.spec, it.where
-    if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
+    if it.amax is None and spec.calibrated_amax:
         what = f"expert {it.expert} " if it.expert is not None else ""
         raise ExportError(f"{where}: {what}weight quantizer has no amax; calibrate first (quantlib.calibrate / quantize)")
     if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
@@ -248,7 +248,7 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     done = passed is not None and key in passed
     if not done:
         packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
-    if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
+    if it.input_spec is not None and it.input_amax is None and it.input_spec.calibrated_amax:
         # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
         what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
         raise ExportError(f"{it.input_where}: {what} {describe(it.input_spec)} input without an amax; calibrate with a forward_loop")

@@ -50,16 +50,11 @@ def real_quantize(
     return quantize(w, spec, None if amax is None else amax.to(w.device))
 
 
-def has_static_scale(spec: FormatSpec) -> bool:
-    """Whether the format's scale comes from a calibrated amax (FP8, static FP8 blocks)."""
-    return spec.kind == Kind.FP8 or (spec.kind == Kind.FP8_BLOCK and not spec.dynamic)
-
-
 def static_scale(amax: torch.Tensor, spec: FormatSpec) -> Optional[torch.Tensor]:
     """The scale a static FP8 (``Q / a``) or FP8-block (``d``) quantizer takes from its amax; None for others."""
     if spec.kind == Kind.FP8:
         return fp8_scale(amax, spec.element)
-    if has_static_scale(spec):
+    if spec.scale_from_amax:
         return blockwise_scale(amax, spec.element, spec.eps, spec.pow2)
     return None
 
@@ -70,7 +65,7 @@ def static_scales(pairs: list[tuple[FormatSpec, torch.Tensor]]) -> list[Optional
     out: list[Optional[torch.Tensor]] = [None] * len(pairs)
     groups: dict[tuple, list[int]] = {}
     for i, (spec, amax) in enumerate(pairs):
-        if amax is not None and has_static_scale(spec):
+        if amax is not None and spec.scale_from_amax:
             groups.setdefault((spec, amax.device), []).append(i)
     for (spec, _), idx in groups.items():
         flat = torch.cat([pairs[i][1].reshape(-1).float() for i in idx])

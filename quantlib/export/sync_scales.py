@@ -41,7 +41,7 @@ def as_scales(value: Union[Scales, str]) -> Scales:
 def current_amax(w: torch.Tensor, spec: FormatSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 amax of ``w`` in the stored ``shape`` of its quantizer's amax: one value, one per row
     (``[out, 1]``) or one per block; on ``w``'s device, nothing read back."""
-    if spec.kind == Kind.NVFP4 or len(shape) == 0 or all(s == 1 for s in shape):
+    if spec.two_level or len(shape) == 0 or all(s == 1 for s in shape):
         return abs_max(w).reshape(shape)
     if spec.block is not None:
         return block_amax(w, spec.block).reshape(shape)

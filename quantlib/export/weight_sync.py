@@ -14,7 +14,6 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from ..formats import Kind
 from ..nn.containers import GroupedQuantizer, QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
@@ -118,7 +117,7 @@ def _item(prefix: str, w: torch.Tensor, q: nn.Module, where: str, ispec, iamax, 
         state = "disabled" if isinstance(q, TensorQuantizer) else ""
         raise ExportError(f"{where}: {type(q).__name__} {state}: serialize_weight packs enabled TensorQuantizers")
     refuse_pre_quant_scale([(where, q)])
-    block_amax = q.block_amax if q.spec.kind == Kind.NVFP4 else None
+    block_amax = q.block_amax if q.spec.two_level else None
     return Item(prefix, "linear", where, lambda: w.detach(), q.spec, q.amax, ispec, iamax, shape=tuple(w.shape), input_where=input_where,
                 block_amax=block_amax)
 

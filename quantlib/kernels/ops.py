@@ -89,7 +89,7 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 def ste_bound(spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The amax that clips the straight-through gradient of ``spec``, or None where it passes everywhere
     (no amax, a dynamic scale but NVFP4's global one, MX)."""
-    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
+    if amax is None or not spec.calibrated_amax:
         return None
     return amax.detach()
 
@@ -103,7 +103,7 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     # promote (the comparison would round amax to x's dtype), hence the reshape
     mag = x.detach().abs()
     bound = amax.detach().float()
-    if spec.block is not None and spec.kind != Kind.NVFP4:
+    if spec.per_block_amax:
         inside = to_blocks(mag, spec.block) <= bound.unsqueeze(-1)
         return from_blocks(inside, spec.block, x.shape)
     if bound.dim() == 0 and x.dim() > 0:

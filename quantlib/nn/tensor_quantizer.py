@@ -10,7 +10,7 @@ from torch import nn
 from ..calib.bias import BiasCalibrator
 from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
 from ..config import QuantizerAttributeConfig, make_attribute_config
-from ..formats import FormatSpec, Kind
+from ..formats import FormatSpec
 from ..kernels import block_amax as blocks_amax, ops
 
 
@@ -87,7 +87,7 @@ class TensorQuantizer(nn.Module):
     def static_blocks(self) -> bool:
         """True for NVFP4 with static blocks (ModelOpt's ``"type": "static"``): a stored block amax
         (:attr:`block_amax`) next to the global amax (:attr:`amax`)."""
-        return self.spec.kind == Kind.NVFP4 and not self.spec.dynamic and self.needs_calibration
+        return self.spec.static_blocks and self.needs_calibration
 
     def set_from_attribute_config(self, attrs: Union[QuantizerAttributeConfig, dict]) -> None:
         """Replace the config; a dict holding only ``enable`` just toggles. A new format drops the amax."""
@@ -369,10 +369,10 @@ class TensorQuantizer(nn.Module):
         """The amax the op uses: static (calibrated, or from ``x`` if never calibrated or ``type`` is
         "dynamic") or None where the op computes it (per block, per row, NVFP4's global amax)."""
         spec = self.spec
-        if spec.kind == Kind.MX or (spec.dynamic and spec.kind != Kind.NVFP4):
+        if not spec.calibrated_amax:
             return None
         amax = self.amax if self.needs_calibration else None
-        if amax is None and spec.kind != Kind.NVFP4:
+        if amax is None and not spec.two_level:
             return static_amax(x, spec, self._attrs.axis, self._attrs.backend)
         return amax
 

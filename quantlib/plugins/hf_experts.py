@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import QuantizerAttributeConfig
-from ..formats import Kind
 from ..kernels.grouped_mm import grouped_mm
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
@@ -266,7 +265,7 @@ def rowwise(q: nn.Module) -> bool:
     if not q._if_quant:
         return True
     spec = q.spec
-    if spec.kind == Kind.MX or (spec.dynamic and spec.kind != Kind.NVFP4):
+    if not spec.calibrated_amax:
         return True
     return q.needs_calibration and q.amax is not None and not q.static_blocks
 

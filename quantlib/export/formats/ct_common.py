@@ -42,10 +42,10 @@ def input_args(spec: Optional[FormatSpec]) -> Optional[dict]:
 
 def input_tensors(spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Static input scales as CT stores them: ``input_scale`` (a multiplier) or NVFP4's ``input_global_scale`` (a divisor)."""
-    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4:
+    if amax is None or not spec.calibrated_amax:
         return {}
     a = amax.float().reshape(1)
-    if spec.kind == Kind.NVFP4:
+    if spec.two_level:
         return {"input_global_scale": torch.full_like(a, 6.0 * 448.0) / a}
     if spec.kind == Kind.FP8:
         return {"input_scale": torch.reciprocal(fp8_scale(a, spec.element))}
