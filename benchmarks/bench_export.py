@@ -39,8 +39,8 @@ import torch
 
 import quantlib as ql
 from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax, sync_pairs
-from quantlib.export.formats import packer
 from quantlib.export.plan import make_plan
+from quantlib.export.writers import packer
 
 #: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name)
 RECIPES = {

@@ -5,7 +5,7 @@ from .checkpoint import CheckpointError, quantizer_state, restore, restore_state
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .coverage import WeightCoverage, weight_coverage
 from .distributed import AmaxSyncError, ParallelState, sync_amax
-from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
+from .kv.presets import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
 from .model_quant import (
     calibrate,
     clear_weight_cache,

@@ -40,7 +40,7 @@ from torch import nn
 from ._atomic_io import atomic_torch_save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .formats import blocked_shape
-from .kv_cache import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
+from .kv.presets import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
@@ -53,7 +53,7 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelLayout:
+class QuantizerGroups:
     """What a migration may need to know about the model a state is restored into (old schemas did not
     record it): ``grouped`` maps the name of each grouped weight quantizer to its number of members
     (GEMMs / experts). :func:`restore_state` builds it from the model."""
@@ -61,7 +61,7 @@ class ModelLayout:
     grouped: Mapping[str, int] = field(default_factory=dict)
 
 
-def migrate_v1_to_v2(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v1_to_v2(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 1 -> 2: a grouped weight quantizer saved as one shared entry (``"tensor"`` with one
     ``_amax``, or ``"sequential"``) becomes ``"grouped"`` with one copy per member, so member i of
     ``weight_quantizer`` restores ``weight_quantizer.{i}._amax`` (``restore(...,
@@ -98,21 +98,21 @@ def _with_entry(qstate: Any, key: str) -> Any:
     return _each_tensor_entry(qstate, lambda entry: {**entry, key: entry.get(key)})
 
 
-def migrate_v2_to_v3(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v2_to_v3(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 2 -> 3: every tensor quantizer entry (members of containers included) gets
     ``"_pre_quant_scale": None``: schema 2 had no pre_quant_scale, so none was in use. ``layout`` is
     not needed; ``state`` is not modified."""
     return {**state, "schema": 3, "quantizers": {name: _with_entry(q, "_pre_quant_scale") for name, q in state["quantizers"].items()}}
 
 
-def migrate_v3_to_v4(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v3_to_v4(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 3 -> 4: every tensor quantizer entry gets ``"_bias_value": None``: schema 3 had no affine
     quantization (its configs could not hold a ``bias``), so no bias was in use. ``layout`` is not
     needed; ``state`` is not modified."""
     return {**state, "schema": 4, "quantizers": {name: _with_entry(q, "_bias_value") for name, q in state["quantizers"].items()}}
 
 
-def migrate_v4_to_v5(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v4_to_v5(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 4 -> 5: every attention module (one holding ``q_bmm_quantizer``, ``k_bmm_quantizer`` and
     ``v_bmm_quantizer``) gets a disabled ``p_bmm_quantizer``: schema 4 had none, so P was never
     quantized. ``layout`` is not needed; ``state`` is not modified."""
@@ -135,7 +135,7 @@ def _clipped(attrs: Any) -> Any:
     return {**attrs, "pass_through_bwd": False} if isinstance(attrs, dict) else attrs
 
 
-def migrate_v5_to_v6(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v5_to_v6(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 5 -> 6: every attribute config (each tensor quantizer's ``attrs`` and the saved config's
     ``quant_cfg`` entries) gets ``"pass_through_bwd": False``: schema 5 had no such field and always
     zeroed the straight-through gradient where ``|x| > amax``, which the field's default (True, as in
@@ -154,7 +154,7 @@ def migrate_v5_to_v6(state: dict, layout: Optional[ModelLayout] = None) -> dict:
 
 
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {
+MIGRATIONS: dict[int, Callable[[dict, Optional[QuantizerGroups]], dict]] = {
     1: migrate_v1_to_v2,
     2: migrate_v2_to_v3,
     3: migrate_v3_to_v4,
@@ -256,9 +256,9 @@ def load_state(path: Union[str, os.PathLike]) -> dict:
     return state
 
 
-def migrate(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Bring ``state`` to :data:`SCHEMA_VERSION` through the named migrations, one version at a time
-    (``layout``: the target model's, see :class:`ModelLayout`)."""
+    (``layout``: the target model's, see :class:`QuantizerGroups`)."""
     if not isinstance(state, dict) or "schema" not in state or "quantizers" not in state:
         raise CheckpointError("not a quantlib quantizer state: expected a dict with 'schema' and 'quantizers'")
     version = state["schema"]
@@ -301,17 +301,17 @@ def _is_grouped(module: nn.Module, attr: str) -> Optional[bool]:
     return None if names is None else attr in names
 
 
-def _layout(plan: dict[str, tuple[nn.Module, str]]) -> ModelLayout:
+def _layout(plan: dict[str, tuple[nn.Module, str]]) -> QuantizerGroups:
     grouped = {}
     for name, (module, attr) in plan.items():
         if _is_grouped(module, attr) is True:
             tensors = dict(_quantized_class(module).weight_groups(module)).get(attr)
             grouped[name] = len(tensors) if tensors is not None else len(getattr(module, attr))
-    return ModelLayout(grouped)
+    return QuantizerGroups(grouped)
 
 
-def model_layout(model: nn.Module) -> ModelLayout:
-    """The :class:`ModelLayout` of ``model`` (fresh or converted), for :func:`migrate`."""
+def quantizer_groups(model: nn.Module) -> QuantizerGroups:
+    """The :class:`QuantizerGroups` of ``model`` (fresh or converted), for :func:`migrate`."""
     return _layout(_planned_quantizers(model))
 
 

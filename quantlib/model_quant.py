@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from torch import nn
 
-from .atomic import atomic, check_weight_quantizers
 from .calib import awq_clip, awq_lite, gptq, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
 from .calib.collectives import StatSync
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
 from .coverage import report_coverage
-from .kv_cache import check_kv_reach
+from .kv.presets import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.modules.modelopt_only import MODELOPT_ONLY
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
+from .rollback import atomic, check_weight_quantizers
 from .traversal import class_names, clear_weight_cache, expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
 
 ForwardLoop = Callable[[nn.Module], Any]

@@ -109,7 +109,7 @@ def test_migration_is_named_and_registered():
 def test_migrate_v1_to_v2_copies_the_shared_amax_to_every_member():
     v1 = golden("v1_anchor_shared.pt")
     before = copy.deepcopy(v1)
-    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.ModelLayout(GROUPED))
+    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.QuantizerGroups(GROUPED))
     assert v2["schema"] == 2 and v2["config"] == v1["config"]
     for name, num in GROUPED.items():
         shared = v1["quantizers"][name]
@@ -123,19 +123,19 @@ def test_migrate_v1_to_v2_copies_the_shared_amax_to_every_member():
     assert all(v2["quantizers"][n] is v1["quantizers"][n] for n in untouched)
     assert v1["schema"] == 1 and v1["quantizers"]["experts.weight_quantizer"]["type"] == "tensor"  # input unchanged
     assert torch.equal(v1["quantizers"]["experts.weight_quantizer"]["_amax"], before["quantizers"]["experts.weight_quantizer"]["_amax"])
-    assert ckpt.migrate(v1, ckpt.ModelLayout(GROUPED))["quantizers"].keys() == v2["quantizers"].keys()
+    assert ckpt.migrate(v1, ckpt.QuantizerGroups(GROUPED))["quantizers"].keys() == v2["quantizers"].keys()
 
 
 def test_migrate_v1_keeps_per_member_entries():
     v1 = golden("v1_grouped_members.pt")
-    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.ModelLayout(GROUPED))
+    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.QuantizerGroups(GROUPED))
     assert v2["schema"] == 2 and all(v2["quantizers"][n] is v1["quantizers"][n] for n in v1["quantizers"])
 
 
 def test_model_layout_of_fresh_and_converted_models():
-    assert dict(ckpt.model_layout(toy_model()).grouped) == GROUPED
+    assert dict(ckpt.quantizer_groups(toy_model()).grouped) == GROUPED
     quantized = ql.quantize(toy_model(), golden("v1_anchor_shared.pt")["config"], None)
-    assert dict(ckpt.model_layout(quantized).grouped) == GROUPED
+    assert dict(ckpt.quantizer_groups(quantized).grouped) == GROUPED
 
 
 # ------------------------------------------------------------------------------ golden files restore

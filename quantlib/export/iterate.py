@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from ..formats import Kind
-from .formats import Packer, as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
 from .types import ExportError, ExportFormat, PackedWeight
+from .writers import Packer, as_format, packer as get_packer
 
 T = TypeVar("T")
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from ..formats import FormatSpec
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+from ..kv.presets import ATTENTION_QUANTIZER_NAMES
 from ..nn.tensor_quantizer import TensorQuantizer
-from .formats import Packer
-from .formats.base import describe
 from .layouts import ModelLayout
 from .types import ExportError
+from .writers import Packer
+from .writers.base import describe
 
 _DISABLE = "quantlib.disable_quantizer(model, '*_bmm_quantizer')"
 _NAMES = frozenset(ATTENTION_QUANTIZER_NAMES)

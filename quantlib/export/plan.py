@@ -16,12 +16,12 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
-from .formats import ConfigInfo, Packer
-from .formats.base import Scheme, describe
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
 from .modules import _direct, named_modules
 from .types import ExportError
+from .writers import ConfigInfo, Packer
+from .writers.base import Scheme, describe
 
 
 @dataclass

@@ -18,13 +18,13 @@ from ..nn.containers import GroupedQuantizer, QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .buckets import chunks_by_dtype
-from .formats import as_format, packer as get_packer
 from .iterate import iter_packed, pack_item
 from .layouts import ModelLayout
 from .plan import Item, _active_input, _check_item, read_amax, refuse_pre_quant_scale
 from .sync_scales import Scales, as_scales, dynamic_items, refuse_clipped
 from .types import ExportError, ExportFormat
 from .vllm_names import ExpertNames, named_pairs
+from .writers import as_format, packer as get_packer
 
 
 def _quantizers(module: nn.Module, prefix: str, input_quantizer: Optional[nn.Module]) -> tuple[nn.Module, Optional[nn.Module], str]:

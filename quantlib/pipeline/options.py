@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import ConfigError, QuantizeConfig
-from ..kv_cache import KV_PRESETS, merge_kv_config
+from ..kv.presets import KV_PRESETS, merge_kv_config
 from ..presets import PRESETS
 
 
@@ -167,7 +167,7 @@ def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
     """The export format: --export-format, else the recipe's default; a recipe no format can carry is refused
     up front (before any model loads), unless --export-format none skips the export."""
     from ..export import ExportError
-    from ..export.formats import as_format
+    from ..export.writers import as_format
 
     if opts.export_format == NO_EXPORT:
         return NO_EXPORT

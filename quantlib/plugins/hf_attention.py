@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..kv_cache import QKV_QUANTIZER_NAMES
+from ..kv.attention import AttentionQuantizers
+from ..kv.presets import QKV_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModuleRegistry
 from .attention_probs import attend_with_probs
-from .attention_quantizers import AttentionQuantizers
 
 _scanned: set[str] = set()
 

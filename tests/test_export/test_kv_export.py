@@ -19,7 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint, iter_packed  # noqa: E402
 from quantlib.formats.fp8 import cast_fp8  # noqa: E402
-from quantlib.kv_cache import FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config  # noqa: E402
+from quantlib.kv.presets import FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config  # noqa: E402
 from tests.test_export._export_models import llama, quantized, weight_only  # noqa: E402
 
 LAYERS = 2

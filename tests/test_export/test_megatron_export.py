@@ -35,7 +35,7 @@ def export_layouts(tmp: str, layouts: tuple, cases: dict, build, check) -> dict:
     "check", ``check(model, path, qkv rows)`` of the TP1 ModelOpt NVFP4 export."""
     from megatron.core import parallel_state as mpu
 
-    from quantlib.export.megatron import _qkv_rows, export_megatron_checkpoint
+    from quantlib.export.megatron_export import _qkv_rows, export_megatron_checkpoint
 
     out: dict = {}
     for layout in layouts:

@@ -16,7 +16,7 @@ pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError  # noqa: E402
-from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
+from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -52,7 +52,7 @@ def _read(path: str) -> dict:
 
 
 def _export(rank: int, world: int, tmp: str) -> dict:
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
 
     out: dict = {}
     model = _quantized(2)

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 import quantlib as ql  # noqa: E402
 from quantlib import kernels  # noqa: E402
 from quantlib.export import iter_packed  # noqa: E402
-from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
+from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
 from tests.test_export._export_models import quantized, weight_only  # noqa: E402
 
 _METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "__repr__", "__format__")

@@ -131,7 +131,7 @@ def test_probs_megatron_tp2_logits_equal_hand_fake_quant(tmp_path):
 
 def _export_refused(rank: int, world: int, tmp: str) -> str:
     from quantlib.export import ExportError
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from tests.test_export.test_megatron_kv_export import WEIGHTS
 
     shims.set_layout(1, 1)

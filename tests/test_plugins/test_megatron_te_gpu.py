@@ -212,7 +212,7 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
     """TEGroupedMLP's GEMM i is global expert i under Llama / Qwen3-MoE names, as SequentialMLP's."""
     from safetensors.torch import load_file
 
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from quantlib.formats.nvfp4 import nvfp4_dequantize
 
     cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False},

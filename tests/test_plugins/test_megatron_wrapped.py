@@ -79,7 +79,7 @@ def _round_trips(rank: int, world: int, root: str) -> dict:
 
 def _export_same_as_inner(model, folder: str, rank: int):
     """(files, whether the wrapper's export equals the inner GPTModel's byte for byte, quantized modules)."""
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
 
     wrapped = export_megatron_checkpoint(model, os.path.join(folder, "export_wrapped"), "modelopt_fp8")
     inner = export_megatron_checkpoint(model.module, os.path.join(folder, "export_inner"), "modelopt_fp8")

@@ -11,7 +11,7 @@ from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer, is_fp8_block_2d
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 
 
 class ModelOptFP8PB(ModelOptKVCache, Packer):

@@ -17,7 +17,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, NVFP4Packer
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTNVFP4(CTKVCache, NVFP4Packer):

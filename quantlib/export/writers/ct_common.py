@@ -11,7 +11,7 @@ from ...formats import FormatSpec, Kind
 from ...formats.fp8 import fp8_scale
 from ...formats.int import int_scale
 from .base import ConfigInfo, is_mx, is_nvfp4
-from .kv_cache import ct_kv_scheme
+from .kv_scales import ct_kv_scheme
 
 
 def fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, MXFP8Packer
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTMXFP8(CTKVCache, MXFP8Packer):

@@ -23,12 +23,12 @@ from ..formats import FormatSpec
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .checkpoint import check_arguments, parse_size, write_plan
-from .formats import Packer, as_format, packer as get_packer
+from .export_checkpoint import check_arguments, parse_size, write_plan
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout
 from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale
 from .types import ExportError, ExportFormat, ExportManifest
+from .writers import Packer, as_format, packer as get_packer
 
 #: HF names of a decoder layer's tensors, by Megatron key (after ``decoder.layers.``)
 _LAYER_NAMES = {

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from . import safetensors_io
-from .formats import as_format, packer as get_packer
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
 from .offload import meta_modules, read_offloaded
 from .plan import Plan, make_plan
 from .types import ExportError, ExportFormat, ExportManifest
+from .writers import as_format, packer as get_packer
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 #: a progress bar from this many bytes of weights on

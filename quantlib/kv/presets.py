@@ -20,8 +20,8 @@ from typing import Optional, Union
 
 from torch import nn
 
-from .config import ConfigError, QuantizeConfig, turns_on
-from .traversal import class_names
+from ..config import ConfigError, QuantizeConfig, turns_on
+from ..traversal import class_names
 
 #: the quantizers a KV preset configures, by their attribute name on the attention module
 KV_QUANTIZER_NAMES: tuple[str, ...] = ("k_bmm_quantizer", "v_bmm_quantizer")
@@ -98,7 +98,7 @@ def kv_rules(config: QuantizeConfig) -> list[str]:
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
-    from .nn.quant_module import QuantModuleRegistry
+    from ..nn.quant_module import QuantModuleRegistry
 
     cls = QuantModuleRegistry.original_class_of(module)
     children = dict(module.named_children())

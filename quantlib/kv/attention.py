@@ -7,9 +7,9 @@ from typing import Iterator
 import torch
 
 from ..config import QuantizerAttributeConfig
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .presets import ATTENTION_QUANTIZER_NAMES
 
 
 class AttentionQuantizers(QuantModule):

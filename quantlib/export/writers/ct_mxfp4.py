@@ -11,7 +11,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, is_mx
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTMXFP4(CTKVCache, Packer):
