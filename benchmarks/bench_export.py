@@ -83,9 +83,8 @@ def sync(device: str) -> None:
 
 def timed(fn: Callable[[object], object], runs: int, fresh: Callable[[], object], device: str, warmup: int = 3) -> float:
     """Median seconds of ``fn(fresh())``, synchronised once before and once after each run, with the
-    garbage collector paused (as timeit does) and three warm-ups. On the H200 (2026-12-04), with one
-    warm-up and the collector on, a recipe timed first took 0.6 ms more than the same recipe timed
-    second (FP8 128x128: 3.81 against 3.16 ms); the cause was not isolated."""
+    garbage collector paused (as timeit does) and three warm-ups: with one warm-up and the collector on,
+    a recipe timed first ran slower than the same recipe timed second (benchmarks/RESULTS_export_h200.md)."""
     times = []
     gc.collect()
     gc.disable()
