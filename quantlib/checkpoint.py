@@ -149,8 +149,8 @@ def migrate_v5_to_v6(state: dict, layout: Optional[QuantizerGroups] = None) -> d
         items = [{**item, "cfg": _clipped(item.get("cfg"))} if isinstance(item, dict) and "cfg" in item else item
                  for item in config["quant_cfg"]]
         config = {**config, "quant_cfg": items}
-    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry) for name,
-                                                                   q in state["quantizers"].items()}}
+    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry)
+                                                                   for name, q in state["quantizers"].items()}}
 
 
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.

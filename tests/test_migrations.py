@@ -38,8 +38,8 @@ class _QuantToyGroupedLinear(QuantTEGroupedLinearBase):
 
     def forward(self, inp, m_splits):
         x = self.input_quantizer(inp)
-        outs = [F.linear(xs, self.quantize_weight(getattr(self, f"weight{i}"), "weight_quantizer", i)) for i,
-                xs in enumerate(torch.split(x, m_splits))]
+        outs = [F.linear(xs, self.quantize_weight(getattr(self, f"weight{i}"), "weight_quantizer", i))
+                for i, xs in enumerate(torch.split(x, m_splits))]
         return self.output_quantizer(torch.cat(outs))
 
 

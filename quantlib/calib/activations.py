@@ -98,8 +98,8 @@ def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, l
 
 def fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], policy: str) -> None:
     """Quantizers the forward loop never reached: experts follow the policy, anything else raises."""
-    experts = {id(leaf) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names for _,
-               leaf in leaves_of(qn, getattr(m, qn))}
+    experts = {id(leaf) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names
+               for _, leaf in leaves_of(qn, getattr(m, qn))}
     # a module with grouped weights holds all local experts of its layer: its quantizers have no local
     # peers (expert_group_key of their names would replace the layer index instead)
     alone = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert and any(isinstance(getattr(m, w, None), GroupedQuantizer)

@@ -153,8 +153,8 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
     weights only)."""
     ctx.max_calibrate(model)
     candidates = fp8_scale_candidates() if cfg.fp8_scale_sweep else multipliers(cfg)
-    members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf,
-               w in _static_weight_members(module)]
+    members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule)
+               for _, leaf, w in _static_weight_members(module)]
     if cfg.fp8_scale_sweep:
         members = [(leaf, w) for leaf, w in members if leaf.static_blocks]
     statics = [leaf for leaf, _ in members if leaf.static_blocks]

@@ -188,8 +188,8 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
                 head, _, idx = full.rpartition(".")[0].rpartition(".")
                 fused = head if idx == str(e) else layout.checkpoint_name(name)
-                extras = {} if bias is None else {"bias": (lambda b=f"{proj}_bias", e=e, r0=r0,
-                                                           r1=r1: getattr(module, b).detach()[e, r0:r1])}
+                extras = {} if bias is None else {
+                    "bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
                 get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)

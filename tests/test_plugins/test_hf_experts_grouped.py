@@ -138,8 +138,8 @@ def test_calibration_through_the_grouped_path_gives_the_loops_amax(family):
             for _, m in expert_modules(model):
                 m.__dict__["_input_observer"] = lambda *a: None  # survives conversion (the dict is copied)
         model = ql.quantize(model, ql.FP8_DEFAULT_CFG, lambda mod: [mod(x) for x in data])
-        results.append([(m.gate_up_proj_input_quantizer.amax, m.down_proj_input_quantizer.amax, m.tokens_per_expert.clone()) for _,
-                        m in expert_modules(model)])
+        results.append([(m.gate_up_proj_input_quantizer.amax, m.down_proj_input_quantizer.amax, m.tokens_per_expert.clone())
+                        for _, m in expert_modules(model)])
     for grouped, looped in zip(*results):
         for a, b in zip(grouped, looped):
             assert torch.equal(a, b)

@@ -207,8 +207,8 @@ def test_te_grouped_linear_on_gpu(tmp_path):
         for i in range(4):
             getattr(reference, f"weight{i}").copy_(wq[i])
         assert torch.equal(out, reference(xq, splits))
-        fp32 = torch.cat([F.linear(xs.double(), wq[i].double(), getattr(model, f"bias{i}").double()) for i,
-                          xs in enumerate(torch.split(xq, splits))])
+        fp32 = torch.cat([F.linear(xs.double(), wq[i].double(), getattr(model, f"bias{i}").double())
+                          for i, xs in enumerate(torch.split(xq, splits))])
     # TF32 products: relative error up to about 2**-10 of each |x_k w_k| term, summed over the 64 inputs
     bound = 2.0**-10 * torch.cat([xs.abs() @ wq[i].abs().t() for i, xs in enumerate(torch.split(xq, splits))]).double() + 1e-6
     assert ((out.double() - fp32).abs() <= bound).all()

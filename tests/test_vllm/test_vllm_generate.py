@@ -50,8 +50,8 @@ def run_vllm(ckpt_dir, dtype: str) -> tuple[list[torch.Tensor], list[list[int]]]
     finally:
         del llm
         gc.collect()
-    logprobs = [torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))], dtype=torch.float64) for o,
-                ids in zip(outs, PROMPTS)]
+    logprobs = [torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))], dtype=torch.float64)
+                for o, ids in zip(outs, PROMPTS)]
     return logprobs, [list(o.outputs[0].token_ids) for o in outs]
 
 
