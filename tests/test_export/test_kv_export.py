@@ -189,7 +189,7 @@ def test_query_quantizer_refused(base, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["ct_nvfp4", "modelopt_fp8"])
 def test_fp8_kv_scale_is_reciprocal_not_amax_over_448(base, tmp_path, fmt):
-    # amaxes where amax / 448 and 1 / (448 / amax) round to different fp32 values (EXPORT.md §1e)
+    # amaxes where amax / 448 and 1 / (448 / amax) round to different fp32 values (docs/numerics.md, "Export")
     amaxes = torch.linspace(0.5, 3.0, 2001)
     differ = amaxes[(amaxes / 448.0) != torch.reciprocal(torch.tensor(448.0) / amaxes)]
     assert differ.numel() > 100
