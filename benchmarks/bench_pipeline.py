@@ -107,7 +107,8 @@ def main(argv=None) -> dict:
         a, b = ours.get(k), theirs.get(k)
         print(f"{k:28s} {'' if a is None else f'{a:10.2f}':>10s} {'' if b is None else f'{b:10.2f}':>10s}")
     print(
-        f"quantlib: perplexity before {report['perplexity']['before']['perplexity']:.4f}, after {report['perplexity']['after']['perplexity']:.4f}, "
+        f"quantlib: perplexity before {report['perplexity']['before']['perplexity']:.4f}, after "
+        f"{report['perplexity']['after']['perplexity']:.4f}, "
         f"reloaded {report['perplexity']['reloaded']['perplexity']:.4f}; {report['check']['summary']}"
     )
     result = {

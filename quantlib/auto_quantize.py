@@ -26,8 +26,8 @@ from . import presets
 from .config import ConfigError, QuantizeConfig
 from .formats import FormatSpec, Kind
 from .model_quant import quantize
-from .nn.quant_module import QuantModule
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
+from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import TensorQuantizer
 from .traversal import clear_weight_cache
 
@@ -53,9 +53,7 @@ def weight_bits(spec: Optional[FormatSpec]) -> float:
     if spec is None:
         return 16.0
     element = spec.num_bits if spec.element is None else sum(spec.element) + 1
-    if spec.kind == Kind.NVFP4:
-        return element + 8 / spec.block[0]
-    if spec.kind == Kind.MX:
+    if spec.kind in (Kind.NVFP4, Kind.MX):  # one 8-bit scale (E4M3 / E8M0) per block
         return element + 8 / spec.block[0]
     return float(element)
 
@@ -307,7 +305,8 @@ def auto_quantize(
     state = {
         "candidates": names,
         "decisions": [{"modules": d.modules, "numel": d.numel, "score": d.score, "bits": d.bits} for d in decisions],
-        "best": {"recipe": chosen, "effective_bits": bits, "score": sum(decisions[i].score[c] for i, c in choice.items()), "constraints": {"effective_bits": budget}},
+        "best": {"recipe": chosen, "effective_bits": bits, "score": sum(decisions[i].score[c] for i, c in choice.items()),
+                 "constraints": {"effective_bits": budget}},
         "config": config,
     }
     return model, state

@@ -125,7 +125,8 @@ class QuantizerAttributeConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
         if not self.fake_quant:
-            raise ConfigError("fake_quant=False (real quantized GEMMs) is not supported: use fake_quant=True and export codes with quantlib.kernels")
+            raise ConfigError("fake_quant=False (real quantized GEMMs) is not supported: use fake_quant=True and export codes with "
+                              "quantlib.kernels")
         if self.learn_amax:
             raise ConfigError("learn_amax=True is not supported")
         if self.calibrator != "max":
@@ -151,7 +152,8 @@ class QuantizerAttributeConfig:
         self.bias = _as_bias(self.bias)
         if self.bias is not None and (self._spec.block is not None or self.is_dynamic):
             what = f"block_sizes={self.block_sizes}" if self.block_sizes is not None else "type='dynamic'"
-            raise ConfigError(f"bias={self.bias} with {what}: affine quantization needs a static per-tensor or per-channel amax (FP8 or INT without blocks)")
+            raise ConfigError(f"bias={self.bias} with {what}: affine quantization needs a static per-tensor or per-channel amax (FP8 or "
+                              "INT without blocks)")
 
     @property
     def bias_axes(self) -> Optional[tuple[int, ...]]:
@@ -184,7 +186,7 @@ class QuantizerAttributeConfig:
     @property
     def is_dynamic(self) -> bool:
         """True where no calibrated amax is used at all (MX, dynamic blocks, per-token, ``type="dynamic"``)."""
-        return self.type == "dynamic" or (self._spec.dynamic and self._spec.kind != Kind.NVFP4)
+        return self.type == "dynamic" or not self._spec.calibrated_amax
 
     # ------------------------------------------------------------------ validation -> FormatSpec
     def _parse_blocks(self) -> tuple[Optional[tuple[int, ...]], bool, Optional[tuple[int, int]], bool]:
@@ -206,14 +208,16 @@ class QuantizerAttributeConfig:
             if scale_bits not in ((4, 3), (8, 0)):
                 raise ConfigError(f"block_sizes['scale_bits']={scale_bits}: expected (4, 3) or (8, 0)")
         if bs.get("scale_block_sizes") is not None:
-            raise ConfigError(f"block_sizes['scale_block_sizes']={bs['scale_block_sizes']!r}: double quantization of scales is not supported")
+            raise ConfigError(f"block_sizes['scale_block_sizes']={bs['scale_block_sizes']!r}: double quantization of scales is not "
+                              "supported")
         dims = {k: v for k, v in bs.items() if k not in _BLOCK_META_KEYS}
         if any(k >= 0 for k in dims):
             raise ConfigError(f"block_sizes axes must be negative (-1, -2), got {sorted(dims)}")
         if set(dims) == {-1} and dims[-1] is None:
             if kind != "dynamic" or scale_bits is not None:
                 raise ConfigError(
-                    f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no scale_bits"
+                    f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no "
+                    "scale_bits"
                 )
             return None, True, None, True
         for k, v in dims.items():
@@ -230,15 +234,18 @@ class QuantizerAttributeConfig:
     def _mxint_spec(self, block: Optional[tuple[int, ...]], dynamic: bool, common: dict) -> FormatSpec:
         """MXINT8: integer num_bits with E8M0 (scale_bits (8, 0)) block scales, as ModelOpt reads them."""
         if self.num_bits != 8 or self.unsigned:
-            raise ConfigError(f"num_bits={self.num_bits} (unsigned={self.unsigned}) with block_sizes['scale_bits']=(8, 0): the only MX integer format is MXINT8, num_bits=8 signed")
+            raise ConfigError(f"num_bits={self.num_bits} (unsigned={self.unsigned}) with block_sizes['scale_bits']=(8, 0): the only MX "
+                              "integer format is MXINT8, num_bits=8 signed")
         if block != (32,) or not dynamic:
-            raise ConfigError(f"MXINT8 (num_bits=8, scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
+            raise ConfigError("MXINT8 (num_bits=8, scale_bits (8, 0)) needs block_sizes {-1: 32, 'type': 'dynamic'}, got "
+                              f"{self.block_sizes}")
         return FormatSpec(Kind.MX, num_bits=8, block=block, dynamic=True, **common)
 
     def _build_spec(self) -> FormatSpec:
         block, dynamic, scale_bits, per_token = self._parse_blocks()
         if block is not None and self.axis is not None:
-            raise ConfigError(f"axis={self.axis} together with block_sizes={self.block_sizes}: a quantizer is either per channel or per block")
+            raise ConfigError(f"axis={self.axis} together with block_sizes={self.block_sizes}: a quantizer is either per channel or per "
+                              "block")
         if per_token and self.axis is not None:
             raise ConfigError(f"axis={self.axis} together with per-row dynamic block_sizes {{-1: None}}")
         common = dict(eps=self.eps, pow2=self.pow2_scale, rounding=Rounding(self.rounding))
@@ -246,12 +253,15 @@ class QuantizerAttributeConfig:
             if scale_bits == (8, 0):
                 return self._mxint_spec(block, dynamic, common)
             if scale_bits is not None:
-                raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to float elements")
+                raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to "
+                                  "float elements")
             if self.num_bits < 2 and not self.unsigned:
                 raise ConfigError(
-                    f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or unsigned=True"
+                    f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or "
+                    "unsigned=True"
                 )
-            return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block, dynamic=dynamic, **common)
+            return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block,
+                              dynamic=dynamic, **common)
         element = self.num_bits
         if element not in FLOAT_FORMATS:
             raise ConfigError(f"num_bits={element}: float formats are (4, 3), (5, 2), (2, 1), and (3, 2) / (2, 3) (FP6, MX only)")
@@ -261,20 +271,24 @@ class QuantizerAttributeConfig:
             if block != (32,) or not dynamic:
                 raise ConfigError(f"MX format (scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
             if element == (5, 2):
-                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3), (3, 2), (2, 3) or (2, 1), or 8 (MXINT8)")
+                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3), (3, 2), (2, 3) or "
+                                  "(2, 1), or 8 (MXINT8)")
             return FormatSpec(Kind.MX, element=element, block=block, dynamic=True, **common)
         if element in FP6_FORMATS:
-            raise ConfigError(f"num_bits={element} (FP6) needs MX block_sizes {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
+            raise ConfigError(f"num_bits={element} (FP6) needs MX block_sizes {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got "
+                              f"block_sizes={self.block_sizes}")
         if element == (2, 1):
             # NVFP4: the global amax is calibrated either way; "static" also stores the block amax
             if scale_bits != (4, 3) or block not in ((16,), (32,)):
                 raise ConfigError(
-                    f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16 (or 32), 'type': 'dynamic' (or 'static'), 'scale_bits': (4, 3)}} "
+                    f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16 (or 32), 'type': 'dynamic' (or 'static'), 'scale_bits': "
+                    "(4, 3)} "
                     f"or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}"
                 )
             return FormatSpec(Kind.NVFP4, element=element, block=block, dynamic=dynamic, **common)
         if scale_bits is not None:
-            raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements (NVFP4)")
+            raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements "
+                              "(NVFP4)")
         if block is None:
             return FormatSpec(Kind.FP8, element=element, dynamic=per_token, **common)
         return FormatSpec(Kind.FP8_BLOCK, element=element, block=block, dynamic=dynamic, **common)
@@ -477,19 +491,3 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
 # ---------------------------------------------------------------------------------- presets
 # The presets live in quantlib/presets.py (plain dicts, no dependency on this module); re-exported here
 # because ModelOpt users import them from the config module.
-from .presets import (  # noqa: E402
-    FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
-    FP8_BLOCKWISE_CFG,
-    FP8_DEFAULT_CFG,
-    FP8_PER_CHANNEL_PER_TOKEN_CFG,
-    INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
-    INT8_DEFAULT_CFG,
-    INT8_WEIGHT_ONLY_CFG,
-    MXFP4_DEFAULT_CFG,
-    MXFP6_DEFAULT_CFG,
-    MXFP8_DEFAULT_CFG,
-    MXINT8_DEFAULT_CFG,
-    NVFP4_DEFAULT_CFG,
-    PRESETS,
-    W4A8_AWQ_BETA_CFG,
-)

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import QuantizeConfig
-from .formats import Kind
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -62,7 +61,7 @@ def _tp_reduces(leaf: TensorQuantizer, module: Optional[nn.Module], attr: str, k
         ndim = amax.dim()
     elif kind == "weight":
         ndim = 2
-    elif leaf.spec.kind != Kind.NVFP4 and (leaf.axis is not None or leaf.spec.block is not None):
+    elif not leaf.spec.per_tensor_amax(leaf.axis):
         return False  # an amax of unknown rank (no tokens here): what the calibrated ranks find decides
     else:
         ndim = 0
@@ -70,7 +69,7 @@ def _tp_reduces(leaf: TensorQuantizer, module: Optional[nn.Module], attr: str, k
 
 
 def _per_tensor(leaf: TensorQuantizer) -> bool:
-    return leaf.spec.kind == Kind.NVFP4 or (leaf.spec.block is None and leaf.axis is None)
+    return leaf.spec.per_tensor_amax(leaf.axis)
 
 
 @dataclass

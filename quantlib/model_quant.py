@@ -8,21 +8,20 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-import torch
 from torch import nn
 
-from .atomic import atomic, check_weight_quantizers
-from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, gptq, mse, smoothquant  # noqa: F401  (register their runners)
+from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
 from .calib.collectives import StatSync
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
-from .kv_cache import check_kv_reach
+from .coverage import report_coverage
+from .kv.presets import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.modules.modelopt_only import MODELOPT_ONLY
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
-from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
+from .rollback import atomic, check_weight_quantizers
 from .traversal import class_names, clear_weight_cache, expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
 
 ForwardLoop = Callable[[nn.Module], Any]
@@ -96,7 +95,8 @@ def warn_modelopt_only(model: nn.Module, cfg: QuantizeConfig) -> None:
             if any(turns_on(*cfg.resolve(f"{name}.{qn}" if name else qn, class_names(m))) for qn in qnames):
                 found.setdefault(type(m).__name__, []).append(name)
     for cls, names in found.items():
-        _log.warning("%d nn.%s module(s) %s stay in full precision: ModelOpt would quantize them with this config, quantlib does not convert nn.%s", len(names), cls, names[:5], cls)
+        _log.warning("%d nn.%s module(s) %s stay in full precision: ModelOpt would quantize them with this config, quantlib does not "
+                     "convert nn.%s", len(names), cls, names[:5], cls)
 
 
 def _set_enabled(model: nn.Module, pattern: str, enabled: bool) -> int:
@@ -122,7 +122,8 @@ def disable_quantizer(model: nn.Module, pattern: str) -> int:
 
 
 @atomic  # a failed quantize() leaves the model exactly as it was
-def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
+def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None,
+             sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """Convert ``model`` and calibrate it with ``config``'s algorithm on ``forward_loop(model)``.
 
     Calling it again with another config re-configures and recalibrates. Returns the model.
@@ -139,13 +140,15 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
         leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
     model._quantlib_config = cfg
     if cfg.algorithm_name is not None:
-        calibrate.__wrapped__(model, cfg.algorithm, forward_loop, parallel_state, sequential=sequential)  # quantize's own rollback covers it
+        calibrate.__wrapped__(model, cfg.algorithm, forward_loop, parallel_state,
+                              sequential=sequential)  # quantize's own rollback covers it
     report_coverage(model, cfg)
     return model
 
 
 @atomic  # a failed or interrupted calibrate() leaves every quantizer (amax, pre_quant_scale) as it was
-def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None,
+              parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
     ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
     from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
@@ -166,7 +169,8 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
 
         parallel_state = discover_parallel_state()
     check_bias_support(model, algo.method, parallel_state, sequential=bool(sequential))
-    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), policy, tensor_parallel=_tensor_parallel(parallel_state), sync=StatSync(parallel_state))
+    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), policy,
+                       tensor_parallel=_tensor_parallel(parallel_state), sync=StatSync(parallel_state))
     local_error = None
     try:
         if sequential:
@@ -203,18 +207,21 @@ def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_stat
                 continue
             where = f"{leaf_name} ({type(parent).__name__}): bias={bias}"
             if leaf is not q:
-                raise ConfigError(f"{where}: a quantizer with a bias cannot be a member of a list config (SequentialQuantizer) or of grouped experts")
+                raise ConfigError(f"{where}: a quantizer with a bias cannot be a member of a list config (SequentialQuantizer) or of "
+                                  "grouped experts")
             if attr not in getattr(parent, "affine_quantizer_names", ()):
                 raise ConfigError(
                     f"{where}: affine quantization is implemented for the q/k/v bmm quantizers of transformers attention only "
-                    "(Megatron's DotProductAttention sees [seq, batch, heads, dim], where the preset's axes -2/-4 would average over heads and seq)"
+                    "(Megatron's DotProductAttention sees [seq, batch, heads, dim], where the preset's axes -2/-4 would average over heads "
+                    "and seq)"
                 )
             if algorithm is not None and algorithm != "max":
                 raise ConfigError(f"{where}: algorithm {algorithm!r}: a bias is calibrated by algorithm 'max' only")
             if sequential:
                 raise ConfigError(f"{where}: sequential (layer-by-layer) calibration does not keep a bias; calibrate in one pass")
             if parallel_state is not None and parallel_state.size("data") > 1:
-                raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced across them; calibrate on one rank")
+                raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced "
+                                  "across them; calibrate on one rank")
 
 
 def _tensor_parallel(parallel_state) -> bool:
@@ -279,4 +286,5 @@ def print_quant_summary(model: nn.Module, file=None) -> None:
     print(quant_summary(model), end="", file=file or sys.stdout)
 
 
-__all__ = ["calibrate", "clear_weight_cache", "convert", "disable_quantizer", "enable_quantizer", "iter_quantizers", "print_quant_summary", "quant_summary", "quantize", "set_quantizer_by_cfg"]
+__all__ = ["calibrate", "clear_weight_cache", "convert", "disable_quantizer", "enable_quantizer", "iter_quantizers", "print_quant_summary",
+           "quant_summary", "quantize", "set_quantizer_by_cfg"]

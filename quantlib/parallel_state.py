@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .formats import Kind
 from .nn.tensor_quantizer import TensorQuantizer
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means a group of one rank
@@ -47,7 +46,7 @@ def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], ex
     its local size. The rule depends only on the config and the layout, never on the amax values, so
     the same call maps a global amax shape back to the local one when loading.
     """
-    if split_axis is None or ndim == 0 or leaf.spec.kind == Kind.NVFP4:
+    if split_axis is None or ndim == 0 or leaf.spec.two_level:
         return None
     dim = split_axis % ndim
     block = leaf.spec.block

@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
-
 from tests.test_export._export_models import qwen3_moe, tokens  # noqa: E402
 
 
@@ -30,7 +29,8 @@ def test_local_experts_share_the_max_weight_amax(preset):
             top = torch.stack(own).amax()
             assert all(torch.equal(a, top) for a in got), (layer, proj, [float(a) for a in got])
     # the attention's weights are no experts: untouched
-    assert torch.equal(shared.model.layers[0].self_attn.q_proj.weight_quantizer.amax, per_expert.model.layers[0].self_attn.q_proj.weight_quantizer.amax)
+    assert torch.equal(shared.model.layers[0].self_attn.q_proj.weight_quantizer.amax,
+                       per_expert.model.layers[0].self_attn.q_proj.weight_quantizer.amax)
 
 
 def test_dynamic_weight_sync_keeps_the_shared_expert_amax():

@@ -52,7 +52,8 @@ class BiasCalibrator:
             self._bias = m
         else:
             if self._bias.shape != m.shape:
-                raise ValueError(f"calibration saw a bias of shape {tuple(m.shape)} after {tuple(self._bias.shape)}: the kept axes of the inputs must keep their size")
+                raise ValueError(f"calibration saw a bias of shape {tuple(m.shape)} after {tuple(self._bias.shape)}: the kept axes of the "
+                                 "inputs must keep their size")
             self._bias = (self._bias * self.num_batches + m) / (self.num_batches + 1)
         self.num_batches += 1
         return self._bias

@@ -143,7 +143,8 @@ class StatSync:
         for g in GROUP_NAMES:
             if self.size(g) == 1:
                 continue
-            t = self._all_reduce(torch.tensor([digest, -digest, int(failed), 0 if differs is None else 1], dtype=torch.int64), "max", g).tolist()
+            t = self._all_reduce(torch.tensor([digest, -digest, int(failed), 0 if differs is None else 1], dtype=torch.int64), "max",
+                                 g).tolist()
             failed = failed or bool(t[2])
             if differs is None and (t[0] != -t[1] or t[3]):
                 differs = g
@@ -161,7 +162,8 @@ class StatSync:
         if error is not None:
             raise error
         if differs is not None:
-            raise CalibrationError(f"{what}: the ranks of the {differs} group search different linears (names, shapes or parallel roles differ); every rank must hold a model of the same structure")
+            raise CalibrationError(f"{what}: the ranks of the {differs} group search different linears (names, shapes or parallel roles "
+                                   "differ); every rank must hold a model of the same structure")
         if failed:
             raise CalibrationError(f"{what}: calibration failed on another rank (its error is reported there)")
         return out

@@ -94,9 +94,9 @@ def check_quantizer(where: str, q: nn.Module) -> None:
     for leaf in _leaves(q):
         spec = leaf.spec
         why = None
-        if spec.kind == Kind.MX or not leaf.needs_calibration or (spec.kind != Kind.NVFP4 and spec.dynamic):
+        if not spec.calibrated_amax or not leaf.needs_calibration:
             why = "its scales are dynamic (computed from the weight on every call)"
-        elif spec.kind == Kind.NVFP4 and not leaf.static_blocks:
+        elif spec.two_level and not leaf.static_blocks:
             why = "NVFP4 with dynamic block scales; set block_sizes 'type': 'static'"
         elif leaf.attrs.bias is not None:
             why = f"bias={leaf.attrs.bias!r}"
@@ -179,7 +179,7 @@ def _leaf_step(leaf: TensorQuantizer, rows: int, cols: int, widen: Optional[Wide
         by_col = _amax_by_column(amax, spec.block, rows, cols)
         if by_col is not None:
             return (_int_step if spec.kind == Kind.INT else _fp8_step)(spec, by_col)
-    if spec.kind == Kind.NVFP4:  # the global amax stays whole; the block amax is sliced
+    if spec.two_level:  # the global amax stays whole; the block amax is sliced
         blocks = leaf.block_amax.float() if widen is None else widen(leaf, "block_amax", leaf.block_amax.float())
         return lambda c, j: ops.fake_quant(c.unsqueeze(1), spec, amax, backend, _column_amax(blocks, spec.block, cols, j)).squeeze(1)
     return lambda c, j: ops.fake_quant(c.unsqueeze(1), spec, _column_amax(amax, spec.block, cols, j), backend).squeeze(1)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..formats import FormatSpec, Kind, blocked_shape
+from ..formats import FormatSpec, blocked_shape
 from ..kernels import block_amax
 
 
@@ -26,7 +26,7 @@ def static_amax(x: torch.Tensor, spec: FormatSpec, axis: Optional[tuple[int, ...
     """fp32 amax of ``x`` in the shape the quantizer stores: scalar, keepdim per channel, or per block
     (for NVFP4: the global amax)."""
     x = x.detach()
-    if spec.kind == Kind.NVFP4 or (spec.block is None and axis is None):
+    if spec.per_tensor_amax(axis):
         return abs_max(x)
     if spec.block is not None:
         return block_amax(x, spec.block, backend=backend)
@@ -40,8 +40,8 @@ def abs_max(x: torch.Tensor, dims: Optional[tuple[int, ...]] = None) -> torch.Te
     """fp32 max |x| over ``dims`` (None: all; kept as size 1), exactly, with NaN propagating.
 
     max |x| is max(max x, -min x), made +0.0 where both are zeros. One pass (``aminmax``) over the whole
-    tensor; per channel two reduction passes on the CPU, where they are still 10-20x faster than the
-    inf-norm (2 cores, 1024x2048 fp32: 0.14-0.28 ms against 3.0-3.8 ms), and the one-pass inf-norm on
+    tensor; per channel two reduction passes on the CPU, where they are still an order of magnitude faster
+    than the inf-norm (benchmarks/RESULTS.md, the CPU calibration runs), and the one-pass inf-norm on
     accelerators, where bandwidth is what counts."""
     if x.numel() == 0 or (dims is not None and x.device.type != "cpu"):
         return torch.linalg.vector_norm(x, float("inf"), dim=dims, keepdim=dims is not None).float()
@@ -54,7 +54,7 @@ def abs_max(x: torch.Tensor, dims: Optional[tuple[int, ...]] = None) -> torch.Te
 
 def static_amax_shape(spec: FormatSpec, axis: Optional[tuple[int, ...]], shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape :func:`static_amax` returns for an input of ``shape``."""
-    if spec.kind == Kind.NVFP4 or (spec.block is None and axis is None):
+    if spec.per_tensor_amax(axis):
         return ()
     if spec.block is not None:
         return blocked_shape(shape, spec.block)
@@ -72,7 +72,8 @@ class MaxCalibrator:
 
     def collect(self, amax: torch.Tensor) -> None:
         if self._amax is not None and self._amax.shape != amax.shape:
-            raise ValueError(f"calibration saw amax of shape {tuple(amax.shape)} after {tuple(self._amax.shape)}: inputs of a static per-channel/block quantizer must keep their shape")
+            raise ValueError(f"calibration saw amax of shape {tuple(amax.shape)} after {tuple(self._amax.shape)}: inputs of a static "
+                             "per-channel/block quantizer must keep their shape")
         self._amax = amax if self._amax is None else torch.maximum(self._amax, amax)
         self.num_batches += 1
 

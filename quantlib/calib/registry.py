@@ -88,7 +88,8 @@ class MseConfig(AlgorithmConfig):
         for key in ("step_size", "start_multiplier", "stop_multiplier"):
             _in_range(self, key, 0.0, float("inf"), True, True)
         if self.stop_multiplier < self.start_multiplier:
-            raise AlgorithmConfigError(f"algorithm 'mse': stop_multiplier={self.stop_multiplier!r} is below start_multiplier={self.start_multiplier!r}")
+            raise AlgorithmConfigError(f"algorithm 'mse': stop_multiplier={self.stop_multiplier!r} is below "
+                                       f"start_multiplier={self.start_multiplier!r}")
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ class AwqFullConfig(AwqClipConfig):
 
     def clip(self) -> AwqClipConfig:
         """The awq_clip half."""
-        return AwqClipConfig(self.distributed_sync, self.max_co_batch_size, self.max_tokens_per_batch, self.min_clip_ratio, self.shrink_step, self.debug)
+        return AwqClipConfig(self.distributed_sync, self.max_co_batch_size, self.max_tokens_per_batch, self.min_clip_ratio,
+                             self.shrink_step, self.debug)
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,10 @@ def _load(path: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         text = str(exc)
-        why = "it holds objects other than tensors and plain containers" if "weights_only" in text or "Weights only" in text else (text.splitlines() or [type(exc).__name__])[0]
-        raise CalibrationError(f"sequential calibration: resume file {path} cannot be read (truncated, corrupt or not written by quantlib: {why}); {_DELETE}") from None
+        why = ("it holds objects other than tensors and plain containers" if "weights_only" in text or "Weights only" in text
+               else (text.splitlines() or [type(exc).__name__])[0])
+        raise CalibrationError(f"sequential calibration: resume file {path} cannot be read (truncated, corrupt or not written by quantlib: "
+                               f"{why}); {_DELETE}") from None
     if not isinstance(state, dict) or "schema" not in state:
         raise CalibrationError(f"sequential calibration: {path} is not a quantlib resume file (no 'schema' in it); {_DELETE}")
     return state
@@ -158,11 +160,13 @@ def read_resume(path: str, fp: dict) -> dict:
     """The state in ``path``, after checking it was written by this schema for fingerprint ``fp``."""
     state = _load(path)
     if state["schema"] != RESUME_SCHEMA:
-        raise CalibrationError(f"sequential calibration: resume file {path} has schema {state['schema']!r}, this quantlib writes {RESUME_SCHEMA}; {_DELETE}")
+        raise CalibrationError(f"sequential calibration: resume file {path} has schema {state['schema']!r}, this quantlib writes "
+                               f"{RESUME_SCHEMA}; {_DELETE}")
     saved = state.get("fingerprint", {})
     for key in ("layers", "quantizers", "config", "algorithm"):
         if saved.get(key) != fp[key]:
-            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model, config or algorithm (its {key} differs); {_DELETE}")
+            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model, config or algorithm (its "
+                                   f"{key} differs); {_DELETE}")
     shape = _first_shape_difference(fp["shapes"], saved.get("shapes", {}))
     if shape is not None:
         raise CalibrationError(f"sequential calibration: resume file {path} was written for another model: {shape}; {_DELETE}")
@@ -173,7 +177,8 @@ def check_digests(path: str, here: dict[str, tuple[int, int]], saved: dict) -> N
     """Raise, naming the first tensor, where one of ``here`` has a digest unlike the file's (``saved``)."""
     for n, d in here.items():
         if n in saved and tuple(saved[n]) != d:
-            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model: the values of {n} differ (same shape); {_DELETE}")
+            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model: the values of {n} differ "
+                                   f"(same shape); {_DELETE}")
 
 
 # ---------------------------------------------------------------------------------- finished layers

@@ -54,15 +54,18 @@ def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, w
         elif known is not None and enabled and leaf not in known:
             # only linears that read inputs of one width can be fused into one GEMM
             unknown.setdefault((parent, _in_features(module)), []).append(name)
-    for (parent, group), members in groups.items():
+    for (_parent, group), members in groups.items():
         on = [n for n, e in members if e]
         off = [n for n, e in members if not e]
         if on and off:
-            raise ExportError(f"{off[0]}: not quantized (its weight quantizer is off, or it has none) but its fused siblings {on} are; consumers fuse {group} into one GEMM "
-                              f"and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole group or none of it")
+            raise ExportError(f"{off[0]}: not quantized (its weight quantizer is off, or it has none) but its fused siblings {on} are; "
+                              f"consumers fuse {group} into one GEMM "
+                              "and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole "
+                              "group or none of it")
     for names in unknown.values():
         if len(names) > 1:
-            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not know); "
+            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not "
+                              "know); "
                               f"fused siblings need one global scale, so say which are: {_HOW}")
     _refuse_tied(modules)
 
@@ -81,8 +84,10 @@ def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:
         for n, m in ((owner, owner_module), (name, module)):
             q = _weight_quantizer(m)
             if q is not None and q.is_enabled:
-                raise ExportError(f"{n}.weight_quantizer is enabled but {name}.weight is tied to {owner}.weight (tie_word_embeddings): a checkpoint holds "
-                                  f"the tensor once, so one of them would load unquantized; disable the quantizer (quantlib.disable_quantizer(model, '*{n.rpartition('.')[2]}*')) "
+                raise ExportError(f"{n}.weight_quantizer is enabled but {name}.weight is tied to {owner}.weight (tie_word_embeddings): a "
+                                  "checkpoint holds "
+                                  "the tensor once, so one of them would load unquantized; disable the quantizer "
+                                  f"(quantlib.disable_quantizer(model, '*{n.rpartition('.')[2]}*')) "
                                   "or untie the weights before quantizing")
 
 
@@ -95,7 +100,9 @@ def stored_fused(module: nn.Module, name: str, layout: ModelLayout) -> bool:
     for proj in module.projections:
         q = module._modules.get(f"{proj}_weight_quantizer")
         if q is not None and any(m.is_enabled for m in q.members()):
-            raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D tensor "
-                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and no export format carries quantized 3-D experts: "
+            raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D "
+                              "tensor "
+                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and no export format carries "
+                              "quantized 3-D experts: "
                               f"disable it (quantlib.disable_quantizer(model, '*experts*'))")
     return True

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from ..formats import Kind
-from .formats import Packer, as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
 from .types import ExportError, ExportFormat, PackedWeight
+from .writers import Packer, as_format, packer as get_packer
 
 T = TypeVar("T")
 
@@ -73,7 +73,8 @@ def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional
     for shard, group in by_shard.items():
         packed = [pack_item(it, fmt, (scales or {}).get(id(it))) for it in sorted(group, key=lambda i: i.expert)]
         prefix = "w2" if shard == "w2" else "w13"
-        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where) for k in packed[0].tensors}
+        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where)
+                   for k in packed[0].tensors}
         yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
 
 
@@ -125,7 +126,8 @@ def iter_packed(
     if experts not in ("per_expert", "stacked"):
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
     if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
-        raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
+        raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); "
+                          f"pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
     config = getattr(model, "_quantlib_config", None)

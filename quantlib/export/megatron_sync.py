@@ -38,13 +38,13 @@ from torch import nn
 
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
-from .formats import Packer, as_format, packer as get_packer
 from .iterate import _stack, pack_item
 from .megatron_names import COLUMN, LAYER_NAMES, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
 from .plan import Item, _active_input, check_items, refuse_pre_quant_scale
 from .sync_scales import Scales, as_scales, current_amax, dynamic_items, refuse_clipped
 from .types import ExportError, ExportFormat, PackedWeight
 from .vllm_names import ExpertNames, named_pairs
+from .writers import Packer, as_format, packer as get_packer
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class _Walk:
         ispec, iamax = _active_input(module._modules.get("input_quantizer")) if quantized else (None, None)
         for leaf, idx, shard in split_rows(generic, rows, self.config, groups):
             name = f"{hf}.{leaf}" if leaf else hf
-            get = lambda w=w, idx=idx: w.detach()[idx] if len(idx) < w.shape[0] else w.detach()
+            get = lambda w=w, idx=idx: w.detach()[idx] if len(idx) < w.shape[0] else w.detach()  # noqa: E731
             extras = {}
             if bias is not None:
                 extras["bias"] = (lambda b=bias, idx=idx: b.detach()[idx]) if axis == 0 else (lambda b=bias: b.detach())
@@ -421,7 +421,7 @@ def _stacked(items: list[Item], places: dict[int, _Place], packer: Packer, style
 
 def _kv(model: nn.Module, packer: Packer, place: _Place) -> Iterator[SyncTensor]:
     """KV-cache scales (MAX-reduced over TP by calibration: every TP rank holds the whole)."""
-    from .megatron import _kv_items
+    from .megatron_export import _kv_items
 
     replica = place.replica * place.parts + place.part
     kv, _ = _kv_items(model, packer)

@@ -10,18 +10,18 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, Kind, QuantizedTensor
+from ..formats import FormatSpec, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
-from .formats import ConfigInfo, Packer
-from .formats.base import Scheme, describe
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
 from .modules import _direct, named_modules
 from .types import ExportError
+from .writers import ConfigInfo, Packer
+from .writers.base import Scheme, describe
 
 
 @dataclass
@@ -106,7 +106,8 @@ def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) ->
             if _pqs_slot(leaf) and leaf.pre_quant_scale is not None:
                 raise ExportError(
                     f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which this path cannot fold into the op before it "
-                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with 'max' or 'mse'"
+                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with "
+                    "'max' or 'mse'"
                 )
 
 
@@ -161,13 +162,16 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
                 extras = {k: _live(module, k) for k in direct}
                 spec = q.spec
-                block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
-                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax, ispec, iamax, extras,
-                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
+                block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
+                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
+                                  ispec, iamax, extras,
+                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf),
+                                  shape=tuple(w.shape),
                                   input_where=f"{name}.input_quantizer", block_amax=block_amax, chain=chain))
                 direct = {}
         if direct:
-            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
+            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct},
+                              parent=parent, leaf=leaf))
     return items
 
 
@@ -177,7 +181,8 @@ def _chain(q: SequentialQuantizer, where: str) -> tuple[FormatSpec, Optional[tor
     members = list(q)
     if len(members) != 2 or not all(isinstance(m, TensorQuantizer) and m.is_enabled for m in members):
         states = ", ".join(describe(m.spec) if m.is_enabled else "disabled" for m in members)
-        raise ExportError(f"{where} = SequentialQuantizer [{states}]: export formats carry a chain of two enabled members only (W4A8_AWQ: INT4 blocks, then FP8)")
+        raise ExportError(f"{where} = SequentialQuantizer [{states}]: export formats carry a chain of two enabled members only (W4A8_AWQ: "
+                          "INT4 blocks, then FP8)")
     return members[1].spec, members[1].amax
 
 
@@ -196,17 +201,23 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
                 head, _, idx = full.rpartition(".")[0].rpartition(".")
                 fused = head if idx == str(e) else layout.checkpoint_name(name)
-                extras = {} if bias is None else {"bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
-                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])
+                extras = {} if bias is None else {
+                    "bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
+                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
-                    items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
-                                      parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]), rows=(r0, r1, rows),
-                                      fused=fused, input_where=f"{name}.{proj}_input_quantizer", block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
+                    items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras,
+                                      expert=e, shard=shard,
+                                      parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]),
+                                      rows=(r0, r1, rows),
+                                      fused=fused, input_where=f"{name}.{proj}_input_quantizer",
+                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
                 elif isinstance(q, SequentialQuantizer) and q.is_enabled:
-                    raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
+                    raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight "
+                                      "quantizers")
                 else:
-                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0], leaf=leaf))
+                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
+                                      leaf=leaf))
     return items
 
 
@@ -234,7 +245,7 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     """Refuse what ``it`` cannot be exported as; ``passed``: the keys of the format and block checks that
     earlier items of the same call passed (a model's linears share a handful of them)."""
     spec, where = it.spec, it.where
-    if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
+    if it.amax is None and spec.calibrated_amax:
         what = f"expert {it.expert} " if it.expert is not None else ""
         raise ExportError(f"{where}: {what}weight quantizer has no amax; calibrate first (quantlib.calibrate / quantize)")
     if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
@@ -243,21 +254,25 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     if it.role == "expert" and packer.experts_why is not None:
         raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
     if len(it.shape) != 2:
-        raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
+        raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this "
+                          "quantizer)")
     # the format and block checks depend on these alone (the names only make their messages)
-    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp, None if it.chain is None else it.chain[0])
+    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp, None
+           if it.chain is None else it.chain[0])
     done = passed is not None and key in passed
     if not done:
-        why = packer.chain_ok(None if it.chain is None else it.chain[0], () if it.chain is None or it.chain[1] is None else tuple(it.chain[1].shape))
+        why = packer.chain_ok(None if it.chain is None else it.chain[0], () if it.chain is None or it.chain[1] is None
+                              else tuple(it.chain[1].shape))
         if why is not None:  # the weight's chain first: it decides the format more than its input does
             second = "none" if it.chain is None else describe(it.chain[0])
             raise ExportError(f"{where}: chained member 1 = {second}: format {packer.fmt.value} cannot carry it ({why})")
         packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
     if it.chain is not None and it.chain[1] is None and not it.chain[0].dynamic:
-        raise ExportError(f"{where}[1]: the chain's {describe(it.chain[0])} member has no amax; calibrate first (quantlib.calibrate / quantize)")
+        raise ExportError(f"{where}[1]: the chain's {describe(it.chain[0])} member has no amax; calibrate first (quantlib.calibrate / "
+                          "quantize)")
     if it.chain is not None and it.chain[1] is not None and not it.chain[1].is_meta and not bool(torch.isfinite(it.chain[1]).all()):
         raise ExportError(f"{where}[1]: amax holds {it.chain[1].flatten()[:4].tolist()}; recalibrate")
-    if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
+    if it.input_spec is not None and it.input_amax is None and it.input_spec.calibrated_amax:
         # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
         what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
         raise ExportError(f"{it.input_where}: {what} {describe(it.input_spec)} input without an amax; calibrate with a forward_loop")
@@ -273,14 +288,17 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
     bm, bk = (block[0], block[1]) if len(block) == 2 else (1, block[0] if block else 1)
     where = it.where
     if rows % bm or cols % bk:
-        raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the scale grid and load it wrong")
+        raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the "
+                          "scale grid and load it wrong")
     r = it.rows
     if r is not None and bm > 1 and (r[0] % bm or r[1] % bm):
-        raise ExportError(f"{where}: rows {r[0]}:{r[1]} of the fused {r[2]}-row expert weight straddle {bm}-row blocks; the split halves cannot keep their scales")
+        raise ExportError(f"{where}: rows {r[0]}:{r[1]} of the fused {r[2]}-row expert weight straddle {bm}-row blocks; the split halves "
+                          "cannot keep their scales")
     if tp > 1 and it.tp_axis is not None:
         n, b = (rows, bm) if it.tp_axis == 0 else (cols, bk)
         if n % tp or (n // tp) % b:
-            raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of {n / tp:g}, not a whole number of blocks of {b}")
+            raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of "
+                              f"{n / tp:g}, not a whole number of blocks of {b}")
 
 
 def _shared(it: Item) -> Optional[torch.Tensor]:
@@ -301,18 +319,21 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
         if id(it) in read:
             groups.setdefault((it.parent, it.group), []).append(it)
     unified = {}
-    for (_, group), members in groups.items():
+    for members in groups.values():
         values = [read[id(m)] for m in members]
         if len(set(values)) <= 1:
             continue
         names = tuple(m.name for m in members)
         static = [m.where for m in members if m.block_amax is not None]
         if static:  # their block scales were chosen against their own global amax: another one changes them all
-            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ ({values}); {static[0]} has static NVFP4 block scales "
-                              "chosen against its own global amax, so they cannot be unified: calibrate with one global amax per sibling group")
+            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ ({values}); {static[0]} has "
+                              "static NVFP4 block scales "
+                              "chosen against its own global amax, so they cannot be unified: calibrate with one global amax per sibling "
+                              "group")
         if not unify:
             detail = ", ".join(f"{m.where}{'' if m.chain is None else '[1]'} = {v!r}" for m, v in zip(members, values))
-            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass unify_siblings=True to use their max (the export then differs from the evaluated model)")
+            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass "
+                              "unify_siblings=True to use their max (the export then differs from the evaluated model)")
         top = max(values)
         for m in members:
             if m.chain is not None:
@@ -323,7 +344,8 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
     return unified
 
 
-def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
+def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1,
+              version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     modules = named_modules(model)
     layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
@@ -337,7 +359,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
-        raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} cannot carry it ({why})")
+        raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} "
+                          f"cannot carry it ({why})")
     return plan
 
 
@@ -353,15 +376,19 @@ def _refuse_split_inputs(items: list[Item]) -> None:
             p0, p1 = first.extras.get("pre_quant_scale"), m.extras.get("pre_quant_scale")
             if (p0 is None) != (p1 is None) or (p0 is not None and not torch.equal(p0(), p1())):
                 what = "pre_quant_scale"
-            elif (first.input_amax is None) != (m.input_amax is None) or (m.input_amax is not None and not torch.equal(first.input_amax, m.input_amax)):
+            elif (first.input_amax is None) != (m.input_amax is None) or (m.input_amax is not None
+                                                                          and not torch.equal(first.input_amax, m.input_amax)):
                 what = "input amax"
             else:
                 continue
-            raise ExportError(f"{m.input_where} and {first.input_where}: siblings fused by consumers into one GEMM need one {what}, but differ; "
-                              "call quantlib.export.share_pre_quant_scale(model, forward_loop) after calibration (one scale per group, input amax recalibrated)")
+            raise ExportError(f"{m.input_where} and {first.input_where}: siblings fused by consumers into one GEMM need one {what}, but "
+                              "differ; "
+                              "call quantlib.export.share_pre_quant_scale(model, forward_loop) after calibration (one scale per group, "
+                              "input amax recalibrated)")
 
 
-def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "", what: str = "the model") -> Plan:
+def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "",
+                what: str = "the model") -> Plan:
     """Check the items of a walk (the plan of :func:`make_plan`, or a Megatron model's gathered items)."""
     quantized = [it for it in items if it.spec is not None]
     if not quantized:
@@ -376,7 +403,9 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
         if not packer.mixed and (_key(it.spec), _key(it.input_spec), _key(it.chain and it.chain[0])) != scheme:
-            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one scheme (format ct_mixed carries several)")
+            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: "
+                              f"weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one "
+                              "scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
@@ -390,7 +419,8 @@ def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
     for it in quantized:
         per_tensor = it.amax is not None and it.amax.numel() == 1 and it.spec.block is None
         by.setdefault((_key(it.spec), _key(it.input_spec), per_tensor), []).append(it)
-    return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)), tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
+    return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)),
+                        tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
 
 @functools.lru_cache(maxsize=256)  # specs are frozen and few: a model's linears share a handful

@@ -14,7 +14,7 @@ class ExportError(ValueError):
 
 
 class ExportFormat(str, enum.Enum):
-    """Every on-disk / on-wire format quantlib writes (one module each in :mod:`quantlib.export.formats`)."""
+    """Every on-disk / on-wire format quantlib writes (one module each in :mod:`quantlib.export.writers`)."""
 
     HF_FP8_BLOCK = "hf_fp8_block"  # transformers fine-grained FP8: fp32 weight_scale_inv per 2-D block
     HF_FP8_BLOCK_UE8M0 = "hf_fp8_block_ue8m0"  # same, power-of-two scales stored as E8M0 bytes

@@ -39,7 +39,8 @@ def static_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> 
     """The stored block amax as fp32, NaN where the block of ``x`` holds NaN; raises if it does not fit."""
     expected = blocked_shape(x.shape, (block,))
     if tuple(block_amax.shape) != expected:
-        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {expected}")
+        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block "
+                         f"{block}: expected {expected}")
     has_nan = torch.isnan(to_blocks(x, (block,))).any(dim=-1)
     return torch.where(has_nan, torch.full_like(has_nan, float("nan"), dtype=torch.float32), block_amax.to(x.device, torch.float32))
 
@@ -73,7 +74,8 @@ def nvfp4_dequantize(packed: torch.Tensor, sb8: torch.Tensor, s2: torch.Tensor, 
     return from_blocks(vb, (block,), values.shape)
 
 
-def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK, block_amax: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK, block_amax: torch.Tensor
+                     | None = None) -> torch.Tensor:
     """fp32 fake-quantized ``x``."""
     packed, sb8, s2 = nvfp4_quantize(x, global_amax, block, block_amax)
     return nvfp4_dequantize(packed, sb8, s2, x.shape[-1], block)

@@ -11,10 +11,10 @@ import torch
 
 from ..formats import FormatSpec, Rounding, blocked_shape
 from ..formats.fp8 import fp8_dtype
-from ..formats.spec import MIN_EPS
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import MX_ELEMENTS, mx_dequantize
 from ..formats.nvfp4 import nvfp4_dequantize
+from ..formats.spec import MIN_EPS
 from . import ops
 from .backends import BACKENDS, implementation, resolve
 
@@ -23,7 +23,8 @@ def _spec_of(attrs) -> FormatSpec:
     return attrs if isinstance(attrs, FormatSpec) else attrs.format_spec()
 
 
-def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto",
+               block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward:
     clipped at a static amax unless a config's ``pass_through_bwd`` says otherwise (a FormatSpec has no
     such field: clipped). ``block_amax``: NVFP4's static block amax, with ``amax`` its global amax."""
@@ -44,7 +45,8 @@ def _norm_block(block: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def fp8_blockwise_cast(
-    x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto", amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto",
+    amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes (shape of ``x``) and fp32 dequant scales per block, ``block`` = (1, B) or (BM, BK);
     ``amax``: a static amax per block (shape ``blocked_shape``), None: each block's max |x|."""
@@ -55,7 +57,8 @@ def fp8_blockwise_cast(
     if amax is not None:
         amax = amax.to(device=x.device, dtype=torch.float32)
         if tuple(amax.shape) != blocked_shape(x.shape, block):
-            raise ValueError(f"fp8_blockwise_cast: static amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, block)}")
+            raise ValueError(f"fp8_blockwise_cast: static amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block "
+                             f"{block}: expected {blocked_shape(x.shape, block)}")
     if ops.eager_call(x):
         return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, block, float(eps), bool(pow2), amax)
     return ops._fp8_blockwise_cast(x, list(block), float(eps), bool(pow2), amax, backend)
@@ -71,13 +74,15 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int] = (4
     except ValueError as exc:
         raise ValueError(f"fp8_cast: {exc}") from None
     if scale.numel() != 1 and tuple(scale.shape) != tuple(x.shape[:-1]) + (1,):
-        raise ValueError(f"fp8_cast: scale must have one element or shape {tuple(x.shape[:-1]) + (1,)} (one per row of the input {tuple(x.shape)}), got {tuple(scale.shape)}")
+        raise ValueError(f"fp8_cast: scale must have one element or shape {tuple(x.shape[:-1]) + (1,)} (one per row of the input "
+                         f"{tuple(x.shape)}), got {tuple(scale.shape)}")
     if ops.eager_call(x):
         return implementation("fp8_cast", resolve(backend, x.device))(x, scale, element)
     return ops._fp8_cast(x, scale, list(element), backend)
 
 
-def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil", backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil",
+            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """MX element codes (float8_e4m3fn; uint8 two E2M1 per byte; uint8 FP6 "e3m2" / "e2m3" codes, sign in
     bit 5; int8 for "int8") and uint8 E8M0 exponents."""
     ops._check_float_input(x, "mx_cast")
@@ -91,7 +96,8 @@ def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Unio
 
 
 def nvfp4_cast(
-    x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: str = "auto", block: int = 16, block_amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: str = "auto", block: int = 16,
+    block_amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed E2M1 codes (uint8), float8_e4m3fn block scales (``block`` = 16 or 32 elements) and fp32
     global scale; ``block_amax``: static block amax (needs ``global_amax``), None: from ``x``."""
@@ -111,7 +117,8 @@ def nvfp4_cast(
 _MX_FMTS = {"mxfp8": "e4m3", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3", "mxfp4": "e2m1", "mxint8": "int8"}
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_scale: Optional[torch.Tensor] = None, block: Union[int, tuple[int, ...]] = None, n: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_scale: Optional[torch.Tensor] = None,
+               block: Union[int, tuple[int, ...]] = None, n: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of each cast: ``fmt`` is "fp8_blockwise" (``block``), an MX format of ``_MX_FMTS`` or "nvfp4"
     (``global_scale``; ``block`` 16 or 32, default 16); ``n`` is the original last-dim size of packed FP4 codes."""
     if fmt == "fp8_blockwise":

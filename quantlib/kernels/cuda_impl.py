@@ -92,7 +92,8 @@ def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | N
             raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
         return None
     if tuple(amax.shape) != blocked_shape(x.shape, spec.block):
-        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: "
+                         f"expected {blocked_shape(x.shape, spec.block)}")
     return amax.to(device=x.device, dtype=torch.float32)
 
 
@@ -126,7 +127,8 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
         return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
     if not _cuda_fake_quant_kind(x, spec) or block_amax is not None:
-        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape {tuple(x.shape)})")(x, spec, amax, block_amax)
+        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape "
+                                     f"{tuple(x.shape)})")(x, spec, amax, block_amax)
     check_block(x, spec.block)
     ext, block = _ext(), list(_norm(spec.block))
     if spec.kind == Kind.MX:
@@ -147,7 +149,8 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "cuda")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
+                       | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b = _norm(block)
     # an extension built before the static cast existed has no cuda_fp8_blockwise_cast_static: Triton runs it
     static_ok = amax is None or hasattr(_ext(), "cuda_fp8_blockwise_cast_static")
@@ -155,7 +158,8 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
         what = "static " if amax is not None else ""
         return _triton("fp8_blockwise_cast", f"{what}fp8_blockwise_cast (block {block}, shape {tuple(x.shape)})")(x, block, eps, pow2, amax)
     if amax is not None:
-        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), list(b), float(eps), bool(pow2)))
+        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), list(b), float(eps),
+                                                           bool(pow2)))
     return tuple(_ext().cuda_fp8_blockwise_cast(x, list(b), float(eps), bool(pow2)))
 
 
@@ -167,9 +171,12 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "cuda")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor
+               | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not _vector_ok(x) or block != 16 or block_amax is not None:
-        return _triton("nvfp4_cast", f"nvfp4_cast (shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None})")(x, global_amax, block, block_amax)
+        return _triton("nvfp4_cast",
+                       f"nvfp4_cast (shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None})")(x, global_amax, block,
+                                                                                                                      block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))
 

@@ -36,7 +36,8 @@ def spec_args(spec: FormatSpec) -> tuple:
     )
 
 
-def spec_from_args(kind: str, num_bits: int, element: list[int], unsigned: bool, narrow_range: bool, block: list[int], dynamic: bool, eps: float, pow2: bool, rounding: str) -> FormatSpec:
+def spec_from_args(kind: str, num_bits: int, element: list[int], unsigned: bool, narrow_range: bool, block: list[int], dynamic: bool,
+                   eps: float, pow2: bool, rounding: str) -> FormatSpec:
     return FormatSpec(
         kind=Kind(kind),
         num_bits=num_bits,
@@ -88,7 +89,7 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 def ste_bound(spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The amax that clips the straight-through gradient of ``spec``, or None where it passes everywhere
     (no amax, a dynamic scale but NVFP4's global one, MX)."""
-    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
+    if amax is None or not spec.calibrated_amax:
         return None
     return amax.detach()
 
@@ -102,7 +103,7 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     # promote (the comparison would round amax to x's dtype), hence the reshape
     mag = x.detach().abs()
     bound = amax.detach().float()
-    if spec.block is not None and spec.kind != Kind.NVFP4:
+    if spec.per_block_amax:
         inside = to_blocks(mag, spec.block) <= bound.unsqueeze(-1)
         return from_blocks(inside, spec.block, x.shape)
     if bound.dim() == 0 and x.dim() > 0:
@@ -202,7 +203,8 @@ def eager_call(x: torch.Tensor) -> bool:
 
 
 def fake_quant(
-    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
+    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto",
+    block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
 ) -> torch.Tensor:
     """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator,
     whose gradient is zeroed where ``|x| > amax`` (static amax) if ``clip_grad``, and passes everywhere
@@ -237,7 +239,8 @@ def _(x, block, backend):
 
 
 @torch.library.custom_op("quantlib::fp8_blockwise_cast", mutates_args=())
-def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, amax: Optional[torch.Tensor],
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, tuple(block), eps, pow2, amax)
 
 
@@ -271,7 +274,8 @@ def _(x, elem, block, rounding, backend):
 
 
 @torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())
-def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], block: int, block_amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], block: int, block_amax: Optional[torch.Tensor],
+                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax, block, block_amax)
 
 

@@ -15,7 +15,6 @@ from .containers import GroupedQuantizer
 from .rebind import rebind_hooks
 from .tensor_quantizer import TensorQuantizer
 
-
 #: the weight axis that tensor parallelism splits, by ``QuantModule.parallel_role``
 _TP_WEIGHT_AXIS = {"column": 0, "row": 1}
 
@@ -175,7 +174,8 @@ def _rebuild(original: type) -> nn.Module:
 
         plugins.register_available()
     if not QuantModuleRegistry.is_registered(original):
-        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for it in this process")
+        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for "
+                        "it in this process")
     qcls = QuantModuleRegistry.quantized_class(original)
     return qcls.__new__(qcls)
 

@@ -212,6 +212,7 @@ def require_passed(res: CheckResult, fmt: str) -> None:
         raise PipelineError(f"check: the {fmt} export holds no quantized weight the reloaded model could be compared on")
     if res.mismatched:
         raise PipelineError(
-            f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
+            f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the "
+            "fake-quantized model "
             f"(rule {res.rule}): {', '.join(res.mismatched[:3])}"
         )

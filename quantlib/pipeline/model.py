@@ -43,7 +43,8 @@ def check_model_dir(path: str) -> None:
         raise PipelineError(f"--model {path}: no such directory; pass a Hugging Face model directory (config.json and weights)")
     if any(os.path.exists(os.path.join(path, m)) for m in _MEGATRON_MARKERS) or glob.glob(os.path.join(path, "iter_*")):
         raise PipelineError(
-            f"--model {path}: a Megatron-Core checkpoint; quantlib quantize reads Hugging Face model directories (quantize Megatron models in Python: see the README's Megatron-Core section)"
+            f"--model {path}: a Megatron-Core checkpoint; quantlib quantize reads Hugging Face model directories (quantize Megatron models "
+            "in Python: see the README's Megatron-Core section)"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise PipelineError(
@@ -61,7 +62,8 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise PipelineError(
-            f"--model {path}: no tokenizer that loads offline ({type(exc).__name__}); save it beside the weights (tokenizer.save_pretrained(dir))"
+            f"--model {path}: no tokenizer that loads offline ({type(exc).__name__}); save it beside the weights "
+            "(tokenizer.save_pretrained(dir))"
         ) from None
     if not callable(tok):
         raise PipelineError(f"--model {path}: no tokenizer (AutoTokenizer gave {type(tok).__name__}); save it beside the weights")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import ConfigError, QuantizeConfig
-from ..kv_cache import KV_PRESETS, merge_kv_config
+from ..kv.presets import KV_PRESETS, merge_kv_config
 from ..presets import PRESETS
 
 
@@ -87,7 +87,8 @@ class OneshotOptions:
             raise PipelineError(f"--kv-cache {self.kv_cache!r}: one of {sorted(KV_CHOICES)}")
         if self.lm_eval_tasks:
             raise PipelineError(
-                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args pretrained=OUT` on the export"
+                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args "
+                "pretrained=OUT` on the export"
             )
 
 
@@ -166,7 +167,7 @@ def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
     """The export format: --export-format, else the recipe's default; a recipe no format can carry is refused
     up front (before any model loads), unless --export-format none skips the export."""
     from ..export import ExportError
-    from ..export.formats import as_format
+    from ..export.writers import as_format
 
     if opts.export_format == NO_EXPORT:
         return NO_EXPORT

@@ -93,7 +93,8 @@ def _prepare_dirs(opts: OneshotOptions, out: str) -> str:
         diff = [k for k in _RESUME_KEYS if saved.get(k) != wanted[k]]
         if diff:
             raise PipelineError(
-                f"--resume: the unfinished run at {staging} was started with other options ({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); pass the same options or drop --resume"
+                f"--resume: the unfinished run at {staging} was started with other options "
+                f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); pass the same options or drop --resume"
             )
         return staging
     shutil.rmtree(staging, ignore_errors=True)  # an old unfinished run, not resumed: start over
@@ -242,7 +243,8 @@ def run(opts: OneshotOptions) -> dict[str, Any]:
         disk_error = exc if isinstance(exc, OSError) else exc.__cause__
         if isinstance(disk_error, OSError) and disk_error.errno == errno.ENOSPC:
             raise PipelineError(
-                f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and rerun with --resume"
+                f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and "
+                "rerun with --resume"
             ) from None
         if isinstance(exc, ExportError):
             raise PipelineError(f"export {fmt}: {exc}; pass another --export-format or recipe") from None
@@ -363,7 +365,8 @@ def _report(
     if result is None:
         summary = f"skipped: {why}"
     else:
-        summary = f"{consumer}: {result.compared} weights {'identical' if result.rule == 'exact' else 'within rule ' + result.rule} (max {result.max_ulp} ulp)"
+        summary = (f"{consumer}: {result.compared} weights {'identical' if result.rule == 'exact' else 'within rule ' + result.rule} (max "
+                   f"{result.max_ulp} ulp)")
     return {
         "model": "embedded (quantlib/embedded)" if model_dir == EMBEDDED_DIR else model_dir,
         "recipe": recipe,

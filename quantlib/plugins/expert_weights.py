@@ -62,7 +62,7 @@ def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
     if type(first) is not TensorQuantizer or first._disabled or first._if_calib or first._attrs.bias is not None:
         return None
     spec = first.spec
-    if spec.kind == Kind.NVFP4:
+    if spec.two_level:
         return None
     static = first.needs_calibration
     if not static and not (spec.kind == Kind.MX or spec.dynamic):

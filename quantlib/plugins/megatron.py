@@ -20,8 +20,8 @@ imports. What it registers:
   each (member i = GEMM i = global expert ``ep_rank * num_gemms + i``), tokens counted from ``m_splits``;
   the container itself needs no quantized class.
 
-Dist checkpointing (docs/design.md §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`). ``sharded_state_dict`` saves every amax in a layout-independent global
-form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
+Dist checkpointing (docs/design.md §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`).
+``sharded_state_dict`` saves every amax in a layout-independent global form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
 
 - a per-tensor amax (and the NVFP4 global amax) is replicated (the sync made it equal on all ranks);
 - a per-channel or per-block amax over a TP-split axis is sharded over TP along that axis (column-
@@ -168,7 +168,8 @@ class _MegatronQuantMixin(QuantModule):
             if dim is None:
                 sh = make_sharded_tensor_for_checkpoint(value, key, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
             else:
-                sh = make_tp_sharded_tensor_for_checkpoint(value, key, dim, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
+                sh = make_tp_sharded_tensor_for_checkpoint(value, key, dim, prepend_offsets=offsets, tp_group=tp_group,
+                                                           dp_cp_group=dp_group)
                 if glu:
                     sh = _glu_halves(sh, dim, qname in self.weight_quantizer_names, offsets, metadata, where, tp_group)
             out[f"{prefix}{name}.{buffer}"] = sh

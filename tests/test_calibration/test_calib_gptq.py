@@ -166,7 +166,7 @@ def test_layer_by_layer_equals_in_memory():
     changed = 0
     for (name, p), (_, q) in zip(mem.named_parameters(), seq.named_parameters()):
         assert torch.equal(p, q), name
-        changed += not torch.equal(p, getattr(Blocks(), "get_parameter")(name))
+        changed += not torch.equal(p, Blocks().get_parameter(name))
     assert changed == 4  # the four weights (biases are not quantized)
 
 
@@ -266,7 +266,7 @@ def test_gptq_quantize_does_not_modify_its_inputs():
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_each_expert_equals_a_linear_gptqd_on_its_routed_tokens(family):
     pytest.importorskip("transformers")
-    from .test_calib_fused_experts import E, IDLE, batches, build, reference, routed_inputs
+    from .test_calib_fused_experts import IDLE, E, batches, build, reference, routed_inputs
 
     data = batches()
     model = build(family=family)

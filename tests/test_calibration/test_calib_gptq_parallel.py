@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import quantlib as ql
 from tests.test_distributed import _layouts as L

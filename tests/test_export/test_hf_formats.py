@@ -16,7 +16,6 @@ from transformers.quantizers.auto import AutoQuantizationConfig  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import export_checkpoint  # noqa: E402
-
 from tests.test_export._export_models import fake_quant_weights, llama, loaded_weights, quantized, qwen3_moe, tokens, weight_only  # noqa: E402
 
 FP8_POW2 = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
@@ -43,7 +42,8 @@ def test_transformers_loads_export_bit_exact(bases, tmp_path, fmt, family):
     assert "lm_head" in parsed.modules_to_not_convert and "model.embed_tokens" in parsed.modules_to_not_convert
     # the experts run as in the exported model (eager): transformers' default, grouped_mm, sums in
     # another order, so equal weights would give logits a few ulp apart
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32, experts_implementation=bases[family].config._experts_implementation)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
+                                                  experts_implementation=bases[family].config._experts_implementation)
     expected = fake_quant_weights(model)
     assert len(expected) == (14 if family == "llama" else 8 + 2 * 3 * 4)
     got = loaded_weights(loaded, expected)

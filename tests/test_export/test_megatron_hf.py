@@ -27,7 +27,7 @@ FMT = "hf_mxfp8"
 
 
 def _export(rank: int, world: int, tmp: str, overrides: dict) -> dict:
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from quantlib.export.megatron_sync import megatron_sync_pairs
 
     shims.set_layout(1, 1)
@@ -94,7 +94,7 @@ def test_llama_with_biases_export_and_stream_give_megatron_logits(tmp_path):
 
 
 def _export_layouts(rank: int, world: int, tmp: str) -> dict:
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from tests.test_export.test_megatron_export import _digest
 
     out = {}

@@ -19,7 +19,8 @@ te_gpu.require_megatron_te()
 from tests.test_export._export_models import bit_equal  # noqa: E402
 
 VOCAB, SEQ = 64, 16
-WEIGHTS = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}},
+WEIGHTS = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False},
+                         "default": {"enable": False}},
            "algorithm": "max"}  # fmt: skip
 
 
@@ -41,8 +42,10 @@ def _gpt(experts, grouped: bool = False):
     model_parallel_cuda_manual_seed(0)
     moe = {} if experts is None else dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=grouped,
                                           moe_token_dispatcher_type="allgather")  # fmt: skip
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, bf16=True, params_dtype=torch.bfloat16,
-                            add_bias_linear=experts is None, hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="transformer_engine",
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, bf16=True,
+                            params_dtype=torch.bfloat16,
+                            add_bias_linear=experts is None, hidden_dropout=0.0, attention_dropout=0.0,
+                            transformer_impl="transformer_engine",
                             **moe)  # fmt: skip
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=grouped)
     return Float16Module(cfg, GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)).cuda().eval()
@@ -59,7 +62,7 @@ def _loop(model) -> None:
 def test_te_gpt_stream_equals_the_file_export(experts, tmp_path):
     from safetensors.torch import load_file
 
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from quantlib.export.megatron_sync import megatron_sync_pairs
 
     model = ql.quantize(_gpt(experts), WEIGHTS, _loop)

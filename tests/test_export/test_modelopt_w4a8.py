@@ -60,10 +60,12 @@ def test_w4a8_awq_tensors_are_modelopts(models, tmp_path, family):
     export_checkpoint(model, tmp_path / "c", "modelopt_w4a8_awq")
     hf_quant = json.loads((tmp_path / "c" / "hf_quant_config.json").read_text())
     q = hf_quant["quantization"]
-    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"], q["kv_cache_quant_algo"]) == ("W4A8_AWQ", 128, False, True, None)
+    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"],
+            q["kv_cache_quant_algo"]) == ("W4A8_AWQ", 128, False, True, None)
     assert json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"] == convert_hf_quant_config_format(hf_quant)
     mods = _modules(load_file(tmp_path / "c" / "model.safetensors"))
-    linears = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight_quantizer", None), ql.SequentialQuantizer) and m.weight_quantizer.is_enabled]
+    linears = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight_quantizer", None), ql.SequentialQuantizer)
+               and m.weight_quantizer.is_enabled]
     assert len(linears) == 14
     carried = 0
     for name in linears:
@@ -119,20 +121,25 @@ def test_w4a8_awq_consumer_logits_equal_fake_quant(models, tmp_path, family):
 
 def test_w4a8_refusals_name_the_quantizer(models, tmp_path):
     llama = models["llama"]
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: chained member 1 = fp8 element=\(4, 3\): format modelopt_int4_awq cannot carry it .*modelopt_w4a8_awq"):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: chained member 1 = fp8 element=\(4, "
+                                          r"3\): format modelopt_int4_awq cannot carry it .*modelopt_w4a8_awq"):
         export_checkpoint(llama, tmp_path / "a", "modelopt_int4_awq")
     # o_proj's AWQ scale has no place in ct_int_pack: v_proj's rows cannot take it through the chain's FP8 scale
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.o_proj\.input_quantizer: pre_quant_scale .*v_proj\.weight_quantizer is a chain"):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.o_proj\.input_quantizer: pre_quant_scale "
+                                          r".*v_proj\.weight_quantizer is a chain"):
         export_checkpoint(llama, tmp_path / "b", "ct_int_pack")
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: a chained weight quantizer \(W4A8\) packs with its calibrated scales only"):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: a chained weight quantizer \(W4A8\) "
+                                          r"packs with its calibrated scales only"):
         next(iter_packed(llama, "modelopt_w4a8_awq", scales="dynamic"))
     int4 = _calibrated("llama", ql.INT4_AWQ_CFG, share=False)
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: chained member 1 = none: format modelopt_w4a8_awq cannot carry it \(W4A8_AWQ needs a weight chain"):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: chained member 1 = none: format "
+                                          r"modelopt_w4a8_awq cannot carry it \(W4A8_AWQ needs a weight chain"):
         export_checkpoint(int4, tmp_path / "c", "modelopt_w4a8_awq")
     second = llama.model.layers[1].mlp.down_proj.weight_quantizer[1]
     second.disable()  # one chain with its FP8 member off
     try:
-        with pytest.raises(ExportError, match=r"^model\.layers\.1\.mlp\.down_proj\.weight_quantizer = SequentialQuantizer \[int num_bits=4 block=\(128,\), disabled\]: export formats carry a chain of two enabled members only"):
+        with pytest.raises(ExportError, match=r"^model\.layers\.1\.mlp\.down_proj\.weight_quantizer = SequentialQuantizer \[int num_bits=4 "
+                                              r"block=\(128,\), disabled\]: export formats carry a chain of two enabled members only"):
             export_checkpoint(llama, tmp_path / "d", "modelopt_w4a8_awq")
     finally:
         second.enable()
@@ -144,11 +151,13 @@ def test_w4a8_siblings_need_one_scale(tmp_path):
     from quantlib.export import share_pre_quant_scale, share_sibling_amax
 
     model = _calibrated("qwen3", W4A8, share=False)
-    with pytest.raises(ExportError, match=r"^siblings \('model\.layers\.0\.self_attn\.q_proj', 'model\.layers\.0\.self_attn\.k_proj', 'model\.layers\.0\.self_attn\.v_proj'\) .*"
+    with pytest.raises(ExportError, match=r"^siblings \('model\.layers\.0\.self_attn\.q_proj', 'model\.layers\.0\.self_attn\.k_proj', "
+                                          r"'model\.layers\.0\.self_attn\.v_proj'\) .*"
                                           r"model\.layers\.0\.self_attn\.q_proj\.weight_quantizer\[1\] = "):
         export_checkpoint(model, tmp_path / "a", "modelopt_w4a8_awq")
     assert share_sibling_amax(model)  # the FP8 members now agree, the AWQ scales still differ
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.k_proj\.input_quantizer and model\.layers\.0\.self_attn\.q_proj\.input_quantizer: "
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.k_proj\.input_quantizer and "
+                                          r"model\.layers\.0\.self_attn\.q_proj\.input_quantizer: "
                                           r"siblings fused by consumers into one GEMM need one pre_quant_scale"):
         export_checkpoint(model, tmp_path / "b", "modelopt_w4a8_awq")
     share_pre_quant_scale(model, lambda m: m(tokens(5)))

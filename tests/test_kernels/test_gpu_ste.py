@@ -10,8 +10,7 @@ import torch
 from quantlib.formats import FormatSpec, Kind
 from quantlib.kernels import ops
 
-from ._ste_cases import CASES, amax_for, inputs
-from ._ste_cases import bits as _bits
+from ._ste_cases import CASES, amax_for, bits as _bits, inputs
 
 pytestmark = [
     pytest.mark.gpu,

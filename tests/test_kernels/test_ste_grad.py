@@ -10,8 +10,7 @@ import torch
 from quantlib.formats import FormatSpec, Kind, Rounding
 from quantlib.kernels import ops
 
-from ._ste_cases import CASES, amax_for, inputs
-from ._ste_cases import bits as _bits
+from ._ste_cases import CASES, amax_for, bits as _bits, inputs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

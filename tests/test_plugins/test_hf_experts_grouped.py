@@ -21,12 +21,13 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 
 import quantlib as ql  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 from quantlib.plugins.hf_experts import QuantFusedExperts, flag  # noqa: E402
+from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 
 from .test_hf_experts_layouts import expert_modules, input_ids, tiny_model  # noqa: E402
 
-_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique_consecutive", "_unique", "_unique2", "unique_dim", "nonzero_static", "argwhere"}
+_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique_consecutive", "_unique", "_unique2",
+            "unique_dim", "nonzero_static", "argwhere"}
 
 PRESETS = {"fp8": ql.FP8_DEFAULT_CFG, "nvfp4": ql.NVFP4_DEFAULT_CFG, "int4-block": ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG}
 
@@ -137,7 +138,8 @@ def test_calibration_through_the_grouped_path_gives_the_loops_amax(family):
             for _, m in expert_modules(model):
                 m.__dict__["_input_observer"] = lambda *a: None  # survives conversion (the dict is copied)
         model = ql.quantize(model, ql.FP8_DEFAULT_CFG, lambda mod: [mod(x) for x in data])
-        results.append([(m.gate_up_proj_input_quantizer.amax, m.down_proj_input_quantizer.amax, m.tokens_per_expert.clone()) for _, m in expert_modules(model)])
+        results.append([(m.gate_up_proj_input_quantizer.amax, m.down_proj_input_quantizer.amax, m.tokens_per_expert.clone())
+                        for _, m in expert_modules(model)])
     for grouped, looped in zip(*results):
         for a, b in zip(grouped, looped):
             assert torch.equal(a, b)

@@ -47,7 +47,8 @@ ELSEWHERE = {"gptq"}
 
 
 def test_every_registered_algorithm_has_a_config_here():
-    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"] for c in CONFIGS.values()} == set(ALGORITHMS) - ELSEWHERE
+    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"]
+            for c in CONFIGS.values()} == set(ALGORITHMS) - ELSEWHERE
 
 
 def state_of(model: nn.Module) -> dict:
@@ -190,7 +191,8 @@ def test_sequential_layer_with_nothing_to_serve_equal_in_memory(algo):
     memory = ql.quantize(build("llama"), cfg, loop_over(data()))
     layered = ql.quantize(build("llama"), cfg, loop_over(data()), sequential=True)
     got = state_of(layered)
-    assert not any(k.startswith("model.layers.1.") for k in got) and any(k.startswith("model.layers.2.") and "pre_quant_scale" in k for k in got)
+    assert not any(k.startswith("model.layers.1.") for k in got) and any(k.startswith("model.layers.2.") and "pre_quant_scale" in k
+                                                                         for k in got)
     assert_same(got, state_of(memory))
     assert torch.equal(logits(layered), logits(memory))
 

@@ -42,8 +42,10 @@ from ._numerics import (
     store_out,
 )
 
+
 @triton.jit
-def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
+def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr,
+                  E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
     """Fake-quantized fp32 values of ``x`` whose block amax ``a`` is broadcast to its shape."""
     if KIND == 0:
         return int_fake(x, a, lo, hi, HW)
@@ -145,10 +147,10 @@ def block2d_kernel(
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
     QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # l * MB + mb
+    pid = tl.program_id(0)  # lead * MB + mb
     kb = tl.program_id(1)
-    l = pid // MB
-    mb = pid - l * MB
+    lead = pid // MB
+    mb = pid - lead * MB
     rows = mb * BM + tl.arange(0, BMP)[:, None]
     cols = kb * BK + tl.arange(0, BKP)[None, :]
     mask = (rows < M) & (cols < K)
@@ -156,7 +158,7 @@ def block2d_kernel(
         mask = mask & (tl.arange(0, BMP)[:, None] < BM)
     if BKP != BK:
         mask = mask & (tl.arange(0, BKP)[None, :] < BK)
-    offs = (l.to(tl.int64) * M + rows) * K + cols
+    offs = (lead.to(tl.int64) * M + rows) * K + cols
     x = load_f32(x_ptr, offs, mask, IN_DT)
     soff = pid.to(tl.int64) * KB + kb
     if STATIC:

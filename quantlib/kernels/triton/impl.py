@@ -82,7 +82,8 @@ def _views(x: torch.Tensor, op: int, out):
     return xin, in_dt, out, out_dt, _dummy(x.device)
 
 
-def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0, eps=0.0) -> None:
+def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0,
+             eps=0.0) -> None:
     C = x.shape[-1]
     R = x.numel() // C
     NB = -(-C // B)
@@ -99,17 +100,20 @@ def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=Non
     launch(K.block1d_kernel, grid, args, consts, tile_1d_candidates(R, NB, BP, x.is_cuda), dev, x.numel())
 
 
-def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, lo=0.0, hi=0.0, eps=0.0) -> None:
+def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, lo=0.0, hi=0.0,
+             eps=0.0) -> None:
     BM, BK = block
     M, Kd = x.shape[-2], x.shape[-1]
     L = x.numel() // (M * Kd)
     MB, KB = -(-M // BM), -(-Kd // BK)
     xin, in_dt, out, out_dt, dummy = _views(x, op, out)
     dev = x.device
-    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB)
+    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB,
+            KB)
     BMP, BKP = next_pow2(BM), next_pow2(BK)
     fmt = {k: fmt[k] for k in ("KIND", "QMAX", "FP8E", "POW2")}
-    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda,
+                  **fmt)
     launch(K.block2d_kernel, lambda meta: (L * MB, KB), args, consts, tile_2d_candidates(BMP, BKP, x.is_cuda), dev, x.numel())
 
 
@@ -152,7 +156,8 @@ def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt:
         ntiles = -(-R // rows) * tc
         iters = next_pow2(-(-ntiles // (264 if x.is_cuda else 4)))
         nprog = -(-ntiles // iters)
-        K.nan_groups_kernel[(nprog,)](o, gid, flags, gflag, R, C, sr, sc, tc, ntiles, ITERS=iters, AMODE=mode, ROWS=rows, BC=bc, NPROG=nprog, OUT_DT=out_dt, num_warps=4)
+        K.nan_groups_kernel[(nprog,)](o, gid, flags, gflag, R, C, sr, sc, tc, ntiles, ITERS=iters, AMODE=mode, ROWS=rows, BC=bc,
+                                      NPROG=nprog, OUT_DT=out_dt, num_warps=4)
 
 
 def _global_amax(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +180,8 @@ def _static_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -
             raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
         return None
     if spec.block is not None and tuple(amax.shape) != blocked_shape(x.shape, spec.block):
-        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: "
+                         f"expected {blocked_shape(x.shape, spec.block)}")
     return amax
 
 
@@ -186,7 +192,8 @@ def _nvfp4_static_blocks(x: torch.Tensor, block: int, amax: torch.Tensor | None,
     if amax is None:
         raise ValueError("nvfp4: a static block amax needs the static global amax it was chosen against")
     if tuple(block_amax.shape) != blocked_shape(x.shape, (block,)):
-        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, (block,))}")
+        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block "
+                         f"{block}: expected {blocked_shape(x.shape, (block,))}")
     return block_amax.to(device=x.device, dtype=torch.float32).contiguous()
 
 
@@ -243,7 +250,8 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "triton")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
+                       | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(x, block)
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(blocked_shape(x.shape, block), dtype=torch.float32, device=x.device)
@@ -254,7 +262,8 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
     a = None
     if amax is not None:  # static: each block's scale from the stored amax, read by the same one-pass kernel
         if tuple(amax.shape) != blocked_shape(x.shape, block):
-            raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, block)}")
+            raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: "
+                             f"expected {blocked_shape(x.shape, block)}")
         a = amax.to(device=x.device, dtype=torch.float32).contiguous()
     if len(block) == 1:
         _block1d(x, block[0], 2, fmt, out=codes.view(torch.uint8), scale=scale, amax=a, static=a is not None, eps=float(eps))
@@ -282,7 +291,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "triton")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor
+               | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_block(x, (block,))
     dev = x.device
     codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=dev)
@@ -310,7 +320,8 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> 
     s = scale.to(device=x.device, dtype=torch.float32).contiguous()
     consts = dict(PER_ROW=s.numel() > 1, IN_DT=in_dt, QMAX=FLOAT_FORMATS[tuple(element)][0], FP8E=_fp8e(element), HW=x.is_cuda)
     args = (xin, codes.view(torch.uint8), s, R, C)
-    launch(K.fp8_cast_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda), x.device, x.numel())
+    launch(K.fp8_cast_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda),
+           x.device, x.numel())
     return codes
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .base import ConfigInfo
-from .kv_cache import modelopt_kv_algo
+from .kv_scales import modelopt_kv_algo
 
 _FP8 = {"dynamic": False, "num_bits": 8, "type": "float"}
 
@@ -55,7 +55,8 @@ def config_json_form(hf_quant: dict) -> dict:
         by_cfg: dict[tuple, list[str]] = {}
         for name, layer in quant["quantized_layers"].items():
             by_cfg.setdefault(tuple(sorted(layer.items())), []).append(name)
-        groups = {f"group_{i}": {**group_args(dict(k)["quant_algo"], dict(k).get("group_size")), "targets": sorted(names)} for i, (k, names) in enumerate(by_cfg.items())}
+        groups = {f"group_{i}": {**group_args(dict(k)["quant_algo"], dict(k).get("group_size")), "targets": sorted(names)}
+                  for i, (k, names) in enumerate(by_cfg.items())}
         out["config_groups"], out["quantized_layers"] = groups, quant["quantized_layers"]
     out["ignore"] = list(quant["exclude_modules"])
     out["quant_algo"] = algo

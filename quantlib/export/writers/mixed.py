@@ -23,7 +23,8 @@ class MixedPacker(Packer):
     def member(self, spec: FormatSpec, amax_shape: tuple[int, ...] = (), inp: Optional[FormatSpec] = None) -> Optional[Packer]:
         """The first member that carries a weight quantizer of ``spec`` (and input ``inp``), or None."""
         for m in self.members:
-            if m.weight_ok(spec, amax_shape) is None and (inp is None or m.input_ok(inp) is None) and (inp is not None or m.input_required is None):
+            if m.weight_ok(spec, amax_shape) is None and (inp is None
+                                                          or m.input_ok(inp) is None) and (inp is not None or m.input_required is None):
                 return m
         return None
 
@@ -35,10 +36,14 @@ class MixedPacker(Packer):
     def check(self, weight: FormatSpec, amax_shape: tuple[int, ...], inp: Optional[FormatSpec], weight_name: str, input_name: str) -> None:
         m = self.member(weight, amax_shape, inp)
         if m is None:
-            why = "; ".join(f"{p.fmt.value}: {p.weight_ok(weight, amax_shape) or (p.input_ok(inp) if inp is not None else p.input_required)}" for p in self.members)
-            raise ExportError(f"{weight_name} = {describe(weight)} / {input_name} = {describe(inp)}: no member of format {self.fmt.value} carries it ({why})")
+            why = "; ".join(f"{p.fmt.value}: "
+                            f"{p.weight_ok(weight, amax_shape) or (p.input_ok(inp) if inp is not None else p.input_required)}"
+                            for p in self.members)
+            raise ExportError(f"{weight_name} = {describe(weight)} / {input_name} = {describe(inp)}: no member of format {self.fmt.value} "
+                              f"carries it ({why})")
         if self._packing(weight) is not m:  # pack() picks by spec alone: it must land on the same member
-            raise ExportError(f"{weight_name} = {describe(weight)}: format {self.fmt.value} cannot tell which member packs it (amax of shape {amax_shape})")
+            raise ExportError(f"{weight_name} = {describe(weight)}: format {self.fmt.value} cannot tell which member packs it (amax of "
+                              f"shape {amax_shape})")
         m.check(weight, amax_shape, inp, weight_name, input_name)
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -74,4 +79,5 @@ class MixedPacker(Packer):
 
     def parts(self, info: ConfigInfo) -> list[tuple[Packer, Scheme, ConfigInfo]]:
         """(member, scheme, the member's single-scheme info) of every scheme of the export."""
-        return [(self.member(s.weight_spec, (), s.input_spec), s, replace(info, weight_spec=s.weight_spec, input_spec=s.input_spec, weight_per_tensor=s.per_tensor)) for s in info.schemes]
+        return [(self.member(s.weight_spec, (), s.input_spec), s, replace(info, weight_spec=s.weight_spec, input_spec=s.input_spec,
+                                                                          weight_per_tensor=s.per_tensor)) for s in info.schemes]

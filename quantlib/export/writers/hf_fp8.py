@@ -40,7 +40,8 @@ class HFFP8Block(Packer):
         return {"weight": q.codes, "weight_scale_inv": q.scale.float()}
 
     def config(self, info: ConfigInfo) -> dict:
-        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(info.weight_spec.block), "ignored_layers": list(info.ignore)}
+        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(info.weight_spec.block),
+               "ignored_layers": list(info.ignore)}
         if self.ue8m0:
             cfg["scale_fmt"] = "ue8m0"
         return cfg

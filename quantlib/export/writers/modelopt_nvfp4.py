@@ -16,7 +16,7 @@ from ...formats.nvfp4 import nvfp4_global_scale
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, NVFP4Packer
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 
 
 class ModelOptNVFP4(ModelOptKVCache, NVFP4Packer):

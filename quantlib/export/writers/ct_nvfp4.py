@@ -17,7 +17,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, NVFP4Packer
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTNVFP4(CTKVCache, NVFP4Packer):
@@ -25,11 +25,13 @@ class CTNVFP4(CTKVCache, NVFP4Packer):
     input_why = "W4A4 NVFP4 takes NVFP4 activations; disable the input quantizer for W4A16"
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
-        return {"weight_packed": q.codes, "weight_scale": q.scale, "weight_global_scale": torch.reciprocal(q.global_scale.float()).reshape(1)}
+        return {"weight_packed": q.codes, "weight_scale": q.scale,
+                "weight_global_scale": torch.reciprocal(q.global_scale.float()).reshape(1)}
 
     def pack_input(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
         return ct_common.input_tensors(spec, amax)
 
     def config(self, info: ConfigInfo) -> dict:
-        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16, "dynamic": False, "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16, "dynamic": False,
+                   "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
         return ct_common.ct_config("nvfp4-pack-quantized", weights, info)

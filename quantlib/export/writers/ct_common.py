@@ -11,7 +11,7 @@ from ...formats import FormatSpec, Kind
 from ...formats.fp8 import fp8_scale
 from ...formats.int import int_scale
 from .base import ConfigInfo, is_mx, is_nvfp4
-from .kv_cache import ct_kv_scheme
+from .kv_scales import ct_kv_scheme
 
 
 def fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict:
@@ -28,9 +28,11 @@ def input_args(spec: Optional[FormatSpec]) -> Optional[dict]:
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3) and spec.dynamic and len(spec.block) == 1:
         return fp8_args("group", True, group_size=spec.block[0])
     if is_mx(spec, (4, 3)) or is_mx(spec, (2, 1)):
-        return {"num_bits": 8 if spec.element == (4, 3) else 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": True, "scale_dtype": "torch.uint8", "zp_dtype": None}
+        return {"num_bits": 8 if spec.element == (4, 3) else 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                "dynamic": True, "scale_dtype": "torch.uint8", "zp_dtype": None}
     if is_nvfp4(spec):
-        return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16, "dynamic": "local", "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
+        return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16, "dynamic": "local",
+                "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
     if spec.kind == Kind.INT and spec.num_bits == 8 and not spec.unsigned and spec.block is None:
         if spec.dynamic:
             return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
@@ -40,10 +42,10 @@ def input_args(spec: Optional[FormatSpec]) -> Optional[dict]:
 
 def input_tensors(spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Static input scales as CT stores them: ``input_scale`` (a multiplier) or NVFP4's ``input_global_scale`` (a divisor)."""
-    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4:
+    if amax is None or not spec.calibrated_amax:
         return {}
     a = amax.float().reshape(1)
-    if spec.kind == Kind.NVFP4:
+    if spec.two_level:
         return {"input_global_scale": torch.full_like(a, 6.0 * 448.0) / a}
     if spec.kind == Kind.FP8:
         return {"input_scale": torch.reciprocal(fp8_scale(a, spec.element))}
@@ -54,7 +56,8 @@ def input_tensors(spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, t
 
 def ct_config(fmt: str, weights: dict, info: ConfigInfo) -> dict:
     """Top-level compressed-tensors config with one group targeting every Linear."""
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": input_args(info.input_spec), "output_activations": None, "format": fmt}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": input_args(info.input_spec), "output_activations": None,
+             "format": fmt}
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,

@@ -29,7 +29,8 @@ class ModelOptW4A8AWQ(ModelOptInt4AWQ):
 
     def chain_ok(self, second: Optional[FormatSpec], amax_shape: tuple[int, ...]) -> Optional[str]:
         if second is None:
-            return "W4A8_AWQ needs a weight chain of INT4 blocks then FP8 per tensor (W4A8_AWQ_BETA_CFG); a single INT4 quantizer is modelopt_int4_awq"
+            return ("W4A8_AWQ needs a weight chain of INT4 blocks then FP8 per tensor (W4A8_AWQ_BETA_CFG); a single INT4 quantizer is "
+                    "modelopt_int4_awq")
         if not per_tensor_fp8(second) or any(s != 1 for s in amax_shape):
             return "the chain's second member must be FP8 E4M3 with one amax per tensor (axis=None)"
         return None

@@ -16,7 +16,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common, ct_int
 from .base import ConfigInfo, Packer
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -43,7 +43,8 @@ class CTIntPack(CTKVCache, Packer):
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         codes = q.codes.reshape(q.shape[0], -1)
-        return {"weight_packed": pack_int32(codes, q.spec.num_bits), "weight_scale": ct_int.multiplier_scale(q), "weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
+        return {"weight_packed": pack_int32(codes, q.spec.num_bits), "weight_scale": ct_int.multiplier_scale(q),
+                "weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
 
     def config(self, info: ConfigInfo) -> dict:
         return ct_common.ct_config("pack-quantized", ct_int.strategy_args(info.weight_spec, info.weight_per_tensor), info)

@@ -7,7 +7,7 @@
   ``<attn>.v_proj.v_scale`` fp32 scalars (ModelOpt's ``postprocess_state_dict`` names, remapped by vLLM).
 
 The FP8 scale is quantlib's own ``1 / s`` (``reciprocal(448 / amax)``), the multiplier its fake quant
-applies, not ``amax / 448`` (an ulp apart for about a quarter of amaxes, EXPORT.md §1e). ModelOpt clamps
+applies, not ``amax / 448`` (an ulp apart for about a quarter of amaxes, docs/numerics.md, "Export"). ModelOpt clamps
 its FP8 KV scales to at least 1.0; quantlib writes the calibrated value, so the checkpoint dequantizes as
 the evaluated model did. The NVFP4 scale is quantlib's global scale ``s2 = amax / 2688``.
 """

@@ -83,7 +83,8 @@ class Packer:
         if inp is not None:
             why = self.input_ok(inp)
             if why is not None:
-                raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
+                raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input "
+                                  "quantizer or pick another format")
 
     def chain_ok(self, second: Optional[FormatSpec], amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight whose chained second quantizer is ``second`` (None: no chain,

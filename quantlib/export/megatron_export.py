@@ -24,13 +24,13 @@ from ..formats import FormatSpec
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .checkpoint import check_arguments, parse_size, write_plan
-from .formats import Packer, as_format, packer as get_packer
+from .export_checkpoint import check_arguments, parse_size, write_plan
 from .kv_plan import KVItem, plan_kv
 from .megatron_config import megatron_hf_config
 from .megatron_names import LINEARS, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
 from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale
 from .types import ExportError, ExportFormat, ExportManifest
+from .writers import Packer, as_format, packer as get_packer
 
 
 def _sharded_tensors(model: nn.Module) -> list:
@@ -80,7 +80,8 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
                 if not member.is_enabled:
                     continue
                 if not isinstance(member, TensorQuantizer):
-                    raise ExportError(f"{name}.weight_quantizer[{i}] = {type(member).__name__}: the Megatron export takes one TensorQuantizer per expert GEMM")
+                    raise ExportError(f"{name}.weight_quantizer[{i}] = {type(member).__name__}: the Megatron export takes one "
+                                      "TensorQuantizer per expert GEMM")
                 out[(layer, generic, module.expert_offset + i)] = (member.spec, ispec, name, f"{name}.weight_quantizer[{i}]")
             continue
         if not isinstance(q, TensorQuantizer):
@@ -145,7 +146,8 @@ def _top_items(key: str, full: dict, prepend: dict, specs: dict, config: Any) ->
 
 def _passthrough(name: str, t: torch.Tensor) -> Item:
     module, _, local = name.rpartition(".")
-    return Item(module, "unquantized", module, extras={local: (lambda t=t: t)}, parent=module.rpartition(".")[0], leaf=module.rpartition(".")[2])
+    return Item(module, "unquantized", module, extras={local: (lambda t=t: t)}, parent=module.rpartition(".")[0],
+                leaf=module.rpartition(".")[2])
 
 
 def _linear_items(prefix: str, layer: tuple, e: Optional[int], module: str, full: dict, prepend: dict, specs: dict,
@@ -162,7 +164,7 @@ def _linear_items(prefix: str, layer: tuple, e: Optional[int], module: str, full
     out = []
     for leaf, idx, shard in split_rows(module, w.shape[0], config):
         name = f"{hf}.{leaf}" if leaf else hf
-        get: Callable[[], torch.Tensor] = lambda w=w, idx=idx: w[idx]
+        get: Callable[[], torch.Tensor] = lambda w=w, idx=idx: w[idx]  # noqa: E731
         extras = {} if bias is None else {"bias": (lambda b=bias, idx=idx: b[idx])}
         if spec is None:
             out.append(Item(name, "unquantized", name, extras={"weight": get, **extras}, expert=e, parent=hf, leaf=leaf))
@@ -175,7 +177,8 @@ def _linear_items(prefix: str, layer: tuple, e: Optional[int], module: str, full
         # a grouped linear's input quantizer is one per layer (no expert axis), SequentialMLP's one per expert
         iamax = None if iamax is None or ispec is None else iamax[index[: prepend[ikey]]]
         part = select_rows(amax, wspec, w.shape[0], idx, where_q)
-        out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, part, ispec, iamax, extras, expert=e, shard=shard, parent=hf if leaf else hf.rpartition(".")[0], leaf=leaf or name.rpartition(".")[2],
+        out.append(Item(name, "expert" if e is not None else "linear", where_q, get, wspec, part, ispec, iamax, extras, expert=e,
+                        shard=shard, parent=hf if leaf else hf.rpartition(".")[0], leaf=leaf or name.rpartition(".")[2],
                         shape=(len(idx), w.shape[1]), fused=f"model.layers.{layer[0]}.mlp.experts" if e is not None else "",
                         input_where=f"{where}.input_quantizer"))  # fmt: skip
     return out
@@ -193,8 +196,10 @@ def _kv_items(model: nn.Module, packer: Packer) -> tuple[dict[int, KVItem], Opti
     return out, spec
 
 
-def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *, group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
-                               max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None, unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
+def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[ExportFormat, str], *,
+                               group: Optional[dist.ProcessGroup] = None, overwrite: bool = False,
+                               max_shard_size: Union[int, str] = "5GB", hf_config: Optional[dict] = None,
+                               unify_siblings: bool = False) -> Optional[ExportManifest]:  # fmt: skip
     """Collective over ``group`` (default: the world): gather the sharded model to rank 0, which checks
     and writes ``out_dir``; returns the manifest on rank 0, None elsewhere. ``model`` may be wrapped
     (Float16Module, DistributedDataParallel): the wrapped GPTModel is exported. config.json is that of the

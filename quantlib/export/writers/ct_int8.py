@@ -12,7 +12,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common, ct_int
 from .base import ConfigInfo, Packer
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTInt8(CTKVCache, Packer):

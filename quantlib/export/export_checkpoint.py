@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from . import safetensors_io
-from .formats import as_format, packer as get_packer
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
 from .offload import meta_modules, read_offloaded
 from .plan import Plan, make_plan
 from .types import ExportError, ExportFormat, ExportManifest
+from .writers import as_format, packer as get_packer
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 #: a progress bar from this many bytes of weights on
@@ -193,7 +193,8 @@ def export_checkpoint(
     return write_plan(plan, fmt, out_dir, config, overwrite=overwrite, limit=limit, progress=progress)
 
 
-def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, overwrite: bool, limit: int, progress: Optional[bool]) -> ExportManifest:
+def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, overwrite: bool, limit: int,
+               progress: Optional[bool]) -> ExportManifest:
     """Pack and write a checked plan atomically; ``config`` is the base of config.json."""
     p = get_packer(fmt)
     shown, out_dir = os.fspath(out_dir), _resolve_out_dir(out_dir)
@@ -210,7 +211,8 @@ def write_plan(plan: Plan, fmt: ExportFormat, out_dir: str, config: dict, *, ove
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportManifest(shown, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized, list(plan.info.ignore), plan.unified)
+    return ExportManifest(shown, fmt, files, sum(os.path.getsize(os.path.join(out_dir, f)) for f in files), plan.quantized,
+                          list(plan.info.ignore), plan.unified)
 
 
 def plan_bytes(plan: Plan) -> int:

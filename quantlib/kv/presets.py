@@ -20,8 +20,8 @@ from typing import Optional, Union
 
 from torch import nn
 
-from .config import ConfigError, QuantizeConfig, turns_on
-from .traversal import class_names
+from ..config import ConfigError, QuantizeConfig, turns_on
+from ..traversal import class_names
 
 #: the quantizers a KV preset configures, by their attribute name on the attention module
 KV_QUANTIZER_NAMES: tuple[str, ...] = ("k_bmm_quantizer", "v_bmm_quantizer")
@@ -55,7 +55,8 @@ KV_PRESETS: dict[str, dict] = {"FP8_KV_CFG": FP8_KV_CFG, "FP8_AFFINE_KV_CFG": FP
 def _kv_entries(kv_config: Union[dict, list]) -> list[dict]:
     entries = kv_config.get("quant_cfg") if isinstance(kv_config, dict) else kv_config
     if not isinstance(entries, (list, tuple)):
-        raise ConfigError(f"merge_kv_config: kv_config must be a KV preset (a dict with a list 'quant_cfg') or its list of rules, got {type(entries).__name__}")
+        raise ConfigError("merge_kv_config: kv_config must be a KV preset (a dict with a list 'quant_cfg') or its list of rules, got "
+                          f"{type(entries).__name__}")
     return copy.deepcopy(list(entries))
 
 
@@ -79,7 +80,8 @@ def merge_kv_config(config: Union[dict, QuantizeConfig, None], kv_config: Union[
 # ---------------------------------------------------------------------------------- reach check
 
 # a rule enabling p_bmm_quantizer needs a reachable attention as much as a KV rule does
-_PROBES = {"kv": ("m.k_bmm_quantizer", "m.v_bmm_quantizer", "m.p_bmm_quantizer"), "linear": ("m.input_quantizer", "m.weight_quantizer", "m.output_quantizer")}
+_PROBES = {"kv": ("m.k_bmm_quantizer", "m.v_bmm_quantizer", "m.p_bmm_quantizer"), "linear": ("m.input_quantizer", "m.weight_quantizer",
+                                                                                             "m.output_quantizer")}
 
 
 def kv_rules(config: QuantizeConfig) -> list[str]:
@@ -89,13 +91,14 @@ def kv_rules(config: QuantizeConfig) -> list[str]:
     for e in config.quant_cfg:
         if not turns_on(e.attrs, e.enable):
             continue
-        if any(fnmatch.fnmatchcase(p, e.pattern) for p in _PROBES["kv"]) and not any(fnmatch.fnmatchcase(p, e.pattern) for p in _PROBES["linear"]):
+        if any(fnmatch.fnmatchcase(p, e.pattern) for p in _PROBES["kv"]) and not any(fnmatch.fnmatchcase(p, e.pattern)
+                                                                                     for p in _PROBES["linear"]):
             found.append(e.pattern)
     return found
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
-    from .nn.quant_module import QuantModuleRegistry
+    from ..nn.quant_module import QuantModuleRegistry
 
     cls = QuantModuleRegistry.original_class_of(module)
     children = dict(module.named_children())
@@ -118,7 +121,8 @@ def unreached_attention(model: nn.Module, config: Optional[QuantizeConfig] = Non
             continue
         if any(r == name or r.startswith(name + ".") or name.startswith(r + ".") or r == "" or name == "" for r in reached):
             continue
-        if config is not None and not any(_would_enable(config, f"{name}.{q}" if name else q, m) for q in KV_QUANTIZER_NAMES + (PROBS_QUANTIZER_NAME,)):
+        if config is not None and not any(_would_enable(config, f"{name}.{q}" if name else q, m) for q in KV_QUANTIZER_NAMES
+                                          + (PROBS_QUANTIZER_NAME,)):
             continue
         missing.append(f"{name or '<root>'} ({type(m).__name__})")
     return missing
@@ -135,11 +139,13 @@ def check_kv_reach(model: nn.Module, config: Union[QuantizeConfig, dict]) -> Non
     missing = unreached_attention(model, cfg)
     if missing:
         raise ConfigError(
-            f"KV-cache / attention rule(s) {rules} cannot reach the attention of {len(missing)} module(s): {missing[:5]}; quantlib inserts k/v/p quantizers "
+            f"KV-cache / attention rule(s) {rules} cannot reach the attention of {len(missing)} module(s): {missing[:5]}; quantlib inserts "
+            "k/v/p quantizers "
             "into transformers attention classes that call the attention interface and into Megatron-Core's local DotProductAttention only"
         )
     if not any(hasattr(m, q) for m in model.modules() for q in KV_QUANTIZER_NAMES):
-        raise ConfigError(f"KV-cache / attention rule(s) {rules}: the model has no attention module with k/v/p quantizers ({type(model).__name__})")
+        raise ConfigError(f"KV-cache / attention rule(s) {rules}: the model has no attention module with k/v/p quantizers "
+                          f"({type(model).__name__})")
 
 
 __all__ = [

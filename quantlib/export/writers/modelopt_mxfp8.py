@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, MXFP8Packer
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 
 
 class ModelOptMXFP8(ModelOptKVCache, MXFP8Packer):

@@ -14,7 +14,7 @@ from ...formats.fp8 import fp8_scale
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 
 
 def per_tensor_fp8(spec: FormatSpec) -> bool:

@@ -14,7 +14,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, fp8_block_weight_ok
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTFP8Block(CTKVCache, Packer):

@@ -16,7 +16,7 @@ from .ct_int_pack import CTIntPack
 from .ct_mxfp4 import CTMXFP4
 from .ct_mxfp8 import CTMXFP8
 from .ct_nvfp4 import CTNVFP4
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 from .mixed import MixedPacker
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 from .mixed import MixedPacker
 from .modelopt_fp8 import ModelOptFP8
 from .modelopt_fp8_pb import ModelOptFP8PB

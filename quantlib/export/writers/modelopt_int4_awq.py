@@ -13,7 +13,7 @@ from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_int, modelopt_common
 from .base import ConfigInfo, Packer
-from .kv_cache import ModelOptKVCache
+from .kv_scales import ModelOptKVCache
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

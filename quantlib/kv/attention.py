@@ -7,14 +7,15 @@ from typing import Iterator
 import torch
 
 from ..config import QuantizerAttributeConfig
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .presets import ATTENTION_QUANTIZER_NAMES
 
 
 class AttentionQuantizers(QuantModule):
     """``q_bmm_quantizer``, ``k_bmm_quantizer``, ``v_bmm_quantizer`` and ``p_bmm_quantizer`` (the softmax
-    output; ModelOpt's names; disabled until a config enables them) and no weights: the projections around attention are quantized as linears."""
+    output; ModelOpt's names; disabled until a config enables them) and no weights: the projections around attention are quantized as
+    linears."""
 
     quantizer_names = ATTENTION_QUANTIZER_NAMES
     weight_quantizer_names = ()

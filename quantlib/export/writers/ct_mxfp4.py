@@ -11,7 +11,7 @@ from ...formats import FormatSpec, QuantizedTensor
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, is_mx
-from .kv_cache import CTKVCache
+from .kv_scales import CTKVCache
 
 
 class CTMXFP4(CTKVCache, Packer):
@@ -27,5 +27,6 @@ class CTMXFP4(CTKVCache, Packer):
         return {"weight_packed": q.codes, "weight_scale": q.scale}
 
     def config(self, info: ConfigInfo) -> dict:
-        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": None}
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False,
+                   "scale_dtype": "torch.uint8", "zp_dtype": None}
         return ct_common.ct_config("mxfp4-pack-quantized", weights, info)
