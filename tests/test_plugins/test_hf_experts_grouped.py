@@ -190,3 +190,35 @@ def test_the_stacked_weight_cache_is_reused_and_left_behind_by_copies():
         m(hidden, idx, w)
         assert m._weight_cache[("stacked", "gate_up_proj_weight_quantizer")][1] is not cached
     assert "_weight_cache" not in copy.deepcopy(m).__dict__ and "_weight_cache" not in pickle.loads(pickle.dumps(m)).__dict__
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "nvfp4-static-blocks"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_nvfp4_qat_quantizes_each_projection_in_one_kernel_call(family, preset, monkeypatch):
+    """NVFP4 weights (a global amax per expert, static blocks too): one fake-quant call over the stacked
+    (E, out, in) weights per projection, not one per expert; the same bits as the per-expert loop."""
+    from quantlib.kernels import ops
+
+    cfg = {"nvfp4": ql.NVFP4_DEFAULT_CFG, "nvfp4-static-blocks": ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG}[preset]
+    model = ql.quantize(tiny_model(family), cfg, lambda m: m(input_ids(seed=5)))
+    m = [e for _, e in expert_modules(model)][0]
+    assert all(q.block_amax is not None for q in m.gate_up_proj_weight_quantizer.children()) == (preset != "nvfp4")
+    real, shapes = ops.implementation, []
+
+    def counting(op, backend):
+        fn = real(op, backend)
+        if op != "fake_quant":
+            return fn
+        return lambda x, *args: shapes.append(tuple(x.shape)) or fn(x, *args)
+
+    monkeypatch.setattr(ops, "implementation", counting)
+    idx, w = _routing(m.num_experts, seed=10)
+    hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(11))
+    m.train()
+    m(hidden.clone().requires_grad_(), idx, w).sum().backward()
+    stacked = sorted(tuple(getattr(m, p).transpose(1, 2).shape if flag(m, "is_transposed") else getattr(m, p).shape) for p in m.projections)
+    assert sorted(s for s in shapes if len(s) == 3) == stacked
+    assert len([s for s in shapes if len(s) == 2]) == len(m.projections)  # the input quantizers, on the sorted rows
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(m._grouped_forward(hidden, idx, w, False), m._loop_forward(hidden, idx, w, False))
