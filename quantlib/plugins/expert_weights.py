@@ -44,8 +44,8 @@ def quantize_stacked(module: nn.Module, name: str, param: torch.Tensor, transpos
     if hit is not None and hit[0] == key:
         return hit[1]
     out = _quantize(module, name, members, weights)
-    # the entry keeps alive every object whose id() is in its key (see QuantModule.quantize_weight)
-    cache[("stacked", name)] = (key, out, (param, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
+    # the entry keeps the parameter alive, whose id() is in its key (see QuantModule.quantize_weight)
+    cache[("stacked", name)] = (key, out, param)
     return out
 
 
