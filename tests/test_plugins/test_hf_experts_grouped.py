@@ -2,10 +2,9 @@
 backward, for several families and presets; the same bits as the per-expert loop (outputs, QAT
 gradients, calibrated amax); the loop kept where the grouped path cannot be exact.
 
-On the CPU nothing syncs, so the test records the ops that would (with the "reference" kernels, the torch
-formulas that the GPU kernels implement: the C++ CPU kernels read their scalars from host memory): ``_local_scalar_dense`` (what
-``.item()`` / ``.tolist()`` / ``bool(t)`` call), ``equal`` / ``is_nonzero`` (a bool on the host), and the ops
-whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``, a bool-mask index).
+On the CPU nothing syncs, so the test records the ops that would (:class:`~tests.test_plugins.host_reads.HostReads`),
+with the "reference" kernels (the torch formulas that the GPU kernels implement: the C++ CPU kernels read
+their scalars from host memory).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers", reason="needs transformers (pip install quantlib[transformers])")
 
@@ -24,27 +22,10 @@ from quantlib.plugins import huggingface as hf  # noqa: E402
 from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 from quantlib.plugins.hf_experts import QuantFusedExperts, flag  # noqa: E402
 
+from .host_reads import HostReads  # noqa: E402
 from .test_hf_experts_layouts import expert_modules, input_ids, tiny_model  # noqa: E402
 
-_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique_consecutive", "_unique", "_unique2", "unique_dim", "nonzero_static", "argwhere"}
-
 PRESETS = {"fp8": ql.FP8_DEFAULT_CFG, "nvfp4": ql.NVFP4_DEFAULT_CFG, "int4-block": ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG}
-
-
-class HostReads(TorchDispatchMode):
-    """Records every aten op that reads a value back to the host or whose output shape depends on data."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in _SYNCING:
-            self.seen.append(str(func))
-        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())):
-            self.seen.append(f"{func} with a bool mask")
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
