@@ -64,7 +64,7 @@ def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     spec = first.spec
     static = first.needs_calibration
-    if not static and not (spec.kind == Kind.MX or spec.dynamic) or not static and spec.kind == Kind.NVFP4:
+    if not static and (spec.kind == Kind.NVFP4 or not (spec.kind == Kind.MX or spec.dynamic)):
         return None  # type "dynamic" on a per-tensor / per-channel format or NVFP4: an amax from each expert's slice
     scales = first.pre_quant_scale is not None
     for m in members:
