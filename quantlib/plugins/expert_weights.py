@@ -29,7 +29,9 @@ def quantize_stacked(module: nn.Module, name: str, param: torch.Tensor, transpos
     weights = param.transpose(1, 2) if transposed else param
     group = module._modules[name]
     members = list(group._modules.values())
-    leaves = [leaf for m in members for leaf in (m.leaves() if hasattr(m, "leaves") else (m,))]
+    leaves = members  # hasattr(m, "leaves") on a TensorQuantizer costs a formatted AttributeError: only for containers
+    if any(type(m) is not TensorQuantizer for m in members):
+        leaves = [leaf for m in members for leaf in (m.leaves() if hasattr(m, "leaves") else (m,))]
     if all(leaf._disabled for leaf in leaves):
         return weights
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and param.requires_grad):
