@@ -13,7 +13,7 @@ from ..formats import FormatSpec, Rounding, blocked_shape
 from ..formats.fp8 import fp8_dtype
 from ..formats.fp8_blockwise import fp8_blockwise_dequantize
 from ..formats.mx import MX_ELEMENTS, mx_dequantize
-from ..formats.nvfp4 import nvfp4_dequantize
+from ..formats.nvfp4 import check_global_amax, nvfp4_dequantize
 from ..formats.spec import MIN_EPS
 from . import ops
 from .backends import BACKENDS, implementation, resolve
@@ -100,12 +100,18 @@ def nvfp4_cast(
     block_amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed E2M1 codes (uint8), float8_e4m3fn block scales (``block`` = 16 or 32 elements) and fp32
-    global scale; ``block_amax``: static block amax (needs ``global_amax``), None: from ``x``."""
+    global scale; ``global_amax``: one value (0-dim scale) or one per row (a scale of its shape, e.g.
+    ``(E, 1, 1)`` per expert of an ``(E, out, in)`` stack); ``block_amax``: static block amax (needs
+    ``global_amax``), None: from ``x``."""
     ops._check_float_input(x, "nvfp4_cast")
     if block not in (16, 32):
         raise ValueError(f"nvfp4_cast: NVFP4 blocks are 16 or 32 elements, got block={block}")
     if global_amax is not None:
-        global_amax = global_amax.float().reshape(())
+        try:
+            check_global_amax(x.shape, global_amax)
+        except ValueError as exc:
+            raise ValueError(f"nvfp4_cast: {exc}") from None
+        global_amax = global_amax.float().reshape(()) if global_amax.numel() == 1 else global_amax.float()
     if block_amax is not None and global_amax is None:
         raise ValueError("nvfp4_cast: a static block_amax needs the static global_amax it was chosen against")
     if ops.eager_call(x):

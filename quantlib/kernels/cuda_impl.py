@@ -7,7 +7,7 @@ cast fused):
   static or dynamic amax, eps, pow2;
 - ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor (MXFP6 and MXINT8
   go to Triton, whose kernels implement every MX element);
-- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax, dynamic blocks;
+- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static (one value) or dynamic global amax, dynamic blocks;
 - INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
 - INT fake quant with one group a row (no block): a static amax per row (per channel, of shape
   ``x.shape[:-1] + (1,)``) or a dynamic one, for rows of up to 16384 16-bit / 8192 fp32 elements;
@@ -17,11 +17,11 @@ vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
 Everything else -- FP8 per tensor / per channel / dynamic per row (``fp8_cast`` too), INT per tensor or
 with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
-with static block amax, other last dims, empty tensors, and ``block_amax`` -- goes explicitly to the Triton
-implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
-resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
-DEBUG level on the ``quantlib.kernels`` logger; without the triton package it raises
-``NotImplementedError`` naming the format kind instead.
+with static block amax or a global amax per row (stacked experts), other last dims, empty tensors, and
+``block_amax`` -- goes explicitly to the Triton implementation (:mod:`quantlib.kernels.triton`), so that
+``backend="auto"`` on a CUDA tensor (which resolves to "cuda" when the extension is built) runs every op.
+The hand-over is logged once per case at DEBUG level on the ``quantlib.kernels`` logger; without the
+triton package it raises ``NotImplementedError`` naming the format kind instead.
 """
 
 from __future__ import annotations
@@ -120,13 +120,19 @@ def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bo
     return (1,) * (len(x_shape) - len(amax_shape)) + tuple(amax_shape) == tuple(x_shape[:-1]) + (1,)
 
 
+def _per_row_global(global_amax: torch.Tensor | None) -> bool:
+    """An NVFP4 global amax of more than one value (one per row, e.g. per expert): the CUDA kernels take one
+    scalar, the Triton kernel a value per row."""
+    return global_amax is not None and global_amax.numel() != 1
+
+
 @register("fake_quant", "cuda")
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     rows, a = _int_row_amax(x, spec, amax)
     if rows:
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
         return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
-    if not _cuda_fake_quant_kind(x, spec) or block_amax is not None:
+    if not _cuda_fake_quant_kind(x, spec) or block_amax is not None or spec.kind == Kind.NVFP4 and _per_row_global(amax):
         return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape "
                                      f"{tuple(x.shape)})")(x, spec, amax, block_amax)
     check_block(x, spec.block)
@@ -171,12 +177,12 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "cuda")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor
-               | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not _vector_ok(x) or block != 16 or block_amax is not None:
-        return _triton("nvfp4_cast",
-                       f"nvfp4_cast (shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None})")(x, global_amax, block,
-                                                                                                                      block_amax)
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16,
+               block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _vector_ok(x) or block != 16 or block_amax is not None or _per_row_global(global_amax):
+        what = f"shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None}"
+        what += f", global amax per row {_per_row_global(global_amax)}"
+        return _triton("nvfp4_cast", f"nvfp4_cast ({what})")(x, global_amax, block, block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))
 

@@ -284,5 +284,5 @@ def _(x, global_amax, block, block_amax, backend):
     return (
         x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8),
         x.new_empty(blocked_shape(x.shape, (block,)), dtype=torch.float8_e4m3fn),
-        x.new_empty((), dtype=torch.float32),
+        x.new_empty(() if global_amax is None or global_amax.numel() == 1 else global_amax.shape, dtype=torch.float32),
     )

@@ -51,7 +51,7 @@ class QuantModule(nn.Module):
         """``quantizer(tensor)``, reused while neither the tensor nor the quantizer changed.
 
         The key holds the tensor's version counter (bumped by optimizer steps, ``load_state_dict`` and
-        any in-place write) and the quantizer's state (config, switches, amax and its version). Nothing
+        any in-place write) and the quantizer's state (its generation and its buffers' versions). Nothing
         is cached where autograd needs the graph (QAT), while calibrating, or under torch.compile.
         """
         q = getattr(self, name)
@@ -72,9 +72,9 @@ class QuantModule(nn.Module):
         if hit is not None and hit[0] == key:
             return hit[1]
         out = q(tensor)
-        # the entry keeps alive every object whose id() is in its key: no new tensor, config,
-        # quantizer or state buffer can get one of those ids (and hit a stale entry) while it exists
-        cache[(name, member)] = (key, out, (tensor, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
+        # the entry keeps the tensor alive, whose id() is in its key: no new tensor can get that id (and hit
+        # a stale entry) while it exists (the quantizers' generations are never reused)
+        cache[(name, member)] = (key, out, tensor)
         return out
 
     def quantizers_off(self) -> bool:
@@ -185,20 +185,23 @@ def _leaves(q: nn.Module) -> list[TensorQuantizer]:
 
 
 def _quantizer_token(leaves) -> Optional[tuple]:
-    """Everything the output of a quantizer with these leaves depends on besides its input: switches,
-    config and every buffer (amax, static block amax, pre-quant scale, bias) with its version; None
-    while one calibrates or where a buffer has no version counter (an inference tensor). Built on every
-    forward of a quantized module, hence the direct reads of ``_buffers``."""
-    token = []
+    """Everything the output of a quantizer with these leaves depends on besides its input: each leaf's
+    :attr:`~TensorQuantizer.generation` (config, switches, which buffers; never reused) and the sum of its
+    buffers' version counters (in-place writes: with the generations equal no buffer was replaced, so
+    the sum only grows); None while one calibrates or where a buffer has no version counter (an
+    inference tensor). Built on every forward of a quantized module: a few attribute reads per leaf."""
+    gens, versions = [], 0
     for leaf in leaves:
         if leaf._if_calib and not leaf._disabled:
             return None
+        gens.append(leaf._gen)
         try:
-            state = [(k, id(t), t._version) for k, t in leaf._buffers.items() if t is not None]
+            for t in leaf._buffers.values():
+                if t is not None:
+                    versions += t._version
         except RuntimeError:  # "Inference tensors do not track version counter"
             return None
-        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), *state))
-    return tuple(token)
+    return tuple(gens), versions
 
 
 class QuantModuleRegistry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NoReturn, Optional, Union
 
 import torch
@@ -35,6 +36,10 @@ def _raise_named(exc: Exception, qname: str) -> NoReturn:
 #: buffers whose values survive a round trip through the meta device (TensorQuantizer._apply)
 _KEPT_ON_META = ("_amax", "_pre_quant_scale", "_bias_value", "_block_amax")
 
+#: the source of TensorQuantizer.generation: one counter for all quantizers, so that a generation is never
+#: reused (not by another quantizer, not by a copy: __setstate__ takes a new one)
+_GENERATIONS = itertools.count(1)
+
 
 class TensorQuantizer(nn.Module):
     """Fake-quantizes one tensor as its :class:`QuantizerAttributeConfig` says.
@@ -56,6 +61,32 @@ class TensorQuantizer(nn.Module):
         self._qname = "TensorQuantizer"  # full name in the model, set when a model is configured
         if amax is not None:
             self.amax = amax
+        self._bump()
+
+    # ------------------------------------------------------------------ state generation
+    @property
+    def generation(self) -> int:
+        """A number that changes with every change of this quantizer's state except the in-place writes
+        into its buffers (their version counters say those): any attribute set (config, switches, amax,
+        block amax, pre-quant scale, bias), buffer added / dropped / moved, state dict loaded, copy made.
+        Never the same for two states, of this quantizer or any other, so one int compare per
+        quantizer validates a cache of what it computed (:func:`quantlib.nn.quant_module._quantizer_token`)."""
+        return self.__dict__["_gen"]
+
+    def _bump(self) -> None:
+        self.__dict__["_gen"] = next(_GENERATIONS)  # not nn.Module.__setattr__ (which would bump again)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)  # property setters (amax, ...) run inside
+        self._bump()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._bump()
+
+    def register_buffer(self, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        self._bump()
 
     # ------------------------------------------------------------------ config
     @property
@@ -173,10 +204,12 @@ class TensorQuantizer(nn.Module):
         if current.is_meta and not value.is_meta:
             kept[name] = value  # the values come back when to_empty materialises the buffer
         self._buffers[name] = value.to(current.device)
+        self._bump()
 
     def _drop_kept_buffer(self, name: str) -> None:
         self._buffers.pop(name, None)
         self.__dict__.get("_meta_values", {}).pop(name, None)
+        self._bump()
 
     # ------------------------------------------------------------------ pre_quant_scale
     @property
@@ -288,6 +321,7 @@ class TensorQuantizer(nn.Module):
             else:
                 with torch.no_grad():
                     new.copy_(held)
+        self._bump()  # the buffers are new tensors (another device or dtype), their versions start again
         return self
 
     @property
@@ -431,6 +465,7 @@ class TensorQuantizer(nn.Module):
                 fp32 = name in ("_amax", "_bias_value", "_block_amax")
                 self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if fp32 else state_dict[key].dtype))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._bump()
 
     def extra_repr(self) -> str:
         if self._disabled:

@@ -319,10 +319,10 @@ class _QuantSequentialMLP(QuantModule):
         if calibrating:
             # fresh: judged over all its experts' quantizers, since one expert may see no tokens for batches
             counts = accumulate(self, tokens_per_expert, fresh or not self._was_calibrating)
-            first = self.expert_offset
-            _log.debug(
-                "quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1, counts.tolist()
-            )
+            if _log.isEnabledFor(logging.DEBUG):  # the counts live on the device: read back only to be logged
+                first = self.expert_offset
+                _log.debug("quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1,
+                           counts.tolist())
         self._was_calibrating = calibrating
         return super().forward(permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
 

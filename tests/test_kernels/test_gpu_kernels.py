@@ -281,3 +281,18 @@ def test_divisors_outside_the_fast_range(backend):
                 "static per-row")
     assert_same_all(_impl("nvfp4_cast", backend)(x.cuda(), torch.tensor(1e30).cuda()), R.nvfp4_cast(x, torch.tensor(1e30)),
                     "nvfp4 huge global")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nvfp4_global_amax_per_expert(backend, dtype):
+    """Stacked expert weights (E, out, in) with one global amax per expert ((E, 1, 1), the cuda backend
+    hands it to Triton) and one per row: fake quant and cast equal the reference (= a call per expert)."""
+    fq = _available_impl("fake_quant", backend)
+    x = gpu_input((64, 96, 1024), dtype, seed=21)
+    x[3] = 0
+    spec = FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,), dynamic=True)
+    per_expert = x.float().abs().amax(dim=(1, 2), keepdim=True) * torch.linspace(0.5, 1.5, 64).reshape(-1, 1, 1)
+    for g in (per_expert, x.float().abs().amax(dim=-1, keepdim=True)):
+        assert_same(fq(x.cuda(), spec, g.cuda()), R.fake_quant(x, spec, g), f"fake {tuple(g.shape)}")
+        assert_same_all(_impl("nvfp4_cast", backend)(x.cuda(), g.cuda()), R.nvfp4_cast(x, g), f"cast {tuple(g.shape)}")

@@ -429,3 +429,16 @@ def test_mx_elements_of_random_bit_patterns(elem):
     x[:4] *= 2.0**-100
     for rd in (Rounding.RCEIL, Rounding.FLOOR):
         assert_same_all(T().mx_cast(x, elem, 32, rd), R.mx_cast(x, elem, 32, rd), f"{elem}-{rd.value}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("static_blocks", [False, True], ids=["dynamic-blocks", "static-blocks"])
+def test_nvfp4_global_amax_per_expert(dtype, static_blocks):
+    """A global amax per expert of an (E, out, in) stack ((E, 1, 1)) and per row ((E, out, 1)): fake quant
+    and cast equal the reference, which equals a call per expert (test_nvfp4_global_per_row.py)."""
+    x = edge_input((3, 5, 300), dtype, seed=16) * torch.tensor([1e-3, 1.0, 1e2]).reshape(3, 1, 1).to(dtype)
+    spec = FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,), dynamic=not static_blocks)
+    for g in (torch.tensor([2e-3, 0.0, 4e2]).reshape(3, 1, 1), x.float().abs().amax(dim=-1, keepdim=True)):
+        blocks = R.block_amax(x, (16,)) * 0.5 if static_blocks else None
+        assert_same(T().fake_quant(x, spec, g, blocks), R.fake_quant(x, spec, g, blocks), f"fake {tuple(g.shape)}")
+        assert_same_all(T().nvfp4_cast(x, g, 16, blocks), R.nvfp4_cast(x, g, 16, blocks), f"cast {tuple(g.shape)}")

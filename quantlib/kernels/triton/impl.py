@@ -14,6 +14,7 @@ from ...formats.blocks import blocked_shape, check_block
 from ...formats.fp8 import fp8_dtype
 from ...formats.int import int_range
 from ...formats.mx import mx_element, mx_limits, spec_element
+from ...formats.nvfp4 import check_global_amax
 from ...formats.spec import FLOAT_FORMATS
 from ..backends import register
 from . import _kernels as K
@@ -82,8 +83,10 @@ def _views(x: torch.Tensor, op: int, out):
     return xin, in_dt, out, out_dt, _dummy(x.device)
 
 
-def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0,
-             eps=0.0) -> None:
+def _block1d(
+    x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, grows=False, s2=None,
+    lo=0.0, hi=0.0, eps=0.0,
+) -> None:
     C = x.shape[-1]
     R = x.numel() // C
     NB = -(-C // B)
@@ -92,7 +95,7 @@ def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=Non
     dev = x.device
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy,
             g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2)
-    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, GROWS=grows, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
 
     def grid(meta):
         return (-(-R // meta["ROWS"]), -(-NB // meta["NBT"]))
@@ -197,6 +200,24 @@ def _nvfp4_static_blocks(x: torch.Tensor, block: int, amax: torch.Tensor | None,
     return block_amax.to(device=x.device, dtype=torch.float32).contiguous()
 
 
+def _nvfp4_global(x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """NVFP4's global amax as contiguous fp32 on ``x``'s device: one value (computed from ``x`` where None),
+    or one per row (a global amax per row, e.g. per expert: broadcast to the rows); and whether per row."""
+    if amax is None:
+        return _global_amax(x), False
+    if amax.numel() == 1:
+        return amax.to(device=x.device, dtype=torch.float32).reshape(1).contiguous(), False
+    check_global_amax(x.shape, amax)
+    return amax.to(device=x.device, dtype=torch.float32).expand(tuple(x.shape[:-1]) + (1,)).reshape(-1).contiguous(), True
+
+
+def _rows_to_global_shape(s2_rows: torch.Tensor, shape: tuple[int, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The per-row ``s2`` written by the cast, back in the global amax's shape (equal along its broadcast dims)."""
+    rows = tuple(shape[:-1]) + (1,)
+    padded = (1,) * (len(rows) - len(global_shape)) + tuple(global_shape)
+    return s2_rows.view(rows)[tuple(slice(0, 1) if g == 1 else slice(None) for g in padded)].reshape(global_shape)
+
+
 @register("fake_quant", "triton")
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     fmt, lo, hi = _format_consts(spec)
@@ -206,9 +227,10 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
         if x.numel() == 0:
             return out
         g, a = None, _nvfp4_static_blocks(x, spec.block[0], amax, block_amax)
+        grows = False
         if spec.kind == Kind.NVFP4:
-            g = _global_amax(x) if amax is None else amax.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
-        _block1d(x, spec.block[0], 1, fmt, out=out, g=g, amax=a, static=a is not None)
+            g, grows = _nvfp4_global(x, amax)
+        _block1d(x, spec.block[0], 1, fmt, out=out, g=g, grows=grows, amax=a, static=a is not None)
         return out
     a = _static_amax(x, spec, amax)
     if spec.kind == Kind.FP8:
@@ -303,9 +325,13 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
 
         return nvfp4_quantize(x, global_amax, block, block_amax)
     a = _nvfp4_static_blocks(x, block, global_amax, block_amax)
-    g = _global_amax(x) if global_amax is None else global_amax.to(device=dev, dtype=torch.float32).reshape(1).contiguous()
+    g, grows = _nvfp4_global(x, global_amax)
+    if grows:
+        s2 = torch.empty(g.numel(), dtype=torch.float32, device=dev)
     fmt, _, _ = _format_consts(FormatSpec(kind=Kind.NVFP4, element=(2, 1), block=(block,)))
-    _block1d(x, block, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, s2=s2.view(1), amax=a, static=a is not None)
+    _block1d(x, block, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, grows=grows, s2=s2.view(-1), amax=a, static=a is not None)
+    if grows:
+        s2 = _rows_to_global_shape(s2, tuple(x.shape), tuple(global_amax.shape))
     return codes, sb8, s2
 
 
