@@ -75,7 +75,6 @@ def test_recipe_no_format_carries(disk, tmp_path):
         model=disk["llama"],
         preset="MXFP6_DEFAULT_CFG",
     )
-    _refused(tmp_path, "awq_lite sets pre_quant_scale", model=disk["llama"], preset="INT4_AWQ_CFG")
     _refused(tmp_path, "unknown export format 'fp3'", model=disk["llama"], export_format="fp3")
 
 
@@ -146,3 +145,20 @@ def test_cli_prints_one_line(disk, tmp_path, capsys):
     assert main(["quantize", "--model", str(tmp_path), "--quiet", "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("quantlib quantize: error: --model")
+
+
+def test_awq_pairs_the_export_cannot_carry(disk, tmp_path):
+    """SmoothQuant / AWQ recipes refused by name, before calibrating, only where the format can neither fold nor carry."""
+    _refused(
+        tmp_path,
+        "NVFP4_AWQ_LITE_CFG: awq_lite gives self_attn.o_proj a pre_quant_scale that ct_nvfp4 can hold only folded into self_attn.v_proj's output rows, whose nvfp4",
+        model=disk["llama"],
+        preset="NVFP4_AWQ_LITE_CFG",
+        export_format="ct_nvfp4",
+    )
+    yaml = pytest.importorskip("yaml")
+    w4a16 = tmp_path / "w4a16_awq.yaml"
+    w4a16.write_text(yaml.safe_dump({**ql.W4A16_NVFP4_CFG, "algorithm": "awq_lite"}, sort_keys=False))
+    _refused(tmp_path, "only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes activations", model=disk["llama"], config=str(w4a16), export_format="modelopt_nvfp4")
+    msg = _refused(tmp_path, "awq_lite gives the fused experts model.layers.0.mlp.experts one pre_quant_scale per expert", model=disk["qwen3_moe"], data=str(disk["text"]), preset="INT4_AWQ_CFG")
+    assert "--exclude '*experts*'" in msg

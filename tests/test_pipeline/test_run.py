@@ -56,6 +56,69 @@ def test_preset_exported_reloaded_and_checked(disk, tmp_path, preset, fmt, famil
     assert "<svg" in (out / "report.html").read_text()
 
 
+# SmoothQuant / AWQ: pre_quant_scale shared among siblings, then folded into the norms and v_proj / up_proj rows
+# (compressed-tensors) or carried (ModelOpt NVFP4_AWQ, W4A16_AWQ); the consumer's weights checked with the scales applied
+@pytest.mark.parametrize(
+    "family, preset, algorithm, fmt",
+    [
+        ("llama", "INT4_AWQ_CFG", None, "ct_int_pack"),
+        ("qwen3", "INT8_SMOOTHQUANT_CFG", None, "ct_int8"),
+        ("qwen3", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "awq_full", "ct_int_pack"),
+        ("llama", "NVFP4_AWQ_LITE_CFG", None, "modelopt_nvfp4"),
+        ("qwen3", "INT4_AWQ_CFG", None, "modelopt_int4_awq"),
+    ],
+)
+def test_awq_and_smoothquant_exported_and_checked(disk, tmp_path, family, preset, algorithm, fmt):
+    kw = dict(algorithm=algorithm) if algorithm else {}
+    report = _run(disk, tmp_path, family, preset=preset, export_format=None if fmt in ("ct_int_pack", "ct_int8", "modelopt_nvfp4") else fmt, **kw)
+    assert report["export"]["format"] == fmt and report["check"]["passed"] is True, report["check"]
+    # 14 linears, 4 norms that took q/k/v's and gate/up's shared scale; rows of v_proj / up_proj, or columns where carried
+    assert report["check"]["summary"].startswith(f"{report['check']['consumer']}: 18 weights")
+    assert "scaled by a pre_quant_scale" in report["check"]["summary"]
+    norm = _tensor(tmp_path / "out", "model.layers.0.input_layernorm.weight")
+    assert not torch.equal(norm, _tensor(disk[family], "model.layers.0.input_layernorm.weight"))  # the fold is in the export
+    carried = [k for k in _keys(tmp_path / "out") if k.endswith("pre_quant_scale")]
+    assert bool(carried) == (fmt == "modelopt_nvfp4")  # NVFP4 rows take no scale: o_proj / down_proj carry theirs; INT4 rows do
+    if preset != "NVFP4_AWQ_LITE_CFG":  # weight-only (or W8A8 whose reload runs without activation quantization)
+        assert report["perplexity"]["reloaded"]["perplexity"] > 1
+
+
+def _keys(d) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+def _tensor(d, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return f.get_tensor(key)
+
+
+def test_check_catches_a_scale_the_export_did_not_fold(disk, tmp_path, monkeypatch):
+    """The check compares the consumer's norms and rows with the scaled ones: an export that drops the fold fails it."""
+    from quantlib.export import fold
+
+    monkeypatch.setattr(fold, "times_rows", lambda get, p: get)  # the export writes norms and rows unscaled
+    with pytest.raises(ql.pipeline.PipelineError, match=r"check: .* differently from the fake-quantized model .*model.layers.0.input_layernorm.weight \(a folded"):
+        _run(disk, tmp_path, preset="INT4_AWQ_CFG")
+    assert not (tmp_path / "out").exists()
+
+
+def test_awq_resumes_with_its_scales_and_layer_by_layer(disk, tmp_path, monkeypatch):
+    """Ctrl-C after layer-by-layer SmoothQuant: --resume restores the pre_quant_scales (the export folds them again)."""
+    real = run_mod.export_checkpoint
+    monkeypatch.setattr(run_mod, "export_checkpoint", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(Interrupted):
+        _run(disk, tmp_path, "qwen3", preset="INT8_SMOOTHQUANT_CFG", sequential="on")
+    monkeypatch.setattr(run_mod, "export_checkpoint", real)
+    report = _run(disk, tmp_path, "qwen3", preset="INT8_SMOOTHQUANT_CFG", sequential="on", resume=True)
+    assert report["sequential"] and "calibrate (restored)" in report["stage_seconds"] and report["check"]["passed"]
+    assert "scaled by a pre_quant_scale" in report["check"]["summary"]
+
+
 def test_awq_recipe_evaluates_without_export(disk, tmp_path):
     report = _run(disk, tmp_path, preset="INT4_AWQ_CFG", export_format="none")
     assert report["check"]["passed"] is None and report["perplexity"].keys() == {"before", "after"}
@@ -164,3 +227,15 @@ def test_embedded_default_runs_offline(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "perplexity reloaded" in printed.out and "calibrate" in printed.err
     assert torch.tensor(report["perplexity"]["before"]["perplexity"]) < 20
+
+
+def test_cli_modelopt_config_file_with_smoothquant(disk, tmp_path):
+    """A ModelOpt-schema YAML recipe whose algorithm is SmoothQuant, from the command line, into compressed-tensors INT8."""
+    yaml = pytest.importorskip("yaml")
+    recipe = tmp_path / "sq.yaml"
+    recipe.write_text(yaml.safe_dump({**ql.INT8_DEFAULT_CFG, "algorithm": {"method": "smoothquant", "alpha": 0.5}}, sort_keys=False))
+    args = ["quantize", "--model", str(disk["llama"]), "--data", str(disk["text"]), "--config", str(recipe), "--export-format", "ct_int8"]
+    args += ["--num-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--out", str(tmp_path / "cli"), "--quiet"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert report["algorithm"] == "smoothquant" and report["check"]["passed"] and "scaled by a pre_quant_scale" in report["check"]["summary"]
