@@ -42,11 +42,16 @@ def test_config_without_weights(tmp_path):
     _refused(tmp_path, "no weights", model=d)
 
 
-def test_megatron_checkpoint_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("marker", ["latest_checkpointed_iteration.txt", "iter_0000100/", "common.pt", "__0_0.distcp"])
+def test_megatron_checkpoint_is_refused_by_name(tmp_path, marker):
+    """A Megatron-Core checkpoint (its tracker file, an iteration folder, or a torch_dist folder) and a config.json
+    beside it: one line naming the directory and what the command reads."""
     d = tmp_path / "mcore"
-    d.mkdir()
-    (d / "latest_checkpointed_iteration.txt").write_text("100")
-    _refused(tmp_path, "Megatron-Core checkpoint", model=d)
+    (d / marker).parent.mkdir(parents=True, exist_ok=True)
+    (d / marker).mkdir() if marker.endswith("/") else (d / marker).write_text("100")
+    (d / "config.json").write_text("{}")
+    msg = _refused(tmp_path, f"^--model {d}: a Megatron-Core checkpoint, which quantlib quantize does not read", model=d)
+    assert "Hugging Face model directories (config.json and *.safetensors)" in msg and "export_megatron_checkpoint" in msg
 
 
 def test_missing_tokenizer(disk, tmp_path):
