@@ -225,14 +225,16 @@ def refuse_pre_quant_scale_pair(recipe: str, cfg: dict, fmt: str) -> None:
             continue  # no scale on the consumer, or a producer that takes it
         if not carries:
             raise PipelineError(
-                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that {fmt} can hold only folded into {producer}'s output rows, "
-                f"whose {made.format_spec().kind.value} weights have no scale per row; pass a format that carries pre_quant_scale "
-                f"(--export-format modelopt_nvfp4 for NVFP4 W4A4, modelopt_int4_awq for INT4 weight-only), --exclude '*{consumer}*', or --algorithm max"
+                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that {fmt} can hold only folded into "
+                f"{producer}'s output rows, whose {made.format_spec().kind.value} weights have no scale per row; pass a format "
+                "that carries pre_quant_scale (--export-format modelopt_nvfp4 for NVFP4 W4A4, modelopt_int4_awq for INT4 "
+                f"weight-only), --exclude '*{consumer}*', or --algorithm max"
             )
         if fmt == "modelopt_nvfp4" and _enabled(qcfg, f"{consumer}.input_quantizer") is None:
             raise PipelineError(
-                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes "
-                "activations (this recipe leaves them unquantized: W4A16_NVFP4 has no pre_quant_scale); enable the input quantizers or use --algorithm max"
+                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that only ModelOpt's NVFP4_AWQ carries, and "
+                "NVFP4_AWQ quantizes activations (this recipe leaves them unquantized: W4A16_NVFP4 has no pre_quant_scale); "
+                "enable the input quantizers or use --algorithm max"
             )
 
 
@@ -249,6 +251,6 @@ def refuse_expert_scales(model: Any, recipe: str, cfg: dict, fmt: str) -> None:
             attrs, enable = qcfg.resolve(f"{name}.down_proj_weight_quantizer", (type(m).__name__,))
             if turns_on(attrs, enable):
                 raise PipelineError(
-                    f"recipe {recipe}: {method} gives the fused experts {name} one pre_quant_scale per expert, which format {fmt} can neither "
-                    "fold nor carry; pass --exclude '*experts*', --algorithm max, or --export-format none"
+                    f"recipe {recipe}: {method} gives the fused experts {name} one pre_quant_scale per expert, which format "
+                    f"{fmt} can neither fold nor carry; pass --exclude '*experts*', --algorithm max, or --export-format none"
                 )

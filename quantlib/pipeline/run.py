@@ -381,7 +381,8 @@ def _report(
     else:
         summary = f"{consumer}: {result.compared} weights {'identical' if result.rule == 'exact' else 'within rule ' + result.rule} (max {result.max_ulp} ulp)"
         if result.scaled:
-            summary += f"; {result.scaled} scaled by a pre_quant_scale ({'identical' if result.rule == 'exact' else 'rule ' + check_mod.SCALED_RULES[result.rule]})"
+            scaled_rule = "identical" if result.rule == "exact" else "rule " + check_mod.SCALED_RULES[result.rule]
+            summary += f"; {result.scaled} scaled by a pre_quant_scale ({scaled_rule})"
     return {
         "model": "embedded (quantlib/embedded)" if model_dir == EMBEDDED_DIR else model_dir,
         "recipe": recipe,

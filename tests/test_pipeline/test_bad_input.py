@@ -164,6 +164,18 @@ def test_awq_pairs_the_export_cannot_carry(disk, tmp_path):
     yaml = pytest.importorskip("yaml")
     w4a16 = tmp_path / "w4a16_awq.yaml"
     w4a16.write_text(yaml.safe_dump({**ql.W4A16_NVFP4_CFG, "algorithm": "awq_lite"}, sort_keys=False))
-    _refused(tmp_path, "only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes activations", model=disk["llama"], config=str(w4a16), export_format="modelopt_nvfp4")
-    msg = _refused(tmp_path, "awq_lite gives the fused experts model.layers.0.mlp.experts one pre_quant_scale per expert", model=disk["qwen3_moe"], data=str(disk["text"]), preset="INT4_AWQ_CFG")
+    _refused(
+        tmp_path,
+        "only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes activations",
+        model=disk["llama"],
+        config=str(w4a16),
+        export_format="modelopt_nvfp4",
+    )
+    msg = _refused(
+        tmp_path,
+        "awq_lite gives the fused experts model.layers.0.mlp.experts one pre_quant_scale per expert",
+        model=disk["qwen3_moe"],
+        data=str(disk["text"]),
+        preset="INT4_AWQ_CFG",
+    )
     assert "--exclude '*experts*'" in msg

@@ -106,7 +106,9 @@ def test_dataset_name_not_cached_fails_in_seconds_offline():
     signal.alarm(60)
     start = time.monotonic()
     try:
-        with pytest.raises(PipelineError, match="no-such-org/no-such-corpus: not a file, and not a Hugging Face dataset in the local cache"):
+        with pytest.raises(
+            PipelineError, match="no-such-org/no-such-corpus: not a file, and not a Hugging Face dataset in the local cache"
+        ):
             list(iter_texts("no-such-org/no-such-corpus"))
     finally:
         signal.alarm(0)
@@ -127,12 +129,16 @@ def test_cached_dataset_without_the_text_field_or_enough_tokens(monkeypatch, tok
     seen = {}
 
     def load_dataset(name, config, split, download_mode):
-        seen.update(name=name, config=config, split=split, offline=(fake.config.HF_HUB_OFFLINE, fake.config.HF_DATASETS_OFFLINE), mode=download_mode)
+        seen.update(
+            name=name, config=config, split=split, offline=(fake.config.HF_HUB_OFFLINE, fake.config.HF_DATASETS_OFFLINE), mode=download_mode
+        )
         return _Rows([{"content": "abc", "id": 0}, {"content": "def", "id": 1}])
 
     fake = types.SimpleNamespace(config=types.SimpleNamespace(HF_HUB_OFFLINE=False, HF_DATASETS_OFFLINE=False), load_dataset=load_dataset)
     monkeypatch.setitem(sys.modules, "datasets", fake)
-    with pytest.raises(PipelineError, match=r"org/corpus:sub:validation: no text field 'text' \(columns: \['content', 'id'\]\); pass --text-field"):
+    with pytest.raises(
+        PipelineError, match=r"org/corpus:sub:validation: no text field 'text' \(columns: \['content', 'id'\]\); pass --text-field"
+    ):
         list(iter_texts("org/corpus:sub:validation"))
     assert seen == dict(name="org/corpus", config="sub", split="validation", offline=(True, True), mode="reuse_cache_if_exists")
     assert (fake.config.HF_HUB_OFFLINE, fake.config.HF_DATASETS_OFFLINE) == (False, False)

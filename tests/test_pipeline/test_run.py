@@ -56,21 +56,28 @@ def test_preset_exported_reloaded_and_checked(disk, tmp_path, preset, fmt, famil
     assert "<svg" in (out / "report.html").read_text()
 
 
+#: awq_lite searching 3 alphas instead of the presets' 11 (the tests check the export of the scales, not the search)
+FAST_AWQ = '{"method": "awq_lite", "alpha_step": 0.5}'
+
+
 # SmoothQuant / AWQ: pre_quant_scale shared among siblings, then folded into the norms and v_proj / up_proj rows
 # (compressed-tensors) or carried (ModelOpt NVFP4_AWQ, W4A16_AWQ); the consumer's weights checked with the scales applied
 @pytest.mark.parametrize(
     "family, preset, algorithm, fmt",
     [
-        ("llama", "INT4_AWQ_CFG", None, "ct_int_pack"),
+        ("llama", "INT4_AWQ_CFG", FAST_AWQ, "ct_int_pack"),
         ("qwen3", "INT8_SMOOTHQUANT_CFG", None, "ct_int8"),
-        ("qwen3", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "awq_full", "ct_int_pack"),
-        ("llama", "NVFP4_AWQ_LITE_CFG", None, "modelopt_nvfp4"),
-        ("qwen3", "INT4_AWQ_CFG", None, "modelopt_int4_awq"),
+        ("qwen3", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", '{"method": "awq_full", "alpha_step": 0.5}', "ct_int_pack"),
+        ("llama", "NVFP4_AWQ_LITE_CFG", FAST_AWQ, "modelopt_nvfp4"),
+        ("qwen3", "INT4_AWQ_CFG", FAST_AWQ, "modelopt_int4_awq"),
     ],
+    ids=["int4-awq-lite-llama", "int8-smoothquant-qwen3", "int4-awq-full-qwen3", "nvfp4-awq-lite-llama", "w4a16-awq-qwen3"],
 )
 def test_awq_and_smoothquant_exported_and_checked(disk, tmp_path, family, preset, algorithm, fmt):
     kw = dict(algorithm=algorithm) if algorithm else {}
-    report = _run(disk, tmp_path, family, preset=preset, export_format=None if fmt in ("ct_int_pack", "ct_int8", "modelopt_nvfp4") else fmt, **kw)
+    report = _run(
+        disk, tmp_path, family, preset=preset, export_format=None if fmt in ("ct_int_pack", "ct_int8", "modelopt_nvfp4") else fmt, **kw
+    )
     assert report["export"]["format"] == fmt and report["check"]["passed"] is True, report["check"]
     # 14 linears, 4 norms that took q/k/v's and gate/up's shared scale; rows of v_proj / up_proj, or columns where carried
     assert report["check"]["summary"].startswith(f"{report['check']['consumer']}: 18 weights")
@@ -102,8 +109,11 @@ def test_check_catches_a_scale_the_export_did_not_fold(disk, tmp_path, monkeypat
     from quantlib.export import fold
 
     monkeypatch.setattr(fold, "times_rows", lambda get, p: get)  # the export writes norms and rows unscaled
-    with pytest.raises(ql.pipeline.PipelineError, match=r"check: .* differently from the fake-quantized model .*model.layers.0.input_layernorm.weight \(a folded"):
-        _run(disk, tmp_path, preset="INT4_AWQ_CFG")
+    with pytest.raises(
+        ql.pipeline.PipelineError,
+        match=r"check: .* differently from the fake-quantized model .*model.layers.0.input_layernorm.weight \(a folded",
+    ):
+        _run(disk, tmp_path, "qwen3", preset="INT8_SMOOTHQUANT_CFG")
     assert not (tmp_path / "out").exists()
 
 
@@ -119,8 +129,8 @@ def test_awq_resumes_with_its_scales_and_layer_by_layer(disk, tmp_path, monkeypa
     assert "scaled by a pre_quant_scale" in report["check"]["summary"]
 
 
-def test_awq_recipe_evaluates_without_export(disk, tmp_path):
-    report = _run(disk, tmp_path, preset="INT4_AWQ_CFG", export_format="none")
+def test_evaluates_without_export(disk, tmp_path):
+    report = _run(disk, tmp_path, preset="INT4_BLOCKWISE_WEIGHT_ONLY_CFG", export_format="none")
     assert report["check"]["passed"] is None and report["perplexity"].keys() == {"before", "after"}
     assert sorted(os.listdir(tmp_path / "out")) == ["report.html", "report.json"]
 
@@ -238,4 +248,6 @@ def test_cli_modelopt_config_file_with_smoothquant(disk, tmp_path):
     args += ["--num-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--out", str(tmp_path / "cli"), "--quiet"]
     assert main(args) == 0
     report = json.loads((tmp_path / "cli" / "report.json").read_text())
-    assert report["algorithm"] == "smoothquant" and report["check"]["passed"] and "scaled by a pre_quant_scale" in report["check"]["summary"]
+    assert (
+        report["algorithm"] == "smoothquant" and report["check"]["passed"] and "scaled by a pre_quant_scale" in report["check"]["summary"]
+    )
