@@ -172,7 +172,7 @@ def _calibrate(
         # input amax are recalibrated on the whole model, on the CPU after layer-by-layer calibration (it may not fit the device)
         where = torch.device("cpu") if sequential else device
         model.to(where)
-        stage = stages.begin("share pre_quant_scale", total=len(batches))
+        stage = stages.begin("share pre_quant_scale", total=None)  # a pass over the data only where static input amax need it
         share_pre_quant_scale(model, _forward_loop(batches, where, lambda i: None, stage.advance))
     share_sibling_amax(model)  # q/k/v and gate/up: one per-tensor / global amax, as the formats' consumers fuse them
     save(model, state_file)

@@ -251,3 +251,34 @@ def test_cli_modelopt_config_file_with_smoothquant(disk, tmp_path):
     assert (
         report["algorithm"] == "smoothquant" and report["check"]["passed"] and "scaled by a pre_quant_scale" in report["check"]["summary"]
     )
+
+
+def test_cli_algorithm_awq_clip(disk, tmp_path):
+    """--algorithm awq_clip searches clip ratios only: no pre_quant_scale, the plain INT4 export and check."""
+    args = ["quantize", "--model", str(disk["qwen3"]), "--data", str(disk["jsonl"]), "--preset", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
+    args += [
+        "--algorithm",
+        "awq_clip",
+        "--num-samples",
+        "2",
+        "--eval-samples",
+        "2",
+        "--seq-len",
+        "32",
+        "--out",
+        str(tmp_path / "o"),
+        "--quiet",
+    ]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["algorithm"] == "awq_clip" and report["check"]["passed"] and "pre_quant_scale" not in report["check"]["summary"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sequential", ["off", "on"])
+def test_on_cuda_equals_the_check(disk, tmp_path, sequential):
+    """--device cuda: calibration, the pre_quant_scale share (its static input amax pass) and evaluation on the GPU,
+    in one piece or layer by layer; the export reloaded on the CPU and checked against the GPU's fake-quantized weights."""
+    for preset, kw in (("INT8_SMOOTHQUANT_CFG", {}), ("NVFP4_DEFAULT_CFG", {}), ("INT4_AWQ_CFG", {"algorithm": FAST_AWQ})):
+        report = _run(disk, tmp_path / preset, "qwen3", preset=preset, device="cuda", sequential=sequential, **kw)
+        assert report["check"]["passed"] is True and report["sequential"] == (sequential == "on"), report["check"]
