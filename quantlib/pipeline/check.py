@@ -246,11 +246,14 @@ def export_folds(model: nn.Module, fmt: str) -> Folds:
 def expected_weight(name: str, w: torch.Tensor, folds: Folds) -> tuple[torch.Tensor, bool]:
     """(the weight the consumer's model holds for checkpoint module ``name``, whether a scale changed it): a folded
     scale multiplies the rows (output channels), a carried one the columns (the consumer's ``x * p @ W^T``)."""
+    if name not in folds.out and name not in folds.carried:
+        return w, False
+    w = w.float()
     if name in folds.out:
-        return w.float() * folds.out[name].float().to(w.device)[:, None], True
+        w = w * folds.out[name].float().to(w.device)[:, None]
     if name in folds.carried:
-        return w.float() * folds.carried[name].float().to(w.device)[None, :], True
-    return w, False
+        w = w * folds.carried[name].float().to(w.device)[None, :]
+    return w, True
 
 
 @torch.no_grad()
