@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from ..config import ConfigError, QuantizeConfig, turns_on
 from ..formats import Kind
-from ..kv_cache import KV_PRESETS, merge_kv_config
+from ..kv_cache import ATTENTION_QUANTIZER_NAMES, KV_PRESETS, merge_kv_config
 from ..presets import PRESETS
 
 
@@ -218,9 +218,16 @@ def refuse_pre_quant_scale_pair(recipe: str, cfg: dict, fmt: str) -> None:
     if method not in PRE_QUANT_SCALE_ALGORITHMS:
         return
     carries = packer(fmt).carries_pre_quant_scale
+    kv = [n for n in ATTENTION_QUANTIZER_NAMES if _enabled(qcfg, f"self_attn.{n}") is not None]
     for producer, consumer in ROW_FOLDS:
         weights = _enabled(qcfg, f"{consumer}.weight_quantizer")
         made = _enabled(qcfg, f"{producer}.weight_quantizer")
+        if kv and producer == "self_attn.v_proj" and weights is not None and not carries:
+            raise PipelineError(
+                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that {fmt} can hold only folded into "
+                f"{producer}'s output rows, and the KV cache is quantized ({', '.join(kv)}: a per-channel scale on v would "
+                "not match its amax); drop --kv-cache, pass --exclude '*o_proj*', or use --algorithm max"
+            )
         if weights is None or made is None or _per_row_int(made):
             continue  # no scale on the consumer, or a producer that takes it
         if not carries:

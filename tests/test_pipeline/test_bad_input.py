@@ -161,6 +161,13 @@ def test_awq_pairs_the_export_cannot_carry(disk, tmp_path):
         preset="NVFP4_AWQ_LITE_CFG",
         export_format="ct_nvfp4",
     )
+    _refused(
+        tmp_path,
+        "INT4_AWQ_CFG: awq_lite gives self_attn.o_proj .*the KV cache is quantized",
+        model=disk["llama"],
+        preset="INT4_AWQ_CFG",
+        kv_cache="fp8",
+    )
     yaml = pytest.importorskip("yaml")
     w4a16 = tmp_path / "w4a16_awq.yaml"
     w4a16.write_text(yaml.safe_dump({**ql.W4A16_NVFP4_CFG, "algorithm": "awq_lite"}, sort_keys=False))
