@@ -154,35 +154,16 @@ def test_cli_prints_one_line(disk, tmp_path, capsys):
 
 def test_awq_pairs_the_export_cannot_carry(disk, tmp_path):
     """SmoothQuant / AWQ recipes refused by name, before calibrating, only where the format can neither fold nor carry."""
-    _refused(
-        tmp_path,
-        "NVFP4_AWQ_LITE_CFG: awq_lite gives self_attn.o_proj a pre_quant_scale that ct_nvfp4 can hold only folded into self_attn.v_proj's output rows, whose nvfp4",
-        model=disk["llama"],
-        preset="NVFP4_AWQ_LITE_CFG",
-        export_format="ct_nvfp4",
-    )
-    _refused(
-        tmp_path,
-        "INT4_AWQ_CFG: awq_lite gives self_attn.o_proj .*the KV cache is quantized",
-        model=disk["llama"],
-        preset="INT4_AWQ_CFG",
-        kv_cache="fp8",
-    )
     yaml = pytest.importorskip("yaml")
     w4a16 = tmp_path / "w4a16_awq.yaml"
     w4a16.write_text(yaml.safe_dump({**ql.W4A16_NVFP4_CFG, "algorithm": "awq_lite"}, sort_keys=False))
-    _refused(
-        tmp_path,
-        "only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes activations",
-        model=disk["llama"],
-        config=str(w4a16),
-        export_format="modelopt_nvfp4",
-    )
-    msg = _refused(
-        tmp_path,
-        "awq_lite gives the fused experts model.layers.0.mlp.experts one pre_quant_scale per expert",
-        model=disk["qwen3_moe"],
-        data=str(disk["text"]),
-        preset="INT4_AWQ_CFG",
-    )
+    no_rows = "awq_lite gives self_attn.o_proj a pre_quant_scale that ct_nvfp4 can hold only folded into self_attn.v_proj's output rows, whose nvfp4"
+    for match, kw in (
+        (no_rows, dict(preset="NVFP4_AWQ_LITE_CFG", export_format="ct_nvfp4")),
+        ("INT4_AWQ_CFG: awq_lite gives self_attn.o_proj .*the KV cache is quantized", dict(preset="INT4_AWQ_CFG", kv_cache="fp8")),
+        ("only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes activations", dict(config=str(w4a16), export_format="modelopt_nvfp4")),
+    ):
+        _refused(tmp_path, match, model=disk["llama"], **kw)
+    experts = "awq_lite gives the fused experts model.layers.0.mlp.experts one pre_quant_scale per expert"
+    msg = _refused(tmp_path, experts, model=disk["qwen3_moe"], data=str(disk["text"]), preset="INT4_AWQ_CFG")
     assert "--exclude '*experts*'" in msg

@@ -185,33 +185,16 @@ def test_ctrl_c_leaves_nothing_at_out_and_resume_finishes(disk, tmp_path, monkey
     assert not (tmp_path / "out.partial").exists()
 
 
+def _cli(model, data, out, *flags: str) -> dict:
+    """``quantlib quantize`` with the small run's sizes and ``flags``; its report.json."""
+    sizes = ["--num-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--batch-size", "2"]
+    assert main(["quantize", "--model", str(model), "--data", str(data), *flags, *sizes, "--out", str(out), "--quiet"]) == 0
+    return json.loads((out / "report.json").read_text())
+
+
 def test_cli_equals_function(disk, tmp_path, capsys):
-    args = [
-        "quantize",
-        "--model",
-        str(disk["llama"]),
-        "--data",
-        str(disk["text"]),
-        "--preset",
-        "MXFP8_DEFAULT_CFG",
-        "--export-format",
-        "ct_mxfp8",
-        "--exclude",
-        "*layers.1.mlp*",
-        "--num-samples",
-        "2",
-        "--eval-samples",
-        "2",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "2",
-        "--out",
-        str(tmp_path / "cli"),
-        "--quiet",
-    ]
-    assert main(args) == 0
-    by_cli = json.loads((tmp_path / "cli" / "report.json").read_text())
+    flags = ["--preset", "MXFP8_DEFAULT_CFG", "--export-format", "ct_mxfp8", "--exclude", "*layers.1.mlp*"]
+    by_cli = _cli(disk["llama"], disk["text"], tmp_path / "cli", *flags)
     by_fn = ql.oneshot(
         str(disk["llama"]),
         **dict(
@@ -244,10 +227,7 @@ def test_cli_modelopt_config_file_with_smoothquant(disk, tmp_path):
     yaml = pytest.importorskip("yaml")
     recipe = tmp_path / "sq.yaml"
     recipe.write_text(yaml.safe_dump({**ql.INT8_DEFAULT_CFG, "algorithm": {"method": "smoothquant", "alpha": 0.5}}, sort_keys=False))
-    args = ["quantize", "--model", str(disk["llama"]), "--data", str(disk["text"]), "--config", str(recipe), "--export-format", "ct_int8"]
-    args += ["--num-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--out", str(tmp_path / "cli"), "--quiet"]
-    assert main(args) == 0
-    report = json.loads((tmp_path / "cli" / "report.json").read_text())
+    report = _cli(disk["llama"], disk["text"], tmp_path / "cli", "--config", str(recipe), "--export-format", "ct_int8")
     assert (
         report["algorithm"] == "smoothquant" and report["check"]["passed"] and "scaled by a pre_quant_scale" in report["check"]["summary"]
     )
@@ -255,22 +235,7 @@ def test_cli_modelopt_config_file_with_smoothquant(disk, tmp_path):
 
 def test_cli_algorithm_awq_clip(disk, tmp_path):
     """--algorithm awq_clip searches clip ratios only: no pre_quant_scale, the plain INT4 export and check."""
-    args = ["quantize", "--model", str(disk["qwen3"]), "--data", str(disk["jsonl"]), "--preset", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]
-    args += [
-        "--algorithm",
-        "awq_clip",
-        "--num-samples",
-        "2",
-        "--eval-samples",
-        "2",
-        "--seq-len",
-        "32",
-        "--out",
-        str(tmp_path / "o"),
-        "--quiet",
-    ]
-    assert main(args) == 0
-    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    report = _cli(disk["qwen3"], disk["jsonl"], tmp_path / "o", "--preset", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "--algorithm", "awq_clip")
     assert report["algorithm"] == "awq_clip" and report["check"]["passed"] and "pre_quant_scale" not in report["check"]["summary"]
 
 
