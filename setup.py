@@ -48,7 +48,9 @@ ext_modules, cmdclass = extensions()
 # 3.9.0's interpreter refuses our kernels' masks ("mask has unsupported dtype", 2026-12-03)
 # ruff: pinned, as a newer release adds findings of its own (tests/test_lint.py runs it on the tree)
 TEST = ["pytest", "pytest-xdist", "hypothesis", "triton>=3.6.0,<3.9; platform_system == 'Linux' and platform_machine == 'x86_64'",
-        "ruff==0.17.6"]
+        "ruff==0.17.6",
+        # the calibration-data readers of quantlib quantize: Parquet files and cached Hugging Face datasets
+        "pyarrow", "datasets"]
 # psutil: Megatron-Core 0.16.1's dist checkpointing needs it but does not declare it (it hangs without)
 MEGATRON = ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.16.1; python_version >= '3.12'", "psutil"]
 TRANSFORMERS = ["transformers>=5.14"]

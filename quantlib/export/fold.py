@@ -110,13 +110,13 @@ class Folds:
                     it.post = lambda q, p=p: scale_rows(q, p)
                 for k in ("weight", "bias"):
                     if k in it.extras:
-                        it.extras[k] = _times(it.extras[k], p)
+                        it.extras[k] = times_rows(it.extras[k], p)
             if name in self.carried:
                 p = self.carried[name]
                 it.extras["pre_quant_scale"] = lambda p=p: p.detach()
 
 
-def _times(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:
+def times_rows(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:
     """``get()`` times ``p`` along its first dim (output channels), in fp32."""
 
     def scaled() -> torch.Tensor:
