@@ -40,6 +40,7 @@ from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_conf
 from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
 from .pipeline import oneshot
+from . import plugins  # noqa: F401  (last: fills the module registry's finder hook, see quantlib.plugins)
 
 __version__ = "0.1.0"
 

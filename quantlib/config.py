@@ -11,7 +11,7 @@ import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
-from .calib.registry import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
+from .calib_config import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
 from .formats.fp6 import FP6_FORMATS
 from .formats.spec import MIN_EPS
@@ -356,7 +356,7 @@ class QuantizeConfig:
 
     @property
     def algorithm_config(self) -> Optional[AlgorithmConfig]:
-        """The typed algorithm (see ``quantlib.calib.registry``), None for no calibration."""
+        """The typed algorithm (see ``quantlib.calib_config``), None for no calibration."""
         return self._algorithm
 
     @classmethod

@@ -44,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..calib_config import AwqLiteConfig
 from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .collectives import StatSync, stat_sync, targets_digest
-from .registry import AwqLiteConfig, CalibContext, register_runner
+from .registry import CalibContext, register_runner
 from .shards import groups_span_shards, search_amax
 from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, handle_unreached, input_statistics, linear_bias, progress, reached_calls, served_linears, store_result
 

@@ -36,11 +36,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..calib_config import GptqConfig
 from ..formats import Kind
 from ..kernels import ops
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .collectives import stat_sync, targets_digest
-from .registry import CalibContext, GptqConfig, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import InputRecorder, progress, served_linears
 
 _log = logging.getLogger("quantlib")

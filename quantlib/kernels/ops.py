@@ -6,7 +6,6 @@ resolves its backend (see :mod:`quantlib.kernels.backends`) and calls that backe
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -15,7 +14,7 @@ from ..formats import FormatSpec, Kind, Rounding, blocked_shape
 from ..formats.blocks import from_blocks, to_blocks
 from ..formats.fp8 import fp8_dtype
 from ..formats.reference import check_block_amax
-from .backends import implementation, resolve, triton_available
+from .backends import implementation, resolve
 
 # --------------------------------------------------------------------------- spec <-> op arguments
 
@@ -110,24 +109,10 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     return mag <= bound
 
 
-#: the fused straight-through backward kernel on CUDA is opt-in (QUANTLIB_FUSED_STE=1): its GPU tests
-#: pass (H200, 2026-12-04: the whole GPU suite, 423 tests), but the one timing since (bench_te, FP8
-#: GroupedLinear forward + backward: 5.00 ms with it, 4.90 ms without) shows no gain to make it the default
-FUSED_STE = os.environ.get("QUANTLIB_FUSED_STE", "0") == "1"
-
-
 def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
-    """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`: one fused Triton pass on a
-    CUDA tensor with ``QUANTLIB_FUSED_STE=1`` (:func:`quantlib.kernels.triton.ste.ste_grad`), the torch
-    expression otherwise (and where the backward itself is recorded, ``create_graph=True``: the kernel
-    has no derivative; and under torch.func transforms, whose wrapped tensors it cannot read). Same bits."""
-    if FUSED_STE and x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and not _functorch_active() and triton_available():
-        from .triton.ste import ste_grad as fused
-
-        out = fused(grad, x, spec, amax)
-        if out is not None:
-            return out
-    return torch.where(ste_mask(x, spec, amax), grad, 0.0)  # one pass; no mask copy in grad's dtype
+    """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`, in one pass (no mask copy in
+    grad's dtype); differentiable, so a recorded backward (``create_graph=True``) has its derivative."""
+    return torch.where(ste_mask(x, spec, amax), grad, 0.0)
 
 
 def _setup_context(ctx, inputs, output):

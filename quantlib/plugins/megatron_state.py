@@ -85,7 +85,7 @@ def quantizer_extra_state(module: QuantModule) -> dict:
                 raise CheckpointError(f"{name}: NVFP4 static block amax at tensor parallel {tp_size}: a dist checkpoint keeps it only without tensor parallelism")
             shape = None
             if amax is not None:
-                dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, amax.dim(), axis, extent, tp_size, name)
                 shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
             leaf_state["amax_shape"] = shape
             pqs = leaf_state.pop("_pre_quant_scale")
@@ -174,7 +174,7 @@ def apply_quantizer_extra_state(module: QuantModule, state: Any) -> None:
         for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(qstate)):
             shape = leaf_state.get("amax_shape")
             if shape is not None:
-                local = _local_shape(tuple(shape), tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
+                local = _local_shape(tuple(shape), tp_shard_dim(leaf.spec, leaf.axis, len(shape), axis, extent, tp_size, name), tp_size, name)
                 if tensors:
                     weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
                     expected = tuple(leaf.amax_shape(tuple(weight.shape)))

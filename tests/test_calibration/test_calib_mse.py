@@ -13,7 +13,7 @@ import quantlib as ql
 from quantlib import formats
 from quantlib.formats.blocks import to_blocks
 from quantlib.calib.mse import multipliers, search_amax
-from quantlib.calib.registry import MseConfig
+from quantlib.calib_config import MseConfig
 from quantlib.config import QuantizerAttributeConfig
 
 FORMATS = {
