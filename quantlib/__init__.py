@@ -36,6 +36,7 @@ from .presets import (
     W4A8_NVFP4_FP8_CFG,
 )
 from .distributed import AmaxSyncError, ParallelState, sync_amax
+from .kernels import KernelPreference
 from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
 from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
 from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
@@ -83,6 +84,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "GroupedQuantizer",
+    "KernelPreference",
     "QuantModule",
     "ParallelState",
     "QuantModuleRegistry",

@@ -92,7 +92,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 #: docs/design.md §1, lowest first: a module may import its own layer and the layers before it. The most
 #: specific prefix decides (``quantlib`` itself, the facade that imports everything, is the top).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("formats", ("quantlib.formats", "quantlib._atomic_io")),
+    ("formats", ("quantlib.formats", "quantlib.errors", "quantlib._atomic_io")),
     ("kernels", ("quantlib.kernels",)),
     ("config", ("quantlib.config", "quantlib.calib_config", "quantlib.presets", "quantlib.parallel_state")),
     ("nn", ("quantlib.nn", "quantlib.traversal")),
@@ -188,8 +188,9 @@ def _hf_round_trip(tmp: Path) -> None:
     from quantlib.export import export_checkpoint, share_sibling_amax
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1, max_position_embeddings=16, experts_implementation="eager")  # fmt: skip
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                         max_position_embeddings=16, experts_implementation="eager")  # fmt: skip
     model = Qwen3MoeForCausalLM(cfg).eval()
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
     ql.quantize(model, ql.FP8_DEFAULT_CFG, lambda m: m(ids))
@@ -209,7 +210,8 @@ def _megatron_round_trip(rank: int, world: int, tmp: str) -> list[tuple[str, str
     shims.set_layout(1, 1)
     model = shims.build_gpt(1, 1, 0, gated_linear_unit=True)
     with trace_imports() as edges:
-        ql.quantize(model, ql.INT8_WEIGHT_ONLY_CFG, shims.forward_loop(shims.token_batches(1, 1)), parallel_state=ql.ParallelState.from_megatron())
+        loop = shims.forward_loop(shims.token_batches(1, 1))
+        ql.quantize(model, ql.INT8_WEIGHT_ONLY_CFG, loop, parallel_state=ql.ParallelState.from_megatron())
         export_megatron_checkpoint(model, f"{tmp}/megatron", "ct_int8")
         model.sharded_state_dict()
         ql.quantizer_state(model)

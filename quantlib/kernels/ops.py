@@ -14,7 +14,7 @@ from ..formats import FormatSpec, Kind, Rounding, blocked_shape
 from ..formats.blocks import from_blocks, to_blocks
 from ..formats.fp8 import fp8_dtype
 from ..formats.reference import check_block_amax
-from .backends import implementation, resolve
+from .backends import Backend, check_backend, select
 
 # --------------------------------------------------------------------------- spec <-> op arguments
 
@@ -72,7 +72,7 @@ def _fake_quant(
     clip_grad: bool,
 ) -> torch.Tensor:
     spec = spec_from_args(kind, num_bits, element, unsigned, narrow_range, block, dynamic, eps, pow2, rounding)
-    return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax, block_amax)
+    return select("fake_quant", backend, x.device)(x, spec, amax, block_amax)
 
 
 @_fake_quant.register_fake
@@ -187,7 +187,7 @@ def eager_call(x: torch.Tensor) -> bool:
 
 
 def fake_quant(
-    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
+    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: Backend = "auto", block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
 ) -> torch.Tensor:
     """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator,
     whose gradient is zeroed where ``|x| > amax`` (static amax) if ``clip_grad``, and passes everywhere
@@ -196,8 +196,8 @@ def fake_quant(
     torch.compile traces the custom op, whose fake kernel keeps the graph whole."""
     check_block_amax(spec, block_amax)
     if torch.compiler.is_compiling():
-        return _fake_quant(x, amax, block_amax, *spec_args(spec), backend, clip_grad)
-    fn = implementation("fake_quant", resolve(backend, x.device))
+        return _fake_quant(x, amax, block_amax, *spec_args(spec), check_backend(backend), clip_grad)
+    fn = select("fake_quant", backend, x.device)
     if torch.is_grad_enabled() and x.requires_grad:
         return (_FakeQuantSTEFunc if _functorch_active() else _FakeQuantSTE).apply(x, amax, block_amax, spec, fn, clip_grad)
     return fn(x, spec, amax, block_amax)
@@ -213,7 +213,7 @@ def _check_float_input(x: torch.Tensor, op: str) -> None:
 
 @torch.library.custom_op("quantlib::block_amax", mutates_args=())
 def _block_amax(x: torch.Tensor, block: list[int], backend: str) -> torch.Tensor:
-    return implementation("block_amax", resolve(backend, x.device))(x, tuple(block))
+    return select("block_amax", backend, x.device)(x, tuple(block))
 
 
 @_block_amax.register_fake
@@ -223,7 +223,7 @@ def _(x, block, backend):
 
 @torch.library.custom_op("quantlib::fp8_blockwise_cast", mutates_args=())
 def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, tuple(block), eps, pow2, amax)
+    return select("fp8_blockwise_cast", backend, x.device)(x, tuple(block), eps, pow2, amax)
 
 
 @_fp8_blockwise_cast.register_fake
@@ -233,7 +233,7 @@ def _(x, block, eps, pow2, amax, backend):
 
 @torch.library.custom_op("quantlib::fp8_cast", mutates_args=())
 def _fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: list[int], backend: str) -> torch.Tensor:
-    return implementation("fp8_cast", resolve(backend, x.device))(x, scale, tuple(element))
+    return select("fp8_cast", backend, x.device)(x, scale, tuple(element))
 
 
 @_fp8_cast.register_fake
@@ -243,7 +243,7 @@ def _(x, scale, element, backend):
 
 @torch.library.custom_op("quantlib::mx_cast", mutates_args=())
 def _mx_cast(x: torch.Tensor, elem: str, block: int, rounding: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return implementation("mx_cast", resolve(backend, x.device))(x, elem, block, Rounding(rounding))
+    return select("mx_cast", backend, x.device)(x, elem, block, Rounding(rounding))
 
 
 @_mx_cast.register_fake
@@ -257,7 +257,7 @@ def _(x, elem, block, rounding, backend):
 
 @torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())
 def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], block: int, block_amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax, block, block_amax)
+    return select("nvfp4_cast", backend, x.device)(x, global_amax, block, block_amax)
 
 
 @_nvfp4_cast.register_fake

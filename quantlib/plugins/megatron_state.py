@@ -174,7 +174,8 @@ def apply_quantizer_extra_state(module: QuantModule, state: Any) -> None:
         for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(qstate)):
             shape = leaf_state.get("amax_shape")
             if shape is not None:
-                local = _local_shape(tuple(shape), tp_shard_dim(leaf.spec, leaf.axis, len(shape), axis, extent, tp_size, name), tp_size, name)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, len(shape), axis, extent, tp_size, name)
+                local = _local_shape(tuple(shape), dim, tp_size, name)
                 if tensors:
                     weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
                     expected = tuple(leaf.amax_shape(tuple(weight.shape)))

@@ -74,7 +74,8 @@ def test_distributed_sync_false_is_accepted():
     assert _cfg({"method": "max", "distributed_sync": False}).algorithm_config.distributed_sync is False
 
 
-@pytest.mark.parametrize("built", [calib_config.AwqLiteConfig(alpha_step=5.0), calib_config.MseConfig(start_multiplier=2.0, stop_multiplier=1.0)])
+@pytest.mark.parametrize("built", [calib_config.AwqLiteConfig(alpha_step=5.0),
+                                   calib_config.MseConfig(start_multiplier=2.0, stop_multiplier=1.0)])  # fmt: skip
 def test_a_directly_built_config_is_range_checked_too(built):
     with pytest.raises(ConfigError, match=built.method):
         QuantizeConfig([], built)
