@@ -38,8 +38,8 @@ class LayoutError(ValueError):
 
 
 def tp_shard_dim(
-    spec: FormatSpec, axis: Optional[tuple[int, ...]], ndim: int, split_axis: Optional[int], extent: int, tp_size: int, where: str
-) -> Optional[int]:
+    spec: FormatSpec, axis: tuple[int, ...] | None, ndim: int, split_axis: int | None, extent: int, tp_size: int, where: str
+) -> int | None:
     """The dim of the ``ndim``-D amax of a quantizer of format ``spec`` keeping ``axis`` (its config's axis)
     that is sharded over TP, or None where the amax is the same on every TP rank (per tensor, or grouped
     over the whole split axis): the one rule of both the amax sync (which MAX-reduces over TP exactly the

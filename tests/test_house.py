@@ -8,10 +8,11 @@ import ast
 import builtins
 import contextlib
 import importlib
+import importlib.util
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_trace_sees_an_import_by_name() -> None:
     of a low layer, is reported (``exec`` with that module's globals stands in for its code)."""
     code = compile("importlib.import_module('quantlib.plugins')", "<nn code>", "exec")
     with trace_imports() as edges:
-        exec(code, {"__name__": "quantlib.nn.quant_module", "__package__": "quantlib.nn", "importlib": importlib})
+        exec(code, {"__name__": "quantlib.nn.quant_module", "__package__": "quantlib.nn", "importlib": importlib})  # noqa: S102  (fixed code)
     assert uphill(edges) == ["quantlib.nn.quant_module (nn) imports quantlib.plugins (plugins)"]
 
 
@@ -202,10 +203,9 @@ def _hf_round_trip(tmp: Path) -> None:
 
 def _megatron_round_trip(rank: int, world: int, tmp: str) -> list[tuple[str, str]]:
     """On one gloo rank: quantize + export + the dist-checkpoint state of a tiny Megatron-Core MoE GPT."""
-    from tests.test_plugins import megatron_shims as shims
-
     import quantlib as ql
     from quantlib.export.megatron import export_megatron_checkpoint
+    from tests.test_plugins import megatron_shims as shims
 
     shims.set_layout(1, 1)
     model = shims.build_gpt(1, 1, 0, gated_linear_unit=True)
@@ -227,6 +227,7 @@ def test_imports_run_downhill_at_run_time(tmp_path: Path) -> None:
     seen = set(edges)
     if importlib.util.find_spec("megatron") is not None:
         import megatron.core  # noqa: F401  (imported in the parent: the rank is forked, tests/test_plugins/megatron_shims.py)
+
         from tests.test_plugins import megatron_shims as shims
 
         seen |= {tuple(e) for e in shims.run_distributed(_megatron_round_trip, 1, str(tmp_path), timeout=240)[0]}

@@ -10,7 +10,7 @@ import enum
 import functools
 import importlib
 import logging
-from typing import Callable, Union
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +28,7 @@ class KernelPreference(str, enum.Enum):
 
 
 #: a preference or its name, as every ``backend=`` argument takes it
-Backend = Union[KernelPreference, str]
+Backend = KernelPreference | str
 BACKENDS = tuple(p.value for p in KernelPreference)
 _BY_NAME = {p.value: p for p in KernelPreference}
 OPS = ("fake_quant", "block_amax", "fp8_blockwise_cast", "fp8_cast", "mx_cast", "nvfp4_cast")

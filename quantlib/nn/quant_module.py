@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, ClassVar, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -206,7 +206,7 @@ class QuantModuleRegistry:
     _classes: dict[type, type] = {}
     #: callables that register the quantized classes of the frameworks the process has imported; filled
     #: from above (``quantlib.plugins`` adds its loader when imported), so this layer never imports them
-    _finders: list[Callable[[], object]] = []
+    _finders: ClassVar[list[Callable[[], object]]] = []
 
     @classmethod
     def add_finder(cls, finder: Callable[[], object]) -> None:

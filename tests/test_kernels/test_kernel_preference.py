@@ -74,9 +74,9 @@ def test_an_explicit_cuda_choice_refuses_the_ops_it_has_no_kernel_for(op):
     """The CUDA extension has no fp8_cast and no block_amax: asked for explicitly, the op and the backend are
     named (it used to run Triton without a word); whatever the tensor's device."""
     if op == "fp8_cast":
-        call = lambda b: kernels.fp8_cast(X, torch.tensor(1.0), backend=b)  # noqa: E731
+        call = lambda b: kernels.fp8_cast(X, torch.tensor(1.0), backend=b)
     else:
-        call = lambda b: kernels.block_amax(X, (16,), backend=b)  # noqa: E731
+        call = lambda b: kernels.block_amax(X, (16,), backend=b)
     for choice in ("cuda", KernelPreference.CUDA):
         with pytest.raises(KernelUnavailable, match=f"op '{op}' has no kernel in backend 'cuda'"):
             call(choice)
