@@ -5,6 +5,7 @@ from .checkpoint import CheckpointError, quantizer_state, restore, restore_state
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .coverage import WeightCoverage, weight_coverage
 from .distributed import AmaxSyncError, ParallelState, sync_amax
+from .kernels import KernelPreference
 from .kv.presets import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
 from .model_quant import (
     calibrate,
@@ -92,6 +93,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "GroupedQuantizer",
+    "KernelPreference",
     "QuantModule",
     "ParallelState",
     "QuantModuleRegistry",
@@ -118,3 +120,6 @@ __all__ = [
     "sync_amax",
     "weight_coverage",
 ]
+
+# last, in a block of its own (so import sorting leaves it here): fills the module registry's finder hook
+from . import plugins  # noqa: E402, F401

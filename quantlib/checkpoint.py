@@ -274,9 +274,7 @@ def migrate(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
 
 def _planned_quantizers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Quantizer names a conversion of ``model`` has (or would have): name -> (module, attribute)."""
-    from . import plugins
-
-    plugins.register_available()
+    QuantModuleRegistry.find()
     plan = {}
     for mname, module in model.named_modules():
         if isinstance(module, (TensorQuantizer, SequentialQuantizer, GroupedQuantizer)):

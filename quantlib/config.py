@@ -11,19 +11,16 @@ import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
-from .calib.registry import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
+from .calib_config import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
+from .errors import ConfigError
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
 from .formats.fp6 import FP6_FORMATS
 from .formats.spec import MIN_EPS
-from .kernels.backends import BACKENDS
+from .kernels.backends import as_preference
 
 # Keys ModelOpt documents that carry no meaning for fake quantization here: accepted, ignored.
 _IGNORED_ATTR_KEYS = frozenset({"effective_bits", "trt_high_precision_dtype"})
 _BLOCK_META_KEYS = frozenset({"type", "scale_bits", "scale_block_sizes"})
-
-
-class ConfigError(ValueError):
-    """An invalid quantization config; the message names the key and the value."""
 
 
 def _as_bits(value: Any, key: str = "num_bits") -> Union[int, tuple[int, int]]:
@@ -111,7 +108,7 @@ class QuantizerAttributeConfig:
     eps: float = 1e-10  # FP8 blockwise: floor of the block amax
     pow2_scale: bool = False  # FP8 blockwise: round scales up to powers of two
     rounding: str = "rceil"  # MX: E8M0 exponent rule, see formats.Rounding
-    backend: str = "auto"  # kernels backend
+    backend: str = "auto"  # kernels backend: a KernelPreference or its name (stored as the name)
     # ModelOpt's affine quantization: a calibrated mean, subtracted before quantizing and added back after
     bias: Optional[dict] = None
     # QAT backward: True (ModelOpt 0.47's default) passes the gradient everywhere and saves nothing for
@@ -135,8 +132,7 @@ class QuantizerAttributeConfig:
             raise ConfigError(f"type={self.type!r}: expected 'static' or 'dynamic'")
         if self.backend is None:  # ModelOpt's default backend
             self.backend = "auto"
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        self.backend = as_preference(self.backend).value  # a KernelPreference is stored as its name
         if not isinstance(self.rounding, str) or self.rounding not in {r.value for r in Rounding}:
             raise ConfigError(f"rounding={self.rounding!r}: expected 'rceil' or 'floor'")
         self.rounding = Rounding(self.rounding).value
@@ -370,7 +366,7 @@ class QuantizeConfig:
 
     @property
     def algorithm_config(self) -> Optional[AlgorithmConfig]:
-        """The typed algorithm (see ``quantlib.calib.registry``), None for no calibration."""
+        """The typed algorithm (see ``quantlib.calib_config``), None for no calibration."""
         return self._algorithm
 
     @classmethod

@@ -65,7 +65,7 @@ def _tp_reduces(leaf: TensorQuantizer, module: Optional[nn.Module], attr: str, k
         return False  # an amax of unknown rank (no tokens here): what the calibrated ranks find decides
     else:
         ndim = 0
-    return tp_shard_dim(leaf, ndim, split, extent, tp_size, name) is None
+    return tp_shard_dim(leaf.spec, leaf.axis, ndim, split, extent, tp_size, name) is None
 
 
 def _per_tensor(leaf: TensorQuantizer) -> bool:

@@ -13,7 +13,8 @@ from torch import nn
 from .calib import awq_clip, awq_lite, gptq, mse, smoothquant  # noqa: F401  (register their runners)
 from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
 from .calib.collectives import StatSync
-from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
+from .calib.registry import CalibContext, register_runner, runner
+from .calib_config import AlgorithmConfig
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
 from .coverage import report_coverage
 from .kv.presets import check_kv_reach
@@ -36,9 +37,7 @@ _log = logging.getLogger("quantlib")
 def convert(model: nn.Module) -> nn.Module:
     """Swap every module of a registered class for its quantized class (in place; returns the model,
     which is new only if the root itself was swapped). Parameters are shared, never copied."""
-    from . import plugins
-
-    plugins.register_available()
+    QuantModuleRegistry.find()
     return _convert(model, {})
 
 
@@ -150,7 +149,7 @@ def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop
 def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None,
               parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
-    ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
+    ``quantlib.calib_config``; None: nothing). ``max``: weight amax from the weights, activation amax
     from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
     other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
     ``quantlib.distributed.discover_parallel_state``). ``sequential``: calibrate one decoder layer at a

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from quantlib.calib.max import abs_max
+from quantlib.nn.max_collector import abs_max
 
 VALUES = st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([0.0, -0.0, float("inf"), float("-inf")]))
 

@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..calib_config import AwqClipConfig, AwqFullConfig
 from ..kernels import ops
+from ..nn.max_collector import static_amax
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
 from .collectives import StatSync, stat_sync
-from .max import static_amax
-from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import input_pre_scale, progress, store_result
 from .shards import groups_span_shards
 

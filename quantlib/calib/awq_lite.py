@@ -44,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..calib_config import AwqLiteConfig
 from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .collectives import StatSync, stat_sync, targets_digest
-from .registry import AwqLiteConfig, CalibContext, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import (
     InputRecorder,
     apply_pre_quant_scale,

@@ -38,13 +38,14 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..calib_config import MseConfig
 from ..formats import FormatSpec
 from ..formats.blocks import to_blocks
 from ..kernels import block_amax, ops
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .registry import CalibContext, MseConfig, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import progress
 
 _log = logging.getLogger("quantlib")

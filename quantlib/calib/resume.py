@@ -24,10 +24,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..calib_config import AlgorithmConfig
 from ..nn.containers import QuantizerContainer
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..traversal import iter_leaf_quantizers, quant_modules
-from .registry import RESULT_ATTRIBUTES, AlgorithmConfig
+from .registry import RESULT_ATTRIBUTES
 
 RESUME_SCHEMA = 3  # 2: pre_quant_scale, runners' module results, the algorithm; 3: tensor shapes, weight digests
 

@@ -50,11 +50,12 @@ import torch
 from torch import nn
 
 from .._atomic_io import atomic_torch_save
+from ..calib_config import AlgorithmConfig
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers
 from .activations import max_calibrate
-from .registry import AlgorithmConfig, CalibContext, runner
+from .registry import CalibContext, runner
 from .resume import (
     RESUME_SCHEMA,
     check_digests,

@@ -21,10 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..nn.max_collector import static_amax
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
 from .collectives import StatSync
-from .max import static_amax
 
 
 def groups_span_shards(block: Optional[int], target: Any, sync: StatSync, where: str) -> bool:
@@ -60,7 +60,7 @@ def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync
         return amax
     axis = 0 if sync.role(target) == "column" else 1
     try:
-        dim = tp_shard_dim(q, amax.dim(), axis, x.shape[axis], sync.shards(target), where)
+        dim = tp_shard_dim(q.spec, q.axis, amax.dim(), axis, x.shape[axis], sync.shards(target), where)
     except LayoutError as exc:
         raise CalibrationError(str(exc)) from None
     return sync.over_shards(amax, "max", target) if dim is None else amax

@@ -27,10 +27,11 @@ import logging
 import torch
 from torch import nn
 
+from ..calib_config import SmoothQuantConfig
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
 from .collectives import stat_sync, targets_digest
-from .registry import CalibContext, SmoothQuantConfig, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import (
     InputRecorder,
     apply_pre_quant_scale,

@@ -15,9 +15,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..calib.max import abs_max
 from ..formats import FormatSpec, Kind
 from ..kernels import block_amax
+from ..nn.max_collector import abs_max
 from .plan import Item
 from .types import ExportError
 

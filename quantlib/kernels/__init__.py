@@ -1,6 +1,6 @@
-"""Fast, bit-exact kernels of every format; every function takes ``backend="auto" | "reference" |
-"cpu" | "triton" | "cuda"`` and returns exactly what the torch reference (:mod:`quantlib.formats`)
-returns.
+"""Fast, bit-exact kernels of every format; every function takes ``backend=``, a :class:`KernelPreference`
+(or its name: "auto" | "reference" | "cpu" | "triton" | "cuda"), and returns exactly what the torch reference
+(:mod:`quantlib.formats`) returns.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from ..formats.mx import MX_ELEMENTS, mx_dequantize
 from ..formats.nvfp4 import check_global_amax, nvfp4_dequantize
 from ..formats.spec import MIN_EPS
 from . import ops
-from .backends import BACKENDS, implementation, resolve
+from .backends import BACKENDS, Backend, KernelPreference, KernelUnavailable, check_backend, resolve, select
 
 
 def _spec_of(attrs) -> FormatSpec:
     return attrs if isinstance(attrs, FormatSpec) else attrs.format_spec()
 
 
-def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: str = "auto",
+def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, backend: Backend = "auto",
                block_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dequantize(cast(x))`` for any QuantizerAttributeConfig or FormatSpec, straight-through backward:
     clipped at a static amax unless a config's ``pass_through_bwd`` says otherwise (a FormatSpec has no
@@ -31,12 +31,12 @@ def fake_quant(x: torch.Tensor, attrs, amax: Optional[torch.Tensor] = None, back
     return ops.fake_quant(x, _spec_of(attrs), amax, backend, block_amax, not getattr(attrs, "pass_through_bwd", False))
 
 
-def block_amax(x: torch.Tensor, block: tuple[int, ...], backend: str = "auto") -> torch.Tensor:
+def block_amax(x: torch.Tensor, block: tuple[int, ...], backend: Backend = "auto") -> torch.Tensor:
     """fp32 amax per block: ``block`` is ``(B,)``/``(1, B)`` along the last dim or ``(BM, BK)``."""
     ops._check_float_input(x, "block_amax")
     if ops.eager_call(x):
-        return implementation("block_amax", resolve(backend, x.device))(x, _norm_block(block))
-    return ops._block_amax(x, list(_norm_block(block)), backend)
+        return select("block_amax", backend, x.device)(x, _norm_block(block))
+    return ops._block_amax(x, list(_norm_block(block)), check_backend(backend))
 
 
 def _norm_block(block: tuple[int, ...]) -> tuple[int, ...]:
@@ -45,7 +45,7 @@ def _norm_block(block: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def fp8_blockwise_cast(
-    x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: str = "auto",
+    x: torch.Tensor, block: tuple[int, int] = (128, 128), eps: float = 1e-10, pow2: bool = False, backend: Backend = "auto",
     amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes (shape of ``x``) and fp32 dequant scales per block, ``block`` = (1, B) or (BM, BK);
@@ -60,11 +60,11 @@ def fp8_blockwise_cast(
             raise ValueError(f"fp8_blockwise_cast: static amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block "
                              f"{block}: expected {blocked_shape(x.shape, block)}")
     if ops.eager_call(x):
-        return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, block, float(eps), bool(pow2), amax)
-    return ops._fp8_blockwise_cast(x, list(block), float(eps), bool(pow2), amax, backend)
+        return select("fp8_blockwise_cast", backend, x.device)(x, block, float(eps), bool(pow2), amax)
+    return ops._fp8_blockwise_cast(x, list(block), float(eps), bool(pow2), amax, check_backend(backend))
 
 
-def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int] = (4, 3), backend: str = "auto") -> torch.Tensor:
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int] = (4, 3), backend: Backend = "auto") -> torch.Tensor:
     """FP8 codes ``cast(clamp(x * scale, -Q, Q))`` (E4M3 or E5M2 dtype, shape of ``x``) with the quantization
     scale ``Q / amax`` of a per-tensor (one value) or per-row (shape ``x.shape[:-1] + (1,)``) quantizer."""
     ops._check_float_input(x, "fp8_cast")
@@ -77,12 +77,12 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int] = (4
         raise ValueError(f"fp8_cast: scale must have one element or shape {tuple(x.shape[:-1]) + (1,)} (one per row of the input "
                          f"{tuple(x.shape)}), got {tuple(scale.shape)}")
     if ops.eager_call(x):
-        return implementation("fp8_cast", resolve(backend, x.device))(x, scale, element)
-    return ops._fp8_cast(x, scale, list(element), backend)
+        return select("fp8_cast", backend, x.device)(x, scale, element)
+    return ops._fp8_cast(x, scale, list(element), check_backend(backend))
 
 
 def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Union[str, Rounding] = "rceil",
-            backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+            backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """MX element codes (float8_e4m3fn; uint8 two E2M1 per byte; uint8 FP6 "e3m2" / "e2m3" codes, sign in
     bit 5; int8 for "int8") and uint8 E8M0 exponents."""
     ops._check_float_input(x, "mx_cast")
@@ -91,12 +91,12 @@ def mx_cast(x: torch.Tensor, elem: str = "e4m3", block: int = 32, rounding: Unio
     if block != 32:
         raise ValueError(f"mx_cast: MX blocks are 32 elements, got block={block}")
     if ops.eager_call(x):
-        return implementation("mx_cast", resolve(backend, x.device))(x, elem, block, Rounding(rounding))
-    return ops._mx_cast(x, elem, block, Rounding(rounding).value, backend)
+        return select("mx_cast", backend, x.device)(x, elem, block, Rounding(rounding))
+    return ops._mx_cast(x, elem, block, Rounding(rounding).value, check_backend(backend))
 
 
 def nvfp4_cast(
-    x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: str = "auto", block: int = 16,
+    x: torch.Tensor, global_amax: Optional[torch.Tensor] = None, backend: Backend = "auto", block: int = 16,
     block_amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed E2M1 codes (uint8), float8_e4m3fn block scales (``block`` = 16 or 32 elements) and fp32
@@ -115,8 +115,8 @@ def nvfp4_cast(
     if block_amax is not None and global_amax is None:
         raise ValueError("nvfp4_cast: a static block_amax needs the static global_amax it was chosen against")
     if ops.eager_call(x):
-        return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax, block, block_amax)
-    return ops._nvfp4_cast(x, global_amax, block, block_amax, backend)
+        return select("nvfp4_cast", backend, x.device)(x, global_amax, block, block_amax)
+    return ops._nvfp4_cast(x, global_amax, block, block_amax, check_backend(backend))
 
 
 #: MX format names of :func:`dequantize` and their element formats.
@@ -142,4 +142,5 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_sc
     return out.to(dtype)
 
 
-__all__ = ["BACKENDS", "block_amax", "dequantize", "fake_quant", "fp8_blockwise_cast", "fp8_cast", "mx_cast", "nvfp4_cast", "resolve"]
+__all__ = ["BACKENDS", "KernelPreference", "KernelUnavailable", "block_amax", "dequantize", "fake_quant", "fp8_blockwise_cast", "fp8_cast",
+           "mx_cast", "nvfp4_cast", "resolve"]

@@ -15,13 +15,14 @@ cast fused):
 all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whole number of 16-byte
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
-Everything else -- FP8 per tensor / per channel / dynamic per row (``fp8_cast`` too), INT per tensor or
-with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
-with static block amax or a global amax per row (stacked experts), other last dims, empty tensors, and
-``block_amax`` -- goes explicitly to the Triton implementation (:mod:`quantlib.kernels.triton`), so that
-``backend="auto"`` on a CUDA tensor (which resolves to "cuda" when the extension is built) runs every op.
-The hand-over is logged once per case at DEBUG level on the ``quantlib.kernels`` logger; without the
-triton package it raises ``NotImplementedError`` naming the format kind instead.
+This backend covers ``fake_quant``, ``fp8_blockwise_cast``, ``mx_cast`` and ``nvfp4_cast``
+(:data:`~quantlib.kernels.backends.COVERS`); ``fp8_cast`` and ``block_amax`` it lacks: AUTO runs them with
+Triton (or the reference), an explicit ``KernelPreference.CUDA`` raises naming the op. Within the ops it
+covers, the cases its kernels do not take -- FP8 per tensor / per channel / dynamic per row, INT per tensor
+or with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
+with static block amax or a global amax per row (stacked experts), other last dims, empty tensors -- go to the Triton implementation
+(:mod:`quantlib.kernels.triton`). The hand-over is logged once per case at DEBUG level on the
+``quantlib.kernels`` logger; without the triton package it raises ``NotImplementedError`` naming the case.
 """
 
 from __future__ import annotations
@@ -149,11 +150,6 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
     return ext.cuda_fake_quant_int_block(x, a, block, lo, hi)
 
 
-@register("block_amax", "cuda")
-def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
-    return _triton("block_amax", "block_amax")(x, block)
-
-
 @register("fp8_blockwise_cast", "cuda")
 def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
                        | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +181,3 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
         return _triton("nvfp4_cast", f"nvfp4_cast ({what})")(x, global_amax, block, block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))
-
-
-@register("fp8_cast", "cuda")
-def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
-    return _triton("fp8_cast", f"fp8_cast (element {tuple(element)}, shape {tuple(x.shape)})")(x, scale, element)

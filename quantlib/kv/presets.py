@@ -39,7 +39,7 @@ _NVFP4_KV = {"num_bits": (2, 1), "effective_bits": 4.5, "block_sizes": {-1: 16, 
 #: FP8 E4M3 keys and values, one static per-tensor amax per quantizer (max calibration)
 FP8_KV_CFG: dict = {"quant_cfg": [{"quantizer_name": _KV, "cfg": {"num_bits": (4, 3), "axis": None}}]}
 #: ModelOpt's affine FP8 KV: a static bias (the mean over batch and sequence, one per head and channel)
-#: subtracted before the FP8 quantization and added back (see quantlib.calib.bias); transformers attention only.
+#: subtracted before the FP8 quantization and added back (see quantlib.nn.bias_collector); transformers attention only.
 FP8_AFFINE_KV_CFG: dict = {
     "quant_cfg": [
         {"quantizer_name": _KV, "cfg": {"num_bits": (4, 3), "axis": None}},

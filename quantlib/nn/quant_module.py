@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, ClassVar, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ class QuantModule(nn.Module):
     parallel_role: str = "replicated"
     #: True for the linears of MoE experts (their input amax syncs across the expert group).
     is_expert: bool = False
-    #: quantizers that may take a ``bias`` (affine quantization, see quantlib.calib.bias); none by default
+    #: quantizers that may take a ``bias`` (affine quantization, see quantlib.nn.bias_collector); none by default
     affine_quantizer_names: tuple[str, ...] = ()
     #: True where the GEMM reads a transform of the forward's input (TE LayerNormLinear: the normalized
     #: input): calibration that replays inputs records what ``input_quantizer`` is called on instead.
@@ -170,9 +170,7 @@ def all_disabled(quantizers: Iterable[nn.Module]) -> bool:
 def _rebuild(original: type) -> nn.Module:
     """An empty instance of ``original``'s quantized class (pickle then sets its state)."""
     if not QuantModuleRegistry.is_registered(original):
-        from .. import plugins  # the original's framework is imported by now (unpickling found the class)
-
-        plugins.register_available()
+        QuantModuleRegistry.find()  # the original's framework is imported by now (unpickling found the class)
     if not QuantModuleRegistry.is_registered(original):
         raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for "
                         "it in this process")
@@ -209,6 +207,21 @@ class QuantModuleRegistry:
 
     _mixins: "OrderedDict[type, type]" = OrderedDict()
     _classes: dict[type, type] = {}
+    #: callables that register the quantized classes of the frameworks the process has imported; filled
+    #: from above (``quantlib.plugins`` adds its loader when imported), so this layer never imports them
+    _finders: ClassVar[list[Callable[[], object]]] = []
+
+    @classmethod
+    def add_finder(cls, finder: Callable[[], object]) -> None:
+        """Have :meth:`find` call ``finder`` (once registered; adding it again is a no-op)."""
+        if finder not in cls._finders:
+            cls._finders.append(finder)
+
+    @classmethod
+    def find(cls) -> None:
+        """Run every finder: register the quantized classes of the frameworks imported so far."""
+        for finder in cls._finders:
+            finder()
 
     @classmethod
     def register(cls, original: type, name: Optional[str] = None) -> Callable[[type], type]:

@@ -8,11 +8,11 @@ from typing import NoReturn, Optional, Union
 import torch
 from torch import nn
 
-from ..calib.bias import BiasCalibrator
-from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
 from ..config import QuantizerAttributeConfig, make_attribute_config
 from ..formats import FormatSpec
 from ..kernels import block_amax as blocks_amax, ops
+from .bias_collector import BiasCalibrator
+from .max_collector import MaxCalibrator, static_amax, static_amax_shape
 
 
 class CalibrationError(ValueError):
@@ -264,7 +264,7 @@ class TensorQuantizer(nn.Module):
     @property
     def bias_value(self) -> Optional[torch.Tensor]:
         """The calibrated static bias (fp32, the input's shape with the averaged axes of size 1), or None.
-        ``bias`` in the config says which axes; see :mod:`quantlib.calib.bias`."""
+        ``bias`` in the config says which axes; see :mod:`quantlib.nn.bias_collector`."""
         return self._buffers.get("_bias_value")
 
     @bias_value.setter
@@ -449,7 +449,7 @@ class TensorQuantizer(nn.Module):
             _raise_named(exc, self._qname)
 
     def _affine_fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.calib.bias`)."""
+        """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.nn.bias_collector`)."""
         bias = self._bias_for(x).to(x.device)
         shifted = x.float() - bias
         return (self._fake_quant(shifted, self._amax_for(shifted), self._block_amax_for()) + bias).to(x.dtype)

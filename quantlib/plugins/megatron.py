@@ -158,7 +158,7 @@ class _MegatronQuantMixin(QuantModule):
             where = f"{prefix}{name}"
             axis, extent = self.tp_split(qname)
             if buffer == "_amax":
-                dim = tp_shard_dim(leaf, value.dim(), axis, extent, tp_size, where)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, value.dim(), axis, extent, tp_size, where)
             else:
                 dim = pre_quant_scale_shard_dim(self.weight_quantizer_names, qname, axis)
             offsets, ckpt_prefix = (

@@ -86,7 +86,7 @@ def quantizer_extra_state(module: QuantModule) -> dict:
                                       "without tensor parallelism")
             shape = None
             if amax is not None:
-                dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, amax.dim(), axis, extent, tp_size, name)
                 shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
             leaf_state["amax_shape"] = shape
             pqs = leaf_state.pop("_pre_quant_scale")
@@ -177,7 +177,8 @@ def apply_quantizer_extra_state(module: QuantModule, state: Any) -> None:
         for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(qstate)):
             shape = leaf_state.get("amax_shape")
             if shape is not None:
-                local = _local_shape(tuple(shape), tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, len(shape), axis, extent, tp_size, name)
+                local = _local_shape(tuple(shape), dim, tp_size, name)
                 if tensors:
                     weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
                     expected = tuple(leaf.amax_shape(tuple(weight.shape)))

@@ -11,7 +11,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.calib.awq_clip import clip_ratios
-from quantlib.calib.registry import AwqClipConfig
+from quantlib.calib_config import AwqClipConfig
 
 from ._models import loop, mlp, outlier_data
 

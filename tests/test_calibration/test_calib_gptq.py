@@ -12,7 +12,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.calib.gptq import gptq_quantize
-from quantlib.calib.registry import GptqConfig, parse_algorithm
+from quantlib.calib_config import GptqConfig, parse_algorithm
 from quantlib.nn.tensor_quantizer import CalibrationError
 
 from ._models import loop

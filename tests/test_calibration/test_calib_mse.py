@@ -12,7 +12,7 @@ from torch import nn
 import quantlib as ql
 from quantlib import formats
 from quantlib.calib.mse import multipliers, search_amax
-from quantlib.calib.registry import MseConfig
+from quantlib.calib_config import MseConfig
 from quantlib.config import QuantizerAttributeConfig
 from quantlib.formats.blocks import to_blocks
 

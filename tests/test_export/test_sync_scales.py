@@ -11,11 +11,11 @@ pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib import kernels  # noqa: E402
-from quantlib.calib.max import abs_max  # noqa: E402
 from quantlib.export import ExportError, iter_packed, serialize_weight, sync_pairs  # noqa: E402
 from quantlib.formats.fp8_blockwise import fp8_blockwise_fake_quant  # noqa: E402
 from quantlib.formats.nvfp4 import nvfp4_fake_quant  # noqa: E402
 from quantlib.formats.reference import fake_quant  # noqa: E402
+from quantlib.nn.max_collector import abs_max  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
 from tests.test_export._export_models import llama, quantized, qwen3_moe, tokens, weight_only  # noqa: E402
 

@@ -3,8 +3,8 @@ and the export all ask (docs/design.md §3-§8): one table per format, as config
 import pytest
 import torch
 
-from quantlib.calib.max import static_amax, static_amax_shape
 from quantlib.config import QuantizerAttributeConfig
+from quantlib.nn.max_collector import static_amax, static_amax_shape
 
 # (attribute config, per_tensor_amax, calibrated_amax, per_block_amax, two_level, static_blocks, scale_from_amax)
 CASES = {

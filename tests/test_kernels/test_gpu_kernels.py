@@ -181,6 +181,8 @@ def test_casts(dtype, backend):
                 assert_same_all(_impl("mx_cast", backend)(xc, elem, 32, rd), R.mx_cast(x, elem, 32, rd), f"mx {elem} {shape}")
         for g in (None, torch.tensor(30.0)):
             assert_same_all(_impl("nvfp4_cast", backend)(xc, None if g is None else g.cuda()), R.nvfp4_cast(x, g), f"nvfp4 {shape}")
+        if backend == "cuda":  # no CUDA kernel for block_amax and fp8_cast: an explicit choice refuses them
+            continue
         assert_same(_impl("block_amax", backend)(xc, (32,)), R.block_amax(x, (32,)), "block_amax")
         for element in ((4, 3), (5, 2)):
             for s in (torch.tensor(448.0 / 7.0), 448.0 / x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-3)):

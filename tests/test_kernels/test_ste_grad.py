@@ -118,16 +118,6 @@ def test_backward_saves_the_input_itself_and_no_mask():
     assert p.grad_fn.saved_tensors == ()
 
 
-def test_ste_grad_runs_torch_on_the_cpu(monkeypatch):
-    import quantlib.kernels.ops as o
-
-    monkeypatch.setattr(o, "triton_available", lambda: (_ for _ in ()).throw(AssertionError("asked for triton on a CPU tensor")))
-    x, grad = inputs((6, 40), torch.tensor(1.0), torch.float32)
-    spec = FormatSpec(kind=Kind.FP8, element=(4, 3))
-    expected = torch.where(o.ste_mask(x, spec, torch.tensor(1.0)), grad, 0.0)
-    assert torch.equal(_bits(o.ste_grad(grad, x, spec, torch.tensor(1.0))), _bits(expected))
-
-
 def test_double_backward_is_recorded():
     x = torch.tensor([0.5, 2.0, -0.25], requires_grad=True)
     y = ops.fake_quant(x, FormatSpec(kind=Kind.FP8, element=(4, 3)), torch.tensor(1.0))

@@ -15,8 +15,9 @@ from torch import nn
 pytest.importorskip("transformers", reason="needs transformers (pip install quantlib[transformers])")
 
 import quantlib as ql  # noqa: E402
-from quantlib.calib.registry import ALGORITHMS, RESULT_ATTRIBUTES  # noqa: E402
+from quantlib.calib.registry import RESULT_ATTRIBUTES  # noqa: E402
 from quantlib.calib.sequential import offload_to_disk  # noqa: E402
+from quantlib.calib_config import ALGORITHMS  # noqa: E402
 from quantlib.model_quant import iter_leaf_quantizers, quant_modules  # noqa: E402
 from tests.ranks import run_on_ranks  # noqa: E402
 from tests.test_sequential.test_sequential_hf import MODELS, _with_head_input, build, data, loop_over  # noqa: E402

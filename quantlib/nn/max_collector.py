@@ -1,4 +1,4 @@
-"""Max calibration: the running maximum of the amax a quantizer would use, per tensor / channel / block."""
+"""Max calibration's collector: the running maximum of the amax a quantizer would use, per tensor / channel / block."""
 
 from __future__ import annotations
 
