@@ -14,7 +14,7 @@ from torch import nn
 from .atomic import atomic, check_weight_quantizers
 from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, gptq, mse, smoothquant  # noqa: F401  (register their runners)
-from .calib.collectives import StatSync
+from .collectives import StatSync
 from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
 from .kv_cache import check_kv_reach

@@ -40,7 +40,7 @@ from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
-from .collectives import StatSync, stat_sync
+from ..collectives import StatSync, stat_sync
 from .max import static_amax
 from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
 from .scaling import input_pre_scale, progress, store_result

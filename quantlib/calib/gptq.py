@@ -39,7 +39,7 @@ from torch import nn
 from ..formats import Kind
 from ..kernels import ops
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .collectives import stat_sync, targets_digest
+from ..collectives import stat_sync, targets_digest
 from .registry import CalibContext, GptqConfig, register_runner
 from .scaling import InputRecorder, progress, served_linears
 

@@ -128,7 +128,7 @@ class CalibContext:
     expert_input_policy: str = "max_of_peers"
     #: True when linears are split over several ranks (tensor parallelism)
     tensor_parallel: bool = False
-    #: the searches' sync routine over the whole layout (a ``quantlib.calib.collectives.StatSync``:
+    #: the searches' sync routine over the whole layout (a ``quantlib.collectives.StatSync``:
     #: replicas of dense linears and of each expert, tensor-parallel shards); None: one rank
     sync: Any = None
 

@@ -19,7 +19,7 @@ from torch import nn
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .collectives import StatSync
+from ..collectives import StatSync
 
 _log = logging.getLogger("quantlib")
 T = TypeVar("T")

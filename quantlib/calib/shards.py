@@ -24,7 +24,7 @@ import torch
 from ..formats import Kind
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
-from .collectives import StatSync
+from ..collectives import StatSync
 from .max import static_amax
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
-from .collectives import stat_sync, targets_digest
+from ..collectives import stat_sync, targets_digest
 from .registry import CalibContext, SmoothQuantConfig, register_runner
 from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, handle_unreached, input_statistics, reached_calls, served_linears
 
