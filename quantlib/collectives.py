@@ -34,7 +34,8 @@ later collective is called by every rank of its group in the same order: the alg
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from .nn.tensor_quantizer import CalibrationError
 from .parallel_state import GROUP_NAMES, ParallelState, ProcessGroup
 
 OPS = ("sum", "max", "min")
+_CPU = torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------- primitives
@@ -91,7 +93,8 @@ def pack_by_slot(head: torch.Tensor, values: list[torch.Tensor], slots: list[tup
     buf[: head.numel()] = head
     n = torch.tensor(lengths, dtype=torch.int64, device=dev)
     before = torch.cumsum(n, 0) - n  # where each span begins in the packed values
-    where = torch.arange(int(n.sum()), device=dev) + torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64, device=dev) - before, n)
+    shift = torch.tensor(starts, dtype=torch.int64, device=dev) - before
+    where = torch.arange(int(n.sum()), device=dev) + torch.repeat_interleave(shift, n)
     buf[where] = packed
     return buf, where
 
@@ -105,7 +108,9 @@ def structure_digest(pieces: Iterable[str]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def agreement(group: ProcessGroup, digest: int, counts: Sequence[int] = (), flags: Sequence[bool] = (), device: torch.device = torch.device("cpu")) -> tuple[bool, list[bool], list[bool]]:
+def agreement(
+    group: ProcessGroup, digest: int, counts: Sequence[int] = (), flags: Sequence[bool] = (), device: torch.device = _CPU
+) -> tuple[bool, list[bool], list[bool]]:
     """(every rank of ``group`` holds ``digest``, per count whether every rank holds the same, per flag
     whether any rank set it), the same on every rank, from one int64 MAX all-reduce."""
     row = [digest, -digest] + [v for c in counts for v in (c, -c)] + [int(bool(f)) for f in flags]
@@ -246,4 +251,6 @@ def targets_digest(method: str, targets: list) -> int:
     return structure_digest([method] + [f"|{name}:{tuple(w.shape)}:{m.parallel_role}:{bool(m.is_expert)}" for name, m, w in targets])
 
 
-__all__ = ["OPS", "StatSync", "agreement", "all_reduce", "device_for", "pack_by_slot", "slot", "stat_sync", "structure_digest", "targets_digest"]
+__all__ = [
+    "OPS", "StatSync", "agreement", "all_reduce", "device_for", "pack_by_slot", "slot", "stat_sync", "structure_digest", "targets_digest",
+]

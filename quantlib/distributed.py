@@ -16,13 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import agreement, all_reduce, device_for, pack_by_slot, slot, structure_digest
-from .config import QuantizeConfig
 from .formats import Kind
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .parallel_state import GROUP_NAMES, PARALLEL_ROLES, LayoutError, ParallelState, ProcessGroup, discover_parallel_state, tp_shard_dim  # noqa: F401  (re-exported)
-from .traversal import expert_group_key, iter_quantizers
+from .traversal import applied_config, expert_group_key, iter_quantizers
 
 _CPU = torch.device("cpu")
 _ROW_BYTES = 1024  # per-rank room for the error report exchanged when something is wrong
@@ -407,7 +406,14 @@ def _commit(units: list[_Unit]) -> None:
 # ---------------------------------------------------------------------------------- the routine
 
 
-def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: Optional[BaseException] = None) -> None:
+def sync_amax(
+    model: nn.Module,
+    parallel_state: ParallelState,
+    *,
+    local_error: Optional[BaseException] = None,
+    expert_input_policy: Optional[str] = None,
+    sync_expert_weight_amax: Optional[bool] = None,
+) -> None:
     """Make the amax of ``model`` what the parallel layout demands, on every rank, or raise on all.
 
     Call it on every rank of every group of ``parallel_state``, after calibration
@@ -437,6 +443,9 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
       weights holds all local experts of its layer). Expert weight amax stay per expert unless the
       config sets ``sync_expert_weight_amax`` (then one per layer, the same way).
 
+    ``expert_input_policy`` and ``sync_expert_weight_amax`` (None: those of the config last applied to
+    the model, else the defaults) are the config's settings; calibrate passes its own.
+
     Missing amax follow the config's ``expert_input_policy``: an expert activation quantizer with no
     amax (no tokens) takes its layer's amax under "max_of_peers" (from local experts or, when none on
     this rank has one, from the other ranks; if no rank has one, every rank raises), stays dynamic
@@ -453,8 +462,9 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     the amax's device (CUDA for NCCL). With no group of more than one rank it only checks and unifies
     the experts' amax locally.
     """
-    cfg = getattr(model, "_quantlib_config", None) or QuantizeConfig()
-    policy, sync_w = cfg.expert_input_policy, cfg.sync_expert_weight_amax
+    cfg = applied_config(model)
+    policy = expert_input_policy or (cfg.expert_input_policy if cfg is not None else "max_of_peers")
+    sync_w = sync_expert_weight_amax if sync_expert_weight_amax is not None else bool(cfg is not None and cfg.sync_expert_weight_amax)
     problems: list[str] = []
     units = _collect(model, sync_w)
     for u in units:

@@ -4,19 +4,21 @@
 "alpha_step": 0.1}`` as in ModelOpt. :func:`parse_algorithm` turns it into one frozen dataclass per
 method whose fields are typed and range-checked here, so a config is refused before any model is
 touched. Each algorithm module (``calib/mse.py``, ...) registers the function that runs it with
-:func:`register_runner`; this module imports nothing of quantlib, so ``config.py`` can use it.
+:func:`register_runner`; this module imports only ``quantlib.fields`` (the one field parser), so
+``config.py`` can use it.
 """
 
 from __future__ import annotations
 
 import logging
-import typing
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar, Optional, Union
 
+from ..fields import ConfigError, parse_fields
 
-class AlgorithmConfigError(ValueError):
-    """An invalid ``algorithm`` value; ``config.py`` re-raises it as its ConfigError."""
+
+class AlgorithmConfigError(ConfigError):
+    """An invalid ``algorithm`` value: a ConfigError naming the method, the key and the value."""
 
 
 _log = logging.getLogger("quantlib")
@@ -131,6 +133,9 @@ class CalibContext:
     #: the searches' sync routine over the whole layout (a ``quantlib.collectives.StatSync``:
     #: replicas of dense linears and of each expert, tensor-parallel shards); None: one rank
     sync: Any = None
+    #: the parsed QuantizeConfig being calibrated with (None: none applied); layer-by-layer calibration
+    #: fingerprints its resume file with it
+    config: Any = None
 
     def max_only_without_loop(self, method: str, model: Any, why: str) -> bool:
         """True where there is no ``forward_loop``: then ``method`` is skipped with a warning saying ``why`` it
@@ -255,16 +260,6 @@ def runner(method: str) -> Callable[..., Any]:
         raise AlgorithmConfigError(f"algorithm {method!r} has no runner registered (import quantlib.model_quant)") from None
 
 
-def _type_ok(value: Any, annotation: Any) -> bool:
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:  # an int is a fine float (ModelOpt's pydantic takes 1 for 1.0)
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
 def parse_algorithm(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
     """The typed config of an ``algorithm`` value (None: no calibration); unknown methods, unknown
     fields and ill-typed or out-of-range values raise AlgorithmConfigError naming the key."""
@@ -286,17 +281,6 @@ def parse_algorithm(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[
     if cls is None:
         raise AlgorithmConfigError(f"algorithm={method!r}: available methods are {sorted(ALGORITHMS)} and None")
     value = cls.normalize(value)
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    kwargs = {}
-    for key, v in value.items():
-        if key == "method":
-            continue
-        if key not in known:
-            raise AlgorithmConfigError(f"algorithm {method!r}: unknown field {key!r} (value {v!r}); known: {sorted(known)}")
-        if not _type_ok(v, hints[key]):
-            raise AlgorithmConfigError(f"algorithm {method!r}: {key} must be a {hints[key].__name__}, got {v!r}")
-        kwargs[key] = float(v) if hints[key] is float else v
-    cfg = cls(**kwargs)
+    cfg = cls(**parse_fields(cls, {k: v for k, v in value.items() if k != "method"}, f"algorithm {method!r}: ", "field"))
     cfg.check()
     return cfg
