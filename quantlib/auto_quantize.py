@@ -29,7 +29,7 @@ from .model_quant import quantize
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import TensorQuantizer
-from .traversal import clear_weight_cache
+from .traversal import clear_weight_cache, set_applied_config
 
 NONE = "NONE"  # the candidate "leave this layer unquantized", always searched
 #: leaves a consumer fuses into one GEMM: they share one decision (ModelOpt groups the same ones)
@@ -300,7 +300,7 @@ def auto_quantize(
             chosen[n] = choice[i]
             _install(searched[n], none[n] if choice[i] == NONE else snaps[choice[i]][n])
     config = _chosen_config(searched)
-    model._quantlib_config = QuantizeConfig.from_any(config)
+    set_applied_config(model, QuantizeConfig.from_any(config))
     bits = sum(decisions[i].bits[c] * decisions[i].numel for i, c in choice.items()) / sum(d.numel for d in decisions)
     state = {
         "candidates": names,

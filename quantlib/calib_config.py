@@ -9,13 +9,14 @@ quantlib; the runners live in ``calib/`` (:mod:`quantlib.calib.registry`).
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Optional, Union
+from typing import ClassVar, Optional, Union
+
+from .fields import ConfigError, parse_fields
 
 
-class AlgorithmConfigError(ValueError):
-    """An invalid ``algorithm`` value; ``config.py`` re-raises it as its ConfigError."""
+class AlgorithmConfigError(ConfigError):
+    """An invalid ``algorithm`` value: a ConfigError naming the method, the key and the value."""
 
 
 @dataclass(frozen=True)
@@ -199,16 +200,6 @@ ALGORITHMS: dict[str, type[AlgorithmConfig]] = {
     c.method: c for c in (MaxConfig, MseConfig, SmoothQuantConfig, AwqLiteConfig, AwqClipConfig, AwqFullConfig, GptqConfig)
 }
 
-def _type_ok(value: Any, annotation: Any) -> bool:
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:  # an int is a fine float (ModelOpt's pydantic takes 1 for 1.0)
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
 def parse_algorithm(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
     """The typed config of an ``algorithm`` value (None: no calibration); unknown methods, unknown
     fields and ill-typed or out-of-range values raise AlgorithmConfigError naming the key."""
@@ -230,17 +221,6 @@ def parse_algorithm(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[
     if cls is None:
         raise AlgorithmConfigError(f"algorithm={method!r}: available methods are {sorted(ALGORITHMS)} and None")
     value = cls.normalize(value)
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    kwargs = {}
-    for key, v in value.items():
-        if key == "method":
-            continue
-        if key not in known:
-            raise AlgorithmConfigError(f"algorithm {method!r}: unknown field {key!r} (value {v!r}); known: {sorted(known)}")
-        if not _type_ok(v, hints[key]):
-            raise AlgorithmConfigError(f"algorithm {method!r}: {key} must be a {hints[key].__name__}, got {v!r}")
-        kwargs[key] = float(v) if hints[key] is float else v
-    cfg = cls(**kwargs)
+    cfg = cls(**parse_fields(cls, {k: v for k, v in value.items() if k != "method"}, f"algorithm {method!r}: ", "field"))
     cfg.check()
     return cfg

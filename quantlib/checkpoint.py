@@ -203,9 +203,9 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
 
 def quantizer_state(model: nn.Module) -> dict:
     """Plain dict of every quantizer's config and amax (``torch.save``-able, weights-only loadable)."""
-    from .model_quant import iter_quantizers
+    from .model_quant import applied_config, iter_quantizers
 
-    cfg = getattr(model, "_quantlib_config", None)
+    cfg = applied_config(model)
     return {
         "schema": SCHEMA_VERSION,
         "config": cfg.to_dict() if isinstance(cfg, QuantizeConfig) else None,
@@ -460,7 +460,7 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
     Each member of a grouped weight quantizer restores its own amax; ``recalibrate_experts=True``
     recalibrates every member from its own weight instead (e.g. after migrating a schema-1 shared amax).
     """
-    from .model_quant import convert, iter_quantizers, leaves_of
+    from .model_quant import convert, iter_quantizers, leaves_of, set_applied_config
 
     plan = _planned_quantizers(model)
     state = migrate(state, _layout(plan))
@@ -492,7 +492,7 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
         for leaf_name, leaf in leaves_of(name, q):
             leaf._qname = leaf_name
     if config is not None:
-        model._quantlib_config = config
+        set_applied_config(model, config)
     if recalibrate_experts:
         _recalibrate_grouped_weights(model, set(built))
     return model

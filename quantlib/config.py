@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import fnmatch
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
-from .calib_config import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
-from .errors import ConfigError
+from .calib_config import AlgorithmConfig, parse_algorithm
+from .fields import ConfigError, parse_fields
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
 from .formats.fp6 import FP6_FORMATS
 from .formats.spec import MIN_EPS
@@ -161,15 +161,8 @@ class QuantizerAttributeConfig:
         """Build from a config dict, rejecting unknown keys by name."""
         if not isinstance(d, dict):
             raise ConfigError(f"a quantizer attribute config must be a dict, got {d!r}")
-        known = {f.name for f in fields(cls)}
-        kwargs = {}
-        for k, v in d.items():
-            if k in _IGNORED_ATTR_KEYS:
-                continue
-            if k not in known:
-                raise ConfigError(f"unknown quantizer attribute {k!r} (value {v!r}); known: {sorted(known)}")
-            kwargs[k] = v
-        return cls(**kwargs)
+        # __post_init__ checks every value (a directly built config too), with the messages of its own rules
+        return cls(**parse_fields(cls, d, "", "quantizer attribute", _IGNORED_ATTR_KEYS, check_types=False))
 
     def to_dict(self) -> dict:
         """Plain, ``torch.load(weights_only=True)``-safe dict of the fields."""
@@ -335,13 +328,33 @@ def turns_on(attrs: Any, enable: Optional[bool]) -> bool:
 
 def algorithm_config(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
     """The typed config of an ``algorithm`` value; invalid ones raise ConfigError naming the key."""
-    try:
-        return parse_algorithm(value)
-    except AlgorithmConfigError as exc:
-        raise ConfigError(str(exc)) from None
+    return parse_algorithm(value)
 
 
 EXPERT_INPUT_POLICIES = ("error", "max_of_peers", "skip")
+
+#: The version of :meth:`QuantizeConfig.to_dict`'s form (its ``"version"`` key). A dict without one
+#: (ModelOpt's configs, quantlib's before versions, the configs inside older checkpoints) reads as 1.
+CONFIG_VERSION = 1
+
+#: CONFIG_MIGRATIONS[v](cfg) turns a version-v config dict into a version-(v + 1) one, as
+#: ``quantlib.checkpoint.MIGRATIONS`` does for checkpoint schemas; version 1 is the first, so none yet.
+CONFIG_MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+
+
+def migrate_config(cfg: dict) -> dict:
+    """``cfg`` (a config dict) brought to :data:`CONFIG_VERSION` through :data:`CONFIG_MIGRATIONS`, without
+    its ``"version"`` key; a version this quantlib cannot read raises ConfigError naming it."""
+    version = cfg.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ConfigError(f"version={version!r}: a config version is an int >= 1")
+    if version > CONFIG_VERSION:
+        newer = f"the config was written by a newer quantlib (this one reads config versions up to {CONFIG_VERSION})"
+        raise ConfigError(f"version={version}: {newer}; upgrade quantlib")
+    out = {k: v for k, v in cfg.items() if k != "version"}
+    for v in range(version, CONFIG_VERSION):
+        out = CONFIG_MIGRATIONS[v](out)
+    return out
 
 
 @dataclass
@@ -376,20 +389,18 @@ class QuantizeConfig:
             return cfg
         if not isinstance(cfg, dict):
             raise ConfigError(f"a quantize config must be a dict, got {type(cfg).__name__}")
-        known = {"quant_cfg", "algorithm", "expert_input_policy", "sync_expert_weight_amax"}
-        for k in cfg:
-            if k not in known:
-                raise ConfigError(f"unknown quantize config key {k!r}; known: {sorted(known)}")
-        if "quant_cfg" not in cfg:
+        kwargs = parse_fields(cls, migrate_config(cfg), "", "quantize config key", check_types=False)  # __post_init__ checks the values
+        if "quant_cfg" not in kwargs:
             raise ConfigError("a quantize config needs a 'quant_cfg' key")
-        raw = cfg["quant_cfg"]
-        entries = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
-        policy = cfg.get("expert_input_policy", "max_of_peers")
-        return cls(entries, cfg.get("algorithm", "max"), policy, cfg.get("sync_expert_weight_amax", False))
+        raw = kwargs["quant_cfg"]
+        kwargs["quant_cfg"] = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
+        return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads."""
+        """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads, with
+        its :data:`CONFIG_VERSION`."""
         return {
+            "version": CONFIG_VERSION,
             "quant_cfg": [e.to_dict() for e in self.quant_cfg],
             "algorithm": self.algorithm.to_dict() if isinstance(self.algorithm, AlgorithmConfig) else copy.deepcopy(self.algorithm),
             "expert_input_policy": self.expert_input_policy,

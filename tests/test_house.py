@@ -95,9 +95,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("formats", ("quantlib.formats", "quantlib.errors", "quantlib._atomic_io")),
     ("kernels", ("quantlib.kernels",)),
-    ("config", ("quantlib.config", "quantlib.calib_config", "quantlib.presets", "quantlib.parallel_state")),
+    ("config", ("quantlib.config", "quantlib.calib_config", "quantlib.presets", "quantlib.parallel_state", "quantlib.fields")),
     ("nn", ("quantlib.nn", "quantlib.traversal")),
-    ("calib", ("quantlib.calib", "quantlib.distributed", "quantlib.rollback", "quantlib.coverage", "quantlib.kv")),
+    ("calib", ("quantlib.calib", "quantlib.distributed", "quantlib.rollback", "quantlib.coverage", "quantlib.kv", "quantlib.collectives")),
     ("model_quant", ("quantlib.model_quant", "quantlib.checkpoint", "quantlib.auto_quantize")),
     ("plugins", ("quantlib.plugins",)),
     ("export", ("quantlib.export",)),

@@ -148,7 +148,7 @@ def test_golden_v1_shared_restores_the_copy_into_every_member():
         assert all(torch.equal(a, v1[f"{attr}.weight_quantizer"]["_amax"]) for a in members(model, attr))
     assert torch.equal(model.experts.input_quantizer.amax, v1["experts.input_quantizer"]["_amax"])
     assert torch.equal(model.proj.weight_quantizer.amax, v1["proj.weight_quantizer"]["_amax"])
-    assert isinstance(model._quantlib_config, ql.QuantizeConfig)
+    assert isinstance(ql.model_quant.applied_config(model), ql.QuantizeConfig)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(8, 16))).all()
 
@@ -184,7 +184,8 @@ def test_golden_v1_int_quantizers_keep_the_narrow_range_they_were_saved_with(nam
     q = model.proj.input_quantizer
     a = q.amax.reshape(1)
     assert torch.equal(q(-2 * a), torch.tensor([-127.0]) / (torch.tensor([127.0]) / a))  # code -127
-    config_attrs = [e.attrs for e in model._quantlib_config.quant_cfg if e.attrs is not None and not isinstance(e.attrs, list)]
+    applied = ql.model_quant.applied_config(model)
+    config_attrs = [e.attrs for e in applied.quant_cfg if e.attrs is not None and not isinstance(e.attrs, list)]
     assert all(a.narrow_range is True for a in config_attrs if isinstance(a.num_bits, int))
 
 

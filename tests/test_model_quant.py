@@ -26,7 +26,7 @@ def _weight_amax_ok(model) -> None:
         if first.is_enabled and first.needs_calibration:
             assert tuple(first.amax.shape) == first.amax_shape(tuple(m.weight.shape))
             w_max = first.pre_scale(m.weight.detach()).abs().max()  # AWQ: of W * s
-            if model._quantlib_config.algorithm_name in ("awq_clip", "awq_full"):
+            if ql.model_quant.applied_config(model).algorithm_name in ("awq_clip", "awq_full"):
                 assert first.amax.max() <= w_max  # clipped
             else:
                 assert torch.equal(first.amax.max(), w_max)

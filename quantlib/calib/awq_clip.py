@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calib_config import AwqClipConfig, AwqFullConfig
+from ..collectives import StatSync, stat_sync
 from ..kernels import ops
 from ..nn.max_collector import static_amax
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
-from .collectives import StatSync, stat_sync
 from .registry import CalibContext, register_runner
 from .scaling import input_pre_scale, progress, store_result
 from .shards import groups_span_shards

@@ -26,7 +26,7 @@ as a linear on the tokens routed to it (gate_up: its routed hidden states; down:
 with its own statistics, alpha and scales; ``awq_lite_alpha`` is then ``{proj: [alpha per expert]}``
 (None for an expert no token reached), and the shared input amax the max over the experts' scaled amax.
 
-Parallel layouts (:mod:`~quantlib.calib.collectives`, :mod:`~quantlib.calib.shards`): statistics and
+Parallel layouts (:mod:`~quantlib.collectives`, :mod:`~quantlib.calib.shards`): statistics and
 losses are reduced over a linear's replicas (an expert's own only, under expert parallelism); a
 linear split over tensor-parallel ranks gets what one process gets on the whole linear: a
 column-parallel shard's ``w`` is the mean over every shard's rows and its loss the mean over every
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calib_config import AwqLiteConfig
+from ..collectives import StatSync, stat_sync, targets_digest
 from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .collectives import StatSync, stat_sync, targets_digest
 from .registry import CalibContext, register_runner
 from .scaling import (
     InputRecorder,

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..calib_config import GptqConfig
+from ..collectives import StatSync, stat_sync, targets_digest
 from ..formats import Kind
 from ..formats.fp8 import cast_fp8, fp8_scale
 from ..formats.int import int_range, int_scale
@@ -51,7 +52,6 @@ from ..formats.spec import TINY_AMAX
 from ..kernels import ops
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
-from .collectives import StatSync, stat_sync, targets_digest
 from .registry import CalibContext, register_runner
 from .scaling import InputRecorder, progress, served_linears
 

@@ -29,9 +29,12 @@ class CalibContext:
     expert_input_policy: str = "max_of_peers"
     #: True when linears are split over several ranks (tensor parallelism)
     tensor_parallel: bool = False
-    #: the searches' sync routine over the whole layout (a ``quantlib.calib.collectives.StatSync``:
+    #: the searches' sync routine over the whole layout (a ``quantlib.collectives.StatSync``:
     #: replicas of dense linears and of each expert, tensor-parallel shards); None: one rank
     sync: Any = None
+    #: the parsed QuantizeConfig being calibrated with (None: none applied); layer-by-layer calibration
+    #: fingerprints its resume file with it
+    config: Any = None
 
     def max_only_without_loop(self, method: str, model: Any, why: str) -> bool:
         """True where there is no ``forward_loop``: then ``method`` is skipped with a warning saying ``why`` it

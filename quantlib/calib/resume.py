@@ -119,9 +119,9 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
 # ---------------------------------------------------------------------------------- the checks
 
 
-def fingerprint(model: nn.Module, layers: nn.ModuleList, algo: AlgorithmConfig) -> dict:
-    """What a resume file must have been written for: config, algorithm, layers, quantizer names, shapes."""
-    cfg = getattr(model, "_quantlib_config", None)
+def fingerprint(model: nn.Module, layers: nn.ModuleList, algo: AlgorithmConfig, cfg: Any) -> dict:
+    """What a resume file must have been written for: config (``cfg``, a QuantizeConfig or None), algorithm,
+    layers, quantizer names, shapes."""
     return {
         "layers": len(layers),
         "quantizers": [n for n, _ in iter_leaf_quantizers(model)],

@@ -16,10 +16,10 @@ from typing import Iterable, Optional, TypeVar
 import torch
 from torch import nn
 
+from ..collectives import StatSync
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .collectives import StatSync
 
 _log = logging.getLogger("quantlib")
 T = TypeVar("T")

@@ -51,6 +51,7 @@ from torch import nn
 
 from .._atomic_io import atomic_torch_save
 from ..calib_config import AlgorithmConfig
+from ..fields import ConfigError, parse_fields
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers
@@ -82,22 +83,20 @@ class SequentialOptions:
 
     layers: Optional[str] = None
     device: Optional[Union[str, torch.device]] = None
-    offload_folder: Optional[str] = None
-    resume_file: Optional[str] = None
+    offload_folder: Optional[Union[str, os.PathLike]] = None
+    resume_file: Optional[Union[str, os.PathLike]] = None
 
     @classmethod
     def from_any(cls, value: Union[bool, dict, "SequentialOptions"]) -> "SequentialOptions":
-        """``True``, a dict of the fields, or the options themselves."""
+        """``True``, a dict of the fields, or the options themselves; unknown options and ill-typed values
+        raise ConfigError naming the option and the value."""
         if isinstance(value, SequentialOptions):
             return value
         if value is True:
             return cls()
         if isinstance(value, dict):
-            unknown = set(value) - {"layers", "device", "offload_folder", "resume_file"}
-            if unknown:
-                raise ValueError(f"sequential calibration: unknown option(s) {sorted(unknown)}")
-            return cls(**value)
-        raise TypeError(f"sequential must be True, a dict or SequentialOptions, got {value!r}")
+            return cls(**parse_fields(cls, value, "sequential calibration: ", "option"))
+        raise ConfigError(f"sequential must be True, a dict or SequentialOptions, got {value!r}")
 
 
 class _StopForward(Exception):
@@ -438,7 +437,7 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
     run = runner(algo.method)
     residents = view(model, _resident_paths(model, layers))
     driver = _Driver(model, name, layers)
-    resume = _open_resume(model, driver, algo, opts)
+    resume = _open_resume(model, driver, algo, opts, ctx.config)
     restores = [_patch_forward(layer, driver.layer_forward(i)) for i, layer in enumerate(layers)]
     # the passes run the unquantized model, as in memory; the runners switch their own quantizers (a
     # chain's weights calibrate with quantization on: member i sees the output of members < i)
@@ -472,14 +471,14 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
         os.unlink(opts.resume_file)  # finished: a later run starts over
 
 
-def _open_resume(model: nn.Module, driver: _Driver, algo: AlgorithmConfig, opts: SequentialOptions) -> Optional[dict]:
+def _open_resume(model: nn.Module, driver: _Driver, algo: AlgorithmConfig, opts: SequentialOptions, config: Any) -> Optional[dict]:
     """With a resume file, fingerprint the model (shapes, and digests of the weights outside the layers) into
     ``driver``; return the file's state where it exists and was written for this model (its finished layers'
     weights are read again to be compared, from the offload folder where they are on meta), else None."""
     if opts.resume_file is None:
         return None
     path = opts.resume_file
-    driver.fingerprint = fingerprint(model, driver.layers, algo)
+    driver.fingerprint = fingerprint(model, driver.layers, algo, config)
     driver.digests = digests(model_tensors(model, skip=driver.layers))
     if not os.path.exists(path):
         return None

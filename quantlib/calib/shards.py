@@ -21,10 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..collectives import StatSync
 from ..nn.max_collector import static_amax
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
-from .collectives import StatSync
 
 
 def groups_span_shards(block: Optional[int], target: Any, sync: StatSync, where: str) -> bool:

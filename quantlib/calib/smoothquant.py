@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ..calib_config import SmoothQuantConfig
+from ..collectives import stat_sync, targets_digest
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
-from .collectives import stat_sync, targets_digest
 from .registry import CalibContext, register_runner
 from .scaling import (
     InputRecorder,

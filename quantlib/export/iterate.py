@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..formats import Kind
+from ..traversal import applied_config
 from .layouts import ModelLayout, layout_for
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
@@ -130,7 +131,7 @@ def iter_packed(
                           f"pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
-    config = getattr(model, "_quantlib_config", None)
+    config = applied_config(model)
     plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:

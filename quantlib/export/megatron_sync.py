@@ -38,6 +38,7 @@ from torch import nn
 
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
+from ..traversal import applied_config
 from .iterate import _stack, pack_item
 from .megatron_names import COLUMN, LAYER_NAMES, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
 from .plan import Item, _active_input, check_items, refuse_pre_quant_scale
@@ -378,7 +379,7 @@ def megatron_sync_tensors(
         error = exc
     _agree(error, group)
     if source is Scales.DYNAMIC:
-        config = getattr(model, "_quantlib_config", None)
+        config = applied_config(model)
         shared = _dynamic(items, walk.places, bool(config is not None and config.sync_expert_weight_amax))
         walk.places.update({id(new): walk.places[id(old)] for old, new in zip(items, shared)})
         items = shared

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Callable, ClassVar, Iterable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -39,6 +39,10 @@ class QuantModule(nn.Module):
     #: True where the GEMM reads a transform of the forward's input (TE LayerNormLinear: the normalized
     #: input): calibration that replays inputs records what ``input_quantizer`` is called on instead.
     gemm_input_at_input_quantizer: bool = False
+    #: the parsed QuantizeConfig last applied to this module (``set_quantizer_by_cfg``, a checkpoint
+    #: restore): the model-level settings (expert_input_policy, sync_expert_weight_amax) that later
+    #: calls read live on the converted modules, never as an attribute of the user's model
+    applied_config: Any = None
 
     def _setup(self) -> None:
         """Create the quantizers (called once, right after conversion)."""

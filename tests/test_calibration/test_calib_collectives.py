@@ -1,4 +1,4 @@
-"""The searches' sync routine (quantlib/calib/collectives.py) on gloo ranks: an expert's statistics meet
+"""The searches' sync routine (quantlib/collectives.py) on gloo ranks: an expert's statistics meet
 only its replicas' and min/max/sum reduce as named; and its fail-fast rules: an error on one rank, or
 ranks that search different linears, raise on every rank instead of leaving one waiting in a
 collective. (Megatron TP / EP results against one process: tests/test_plugins/test_megatron_scaling.py.)"""
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import quantlib as ql
-from quantlib.calib.collectives import StatSync
+from quantlib.collectives import StatSync
 
 from ._models import loop, mlp, outlier_data
 

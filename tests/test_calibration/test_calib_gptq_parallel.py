@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import quantlib as ql
+from quantlib.traversal import set_applied_config
 from tests.test_distributed import _layouts as L
 
 pytestmark = pytest.mark.distributed
@@ -90,7 +91,7 @@ def _join(per_rank: list[list]) -> dict[str, torch.Tensor]:
 
 def _quantize(model, loop, state):
     ql.set_quantizer_by_cfg(model, CFG)
-    model._quantlib_config = ql.QuantizeConfig.from_any(CFG)
+    set_applied_config(model, ql.QuantizeConfig.from_any(CFG))
     return ql.calibrate(model, CFG["algorithm"], loop, parallel_state=state)
 
 
@@ -142,7 +143,7 @@ def _straddling_rank(rank: int, world: int) -> str:
     model = ql.convert(L.Net(layout, rank))
     L.set_roles(model)
     ql.set_quantizer_by_cfg(model, cfg)
-    model._quantlib_config = ql.QuantizeConfig.from_any(cfg)
+    set_applied_config(model, ql.QuantizeConfig.from_any(cfg))
     tp, etp = layout.coord("tensor", rank), layout.coord("expert_tensor", rank)
     try:
         loop = _loop([0], tp, etp, [(i, i, 0) for i in range(L.N_LOCAL)])

@@ -105,7 +105,7 @@ def test_schema_5_checkpoint_restores_with_the_clipped_backward():
     assert q.attrs.pass_through_bwd is False
     x = (q.amax * torch.linspace(-2, 2, 32)).repeat(2, 1)
     assert torch.equal(_input_grad(q, x, torch.ones_like(x)), (x.abs() <= q.amax).float())
-    assert restored._quantlib_config.quant_cfg[-1].attrs.pass_through_bwd is False
+    assert ql.model_quant.applied_config(restored).quant_cfg[-1].attrs.pass_through_bwd is False
 
     again = ckpt.restore_state(v2.build(), ckpt.quantizer_state(restored))
     assert again.fc2.input_quantizer.attrs.pass_through_bwd is False
