@@ -9,8 +9,8 @@ from typing import Optional, Union
 
 import pytest
 
-from quantlib.calib.registry import AlgorithmConfigError, parse_algorithm
 from quantlib.calib.sequential import SequentialOptions
+from quantlib.calib_config import AlgorithmConfigError, parse_algorithm
 from quantlib.config import QuantizeConfig, QuantizerAttributeConfig
 from quantlib.fields import ConfigError, parse_fields
 
