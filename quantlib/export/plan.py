@@ -3,6 +3,7 @@ anything is packed or written (docs/design.md §8)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -129,9 +130,10 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, stored_experts: bool = False) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
-    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them."""
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them.
+    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
@@ -143,9 +145,13 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
-            items += _fused_items(module, name, layout, direct)
-            direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+        if quant and isinstance(module, fused_cls):
+            if not stored_fused(module, name, layout, carried=stored_experts):
+                items += _fused_items(module, name, layout, direct)
+                direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+            elif stored_experts:
+                items += _stored_items(module, name, layout)
+                direct = {k: t for k, t in direct.items() if k not in module.projections}
         elif quant and "weight" in direct:
             if type(module).weight_groups is not base_groups:  # the base yields this module's weight alone
                 groups = list(module.weight_groups())
@@ -198,6 +204,34 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     return items
 
 
+def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Item]:
+    """One item per projection of a fused-experts module the checkpoint keeps 3-D: every expert's (out, in)
+    slice stacked into one (E * out, in) matrix, packed back into (E, out, ...) (per-row blocks never cross
+    experts). Every expert of every projection must be quantized alike: consumers read the module whole."""
+    from ..plugins.huggingface import expert_weight
+
+    items = []
+    for proj in module.projections:
+        qname = f"{proj}_weight_quantizer"
+        group = getattr(module, qname)
+        members = [group[e] for e in range(module.num_experts)]
+        for e, q in enumerate(members):
+            if not (isinstance(q, TensorQuantizer) and q.is_enabled and q.spec == members[0].spec):
+                what = "a chained quantizer" if isinstance(q, SequentialQuantizer) else describe(q.spec if isinstance(q, TensorQuantizer) and q.is_enabled else None)
+                raise ExportError(f"{name}.{qname}[{e}] = {what}, but {name}.{qname}[0] = {describe(members[0].spec if members[0].is_enabled else None)}: "
+                                  f"the checkpoint keeps {name}.{proj} as one tensor of every expert, so every expert of every projection is quantized alike")
+        refuse_pre_quant_scale([(f"{name}.{qname}", group), (f"{name}.{proj}_input_quantizer", getattr(module, f"{proj}_input_quantizer", None))])
+        w = expert_weight(module, proj, 0)
+        shape = (module.num_experts, *w.shape)
+        get = (lambda proj=proj: torch.stack([expert_weight(module, proj, e).detach() for e in range(module.num_experts)]).reshape(-1, shape[2]))
+        post = (lambda q, shape=shape: dataclasses.replace(q, codes=q.codes.reshape(*shape[:2], -1), scale=q.scale.reshape(*shape[:2], -1), shape=shape))
+        amax = None if any(q.amax is None for q in members) else torch.stack([q.amax for q in members])
+        ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
+        items.append(Item(layout.checkpoint_name(name), "experts", f"{name}.{qname}", get, members[0].spec, amax, ispec, iamax, parent=name, leaf=proj,
+                          shape=(shape[0] * shape[1], shape[2]), input_where=f"{name}.{proj}_input_quantizer", post=post))
+    return items
+
+
 def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[int, float]]:
     """Whether every amax of ``items`` is finite, and the value of each one-element amax of ``scalars``
     (keyed by ``id(item)``): one reduction and one device-to-host read per device, whatever the number
@@ -230,6 +264,8 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
     if it.role == "expert" and packer.experts_why is not None:
         raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
+    if packer.roles is not None and it.role not in packer.roles:
+        raise ExportError(f"{where}: format {packer.fmt.value} quantizes no {it.role} weight ({packer.roles_why}); disable this quantizer")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
     # the format and block checks depend on these alone (the names only make their messages)
@@ -297,12 +333,16 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if packer.model_types is not None and model_type not in packer.model_types:
+        raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers for model_type "
+                          f"{sorted(packer.model_types)} only")
     modules = named_modules(model)
     layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(modules, layout, type(model).__name__)
     folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
-    items = walk(model, layout, modules)
+    items = walk(model, layout, modules, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
