@@ -5,9 +5,7 @@ agree; what the format cannot carry is refused by name. Needs transformers and a
 
 from __future__ import annotations
 
-import copy
 import json
-import warnings
 
 import pytest
 import torch
@@ -15,37 +13,14 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM, Mxfp4Config  # noqa: E402
+from transformers import AutoModelForCausalLM, Mxfp4Config  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
 
 from tests.test_export._families import build, tokens  # noqa: E402
-
-E, H, INTER = 4, 64, 96  # I != H: a transposed or halved gate_up / down shows in the shapes and the logits
-
-
-def gpt_oss(layers: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0) -> GptOssForCausalLM:
-    """A tiny GPT-OSS (sliding and full attention, 4 experts with biases), weights of different magnitudes."""
-    torch.manual_seed(seed)
-    cfg = GptOssConfig(vocab_size=128, hidden_size=H, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                       num_local_experts=E, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8, tie_word_embeddings=False,
-                       layer_types=["sliding_attention", "full_attention"][:layers], experts_implementation="eager")  # fmt: skip
-    model = GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.mul_(1.0 + 0.37 * (i % 5))
-    return model.to(dtype)
-
-
-def quantized(model, cfg=ql.MXFP4_MLP_WEIGHT_ONLY_CFG):
-    model = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ql.quantize(model, cfg, lambda m: m(tokens(5)))
-    return model
-
+from tests.test_export._gpt_oss import E, H, INTER, gpt_oss, quantized  # noqa: E402
 
 def load(path, dtype=torch.float32):
     """transformers' own loader of OpenAI's checkpoints, dequantizing the experts (its CPU path)."""
