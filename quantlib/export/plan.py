@@ -49,8 +49,8 @@ class Item:
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
-    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (its quantizer's pre_quant_scale)
-    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a pre_quant_scale fold)
+    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
+    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
 
 
 @dataclass
@@ -130,7 +130,9 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, stored_experts: bool = False) -> list[Item]:
+def walk(
+    model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, stored_experts: bool = False
+) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
     :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them.
     ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
@@ -208,28 +210,39 @@ def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Ite
     """One item per projection of a fused-experts module the checkpoint keeps 3-D: every expert's (out, in)
     slice stacked into one (E * out, in) matrix, packed back into (E, out, ...) (per-row blocks never cross
     experts). Every expert of every projection must be quantized alike: consumers read the module whole."""
-    from ..plugins.huggingface import expert_weight
+    from ..plugins.hf_experts import expert_weight, flag
 
     items = []
     for proj in module.projections:
         qname = f"{proj}_weight_quantizer"
         group = getattr(module, qname)
         members = [group[e] for e in range(module.num_experts)]
+        first = describe(members[0].spec if members[0].is_enabled else None)
         for e, q in enumerate(members):
             if not (isinstance(q, TensorQuantizer) and q.is_enabled and q.spec == members[0].spec):
-                what = "a chained quantizer" if isinstance(q, SequentialQuantizer) else describe(q.spec if isinstance(q, TensorQuantizer) and q.is_enabled else None)
-                raise ExportError(f"{name}.{qname}[{e}] = {what}, but {name}.{qname}[0] = {describe(members[0].spec if members[0].is_enabled else None)}: "
-                                  f"the checkpoint keeps {name}.{proj} as one tensor of every expert, so every expert of every projection is quantized alike")
-        refuse_pre_quant_scale([(f"{name}.{qname}", group), (f"{name}.{proj}_input_quantizer", getattr(module, f"{proj}_input_quantizer", None))])
+                what = "a chained quantizer" if isinstance(q, SequentialQuantizer) else describe(q.spec if q.is_enabled else None)
+                raise ExportError(f"{name}.{qname}[{e}] = {what}, but {name}.{qname}[0] = {first}: the checkpoint keeps {name}.{proj} "
+                                  "as one tensor of every expert, so every expert of every projection is quantized alike")
+        inp = getattr(module, f"{proj}_input_quantizer", None)
+        refuse_pre_quant_scale([(f"{name}.{qname}", group), (f"{name}.{proj}_input_quantizer", inp)])
         w = expert_weight(module, proj, 0)
         shape = (module.num_experts, *w.shape)
-        get = (lambda proj=proj: torch.stack([expert_weight(module, proj, e).detach() for e in range(module.num_experts)]).reshape(-1, shape[2]))
-        post = (lambda q, shape=shape: dataclasses.replace(q, codes=q.codes.reshape(*shape[:2], -1), scale=q.scale.reshape(*shape[:2], -1), shape=shape))
+        # the 3-D parameter as (E, out, in), a view (no copy until packed: plan_bytes reads the getters)
+        swap = flag(module, "is_transposed")
+        get = (lambda proj=proj: getattr(module, proj).detach().transpose(1, 2) if swap else getattr(module, proj).detach())
+        post = functools.partial(_as_experts, shape=shape)
         amax = None if any(q.amax is None for q in members) else torch.stack([q.amax for q in members])
-        ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
-        items.append(Item(layout.checkpoint_name(name), "experts", f"{name}.{qname}", get, members[0].spec, amax, ispec, iamax, parent=name, leaf=proj,
-                          shape=(shape[0] * shape[1], shape[2]), input_where=f"{name}.{proj}_input_quantizer", post=post))
+        ispec, iamax = _active_input(inp)
+        items.append(Item(layout.checkpoint_name(name), "experts", f"{name}.{qname}", get, members[0].spec, amax, ispec, iamax, parent=name,
+                          leaf=proj, shape=(shape[0] * shape[1], shape[2]), input_where=f"{name}.{proj}_input_quantizer",
+                          pre=lambda w: w.reshape(-1, w.shape[-1]), post=post))
     return items
+
+
+def _as_experts(q: QuantizedTensor, shape: tuple[int, int, int]) -> QuantizedTensor:
+    """A stacked (E * out, in) weight's codes and scales as (E, out, ...)."""
+    e, out = shape[:2]
+    return dataclasses.replace(q, codes=q.codes.reshape(e, out, -1), scale=q.scale.reshape(e, out, -1), shape=shape)
 
 
 def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[int, float]]:
@@ -335,8 +348,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if packer.model_types is not None and model_type not in packer.model_types:
-        raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers for model_type "
-                          f"{sorted(packer.model_types)} only")
+        raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers "
+                          f"for model_type {sorted(packer.model_types)} only")
     modules = named_modules(model)
     layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(modules, layout, type(model).__name__)

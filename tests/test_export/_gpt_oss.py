@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import quantlib as ql
-
 from tests.test_export._families import tokens
 
 E, H, INTER = 4, 64, 96  # I != H: a transposed or halved gate_up / down shows in the shapes and the logits
@@ -21,9 +20,11 @@ def gpt_oss(layers: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0) 
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(seed)
-    cfg = GptOssConfig(vocab_size=128, hidden_size=H, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                       num_local_experts=E, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8, tie_word_embeddings=False,
-                       layer_types=["sliding_attention", "full_attention"][:layers], experts_implementation="eager")  # fmt: skip
+    cfg = GptOssConfig(
+        vocab_size=128, hidden_size=H, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, num_local_experts=E, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"][:layers], experts_implementation="eager",
+    )  # fmt: skip
     model = GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):

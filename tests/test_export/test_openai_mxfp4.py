@@ -18,13 +18,15 @@ from transformers import AutoModelForCausalLM, Mxfp4Config  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-
 from tests.test_export._families import build, tokens  # noqa: E402
-from tests.test_export._gpt_oss import E, H, INTER, gpt_oss, quantized  # noqa: E402
+from tests.test_export._gpt_oss import INTER, E, H, gpt_oss, quantized  # noqa: E402
+
 
 def load(path, dtype=torch.float32):
     """transformers' own loader of OpenAI's checkpoints, dequantizing the experts (its CPU path)."""
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, output_loading_info=True, experts_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=dtype, output_loading_info=True, experts_implementation="eager"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,14 +35,23 @@ def test_transformers_loads_the_experts_bit_exact(tmp_path, dtype):
     manifest = export_checkpoint(model, tmp_path / "q", "openai_mxfp4")
     ckpt = load_file(tmp_path / "q" / "model.safetensors")
     prefix = "model.layers.1.mlp.experts."
-    assert {k: (tuple(v.shape), v.dtype) for k, v in ckpt.items() if k.startswith(prefix)} == {
-        prefix + "gate_up_proj_blocks": ((E, 2 * INTER, H // 32, 16), torch.uint8), prefix + "gate_up_proj_scales": ((E, 2 * INTER, H // 32), torch.uint8),
-        prefix + "down_proj_blocks": ((E, H, INTER // 32, 16), torch.uint8), prefix + "down_proj_scales": ((E, H, INTER // 32), torch.uint8),
-        prefix + "gate_up_proj_bias": ((E, 2 * INTER), dtype), prefix + "down_proj_bias": ((E, H), dtype),
-    }  # fmt: skip
-    assert ckpt["model.layers.0.self_attn.q_proj.weight"].dtype == dtype and not any(k.endswith(("gate_up_proj", "down_proj")) for k in ckpt)
+    want = {
+        "gate_up_proj_blocks": ((E, 2 * INTER, H // 32, 16), torch.uint8),
+        "gate_up_proj_scales": ((E, 2 * INTER, H // 32), torch.uint8),
+        "down_proj_blocks": ((E, H, INTER // 32, 16), torch.uint8),
+        "down_proj_scales": ((E, H, INTER // 32), torch.uint8),
+        "gate_up_proj_bias": ((E, 2 * INTER), dtype),
+        "down_proj_bias": ((E, H), dtype),
+    }
+    assert {k.removeprefix(prefix): (tuple(v.shape), v.dtype) for k, v in ckpt.items() if k.startswith(prefix)} == want
+    assert ckpt["model.layers.0.self_attn.q_proj.weight"].dtype == dtype and not any(
+        k.endswith(("gate_up_proj", "down_proj")) for k in ckpt
+    )
     config = json.loads((tmp_path / "q" / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    assert config["quantization_config"] == {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
     assert set(manifest.quantized_modules) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
 
     loaded, info = load(tmp_path / "q", dtype)
@@ -81,27 +92,39 @@ def test_the_blocks_are_quantlibs_mxfp4_codes_in_openais_byte_order(tmp_path):
 
 def test_other_quantized_linears_are_refused(tmp_path):
     model = quantized(gpt_oss(layers=1), ql.MXFP4_DEFAULT_CFG)
-    with pytest.raises(ExportError, match=r"model.layers.0.self_attn.q_proj.weight_quantizer: format openai_mxfp4 quantizes no linear weight .*GPT-OSS experts alone"):
+    with pytest.raises(
+        ExportError,
+        match=r"model.layers.0.self_attn.q_proj.weight_quantizer: format openai_mxfp4 quantizes no linear weight .*GPT-OSS experts alone",
+    ):
         export_checkpoint(model, tmp_path / "q", "openai_mxfp4")
 
 
 def test_experts_quantized_other_than_mxfp4_or_in_part_are_refused(tmp_path):
     mxfp8 = quantized(gpt_oss(layers=1), ql.MXFP8_EXPERTS_ONLY_CFG)
     ql.disable_quantizer(mxfp8, "*input_quantizer")
-    with pytest.raises(ExportError, match=r"model.layers.0.mlp.experts.gate_up_proj_weight_quantizer = mx element=\(4, 3\).*cannot carry it \(needs MXFP4"):
+    with pytest.raises(
+        ExportError, match=r"model.layers.0.mlp.experts.gate_up_proj_weight_quantizer = mx element=\(4, 3\).*cannot carry it \(needs MXFP4"
+    ):
         export_checkpoint(mxfp8, tmp_path / "q", "openai_mxfp4")
     model = quantized(gpt_oss(layers=1))
     model.model.layers[0].mlp.experts.down_proj_weight_quantizer[2].disable()
-    with pytest.raises(ExportError, match=r"model.layers.0.mlp.experts.down_proj_weight_quantizer\[2\] = disabled, .* every expert of every projection is quantized alike"):
+    with pytest.raises(
+        ExportError,
+        match=r"model.layers.0.mlp.experts.down_proj_weight_quantizer\[2\] = disabled, .* every projection is quantized alike",
+    ):
         export_checkpoint(model, tmp_path / "q2", "openai_mxfp4")
 
 
 def test_a_model_that_is_not_gpt_oss_is_refused(tmp_path):
     model = quantized(build("qwen3_moe"), ql.MXFP4_MLP_WEIGHT_ONLY_CFG)
-    with pytest.raises(ExportError, match=r"Qwen3MoeForCausalLM \(config.model_type 'qwen3_moe'\): format openai_mxfp4 is read .* \['gpt_oss'\] only"):
+    with pytest.raises(
+        ExportError, match=r"Qwen3MoeForCausalLM \(config.model_type 'qwen3_moe'\): format openai_mxfp4 is read .* \['gpt_oss'\] only"
+    ):
         export_checkpoint(model, tmp_path / "q", "openai_mxfp4")
 
 
 def test_other_formats_still_refuse_quantized_gpt_oss_experts_and_name_this_one(tmp_path):
-    with pytest.raises(ExportError, match=r"experts.gate_up_proj_weight_quantizer: .* only format openai_mxfp4 .* carries quantized 3-D experts"):
+    with pytest.raises(
+        ExportError, match=r"experts.gate_up_proj_weight_quantizer: .* only format openai_mxfp4 .* carries quantized 3-D experts"
+    ):
         export_checkpoint(quantized(gpt_oss(layers=1)), tmp_path / "q", "ct_mxfp4")

@@ -11,7 +11,6 @@ pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm
 from safetensors.torch import load_file  # noqa: E402
 
 from quantlib.export import export_checkpoint  # noqa: E402
-
 from tests.test_export._gpt_oss import gpt_oss, quantized  # noqa: E402
 from tests.test_vllm._vllm import load_params, mismatches  # noqa: E402
 
@@ -23,7 +22,9 @@ def _pretend_mxfp4_moe_kernel(monkeypatch) -> None:
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
     from vllm.model_executor.layers.quantization import mxfp4
 
-    monkeypatch.setattr(mxfp4, "select_mxfp4_moe_backend", lambda moe: (Mxfp4MoeBackend.EMULATION, OCP_MXQuantizationEmulationTritonExperts))
+    monkeypatch.setattr(
+        mxfp4, "select_mxfp4_moe_backend", lambda moe: (Mxfp4MoeBackend.EMULATION, OCP_MXQuantizationEmulationTritonExperts)
+    )
 
 
 def test_vllm_gpt_oss_loader_reads_openai_mxfp4_as_stored(tmp_path, monkeypatch):

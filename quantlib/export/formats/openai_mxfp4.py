@@ -26,7 +26,11 @@ class OpenAIMXFP4(Packer):
     model_types = frozenset({"gpt_oss"})
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
-        return None if is_mx(spec, (2, 1)) else "needs MXFP4 weights (E2M1 elements, E8M0 scales per 32), e.g. quantlib.MXFP4_MLP_WEIGHT_ONLY_CFG"
+        return (
+            None
+            if is_mx(spec, (2, 1))
+            else "needs MXFP4 weights (E2M1 elements, E8M0 scales per 32), e.g. quantlib.MXFP4_MLP_WEIGHT_ONLY_CFG"
+        )
 
     def pack_experts(self, proj: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         # q: every expert of one projection, codes [E, out, in/2] and scale bytes [E, out, in/32]
