@@ -30,7 +30,7 @@ from torch import nn
 
 from ..formats import Kind, QuantizedTensor
 from ..kv_cache import ATTENTION_QUANTIZER_NAMES
-from ..nn.containers import QuantizerContainer
+from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .types import ExportError
@@ -170,10 +170,11 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     """A plain linear's scales, or ExportError naming a quantizer whose scale has no linear reading."""
     iq, wq = module._modules.get("input_quantizer"), module._modules.get("weight_quantizer")
     w = getattr(module, "weight", None)
-    plain = isinstance(iq, TensorQuantizer) and isinstance(wq, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
+    first = wq[0] if isinstance(wq, SequentialQuantizer) else wq  # a chain (W4A8) scales the weight in its first member
+    plain = isinstance(iq, TensorQuantizer) and isinstance(first, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
     for qn in module.quantizer_names:
         for leaf in _leaves(module._modules.get(qn)):
-            if _slot(leaf) is not None and not (plain and qn in ("input_quantizer", "weight_quantizer")):
+            if _slot(leaf) is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
                 raise ExportError(f"{name}.{qn}: pre_quant_scale is set on a {type(module).__name__}, which export can fold only for plain linears (input and weight quantizer)")
     if module.quantizers_off():
         return _Linear(module, None, None)  # the original forward: no scale applies
@@ -181,7 +182,7 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     if pin is not None and pin.dim() != 1:
         raise ExportError(f"{name}.input_quantizer: pre_quant_scale of shape {tuple(pin.shape)} (one row per expert); export folds 1-D scales only")
     # a disabled weight quantizer returns the weight untouched (QuantModule.quantize_weight)
-    return _Linear(module, pin, _slot(wq) if wq.is_enabled else None)
+    return _Linear(module, pin, _slot(first) if wq.is_enabled else None)
 
 
 def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: bool, fmt: str) -> Folds:

@@ -51,6 +51,7 @@ class Item:
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
     pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
     post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
+    chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
 
 
 @dataclass
@@ -160,8 +161,9 @@ def walk(
                 if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not direct["weight"]:
                     raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
             q = _child(module, "weight_quantizer")
-            if isinstance(q, SequentialQuantizer) and q.is_enabled:
-                raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
+            chain = _chain(q, f"{name}.weight_quantizer") if isinstance(q, SequentialQuantizer) and q.is_enabled else None
+            if chain is not None:
+                q = q[0]  # the item is the first member's; its second packs beside it (Packer.chain_ok)
             if isinstance(q, TensorQuantizer) and q.is_enabled:
                 w = direct.pop("weight")
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
@@ -170,11 +172,21 @@ def walk(
                 block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
                 items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax, ispec, iamax, extras,
                                   shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
-                                  input_where=f"{name}.input_quantizer", block_amax=block_amax))
+                                  input_where=f"{name}.input_quantizer", block_amax=block_amax, chain=chain))
                 direct = {}
         if direct:
             items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
     return items
+
+
+def _chain(q: SequentialQuantizer, where: str) -> tuple[FormatSpec, Optional[torch.Tensor]]:
+    """The second member (spec, amax) of a two-member weight chain whose members are all enabled (W4A8: INT4 blocks
+    then FP8 per tensor); any other chain is refused by name: no format carries it."""
+    members = list(q)
+    if len(members) != 2 or not all(isinstance(m, TensorQuantizer) and m.is_enabled for m in members):
+        states = ", ".join(describe(m.spec) if m.is_enabled else "disabled" for m in members)
+        raise ExportError(f"{where} = SequentialQuantizer [{states}]: export formats carry a chain of two enabled members only (W4A8_AWQ: INT4 blocks, then FP8)")
+    return members[1].spec, members[1].amax
 
 
 def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict) -> list[Item]:
@@ -282,10 +294,16 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
     # the format and block checks depend on these alone (the names only make their messages)
-    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp)
+    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp, None if it.chain is None else it.chain[0])
     done = passed is not None and key in passed
     if not done:
+        why = packer.chain_ok(None if it.chain is None else it.chain[0], () if it.chain is None or it.chain[1] is None else tuple(it.chain[1].shape))
+        if why is not None:  # the weight's chain first: it decides the format more than its input does
+            second = "none" if it.chain is None else describe(it.chain[0])
+            raise ExportError(f"{where}: chained member 1 = {second}: format {packer.fmt.value} cannot carry it ({why})")
         packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
+    if it.chain is not None and it.chain[1] is None and not it.chain[0].dynamic:
+        raise ExportError(f"{where}[1]: the chain's {describe(it.chain[0])} member has no amax; calibrate first (quantlib.calibrate / quantize)")
     if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
         # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
         what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
@@ -376,10 +394,10 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()
-    scheme = _key(first.spec), _key(first.input_spec)
+    scheme = _key(first.spec), _key(first.input_spec), _key(first.chain and first.chain[0])
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
-        if not packer.mixed and (_key(it.spec), _key(it.input_spec)) != scheme:
+        if not packer.mixed and (_key(it.spec), _key(it.input_spec), _key(it.chain and it.chain[0])) != scheme:
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]

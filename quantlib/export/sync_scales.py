@@ -132,6 +132,10 @@ def refuse_clipped(items: list[Item]) -> None:
 def apply_scales(items: list[Item], scales: Scales, share_experts: bool = False) -> list[Item]:
     """``items`` ready to pack with ``scales``: unchanged (calibrated), checked (static) or with dynamic amax
     (``share_experts``: one per-tensor amax for all experts of a layer, see :func:`dynamic_items`)."""
+    if scales is not Scales.CALIBRATED:
+        chained = next((it for it in items if it.chain is not None), None)
+        if chained is not None:  # the chain's second amax was calibrated on the first member's output
+            raise ExportError(f"{chained.where}: a chained weight quantizer (W4A8) packs with its calibrated scales only; use scales='calibrated'")
     if scales is Scales.DYNAMIC:
         return dynamic_items(items, share_experts=share_experts)
     if scales is Scales.STATIC:

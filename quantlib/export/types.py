@@ -31,6 +31,7 @@ class ExportFormat(str, enum.Enum):
     MODELOPT_NVFP4 = "modelopt_nvfp4"  # ModelOpt NVFP4 / W4A16_NVFP4
     MODELOPT_MXFP8 = "modelopt_mxfp8"  # ModelOpt MXFP8
     MODELOPT_INT4_AWQ = "modelopt_int4_awq"  # ModelOpt W4A16_AWQ: INT4 two rows per byte, pre_quant_scale
+    MODELOPT_W4A8_AWQ = "modelopt_w4a8_awq"  # ModelOpt W4A8_AWQ: INT4 as W4A16_AWQ, FP8 weight_scale_2 and input_scale
     MODELOPT_MIXED = "modelopt_mixed"  # ModelOpt MIXED_PRECISION: quantized_layers names each layer's algorithm
     OPENAI_MXFP4 = "openai_mxfp4"  # OpenAI's GPT-OSS checkpoint: MXFP4 experts as <proj>_blocks / <proj>_scales
 

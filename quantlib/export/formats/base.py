@@ -92,6 +92,11 @@ class Packer:
             if why is not None:
                 raise ExportError(f"{input_name} = {describe(inp)}: format {self.fmt.value} cannot carry it ({why}); disable the input quantizer or pick another format")
 
+    def chain_ok(self, second: Optional[FormatSpec], amax_shape: tuple[int, ...]) -> Optional[str]:
+        """None if the format carries a weight whose chained second quantizer is ``second`` (None: no chain,
+        a single quantizer); else why not."""
+        return None if second is None else "it has no second weight scale for a chain (INT4 then FP8: format modelopt_w4a8_awq)"
+
     def shares_global(self, spec: FormatSpec, inp: Optional[FormatSpec]) -> bool:
         """Whether the consumer fuses siblings of this scheme under one per-tensor (global) scale."""
         return self.siblings_share_global
@@ -107,6 +112,10 @@ class Packer:
     def pack_experts(self, proj: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The tensors of projection ``proj`` of every expert of a stored-fused experts module (``q``: 3-D)."""
         raise ExportError(f"format {self.fmt.value} does not carry fused-experts modules whole")
+
+    def pack_chain(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of a weight's chained second quantizer; only called where ``chain_ok`` accepted."""
+        raise NotImplementedError
 
     def pack_input(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of a module's static input quantizer (none by default)."""
