@@ -266,12 +266,12 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
         if it.amax is not None and not it.amax.is_meta:
             by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax.reshape(-1))
     for it in scalars:
-        if it.amax is not None and not it.amax.is_meta:
-            by_device.setdefault(it.amax.device, ([], []))[1].append(it)
+        if _shared(it) is not None and not _shared(it).is_meta:
+            by_device.setdefault(_shared(it).device, ([], []))[1].append(it)
     finite, values = True, {}
     for device, (amaxes, members) in by_device.items():
         ok = torch.isfinite(torch.cat(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
-        row = torch.cat([ok.float()] + [m.amax.reshape(1) for m in members]).tolist()
+        row = torch.cat([ok.float()] + [_shared(m).reshape(1).float() for m in members]).tolist()
         finite = finite and row[0] == 1.0
         values.update(zip(map(id, members), row[1:]))
     return finite, values
@@ -304,6 +304,8 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
         packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
     if it.chain is not None and it.chain[1] is None and not it.chain[0].dynamic:
         raise ExportError(f"{where}[1]: the chain's {describe(it.chain[0])} member has no amax; calibrate first (quantlib.calibrate / quantize)")
+    if it.chain is not None and it.chain[1] is not None and not it.chain[1].is_meta and not bool(torch.isfinite(it.chain[1]).all()):
+        raise ExportError(f"{where}[1]: amax holds {it.chain[1].flatten()[:4].tolist()}; recalibrate")
     if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
         # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
         what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
@@ -330,9 +332,14 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
             raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of {n / tp:g}, not a whole number of blocks of {b}")
 
 
+def _shared(it: Item) -> Optional[torch.Tensor]:
+    """The amax a sibling group shares when it has one element: a chain's second member's (W4A8's FP8), else the weight's."""
+    return it.chain[1] if it.chain is not None else it.amax
+
+
 def _grouped(items: list[Item]) -> list[Item]:
     """The items whose one-element amax a sibling group shares."""
-    return [it for it in items if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None]
+    return [it for it in items if it.spec is not None and _shared(it) is not None and _shared(it).numel() == 1 and it.group is not None]
 
 
 def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple[str, ...], float]:
@@ -353,11 +360,14 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
             raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ ({values}); {static[0]} has static NVFP4 block scales "
                               "chosen against its own global amax, so they cannot be unified: calibrate with one global amax per sibling group")
         if not unify:
-            detail = ", ".join(f"{m.where} = {v!r}" for m, v in zip(members, values))
+            detail = ", ".join(f"{m.where}{'' if m.chain is None else '[1]'} = {v!r}" for m, v in zip(members, values))
             raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass unify_siblings=True to use their max (the export then differs from the evaluated model)")
         top = max(values)
         for m in members:
-            m.amax = torch.full_like(m.amax, top)
+            if m.chain is not None:
+                m.chain = (m.chain[0], torch.full_like(m.chain[1], top))
+            else:
+                m.amax = torch.full_like(m.amax, top)
         unified[names] = top
     return unified
 
@@ -376,11 +386,32 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     items = walk(model, layout, modules, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    _refuse_split_inputs(plan.items)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
         raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} cannot carry it ({why})")
     return plan
+
+
+def _refuse_split_inputs(items: list[Item]) -> None:
+    """A fused group of chained (W4A8) weights is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed,
+    one input amax): its members must carry one ``pre_quant_scale`` and one input amax."""
+    groups: dict[tuple, list[Item]] = {}
+    for it in items:
+        if it.chain is not None and it.group is not None:
+            groups.setdefault((it.parent, it.group), []).append(it)
+    for first, *rest in groups.values():
+        for m in rest:
+            p0, p1 = first.extras.get("pre_quant_scale"), m.extras.get("pre_quant_scale")
+            if (p0 is None) != (p1 is None) or (p0 is not None and not torch.equal(p0(), p1())):
+                what = "pre_quant_scale"
+            elif (first.input_amax is None) != (m.input_amax is None) or (m.input_amax is not None and not torch.equal(first.input_amax, m.input_amax)):
+                what = "input amax"
+            else:
+                continue
+            raise ExportError(f"{m.input_where} and {first.input_where}: siblings fused by consumers into one GEMM need one {what}, but differ; "
+                              "call quantlib.export.share_pre_quant_scale(model, forward_loop) after calibration (one scale per group, input amax recalibrated)")
 
 
 def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "", what: str = "the model") -> Plan:

@@ -29,8 +29,8 @@ W4A8 = ql.W4A8_AWQ_BETA_CFG
 
 @pytest.fixture(scope="module")
 def models():
-    # Llama (GQA) with q/k/v and gate/up sharing their AWQ scale (it folds into the norms), Qwen3 with every scale its own
-    return {"llama": _calibrated("llama", W4A8), "qwen3": _calibrated("qwen3", W4A8, share=False)}
+    # q/k/v and gate/up share their AWQ scale (it folds into the norms) and their FP8 amax, as ModelOpt's exporter makes them
+    return {"llama": _calibrated("llama", W4A8), "qwen3": _calibrated("qwen3", W4A8)}
 
 
 def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -76,8 +76,13 @@ def test_w4a8_awq_tensors_are_modelopts(models, tmp_path, family):
         assert torch.equal(pack_int4_in_uint8(int4, t["weight_scale"], 128), t["weight"]), name  # ModelOpt's own packing
         assert torch.equal(_modelopt_weight(t, 128), lin.quantize_weight(lin.weight).detach()), name  # the evaluated weight, bit for bit
         carried += "pre_quant_scale" in t
-    # Llama's q/k/v and gate/up scales fold into its norms, Qwen3's (one per linear) are all carried
-    assert carried == (4 if family == "llama" else 14)
+    # q/k/v and gate/up scales fold into the norms; o_proj's (query heads of a GQA group disagree) and down_proj's (up_proj's
+    # rows cannot take it through the chain's FP8 scale) are carried
+    assert carried == 4
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):  # one GEMM for the consumer: one FP8 scale
+        parent = "model.layers.1." + ("self_attn." if group[0] == "q_proj" else "mlp.")
+        assert len({float(mods[parent + leaf]["weight_scale_2"]) for leaf in group}) == 1
+        assert len({float(mods[parent + leaf]["input_scale"]) for leaf in group}) == 1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -131,3 +136,21 @@ def test_w4a8_refusals_name_the_quantizer(models, tmp_path):
             export_checkpoint(llama, tmp_path / "d", "modelopt_w4a8_awq")
     finally:
         second.enable()
+
+
+def test_w4a8_siblings_need_one_scale(tmp_path):
+    """q/k/v and gate/up are one GEMM for the consumer (ModelOpt's exporter resmooths them and takes one FP8 amax): left
+    with their own AWQ scales and FP8 amax, the export refuses, naming them, until share_* gives them one."""
+    from quantlib.export import share_pre_quant_scale, share_sibling_amax
+
+    model = _calibrated("qwen3", W4A8, share=False)
+    with pytest.raises(ExportError, match=r"^siblings \('model\.layers\.0\.self_attn\.q_proj', 'model\.layers\.0\.self_attn\.k_proj', 'model\.layers\.0\.self_attn\.v_proj'\) .*"
+                                          r"model\.layers\.0\.self_attn\.q_proj\.weight_quantizer\[1\] = "):
+        export_checkpoint(model, tmp_path / "a", "modelopt_w4a8_awq")
+    assert share_sibling_amax(model)  # the FP8 members now agree, the AWQ scales still differ
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.k_proj\.input_quantizer and model\.layers\.0\.self_attn\.q_proj\.input_quantizer: "
+                                          r"siblings fused by consumers into one GEMM need one pre_quant_scale"):
+        export_checkpoint(model, tmp_path / "b", "modelopt_w4a8_awq")
+    share_pre_quant_scale(model, lambda m: m(tokens(5)))
+    share_sibling_amax(model)
+    export_checkpoint(model, tmp_path / "c", "modelopt_w4a8_awq")

@@ -21,6 +21,7 @@ from .modelopt_int4_awq import ModelOptInt4AWQ
 
 class ModelOptW4A8AWQ(ModelOptInt4AWQ):
     fmt = ExportFormat.MODELOPT_W4A8_AWQ
+    siblings_share_global = True  # the FP8 member's amax (weight_scale_2): ModelOpt's exporter unifies it over q/k/v and gate/up
     input_required = "a calibrated FP8 E4M3 per-tensor input quantizer (W4A8_AWQ_BETA_CFG)"
 
     def input_ok(self, spec: FormatSpec) -> Optional[str]:
