@@ -386,7 +386,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     items = walk(model, layout, modules, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
-    _refuse_split_inputs(plan.items)
+    _refuse_split_inputs(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
@@ -394,14 +394,18 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     return plan
 
 
-def _refuse_split_inputs(items: list[Item]) -> None:
-    """A fused group of chained (W4A8) weights is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed,
-    one input amax): its members must carry one ``pre_quant_scale`` and one input amax."""
+def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
+    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
+    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
+    ``pre_quant_scale`` and one input amax."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        if it.chain is not None and it.group is not None:
-            groups.setdefault((it.parent, it.group), []).append(it)
+        group = it.group or layout.sibling_group(it.leaf)  # INT4 / W4A16 siblings share no global scale, so it.group is None
+        if it.spec is not None and group is not None:
+            groups.setdefault((it.parent, group), []).append(it)
     for first, *rest in groups.values():
+        if not any(m.chain is not None or "pre_quant_scale" in m.extras for m in (first, *rest)):
+            continue
         for m in rest:
             p0, p1 = first.extras.get("pre_quant_scale"), m.extras.get("pre_quant_scale")
             if (p0 is None) != (p1 is None) or (p0 is not None and not torch.equal(p0(), p1())):
