@@ -65,8 +65,8 @@ class Plan:
 
     @property
     def quantized(self) -> list[str]:
-        """Checkpoint names of the quantized items."""
-        return [i.name for i in self.items if i.spec is not None]
+        """Checkpoint names of the quantized items, each once (a stored-fused experts module has one item per projection)."""
+        return list(dict.fromkeys(i.name for i in self.items if i.spec is not None))
 
 
 def _fused_experts_class() -> type:

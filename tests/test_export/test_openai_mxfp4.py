@@ -52,7 +52,7 @@ def test_transformers_loads_the_experts_bit_exact(tmp_path, dtype):
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
     }
-    assert set(manifest.quantized_modules) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert manifest.quantized_modules == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
     loaded, info = load(tmp_path / "q", dtype)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
