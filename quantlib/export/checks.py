@@ -91,18 +91,19 @@ def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:
                                   "or untie the weights before quantizing")
 
 
-def stored_fused(module: nn.Module, name: str, layout: ModelLayout) -> bool:
+def stored_fused(module: nn.Module, name: str, layout: ModelLayout, carried: bool = False) -> bool:
     """Whether the checkpoint keeps ``module``'s fused experts as they are (3-D, e.g. GPT-OSS's interleaved
-    ``gate_up_proj``): then they pass through whole, and quantized ones are refused (no format carries them)."""
+    ``gate_up_proj``): then they are written whole, and quantized ones are refused unless the format
+    ``carried`` them (``openai_mxfp4``)."""
     projs = layout.experts.get(name, {})
     if STORED_FUSED not in projs.values():
         return False
-    for proj in module.projections:
+    for proj in [] if carried else module.projections:
         q = module._modules.get(f"{proj}_weight_quantizer")
         if q is not None and any(m.is_enabled for m in q.members()):
             raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D "
                               "tensor "
-                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and no export format carries "
-                              "quantized 3-D experts: "
-                              f"disable it (quantlib.disable_quantizer(model, '*experts*'))")
+                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and only format openai_mxfp4 "
+                              "(MXFP4, OpenAI's GPT-OSS checkpoint) carries quantized 3-D experts: export in it, or disable it "
+                              "(quantlib.disable_quantizer(model, '*experts*'))")
     return True

@@ -27,7 +27,8 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
     if it.spec is not None:
         w = it.weight() if it.pre is None else it.pre(it.weight())
         q = real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)
-        tensors.update(p.pack(q if it.post is None else it.post(q)))
+        q = q if it.post is None else it.post(q)
+        tensors.update(p.pack_experts(it.leaf, q) if it.role == "experts" else p.pack(q))
         if it.chain is not None:
             tensors.update(p.pack_chain(*it.chain))
         if it.input_spec is not None:

@@ -3,6 +3,7 @@ anything is packed or written (docs/design.md §8)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -48,8 +49,8 @@ class Item:
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
-    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (its quantizer's pre_quant_scale)
-    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a pre_quant_scale fold)
+    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
+    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
     chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
 
 
@@ -64,8 +65,8 @@ class Plan:
 
     @property
     def quantized(self) -> list[str]:
-        """Checkpoint names of the quantized items."""
-        return [i.name for i in self.items if i.spec is not None]
+        """Checkpoint names of the quantized items, each once (a stored-fused experts module has one item per projection)."""
+        return list(dict.fromkeys(i.name for i in self.items if i.spec is not None))
 
 
 def _fused_experts_class() -> type:
@@ -131,9 +132,12 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+def walk(
+    model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, stored_experts: bool = False
+) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
-    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them."""
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them.
+    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
     fused_cls = _fused_experts_class()
     items: list[Item] = []
     seen: set[int] = set()  # tied parameters are written once, under their first name
@@ -145,9 +149,13 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             continue  # a container: nothing of its own to write or check
         seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
-        if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
-            items += _fused_items(module, name, layout, direct)
-            direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+        if quant and isinstance(module, fused_cls):
+            if not stored_fused(module, name, layout, carried=stored_experts):
+                items += _fused_items(module, name, layout, direct)
+                direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+            elif stored_experts:
+                items += _stored_items(module, name, layout)
+                direct = {k: t for k, t in direct.items() if k not in module.projections}
         elif quant and "weight" in direct:
             if type(module).weight_groups is not base_groups:  # the base yields this module's weight alone
                 groups = list(module.weight_groups())
@@ -221,6 +229,45 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     return items
 
 
+def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Item]:
+    """One item per projection of a fused-experts module the checkpoint keeps 3-D: every expert's (out, in)
+    slice stacked into one (E * out, in) matrix, packed back into (E, out, ...) (per-row blocks never cross
+    experts). Every expert of every projection must be quantized alike: consumers read the module whole."""
+    from ..plugins.hf_experts import expert_weight, flag
+
+    items = []
+    for proj in module.projections:
+        qname = f"{proj}_weight_quantizer"
+        group = getattr(module, qname)
+        members = [group[e] for e in range(module.num_experts)]
+        first = describe(members[0].spec if members[0].is_enabled else None)
+        for e, q in enumerate(members):
+            if not (isinstance(q, TensorQuantizer) and q.is_enabled and q.spec == members[0].spec):
+                what = "a chained quantizer" if isinstance(q, SequentialQuantizer) else describe(q.spec if q.is_enabled else None)
+                raise ExportError(f"{name}.{qname}[{e}] = {what}, but {name}.{qname}[0] = {first}: the checkpoint keeps {name}.{proj} "
+                                  "as one tensor of every expert, so every expert of every projection is quantized alike")
+        inp = getattr(module, f"{proj}_input_quantizer", None)
+        refuse_pre_quant_scale([(f"{name}.{qname}", group), (f"{name}.{proj}_input_quantizer", inp)])
+        w = expert_weight(module, proj, 0)
+        shape = (module.num_experts, *w.shape)
+        # the 3-D parameter as (E, out, in), a view (no copy until packed: plan_bytes reads the getters)
+        swap = flag(module, "is_transposed")
+        get = (lambda proj=proj, swap=swap: getattr(module, proj).detach().transpose(1, 2) if swap else getattr(module, proj).detach())  # noqa: E731
+        post = functools.partial(_as_experts, shape=shape)
+        amax = None if any(q.amax is None for q in members) else torch.stack([q.amax for q in members])
+        ispec, iamax = _active_input(inp)
+        items.append(Item(layout.checkpoint_name(name), "experts", f"{name}.{qname}", get, members[0].spec, amax, ispec, iamax, parent=name,
+                          leaf=proj, shape=(shape[0] * shape[1], shape[2]), input_where=f"{name}.{proj}_input_quantizer",
+                          pre=lambda w: w.reshape(-1, w.shape[-1]), post=post))
+    return items
+
+
+def _as_experts(q: QuantizedTensor, shape: tuple[int, int, int]) -> QuantizedTensor:
+    """A stacked (E * out, in) weight's codes and scales as (E, out, ...)."""
+    e, out = shape[:2]
+    return dataclasses.replace(q, codes=q.codes.reshape(e, out, -1), scale=q.scale.reshape(e, out, -1), shape=shape)
+
+
 def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[int, float]]:
     """Whether every amax of ``items`` is finite, and the value of each one-element amax of ``scalars``
     (keyed by ``id(item)``): one reduction and one device-to-host read per device, whatever the number
@@ -253,6 +300,8 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
     if it.role == "expert" and packer.experts_why is not None:
         raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
+    if packer.roles is not None and it.role not in packer.roles:
+        raise ExportError(f"{where}: format {packer.fmt.value} quantizes no {it.role} weight ({packer.roles_why}); disable this quantizer")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this "
                           "quantizer)")
@@ -306,6 +355,11 @@ def _shared(it: Item) -> Optional[torch.Tensor]:
     return it.chain[1] if it.chain is not None else it.amax
 
 
+def _shared(it: Item) -> Optional[torch.Tensor]:
+    """The amax a sibling group shares when it has one element: a chain's second member's (W4A8's FP8), else the weight's."""
+    return it.chain[1] if it.chain is not None else it.amax
+
+
 def _grouped(items: list[Item]) -> list[Item]:
     """The items whose one-element amax a sibling group shares."""
     return [it for it in items if it.spec is not None and _shared(it) is not None and _shared(it).numel() == 1 and it.group is not None]
@@ -347,15 +401,19 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1,
               version: str = "") -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if packer.model_types is not None and model_type not in packer.model_types:
+        raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers "
+                          f"for model_type {sorted(packer.model_types)} only")
     modules = named_modules(model)
     layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(modules, layout, type(model).__name__)
     folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
     kv, kv_spec = plan_kv(model, packer, layout, modules)
-    items = walk(model, layout, modules)
+    items = walk(model, layout, modules, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
-    _refuse_split_inputs(plan.items)
+    _refuse_split_inputs(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
@@ -364,14 +422,18 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     return plan
 
 
-def _refuse_split_inputs(items: list[Item]) -> None:
-    """A fused group of chained (W4A8) weights is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed,
-    one input amax): its members must carry one ``pre_quant_scale`` and one input amax."""
+def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
+    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
+    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
+    ``pre_quant_scale`` and one input amax."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        if it.chain is not None and it.group is not None:
-            groups.setdefault((it.parent, it.group), []).append(it)
+        group = it.group or layout.sibling_group(it.leaf)  # INT4 / W4A16 siblings share no global scale, so it.group is None
+        if it.spec is not None and group is not None:
+            groups.setdefault((it.parent, group), []).append(it)
     for first, *rest in groups.values():
+        if not any(m.chain is not None or "pre_quant_scale" in m.extras for m in (first, *rest)):
+            continue
         for m in rest:
             p0, p1 = first.extras.get("pre_quant_scale"), m.extras.get("pre_quant_scale")
             if (p0 is None) != (p1 is None) or (p0 is not None and not torch.equal(p0(), p1())):

@@ -230,23 +230,38 @@ def test_modelopt_int4_awq(tmp_path):
     pytest.importorskip("modelopt")
     from modelopt.torch.export.quant_utils import pack_int4_in_uint8
 
-    model = _calibrated("llama", ql.INT4_AWQ_CFG, share=False)  # siblings keep their own scales: all carried
+    model = _calibrated("llama", ql.INT4_AWQ_CFG)  # siblings share their scales (they fold into the norms)
+    o = "model.layers.0.self_attn.o_proj"
+    with torch.no_grad():
+        _pqs(model, o).reshape(2, 2, 32)[:, 1] *= 2  # its query heads disagree (GQA): it folds nowhere, so it is carried
     export_checkpoint(model, tmp_path / "c", "modelopt_int4_awq")
     hf_quant = json.loads((tmp_path / "c" / "hf_quant_config.json").read_text())["quantization"]
     assert (hf_quant["quant_algo"], hf_quant["group_size"], hf_quant["pre_quant_scale"]) == ("W4A16_AWQ", 128, True)
     sd = load_file(tmp_path / "c" / "model.safetensors")
-    q = "model.layers.0.self_attn.q_proj"
-    assert torch.equal(sd[f"{q}.pre_quant_scale"], _pqs(model, q))
+    assert torch.equal(sd[f"{o}.pre_quant_scale"], _pqs(model, o))
     assert "model.layers.0.mlp.down_proj.pre_quant_scale" not in sd  # folded into up_proj's rows
-    assert "model.layers.0.self_attn.o_proj.pre_quant_scale" in sd  # its query heads disagree (GQA): carried
-    m = model.get_submodule(q)
+    assert "model.layers.0.self_attn.q_proj.pre_quant_scale" not in sd  # folded into input_layernorm
+    m = model.get_submodule(o)
     fq = m.quantize_weight(m.weight).detach()
-    assert torch.equal(pack_int4_in_uint8(fq, sd[f"{q}.weight_scale"], 128), sd[f"{q}.weight"])  # ModelOpt's packing of our weights
-    packed = sd[f"{q}.weight"]
+    assert torch.equal(pack_int4_in_uint8(fq, sd[f"{o}.weight_scale"], 128), sd[f"{o}.weight"])  # ModelOpt's packing of our weights
+    packed = sd[f"{o}.weight"]
     codes = torch.stack([(packed & 0xF).to(torch.int8), (packed >> 4).to(torch.int8)], 1).reshape(-1, packed.shape[1])
     codes = torch.where(codes > 7, codes - 16, codes)
-    got = codes.float() * sd[f"{q}.weight_scale"].repeat_interleave(128, dim=1)
+    got = codes.float() * sd[f"{o}.weight_scale"].repeat_interleave(128, dim=1)
     assert (got - fq).abs().max() <= 1e-6 * fq.abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_modelopt_int4_awq_siblings_with_their_own_scales_refused(tmp_path, family):
+    """ModelOpt's exporter resmooths q/k/v and gate/up to one pre_quant_scale (TensorRT-LLM runs each group as one GEMM on one
+    scaled input); quantlib's AWQ searches each linear on its own, so unshared siblings are refused, naming both."""
+    model = _calibrated(family, ql.INT4_AWQ_CFG, share=False)
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.k_proj.input_quantizer and "
+                                          r"model.layers.0.self_attn.q_proj.input_quantizer: "
+                                          r"siblings fused by consumers into one GEMM need one pre_quant_scale, but differ; call "
+                                          r"quantlib.export.share_pre_quant_scale"):
+        export_checkpoint(model, tmp_path / "c", "modelopt_int4_awq")
+    assert not (tmp_path / "c").exists()
 
 
 def test_model_without_fold_rules_refused(tmp_path):

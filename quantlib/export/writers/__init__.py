@@ -20,11 +20,12 @@ from .modelopt_mixed import ModelOptMixed
 from .modelopt_mxfp8 import ModelOptMXFP8
 from .modelopt_nvfp4 import ModelOptNVFP4
 from .modelopt_w4a8_awq import ModelOptW4A8AWQ
+from .openai_mxfp4 import OpenAIMXFP4
 
-_PACKERS: dict[ExportFormat, Packer] = {p.fmt: p for p in (HFFP8Block(), HFFP8BlockUE8M0(), HFMXFP8(), CTFP8Block(), CTNVFP4(), CTMXFP4(),
-                                                           CTMXFP8(), CTIntPack(), CTInt8(), ModelOptFP8(), ModelOptFP8PB(),
-                                                           ModelOptNVFP4(), ModelOptMXFP8(), ModelOptInt4AWQ(), ModelOptW4A8AWQ(),
-                                                           CTMixed(), ModelOptMixed())}
+_PACKERS: dict[ExportFormat, Packer] = {p.fmt: p for p in (
+    HFFP8Block(), HFFP8BlockUE8M0(), HFMXFP8(), CTFP8Block(), CTNVFP4(), CTMXFP4(), CTMXFP8(), CTIntPack(), CTInt8(), ModelOptFP8(),
+    ModelOptFP8PB(), ModelOptNVFP4(), ModelOptMXFP8(), ModelOptInt4AWQ(), ModelOptW4A8AWQ(), CTMixed(), ModelOptMixed(), OpenAIMXFP4(),
+)}  # fmt: skip
 assert set(_PACKERS) == set(ExportFormat), "every ExportFormat has one packer"
 
 

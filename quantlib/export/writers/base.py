@@ -64,6 +64,13 @@ class Packer:
     carries_pre_quant_scale: bool = False
     #: True where one export may carry several schemes (:mod:`.mixed`)
     mixed: bool = False
+    #: True where the format carries a quantized fused-experts module whole, as the checkpoint stores it (3-D)
+    stores_fused_experts: bool = False
+    #: the item roles the format quantizes (None: any) and why it takes no others
+    roles: Optional[frozenset] = None
+    roles_why: str = ""
+    #: the ``config.model_type`` values the format's consumers read it for (None: any)
+    model_types: Optional[frozenset] = None
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""
@@ -102,6 +109,10 @@ class Packer:
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of one quantized weight (local names)."""
         raise NotImplementedError
+
+    def pack_experts(self, proj: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """The tensors of projection ``proj`` of every expert of a stored-fused experts module (``q``: 3-D)."""
+        raise ExportError(f"format {self.fmt.value} does not carry fused-experts modules whole")
 
     def pack_chain(self, spec: FormatSpec, amax: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint tensors of a weight's chained second quantizer; only called where ``chain_ok`` accepted."""
