@@ -276,7 +276,7 @@ def _shard_amax(name: str, m: nn.Module, sync: StatSync, extent: int) -> Widen:
         if attr == "block_amax":
             return join_shards(amax, -1, sync, m) if split == 1 else amax
         try:
-            dim = tp_shard_dim(leaf, amax.dim(), split, extent, tp, f"{name}.weight_quantizer")
+            dim = tp_shard_dim(leaf.spec, leaf.axis, amax.dim(), split, extent, tp, f"{name}.weight_quantizer")
         except LayoutError as exc:
             raise CalibrationError(str(exc)) from None
         if dim is None:
@@ -292,11 +292,11 @@ def _check_layout(name: str, m: nn.Module, w: torch.Tensor, sync: StatSync) -> N
     if sync.role(m) != "row":
         return
     for leaf in _leaves(m.weight_quantizer):
-        if leaf.spec.kind == Kind.NVFP4 and w.shape[1] % leaf.spec.block[-1]:
+        if leaf.spec.two_level and w.shape[1] % leaf.spec.block[-1]:
             why = f"NVFP4 blocks of {leaf.spec.block[-1]} straddle its {sync.shards(m)} tensor-parallel shards of {w.shape[1]} columns"
             raise CalibrationError(f"{where}: gptq cannot join the block scales of a row-parallel linear whose {why}")
         try:
-            tp_shard_dim(leaf, 2, 1, w.shape[1], sync.shards(m), where)
+            tp_shard_dim(leaf.spec, leaf.axis, 2, 1, w.shape[1], sync.shards(m), where)
         except LayoutError as exc:
             raise CalibrationError(str(exc)) from None
 

@@ -17,6 +17,7 @@ from torch import nn
 from ..export.fold import Folds, plan_folds, times_rows
 from ..nn.quant_module import QuantModule
 from ..plugins import hf_experts
+from .model import NO_HUB_KERNELS
 from .options import PipelineError
 
 #: format -> how the consumer's weight must compare with quantlib's: "exact"; "bf16ulp1" (compressed-tensors
@@ -198,7 +199,7 @@ def reload_export(
     dense weights then loaded by transformers); None and the reason when the consumer is not installed."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code)
+    kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code, **NO_HUB_KERNELS)
     if fmt.startswith("hf_"):
         try:
             return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""

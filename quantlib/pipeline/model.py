@@ -84,6 +84,11 @@ def torch_dtype(name: str, path: str) -> Any:
     return DTYPES[name]
 
 
+#: transformers >= 5.2x swaps layers for hub kernels by default where the ``kernels`` package is installed (and
+#: raises where it is not, on a GPU): quantlib quantizes the model's own layers and never downloads
+NO_HUB_KERNELS = {"use_kernels": False}
+
+
 def load_model(path: str, dtype: str, trust_remote_code: bool) -> nn.Module:
     """``AutoModelForCausalLM`` of ``path`` on the CPU, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -91,7 +96,7 @@ def load_model(path: str, dtype: str, trust_remote_code: bool) -> nn.Module:
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype(dtype, path), local_files_only=True, trust_remote_code=trust_remote_code
+                path, dtype=torch_dtype(dtype, path), local_files_only=True, trust_remote_code=trust_remote_code, **NO_HUB_KERNELS
             )
     except PipelineError:
         raise

@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
-from quantlib import kernels  # noqa: E402
 from quantlib.export import iter_packed  # noqa: E402
 from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
 from tests.test_export._export_models import quantized, weight_only  # noqa: E402
@@ -75,8 +74,13 @@ def llama(layers: int):
 def reads(monkeypatch, fmt: str, layers: int) -> tuple[list[str], list[str], int]:
     """(reads before the first yield, reads after it, modules yielded) of one iteration."""
     model = quantized(llama(layers), CASES[fmt])
-    real = kernels.resolve
-    monkeypatch.setattr(kernels, "resolve", lambda backend, device: real("reference" if backend == "auto" else backend, device))
+    from quantlib import kernels
+    from quantlib.kernels import ops
+
+    real = ops.select  # every op picks its kernel through select: AUTO runs the reference (no host-tensor shortcuts)
+    pick = lambda op, backend, device: real(op, "reference" if backend == "auto" else backend, device)  # noqa: E731
+    monkeypatch.setattr(ops, "select", pick)
+    monkeypatch.setattr(kernels, "select", pick)
     with counting(monkeypatch) as c:
         c.on = True
         it = iter_packed(model, fmt)

@@ -185,15 +185,15 @@ def test_nvfp4_qat_quantizes_each_projection_in_one_kernel_call(family, preset, 
     model = ql.quantize(tiny_model(family), cfg, lambda m: m(input_ids(seed=5)))
     m = [e for _, e in expert_modules(model)][0]
     assert all(q.block_amax is not None for q in m.gate_up_proj_weight_quantizer.children()) == (preset != "nvfp4")
-    real, shapes = ops.implementation, []
+    real, shapes = ops.select, []
 
-    def counting(op, backend):
-        fn = real(op, backend)
+    def counting(op, backend, device):
+        fn = real(op, backend, device)
         if op != "fake_quant":
             return fn
         return lambda x, *args: shapes.append(tuple(x.shape)) or fn(x, *args)
 
-    monkeypatch.setattr(ops, "implementation", counting)
+    monkeypatch.setattr(ops, "select", counting)
     idx, w = _routing(m.num_experts, seed=10)
     hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(11))
     m.train()

@@ -20,10 +20,10 @@ from .test_transformer_engine import _batches, _loop, grouped, registered  # noq
 def fq_calls(monkeypatch):
     """Counter of fake-quant implementation calls by (format kind, input shape)."""
     calls: collections.Counter = collections.Counter()
-    real = ops.implementation
+    real = ops.select
 
-    def counting(op, backend):
-        fn = real(op, backend)
+    def counting(op, backend, device):
+        fn = real(op, backend, device)
         if op != "fake_quant":
             return fn
 
@@ -33,7 +33,7 @@ def fq_calls(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(ops, "implementation", counting)
+    monkeypatch.setattr(ops, "select", counting)
     return calls
 
 
