@@ -9,6 +9,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
 from .layouts import ModelLayout
+from .modules import ModuleWalk
 from .types import ExportError
 
 _HOW = ("pass export_checkpoint(..., layout=quantlib.export.ModelLayout(name, siblings=((...), ...), shards={...}, column=..., row=...)) "
@@ -26,9 +27,11 @@ def _linears(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module,
     out = []
     for name, module in modules:
         if isinstance(module, QuantModule):
-            w, q = module._parameters.get("weight"), _weight_quantizer(module)
-            if w is not None and q is not None and w.dim() == 2:
-                out.append((name, module, q.is_enabled))
+            w = module._parameters.get("weight")
+            if w is not None and w.dim() == 2:
+                q = _weight_quantizer(module)
+                if q is not None:
+                    out.append((name, module, q.is_enabled))
         elif isinstance(module, nn.Linear):
             out.append((name, module, False))
     return out
@@ -39,10 +42,10 @@ def _in_features(module: QuantModule) -> int:
     return next(iter(module.weight_groups()))[1][0].shape[1]
 
 
-def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, what: str) -> None:
+def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
     shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
-    linears = _linears(modules)
+    linears = _linears(walk.modules)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
     known = None if layout.standalone is None else layout.standalone | {leaf for g in layout.siblings for leaf in g}
@@ -64,7 +67,8 @@ def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, w
         if len(names) > 1:
             raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not know); "
                               f"fused siblings need one global scale, so say which are: {_HOW}")
-    _refuse_tied(modules)
+    if walk.tied:  # else no weight has a second owner
+        _refuse_tied(walk.modules)
 
 
 def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:

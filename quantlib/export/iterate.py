@@ -10,6 +10,7 @@ from torch import nn
 from ..formats import Kind
 from .formats import Packer, as_format, packer as get_packer
 from .layouts import ModelLayout, layout_for
+from .modules import ModuleWalk
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
@@ -125,7 +126,8 @@ def iter_packed(
     if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
-    plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
+    mw = ModuleWalk(model)  # one traversal for the layout and the plan
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp, modules=mw)
     config = getattr(model, "_quantlib_config", None)
     plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))

@@ -3,6 +3,8 @@ own persistent tensors."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -45,3 +47,42 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         children = [(prefix + k, c) for k, c in module._modules.items() if c is not None and not isinstance(c, _QUANTIZERS)]
         stack.extend(reversed(children))
     return out
+
+
+class ModuleWalk:
+    """One traversal of a model shared by every pass of an export plan: ``modules`` (:func:`named_modules`),
+    ``owners`` ((name, module, :func:`_direct`) of each module holding tensors of its own, a tied tensor
+    under its first owner's name only, as the checkpoint holds it) and ``tied`` (some tensor has two owners).
+    ``names``: the transformers checkpoint names found for this walk (:mod:`.hf_names`), once asked."""
+
+    __slots__ = ("modules", "owners", "tied", "names")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: Optional[tuple] = None
+        self.modules = modules = named_modules(model)
+        self.owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]] = []
+        seen: set[int] = set()
+        tied = False
+        for name, module in modules:
+            params, buffers = module._parameters, module._buffers
+            if not params and not buffers:
+                continue  # a container: most modules besides the linears and norms
+            direct = {}
+            for k, p in params.items():
+                if p is not None:
+                    if id(p) in seen:
+                        tied = True
+                    else:
+                        direct[k] = p
+            if buffers:
+                skip = module._non_persistent_buffers_set
+                for k, b in buffers.items():
+                    if b is not None and k not in skip:
+                        if id(b) in seen:
+                            tied = True
+                        else:
+                            direct[k] = b
+            if direct:
+                seen.update(map(id, direct.values()))
+                self.owners.append((name, module, direct))
+        self.tied = tied

@@ -20,7 +20,7 @@ from .formats import ConfigInfo, Packer
 from .formats.base import Scheme, describe
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
-from .modules import _direct, named_modules
+from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .types import ExportError
 
 
@@ -129,19 +129,25 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> list[Item]:
+def walk(model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
-    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them."""
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one."""
     fused_cls = _fused_experts_class()
+    mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
-    seen: set[int] = set()  # tied parameters are written once, under their first name
     base_groups = QuantModule.weight_groups
-    for name, module in named_modules(model) if modules is None else modules:
-        direct = _direct(module, seen)
+    renamed, shards, tp_axis = layout.renames.get, layout.shards.get, layout.tp_axis
+    owners, at = mw.owners, 0
+    owner = owners[0][1] if owners else None
+    for name, module in mw.modules:
+        direct: dict = {}
+        if module is owner:  # owners are in module order: tied tensors already left to their first owner
+            direct = owners[at][2]
+            at += 1
+            owner = owners[at][1] if at < len(owners) else None
         quant = isinstance(module, QuantModule)
         if not direct and not quant:
             continue  # a container: nothing of its own to write or check
-        seen.update(map(id, direct.values()))
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
             items += _fused_items(module, name, layout, direct)
@@ -155,17 +161,16 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str
             if isinstance(q, SequentialQuantizer) and q.is_enabled:
                 raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
             if isinstance(q, TensorQuantizer) and q.is_enabled:
-                w = direct.pop("weight")
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
-                extras = {k: _live(module, k) for k in direct}
+                extras = {k: _live(module, k) for k in direct if k != "weight"}
                 spec = q.spec
                 block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
-                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax, ispec, iamax, extras,
-                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=tuple(w.shape),
+                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax, ispec, iamax, extras,
+                                  shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf), shape=tuple(direct["weight"].shape),
                                   input_where=f"{name}.input_quantizer", block_amax=block_amax))
-                direct = {}
+                continue
         if direct:
-            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
+            items.append(Item(renamed(name, name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
     return items
 
 
@@ -295,14 +300,16 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
     return unified
 
 
-def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "") -> Plan:
-    """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
-    modules = named_modules(model)
-    layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
-    check_structure(modules, layout, type(model).__name__)
-    folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
-    kv, kv_spec = plan_kv(model, packer, layout, modules)
-    items = walk(model, layout, modules)
+def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "",
+              modules: Optional[ModuleWalk] = None) -> Plan:
+    """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer.
+    ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout)."""
+    mw = ModuleWalk(model) if modules is None else modules  # one traversal shared by every pass below
+    layout = with_checkpoint_names(model, layout, mw)  # a layout passed by hand still gets transformers' names (cached)
+    check_structure(mw, layout, type(model).__name__)
+    folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value)
+    kv, kv_spec = plan_kv(model, packer, layout, mw.modules)
+    items = walk(model, layout, mw)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
