@@ -18,22 +18,22 @@ _HOW = ("pass export_checkpoint(..., layout=quantlib.export.ModelLayout(name, si
 
 def _weight_quantizer(module: nn.Module):
     q = module._modules.get("weight_quantizer")
-    return q if isinstance(q, TensorQuantizer) else None
+    return q if type(q) is TensorQuantizer or isinstance(q, TensorQuantizer) else None
 
 
-def _linears(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
+def _linears(walk: ModuleWalk) -> list[tuple[str, nn.Module, bool]]:
     """(name, module, weight quantizer enabled) of each linear: a quantized module with a 2-D weight of its
     own, or an ``nn.Linear`` left unconverted (never quantized)."""
     out = []
-    for name, module in modules:
-        if isinstance(module, QuantModule):
-            w = module._parameters.get("weight")
-            if w is not None and w.dim() == 2:
-                q = _weight_quantizer(module)
-                if q is not None:
-                    out.append((name, module, q.is_enabled))
-        elif isinstance(module, nn.Linear):
+    for name, module, quant in walk.linears:
+        if not quant:
             out.append((name, module, False))
+            continue
+        w = module._parameters.get("weight")
+        if w is not None and w.dim() == 2:
+            q = _weight_quantizer(module)
+            if q is not None:
+                out.append((name, module, q.is_enabled))
     return out
 
 
@@ -45,7 +45,7 @@ def _in_features(module: QuantModule) -> int:
 def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
     shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
-    linears = _linears(walk.modules)
+    linears = _linears(walk)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
     known = None if layout.standalone is None else layout.standalone | {leaf for g in layout.siblings for leaf in g}

@@ -87,7 +87,8 @@ def _signature(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> 
         append(mname)
         for pname, t in direct.items():
             append(pname)
-            append(_probe_shape(module, t))
+            d = t.ndim
+            append(d if d != 3 else _probe_shape(module, t))  # only 3-D tensors may be fused experts
     return sig
 
 
@@ -111,7 +112,7 @@ def transformers_names(model: nn.Module, walk: Optional[ModuleWalk] = None) -> t
     return names
 
 
-def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
+def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> tuple[dict[str, str], dict]:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers < 5 keeps module names as checkpoint names

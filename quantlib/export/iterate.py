@@ -127,7 +127,8 @@ def iter_packed(
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
     mw = ModuleWalk(model)  # one traversal for the layout and the plan
-    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp, modules=mw)
+    unify = unify_siblings or source is Scales.DYNAMIC
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw)
     config = getattr(model, "_quantlib_config", None)
     plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))

@@ -68,8 +68,11 @@ def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: Packe
 def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
     """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
     :class:`ExportError` naming the quantizer where the format cannot carry it. ``modules``: the
-    model's named modules, where the caller has them (quantizers may be left out)."""
+    model's named modules, where the caller has them (quantizers may be left out, and modules without a
+    child of an attention quantizer's name: :attr:`~quantlib.export.modules.ModuleWalk.attention`)."""
     checked: list[tuple[str, TensorQuantizer]] = []  # finiteness is checked for all at once, below
+    if not modules and modules is not None:
+        return [], None  # no attention quantizer anywhere
     try:
         items, first = _walk_kv(model.named_modules() if modules is None else modules, packer, layout, checked)
     except ExportError:

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors
 
 from ..formats import FormatSpec, Kind, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
@@ -81,7 +82,7 @@ def _live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:
 
 
 def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optional[torch.Tensor]]:
-    if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+    if not (type(q) is TensorQuantizer or isinstance(q, TensorQuantizer)) or not q.is_enabled:
         return None, None
     return q.spec, q.amax
 
@@ -137,17 +138,7 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = 
     items: list[Item] = []
     base_groups = QuantModule.weight_groups
     renamed, shards, tp_axis = layout.renames.get, layout.shards.get, layout.tp_axis
-    owners, at = mw.owners, 0
-    owner = owners[0][1] if owners else None
-    for name, module in mw.modules:
-        direct: dict = {}
-        if module is owner:  # owners are in module order: tied tensors already left to their first owner
-            direct = owners[at][2]
-            at += 1
-            owner = owners[at][1] if at < len(owners) else None
-        quant = isinstance(module, QuantModule)
-        if not direct and not quant:
-            continue  # a container: nothing of its own to write or check
+    for name, module, direct, quant in mw.entries:  # containers hold nothing of their own to write or check
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
             items += _fused_items(module, name, layout, direct)
@@ -158,19 +149,21 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = 
                 if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not direct["weight"]:
                     raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
             q = _child(module, "weight_quantizer")
-            if isinstance(q, SequentialQuantizer) and q.is_enabled:
+            plain = type(q) is TensorQuantizer  # most quantizers: no isinstance chain
+            if not plain and isinstance(q, SequentialQuantizer) and q.is_enabled:
                 raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
-            if isinstance(q, TensorQuantizer) and q.is_enabled:
+            if (plain or isinstance(q, TensorQuantizer)) and q.is_enabled:
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
                 extras = {k: _live(module, k) for k in direct if k != "weight"}
                 spec = q.spec
                 block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
-                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax, ispec, iamax, extras,
-                                  shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf), shape=tuple(direct["weight"].shape),
-                                  input_where=f"{name}.input_quantizer", block_amax=block_amax))
+                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
+                                  ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
+                                  shape=tuple(direct["weight"].shape), input_where=f"{name}.input_quantizer", block_amax=block_amax))
                 continue
         if direct:
-            items.append(Item(renamed(name, name), "unquantized", name, extras={k: _live(module, k) for k in direct}, parent=parent, leaf=leaf))
+            extras = {k: _live(module, k) for k in direct}
+            items.append(Item(renamed(name, name), "unquantized", name, extras=extras, parent=parent, leaf=leaf))
     return items
 
 
@@ -210,13 +203,14 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[Item]]] = {}
     for it in items:
         if it.amax is not None and not it.amax.is_meta:
-            by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax.reshape(-1))
+            by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax)
     for it in scalars:
         if it.amax is not None and not it.amax.is_meta:
             by_device.setdefault(it.amax.device, ([], []))[1].append(it)
     finite, values = True, {}
     for device, (amaxes, members) in by_device.items():
-        ok = torch.isfinite(torch.cat(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
+        # flattened and concatenated in one call: a reshape per amax is a Python call each
+        ok = torch.isfinite(_flatten_dense_tensors(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
         row = torch.cat([ok.float()] + [m.amax.reshape(1) for m in members]).tolist()
         finite = finite and row[0] == 1.0
         values.update(zip(map(id, members), row[1:]))
@@ -237,11 +231,12 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
         raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
-    # the format and block checks depend on these alone (the names only make their messages)
-    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp)
+    # the format and block checks depend on these alone (the names only make their messages); the specs by
+    # identity (they outlive ``passed``): hashing a spec's fields per item costs more than an equal spec's recheck
+    key = (id(spec), it.amax.shape if it.amax is not None else (), id(it.input_spec), it.shape, it.rows, it.tp_axis, tp)
     done = passed is not None and key in passed
     if not done:
-        packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
+        packer.check(spec, tuple(key[1]), it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
     if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
         # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
         what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
@@ -270,7 +265,7 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
 
 def _grouped(items: list[Item]) -> list[Item]:
     """The items whose one-element amax a sibling group shares."""
-    return [it for it in items if it.spec is not None and it.amax is not None and it.amax.numel() == 1 and it.group is not None]
+    return [it for it in items if it.group is not None and it.spec is not None and it.amax is not None and it.amax.numel() == 1]
 
 
 def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple[str, ...], float]:
@@ -307,8 +302,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     mw = ModuleWalk(model) if modules is None else modules  # one traversal shared by every pass below
     layout = with_checkpoint_names(model, layout, mw)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(mw, layout, type(model).__name__)
-    folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value)
-    kv, kv_spec = plan_kv(model, packer, layout, mw.modules)
+    folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
+    kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
     items = walk(model, layout, mw)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
@@ -325,19 +320,27 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     if not quantized:
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
+    # specs are frozen and a model's quantizers share a few spec objects: what depends on the specs alone
+    # is asked again only where they are other objects than the previous item's
+    spec = inp = shares = None
     for it in quantized:
-        it.group = layout.sibling_group(it.leaf) if packer.shares_global(it.spec, it.input_spec) else None
+        if it.spec is not spec or it.input_spec is not inp:
+            spec, inp = it.spec, it.input_spec
+            shares = packer.shares_global(spec, inp)
+        it.group = layout.sibling_group(it.leaf) if shares else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()
     scheme = _key(first.spec), _key(first.input_spec)
+    mixed = packer.mixed
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
-        if not packer.mixed and (_key(it.spec), _key(it.input_spec)) != scheme:
+        other = it.spec is not first.spec or it.input_spec is not first.input_spec  # the same objects: the same scheme
+        if not mixed and other and (_key(it.spec), _key(it.input_spec)) != scheme:
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
-    per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
+    per_tensor = first.amax is not None and first.spec.block is None and first.amax.numel() == 1
     info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version, schemes=_schemes(quantized))
     return Plan(items, info, unified)
 
@@ -345,9 +348,13 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
 def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
     """The export's schemes (weight and input spec, one amax per tensor or not) and their modules, in order."""
     by: dict[tuple, list[Item]] = {}
+    spec = inp = keys = None
     for it in quantized:
-        per_tensor = it.amax is not None and it.amax.numel() == 1 and it.spec.block is None
-        by.setdefault((_key(it.spec), _key(it.input_spec), per_tensor), []).append(it)
+        if it.spec is not spec or it.input_spec is not inp:  # the previous item's spec objects: their keys
+            spec, inp = it.spec, it.input_spec
+            keys = _key(spec), _key(inp)
+        per_tensor = it.amax is not None and spec.block is None and it.amax.numel() == 1
+        by.setdefault((*keys, per_tensor), []).append(it)
     return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)), tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
 
