@@ -33,7 +33,9 @@ class KVItem:
 
 
 def _enabled(module: nn.Module, qname: str) -> Optional[TensorQuantizer]:
-    q = getattr(module, qname, None)
+    # the quantizers are submodules: nn.Module.__getattr__ finds them only after missing three dicts
+    sub = module._modules
+    q = sub[qname] if qname in sub else getattr(module, qname, None)
     return q if isinstance(q, TensorQuantizer) and q.is_enabled else None
 
 

@@ -210,6 +210,9 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
     finite, values = True, {}
     for device, (amaxes, members) in by_device.items():
         # flattened and concatenated in one call: a reshape per amax is a Python call each
+        if not members:  # the finiteness alone: one read of the flag, without a cast and a cat
+            finite = bool(torch.isfinite(_flatten_dense_tensors(amaxes)).all()) and finite
+            continue
         ok = torch.isfinite(_flatten_dense_tensors(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
         row = torch.cat([ok.float()] + [m.amax.reshape(1) for m in members]).tolist()
         finite = finite and row[0] == 1.0
@@ -348,13 +351,14 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
 def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
     """The export's schemes (weight and input spec, one amax per tensor or not) and their modules, in order."""
     by: dict[tuple, list[Item]] = {}
-    spec = inp = keys = None
+    spec = inp = keys = last = None
     for it in quantized:
-        if it.spec is not spec or it.input_spec is not inp:  # the previous item's spec objects: their keys
+        per_tensor = it.amax is not None and it.spec.block is None and it.amax.numel() == 1
+        if it.spec is not spec or it.input_spec is not inp or per_tensor != keys[2]:  # else the previous item's scheme
             spec, inp = it.spec, it.input_spec
-            keys = _key(spec), _key(inp)
-        per_tensor = it.amax is not None and spec.block is None and it.amax.numel() == 1
-        by.setdefault((*keys, per_tensor), []).append(it)
+            keys = (_key(spec), _key(inp), per_tensor)
+            last = by.setdefault(keys, [])
+        last.append(it)
     return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)), tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
 
