@@ -3,6 +3,8 @@ groups quantized whole, leaves the layout can name, tied weights, experts a chec
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from ..nn.quant_module import QuantModule
@@ -48,13 +50,15 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     linears = _linears(walk)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
-    known = None if layout.standalone is None else layout.standalone | {leaf for g in layout.siblings for leaf in g}
+    # what the layout can name: its standalone leaves and its siblings' (a leaf in no group is known if standalone)
+    standalone = layout.standalone
+    group_of: dict[str, Optional[tuple[str, ...]]] = {}  # a model repeats a handful of leaf names
     for name, module, enabled in linears:
         parent, _, leaf = name.rpartition(".")
-        group = layout.sibling_group(leaf)
+        group = group_of[leaf] if leaf in group_of else group_of.setdefault(leaf, layout.sibling_group(leaf))
         if group is not None:
             groups.setdefault((parent, group), []).append((name, enabled))
-        elif known is not None and enabled and leaf not in known:
+        elif standalone is not None and enabled and leaf not in standalone:
             # only linears that read inputs of one width can be fused into one GEMM
             unknown.setdefault((parent, _in_features(module)), []).append(name)
     for (parent, group), members in groups.items():

@@ -16,6 +16,7 @@ in 2-D under the family's names (``mlp.experts.{e}.gate_proj``, Mixtral's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -145,7 +146,12 @@ def layout_for(model: nn.Module, walk: Optional[ModuleWalk] = None) -> ModelLayo
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return GENERIC
-    return with_checkpoint_names(model, LAYOUTS.get(model_type) or dataclasses.replace(TRANSFORMERS, name=model_type), walk)
+    return with_checkpoint_names(model, LAYOUTS.get(model_type) or _transformers_layout(model_type), walk)
+
+
+@functools.lru_cache(maxsize=None)  # one per model_type, shared as a registered layout is: a replace per call cost 5-10 us
+def _transformers_layout(model_type: str) -> ModelLayout:
+    return dataclasses.replace(TRANSFORMERS, name=model_type)
 
 
 def with_checkpoint_names(model: nn.Module, layout: ModelLayout, walk: Optional[ModuleWalk] = None) -> ModelLayout:

@@ -12,7 +12,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.export import iter_packed, modules  # noqa: E402
 from quantlib.kv_cache import ATTENTION_QUANTIZER_NAMES, FP8_KV_CFG, merge_kv_config  # noqa: E402
 from quantlib.nn.quant_module import QuantModule  # noqa: E402
-
 from tests.test_export import _families as fam  # noqa: E402
 
 
@@ -37,7 +36,8 @@ def test_walk_lists_what_torch_lists(family, tie):
     assert owned == expected
     assert walk.tied is tie
     assert [n for n, *_ in walk.entries] == [n for n, m in walk.modules if n in {o for o, *_ in walk.owners} or isinstance(m, QuantModule)]
-    assert [(n, q) for n, _, q in walk.linears] == [(n, isinstance(m, QuantModule)) for n, m in walk.modules if isinstance(m, (QuantModule, torch.nn.Linear))]
+    linears = [(n, isinstance(m, QuantModule)) for n, m in walk.modules if isinstance(m, (QuantModule, torch.nn.Linear))]
+    assert [(n, q) for n, _, q in walk.linears] == linears
     attention = [n for n, m in walk.modules if set(ATTENTION_QUANTIZER_NAMES) & set(m._modules)]
     assert [n for n, _ in walk.attention] == attention and attention
 
