@@ -13,20 +13,6 @@ from ..nn.containers import QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 
-
-def _direct(module: nn.Module, seen: frozenset | set = frozenset()) -> dict[str, torch.Tensor]:
-    """The module's own persistent tensors not in ``seen`` (ids): read from its dicts, since
-    named_parameters(recurse=False) costs a generator and a memo per module."""
-    params, buffers = module._parameters, module._buffers
-    if not params and not buffers:
-        return {}
-    out = {k: p for k, p in params.items() if p is not None and id(p) not in seen}
-    for k, b in buffers.items():
-        if b is not None and k not in module._non_persistent_buffers_set and id(b) not in seen:
-            out[k] = b
-    return out
-
-
 _QUANTIZERS = (TensorQuantizer, QuantizerContainer)
 _ATTENTION = frozenset(ATTENTION_QUANTIZER_NAMES)
 _QUANTIZER, _QUANT, _LINEAR = 1, 2, 4
@@ -52,7 +38,7 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 class ModuleWalk:
     """One traversal of a model shared by every pass of an export plan: ``modules`` (:func:`named_modules`);
-    ``owners`` ((name, module, :func:`_direct`) of each module holding tensors of its own, a tied tensor
+    ``owners`` ((name, module, its own persistent tensors by name) of each module holding any, a tied tensor
     under its first owner's name only, as the checkpoint holds it); ``tied`` (some tensor has two owners);
     ``entries`` ((name, module, its tensors, is a QuantModule) of the owners and the quantized modules);
     ``linears`` ((name, module, is a QuantModule) of the quantized modules and plain ``nn.Linear``);
