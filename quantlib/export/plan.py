@@ -154,7 +154,7 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = 
                 raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
             if (plain or isinstance(q, TensorQuantizer)) and q.is_enabled:
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
-                extras = {k: _live(module, k) for k in direct if k != "weight"}
+                extras = {k: _live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
                 spec = q.spec
                 block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
                 items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
