@@ -1,8 +1,8 @@
 """Build of quantlib: the pure-Python package plus the optional compiled extension ``quantlib._C``.
 
 The C++ CPU kernels (csrc/cpu) are always built; the CUDA kernels (csrc/cuda) when the installed torch
-has CUDA, nvcc is found, and a GPU is visible or TORCH_CUDA_ARCH_LIST names the architectures. Install with ``pip install --no-build-isolation .`` so the build uses the
-torch already installed (an isolated build would fetch another torch).
+has CUDA, nvcc is found, and a GPU is visible or TORCH_CUDA_ARCH_LIST names the architectures. Install with
+``pip install --no-build-isolation .`` so the build uses the torch already installed (an isolated build would fetch another torch).
 """
 
 import glob
@@ -32,7 +32,8 @@ def extensions():
     if use_cuda:
         ext = cpp_extension.CUDAExtension(
             sources=cpu_sources + cuda_sources,
-            extra_compile_args={"cxx": cxx + ["-DQUANTLIB_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17", "-DQUANTLIB_WITH_CUDA", "--fmad=false"]},
+            extra_compile_args={"cxx": cxx + ["-DQUANTLIB_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17", "-DQUANTLIB_WITH_CUDA",
+                                                                                "--fmad=false"]},
             **kwargs,
         )
     else:
@@ -45,7 +46,11 @@ ext_modules, cmdclass = extensions()
 # triton: a range, not a pin: torch's CUDA builds require their own triton (torch 2.13.0's: 3.7.1), and an
 # exact pin made pip trade the user's torch for an older release. 3.6-3.8 pass the interpreter tests;
 # 3.9.0's interpreter refuses our kernels' masks ("mask has unsupported dtype", 2026-12-03)
-TEST = ["pytest", "pytest-xdist", "hypothesis", "triton>=3.6.0,<3.9; platform_system == 'Linux' and platform_machine == 'x86_64'"]
+# ruff: pinned, as a newer release adds findings of its own (tests/test_lint.py runs it on the tree)
+TEST = ["pytest", "pytest-xdist", "hypothesis", "triton>=3.6.0,<3.9; platform_system == 'Linux' and platform_machine == 'x86_64'",
+        "ruff==0.17.6",
+        # the calibration-data readers of quantlib quantize: Parquet files and cached Hugging Face datasets
+        "pyarrow", "datasets"]
 # psutil: Megatron-Core 0.16.1's dist checkpointing needs it but does not declare it (it hangs without)
 MEGATRON = ["megatron-core==0.16.1; python_version < '3.12'", "megatron-core>=0.16.1; python_version >= '3.12'", "psutil"]
 TRANSFORMERS = ["transformers>=5.14"]

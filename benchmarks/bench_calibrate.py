@@ -184,7 +184,9 @@ def timed_pair(f, g, device: str, repeat: int = 10) -> tuple[float, float]:
 
 
 def in_subprocess(args, lib: str, preset: str, what: str, malloc: str = "fixed") -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--phase", lib, preset, what, "--device", args.device, "--dim", str(args.dim), "--blocks", str(args.blocks), "--tokens", str(args.tokens), "--batches", str(args.batches)] + (["--warmup"] if args.warmup else [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", lib, preset, what, "--device", args.device, "--dim", str(args.dim),
+           "--blocks", str(args.blocks), "--tokens", str(args.tokens), "--batches",
+           str(args.batches)] + (["--warmup"] if args.warmup else [])
     # a fixed mmap threshold: glibc's sliding one keeps freed activations in the heap at random, which
     # made peak RSS of the same run vary 2x; with it, RSS follows the live memory (runs agree to 0.1 MiB)
     # --reuse-freed-memory instead keeps everything in glibc's heap: no page faults on fresh outputs
@@ -193,11 +195,13 @@ def in_subprocess(args, lib: str, preset: str, what: str, malloc: str = "fixed")
     big = str(2**30)
     if args.reuse_freed_memory and malloc == "fixed":
         malloc = "reuse"
-    settings = {"fixed": dict(MALLOC_MMAP_THRESHOLD_="65536"), "reuse": dict(MALLOC_MMAP_THRESHOLD_=big, MALLOC_TRIM_THRESHOLD_=big), "default": {}}
+    settings = {"fixed": dict(MALLOC_MMAP_THRESHOLD_="65536"), "reuse": dict(MALLOC_MMAP_THRESHOLD_=big, MALLOC_TRIM_THRESHOLD_=big),
+                "default": {}}
     env = dict(os.environ, **settings[malloc])
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
-        print(f"  {lib} {preset} {what} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}", file=sys.stderr)
+        print(f"  {lib} {preset} {what} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}",
+              file=sys.stderr)
         return None
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -229,10 +233,13 @@ def main() -> None:
         print(json.dumps(forward_phase(args, lib, preset) if what == "forward" else phase(args, lib, preset, what)))
         return
     mo = None if args.no_modelopt else modelopt_available()
-    print(f"# bench_calibrate: {args.blocks} blocks of {args.dim}->{4 * args.dim}->{args.dim}, {args.batches} batches of {args.tokens} tokens, fp32, device {args.device}")
-    print(f"# torch {torch.__version__}, python {platform.python_version()}, ModelOpt {mo or 'not installed'}, {platform.processor() or platform.machine()}, {os.cpu_count()} cpus")
+    print(f"# bench_calibrate: {args.blocks} blocks of {args.dim}->{4 * args.dim}->{args.dim}, {args.batches} batches of {args.tokens} "
+          f"tokens, fp32, device {args.device}")
+    print(f"# torch {torch.__version__}, python {platform.python_version()}, ModelOpt {mo or 'not installed'}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus")
     bare = in_subprocess(args, "quantlib", "INT8", "bare")
-    print(f"\n(a) bare forward loop: {bare['time'] * 1e3:.1f} ms; model {bare['model_bytes'] / 2**20:.1f} MiB; peak extra memory {bare['peak_extra'] / 2**20:.1f} MiB\n")
+    print(f"\n(a) bare forward loop: {bare['time'] * 1e3:.1f} ms; model {bare['model_bytes'] / 2**20:.1f} MiB; peak extra memory "
+          f"{bare['peak_extra'] / 2**20:.1f} MiB\n")
     # on the CPU, (c) is also timed with glibc as users have it: the fixed mmap threshold that steadies
     # peak RSS makes every fresh activation page-fault, which a quantized forward has more of
     own_malloc = not args.device.startswith("cuda") and not args.reuse_freed_memory
@@ -240,7 +247,8 @@ def main() -> None:
     # peak RSS includes pages of libraries' code first touched by (b) (aminmax, the C++ kernels): a fixed
     # few MiB, whatever the model's size; "data" leaves them out of both (a) and (b)
     data_col = " peak (b)/(a), data |" if own_malloc else ""
-    print("| preset | lib | (a) in the same process ms | (b) quantize ms | (b)/(a) | first (b) ms | (c) fwd ms | (c)/bare fwd | target (c) | peak (b)/(a) | peak (b) extra / model |" + data_col + extra)
+    print("| preset | lib | (a) in the same process ms | (b) quantize ms | (b)/(a) | first (b) ms | (c) fwd ms | (c)/bare fwd | target (c) "
+          "| peak (b)/(a) | peak (b) extra / model |" + data_col + extra)
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if own_malloc else ""))
     for preset in args.presets:
         libs = ["quantlib"] + (["modelopt"] if mo and (args.device.startswith("cuda") or preset in MODELOPT_CPU) else [])
@@ -251,9 +259,11 @@ def main() -> None:
                 continue
             target = 1.05 if preset in WEIGHT_ONLY else 1.15
             print(
-                f"| {preset} | {lib} | {r['bare_loop'] * 1e3:.1f} | {r['time'] * 1e3:.1f} | {r['time'] / r['bare_loop']:.3f} | {r['first'] * 1e3:.1f} | {r['fwd'] * 1e3:.2f} | {r['fwd'] / r['bare_fwd']:.3f} | <= {target} |"
+                f"| {preset} | {lib} | {r['bare_loop'] * 1e3:.1f} | {r['time'] * 1e3:.1f} | {r['time'] / r['bare_loop']:.3f} | "
+                f"{r['first'] * 1e3:.1f} | {r['fwd'] * 1e3:.2f} | {r['fwd'] / r['bare_fwd']:.3f} | <= {target} |"
                 f" {max(r['peak_extra'], 1) / max(bare['peak_extra'], 1):.3f} | {r['peak_extra'] / bare['model_bytes']:.3f} |"
-                + (f" {max(r['peak_extra'] - r['code_pages'], 1) / max(bare['peak_extra'] - bare['code_pages'], 1):.3f} |" + own(args, lib, preset) if own_malloc else ""),
+                + (f" {max(r['peak_extra'] - r['code_pages'], 1) / max(bare['peak_extra'] - bare['code_pages'], 1):.3f} |"
+                   + own(args, lib, preset) if own_malloc else ""),
                 flush=True,
             )
 

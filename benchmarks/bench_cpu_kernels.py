@@ -97,7 +97,8 @@ def baselines(x: torch.Tensor, reps: int, min_time: float) -> str:
     out = torch.empty_like(x)
     t_new, t_copy = (statistics.median(ts) for ts in _timings([lambda: x * 2, lambda: out.copy_(x)], reps, min_time))
     nbytes = 2 * x.numel() * x.element_size()
-    return (f"{str(x.dtype).replace('torch.', '')} baselines: torch `x * 2` (fresh output) {t_new * 1e3:.1f} ms = {nbytes / t_new / 1e9:.1f} GB/s; "
+    return (f"{str(x.dtype).replace('torch.', '')} baselines: torch `x * 2` (fresh output) {t_new * 1e3:.1f} ms = "
+            f"{nbytes / t_new / 1e9:.1f} GB/s; "
             f"copy into a preallocated tensor {t_copy * 1e3:.1f} ms = {nbytes / t_copy / 1e9:.1f} GB/s.")
 
 
@@ -112,7 +113,7 @@ def run(size: int, dtypes: list[torch.dtype], reps: int, min_time: float) -> tup
             if not _same(cpu_out, ref_out):
                 raise AssertionError(f"{name} ({dtype}): cpu and reference outputs differ")
             nbytes = x.numel() * x.element_size() + _nbytes(ref_out)
-            ts_ref, ts_cpu = _timings([lambda: case("reference"), lambda: case("cpu")], reps, min_time)
+            ts_ref, ts_cpu = _timings([lambda case=case: case("reference"), lambda case=case: case("cpu")], reps, min_time)
             t_ref, t_cpu = statistics.median(ts_ref), statistics.median(ts_cpu)
             rows.append(dict(op=name, dtype=str(dtype).replace("torch.", ""), ref_ms=t_ref * 1e3, cpu_ms=t_cpu * 1e3,
                              ref_gbs=nbytes / t_ref / 1e9, cpu_gbs=nbytes / t_cpu / 1e9, cpu_best_gbs=nbytes / min(ts_cpu) / 1e9,

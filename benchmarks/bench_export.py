@@ -39,13 +39,14 @@ import torch
 
 import quantlib as ql
 from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax, sync_pairs
-from quantlib.export.formats import packer
 from quantlib.export.modules import ModuleWalk
 from quantlib.export.plan import make_plan
+from quantlib.export.writers import packer
 
 #: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name)
 RECIPES = {
-    "fp8_block": ("FP8 128x128 weights (HF fine-grained FP8)", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
+    "fp8_block": ("FP8 128x128 weights (HF fine-grained FP8)", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block",
+                  "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
     "mxfp8": ("MXFP8 W8A8 (HF mxfp8)", "MXFP8_DEFAULT_CFG", "hf_mxfp8", "MXFP8_DEFAULT_CFG"),
     "fp8": ("FP8 per tensor W8A8 (ModelOpt FP8)", "FP8_DEFAULT_CFG", "modelopt_fp8", "FP8_DEFAULT_CFG"),
     "nvfp4": ("NVFP4 W4A4 (ModelOpt NVFP4)", "NVFP4_DEFAULT_CFG", "modelopt_nvfp4", "NVFP4_DEFAULT_CFG"),
@@ -57,8 +58,10 @@ def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])  # fmt: skip
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False,
+                      architectures=["LlamaForCausalLM"])  # fmt: skip
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -81,9 +84,8 @@ def sync(device: str) -> None:
 
 def timed(fn: Callable[[object], object], runs: int, fresh: Callable[[], object], device: str, warmup: int = 3) -> float:
     """Median seconds of ``fn(fresh())``, synchronised once before and once after each run, with the
-    garbage collector paused (as timeit does) and three warm-ups. On the H200 (2026-12-04), with one
-    warm-up and the collector on, a recipe timed first took 0.6 ms more than the same recipe timed
-    second (FP8 128x128: 3.81 against 3.16 ms); the cause was not isolated."""
+    garbage collector paused (as timeit does) and three warm-ups: with one warm-up and the collector on,
+    a recipe timed first ran slower than the same recipe timed second (benchmarks/RESULTS_export_h200.md)."""
     times = []
     gc.collect()
     gc.disable()
@@ -193,7 +195,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int, args: argparse.Namespace) -> tuple[list[tuple], list[str]]:
+def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int,
+                 args: argparse.Namespace) -> tuple[list[tuple], list[str]]:
     """The rows (label, seconds, quantlib's seconds where this is ModelOpt's) and notes of one recipe."""
     label, ql_cfg, fmt, mo_cfg = RECIPES[key.strip()]
     dev, rows, notes = args.device, [], []
@@ -208,14 +211,17 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
     rows.append((f"{label}: quantlib sync_pairs, scales from the weights (memory)", sync_s, None))
     if dev.startswith("cuda"):
         peak, largest = peak_extra(ours, fmt, dev)
-        notes.append(f"{label}: peak device memory above the model while iterating {peak / 1e6:.1f} MB; largest module's packed tensors {largest / 1e6:.1f} MB")
+        notes.append(f"{label}: peak device memory above the model while iterating {peak / 1e6:.1f} MB; largest module's packed tensors "
+                     f"{largest / 1e6:.1f} MB")
     if args.profile:
         k = kernel_seconds(lambda: drop_all(ours, fmt), dev)
         if k is not None:
-            notes.append(f"{label}: device kernels of one iteration {k * 1e3:.3f} ms ({nbytes / k / 1e9:.0f} GB/s of bf16 weights) against {ours_s * 1e3:.3f} ms end to end")
+            notes.append(f"{label}: device kernels of one iteration {k * 1e3:.3f} ms ({nbytes / k / 1e9:.0f} GB/s of bf16 weights) against "
+                         f"{ours_s * 1e3:.3f} ms end to end")
     if args.disk:
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append((f"{label}: quantlib export_checkpoint (disk)", timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours, dev), None))
+            rows.append((f"{label}: quantlib export_checkpoint (disk)",
+                         timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours, dev), None))
     ours = None  # free its device memory before ModelOpt's copies
     theirs = None if args.no_modelopt else modelopt_quantized(base, mo_cfg, ids)
     if theirs is None:
@@ -233,7 +239,8 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
         from modelopt.torch.export import export_hf_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append((f"{label}: ModelOpt export_hf_checkpoint (disk)", timed(lambda m: export_hf_checkpoint(m, export_dir=f"{tmp}/m"), args.runs, lambda: copy.deepcopy(theirs), dev), None))
+            rows.append((f"{label}: ModelOpt export_hf_checkpoint (disk)", timed(lambda m: export_hf_checkpoint(m, export_dir=f"{tmp}/m"),
+                                                                                 args.runs, lambda: copy.deepcopy(theirs), dev), None))
     return rows, notes
 
 
@@ -254,8 +261,10 @@ def main(argv: Optional[list[str]] = None) -> list[tuple]:
         notes += n
     gpu = f" ({torch.cuda.get_device_name()})" if dev.startswith("cuda") else ""
     lines = [
-        (f"{datetime.date.today()} {platform.node()} {dev}{gpu} torch {torch.__version__} threads {torch.get_num_threads()}; Llama hidden {args.hidden}, "
-         f"intermediate {args.intermediate}, {args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of {args.runs} after three warm-ups (garbage collector paused), one device sync a run"),
+        (f"{datetime.date.today()} {platform.node()} {dev}{gpu} torch {torch.__version__} threads {torch.get_num_threads()}; Llama hidden "
+         f"{args.hidden}, "
+         f"intermediate {args.intermediate}, {args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of "
+         f"{args.runs} after three warm-ups (garbage collector paused), one device sync a run"),
         "",
         "| what | ms | GB/s of bf16 weights | of the copy | quantlib's speed-up |",
         "|---|---|---|---|---|",

@@ -47,7 +47,8 @@ def build_layer(experts: int, hidden: int, width: int, top_k: int, impl: str, dt
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=width, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, experts_implementation=impl)
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=width, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=True, experts_implementation=impl)
     torch.manual_seed(0)
     layer = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
@@ -116,7 +117,8 @@ def run_modelopt(shape: tuple, args, name: str, x: torch.Tensor) -> dict:
     """ModelOpt's numbers, measured in a child process: its HF plugin re-registers transformers' experts
     class process-wide, which would change every layer built after it in this process."""
     cmd = [sys.executable, os.path.abspath(__file__), "--modelopt-child", name, ",".join(map(str, shape)), "--device", args.device,
-           "--top-k", str(args.top_k), "--reps", str(args.reps), "--tokens", str(x.shape[1])] + (["--small"] if args.small else [])  # fmt: skip
+           "--top-k", str(args.top_k), "--reps", str(args.reps), "--tokens", str(x.shape[1])]  # fmt: skip
+    cmd += ["--small"] if args.small else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("MODELOPT ")]
     if done.returncode != 0 or not lines:
@@ -143,7 +145,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; --small: 5)")
-    p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation of the unquantized layer")
+    p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation "
+                                                                                                   "of the unquantized layer")
     p.add_argument("--no-modelopt", action="store_true")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
@@ -160,10 +163,12 @@ def main() -> None:
     for shape in SMALL_SHAPES if args.small else SHAPES:
         x = torch.randn(1, tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
         impl, base = baseline(shape, args, x)
-        print(f"E={shape[0]} H={shape[1]} I={shape[2]} top-{args.top_k} tokens={tokens} {args.dtype} {args.device}: unquantized ({impl}) fwd {base['fwd'] * 1e3:.2f} ms, fwd+bwd {base['fwd_bwd'] * 1e3:.2f} ms")
+        print(f"E={shape[0]} H={shape[1]} I={shape[2]} top-{args.top_k} tokens={tokens} {args.dtype} {args.device}: unquantized ({impl}) "
+              f"fwd {base['fwd'] * 1e3:.2f} ms, fwd+bwd {base['fwd_bwd'] * 1e3:.2f} ms")
         for preset in args.presets:
             ours_name, theirs_name, weight_only = PRESETS[preset]
-            row = {"experts": shape[0], "hidden": shape[1], "width": shape[2], "top_k": args.top_k, "tokens": tokens, "dtype": str(args.dtype), "device": args.device,
+            row = {"experts": shape[0], "hidden": shape[1], "width": shape[2], "top_k": args.top_k, "tokens": tokens,
+                   "dtype": str(args.dtype), "device": args.device,
                    "preset": preset, "weight_only": weight_only, "baseline_impl": impl, "unquantized": base}  # fmt: skip
             row["quantlib"] = run_quantlib(shape, args, ours_name, x)
             if not args.no_modelopt:
@@ -176,26 +181,32 @@ def main() -> None:
             report(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "rows": rows}, f, indent=1)
+            json.dump({"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                       "rows": rows}, f, indent=1)
     print_table(rows)
 
 
 def report(row: dict) -> None:
     q, b = row["quantlib"], row["unquantized"]
     mo = row.get("modelopt")
-    extra = f", ModelOpt fwd {mo['fwd'] * 1e3:.2f} / fwd+bwd {mo['fwd_bwd'] * 1e3:.2f} ms" if mo else f", ModelOpt: {row.get('modelopt_error', 'not run')}"
-    print(f"  {row['preset']}: quantlib fwd {q['fwd'] * 1e3:.2f} ms ({q['fwd'] / b['fwd']:.2f}x), fwd+bwd {q['fwd_bwd'] * 1e3:.2f} ms ({q['fwd_bwd'] / b['fwd_bwd']:.2f}x){extra}")
+    extra = (f", ModelOpt fwd {mo['fwd'] * 1e3:.2f} / fwd+bwd {mo['fwd_bwd'] * 1e3:.2f} ms" if mo
+             else f", ModelOpt: {row.get('modelopt_error', 'not run')}")
+    print(f"  {row['preset']}: quantlib fwd {q['fwd'] * 1e3:.2f} ms ({q['fwd'] / b['fwd']:.2f}x), fwd+bwd {q['fwd_bwd'] * 1e3:.2f} ms "
+          f"({q['fwd_bwd'] / b['fwd_bwd']:.2f}x){extra}")
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| E | H | I | preset | unquantized fwd / fwd+bwd ms | quantlib fwd / fwd+bwd ms | vs unquantized | ModelOpt fwd / fwd+bwd ms | ModelOpt / quantlib |")
+    print("\n| E | H | I | preset | unquantized fwd / fwd+bwd ms | quantlib fwd / fwd+bwd ms | vs unquantized | ModelOpt fwd / fwd+bwd ms "
+          "| ModelOpt / quantlib |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b, q, mo = r["unquantized"], r["quantlib"], r.get("modelopt")
         mo_t = f"{mo['fwd'] * 1e3:.2f} / {mo['fwd_bwd'] * 1e3:.2f}" if mo else r.get("modelopt_error", "-")[:40]
         mo_r = f"{mo['fwd'] / q['fwd']:.2f}x / {mo['fwd_bwd'] / q['fwd_bwd']:.2f}x" if mo else "-"
-        print(f"| {r['experts']} | {r['hidden']} | {r['width']} | {r['preset']}{' (W only)' if r['weight_only'] else ''} | {b['fwd'] * 1e3:.2f} / {b['fwd_bwd'] * 1e3:.2f} ({r['baseline_impl']}) "
-              f"| {q['fwd'] * 1e3:.2f} / {q['fwd_bwd'] * 1e3:.2f} | {q['fwd'] / b['fwd']:.2f}x / {q['fwd_bwd'] / b['fwd_bwd']:.2f}x | {mo_t} | {mo_r} |")  # fmt: skip
+        print(f"| {r['experts']} | {r['hidden']} | {r['width']} | {r['preset']}{' (W only)' if r['weight_only'] else ''} | "
+              f"{b['fwd'] * 1e3:.2f} / {b['fwd_bwd'] * 1e3:.2f} ({r['baseline_impl']}) "
+              f"| {q['fwd'] * 1e3:.2f} / {q['fwd_bwd'] * 1e3:.2f} | {q['fwd'] / b['fwd']:.2f}x / {q['fwd_bwd'] / b['fwd_bwd']:.2f}x | "
+              f"{mo_t} | {mo_r} |")  # fmt: skip
 
 
 if __name__ == "__main__":

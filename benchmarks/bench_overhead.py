@@ -31,11 +31,13 @@ def build(family: str, hidden: int, layers: int, experts: int) -> torch.nn.Modul
     """A ``family`` ("qwen3_moe" or "llama") causal LM with random weights, eager experts and attention."""
     import transformers as T
 
-    common = dict(vocab_size=1024, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+    common = dict(vocab_size=1024, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=hidden // 8,
                   max_position_embeddings=512, attn_implementation="eager")  # fmt: skip
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        cfg = T.Qwen3MoeConfig(**common, intermediate_size=4 * hidden, moe_intermediate_size=hidden, num_experts=experts, num_experts_per_tok=2, experts_implementation="eager")
+        cfg = T.Qwen3MoeConfig(**common, intermediate_size=4 * hidden, moe_intermediate_size=hidden, num_experts=experts,
+                               num_experts_per_tok=2, experts_implementation="eager")
         return T.Qwen3MoeForCausalLM(cfg).eval()
     return T.LlamaForCausalLM(T.LlamaConfig(**common, intermediate_size=4 * hidden)).eval()
 
@@ -68,7 +70,8 @@ def run(family: str, args: argparse.Namespace) -> dict:
     ma, mb = statistics.median(ta), statistics.median(tb)
     ca, cb = time_alternating(eager, copy.deepcopy(eager), x, args.repeats)
     control = statistics.median(cb) / statistics.median(ca)
-    return {"family": family, "quantizers_disabled": disabled, "eager_ms": 1e3 * ma, "disabled_ms": 1e3 * mb, "ratio": mb / ma, "control_ratio": control}
+    return {"family": family, "quantizers_disabled": disabled, "eager_ms": 1e3 * ma, "disabled_ms": 1e3 * mb, "ratio": mb / ma,
+            "control_ratio": control}
 
 
 def main() -> None:
@@ -84,9 +87,11 @@ def main() -> None:
     import transformers
 
     results = [run(f, args) for f in ("qwen3_moe", "llama")]
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(), "args": vars(args)}
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "args": vars(args)}
     for r in results:
-        print(f"{r['family']:10s} eager {r['eager_ms']:8.3f} ms   all {r['quantizers_disabled']} quantizers disabled {r['disabled_ms']:8.3f} ms   ratio {r['ratio']:.3f}   (eager copy / eager: {r['control_ratio']:.3f})")
+        print(f"{r['family']:10s} eager {r['eager_ms']:8.3f} ms   all {r['quantizers_disabled']} quantizers disabled "
+              f"{r['disabled_ms']:8.3f} ms   ratio {r['ratio']:.3f}   (eager copy / eager: {r['control_ratio']:.3f})")
     print(json.dumps(meta))
     if args.json:
         tmp = args.json + ".tmp"

@@ -7,6 +7,7 @@ recipe on the same calibration windows, and ``export_hf_checkpoint`` (its unifie
 check stage. The import of each library is timed apart (ModelOpt's pulls in Megatron-Core's modules).
 
     python benchmarks/bench_pipeline.py                               # the embedded model, FP8_DEFAULT_CFG, CPU
+    python benchmarks/bench_pipeline.py --device cuda                 # both flows on the GPU
     python benchmarks/bench_pipeline.py --model DIR --preset NVFP4_DEFAULT_CFG --json out.json
 """
 
@@ -26,8 +27,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 
-def modelopt_flow(model_dir: str, preset: str, windows, batch_size: int, out_dir: str) -> dict[str, float]:
-    """Stage -> seconds of ModelOpt's flow (the pipeline's own load and perplexity, so only calibrate and export differ)."""
+def _now(device: torch.device) -> float:
+    """perf_counter after the device's queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def modelopt_flow(model_dir: str, preset: str, windows, batch_size: int, out_dir: str, device: torch.device) -> dict[str, float]:
+    """Stage -> seconds of ModelOpt's flow on ``device`` (the pipeline's own load and perplexity, so only calibrate
+    and export differ)."""
     from quantlib.pipeline.evaluate import perplexity
     from quantlib.pipeline.model import load_model
     from quantlib.pipeline.stages import Stages
@@ -40,29 +49,28 @@ def modelopt_flow(model_dir: str, preset: str, windows, batch_size: int, out_dir
         from modelopt.torch.export import export_hf_checkpoint
     times["import"] = time.perf_counter() - t
     stages = Stages(show=False)
-    cpu = torch.device("cpu")
-    t = time.perf_counter()
-    model = load_model(model_dir, "auto", False)
-    times["load"] = time.perf_counter() - t
+    t = _now(device)
+    model = load_model(model_dir, "auto", False).to(device)
+    times["load"] = _now(device) - t
     held_out = windows.batches("held_out", batch_size)
-    t = time.perf_counter()
-    before = perplexity(model, held_out, cpu, stages.begin("e"))
-    times["evaluate before"] = time.perf_counter() - t
+    t = _now(device)
+    before = perplexity(model, held_out, device, stages.begin("e"))
+    times["evaluate before"] = _now(device) - t
     calib = windows.batches("calib", batch_size)
 
     def loop(m):
         for b in calib:
-            m(input_ids=b, use_cache=False)
+            m(input_ids=b.to(device), use_cache=False)
 
-    t = time.perf_counter()
+    t = _now(device)
     mtq.quantize(model, copy.deepcopy(getattr(mtq, preset)), loop)
-    times["calibrate"] = time.perf_counter() - t
-    t = time.perf_counter()
-    after = perplexity(model, held_out, cpu, stages.begin("e"))
-    times["evaluate after"] = time.perf_counter() - t
-    t = time.perf_counter()
+    times["calibrate"] = _now(device) - t
+    t = _now(device)
+    after = perplexity(model, held_out, device, stages.begin("e"))
+    times["evaluate after"] = _now(device) - t
+    t = _now(device)
     export_hf_checkpoint(model, export_dir=out_dir)
-    times["export"] = time.perf_counter() - t
+    times["export"] = _now(device) - t
     stages.end()
     print(f"ModelOpt: perplexity before {before}, after {after}")
     return times
@@ -76,6 +84,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--device", default="cpu", help="where both flows run: cpu, cuda, cuda:1")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args(argv)
     t = time.perf_counter()
@@ -98,8 +107,9 @@ def main(argv=None) -> dict:
             args.eval_samples,
             args.seq_len,
         )
-        theirs = modelopt_flow(model_dir, args.preset, windows, args.batch_size, os.path.join(tmp, "mo"))
-        report = ql.oneshot(args.model, preset=args.preset, device="cpu", out=os.path.join(tmp, "ql"), progress=False, **sizes)
+        device = torch.device(args.device)
+        theirs = modelopt_flow(model_dir, args.preset, windows, args.batch_size, os.path.join(tmp, "mo"), device)
+        report = ql.oneshot(args.model, preset=args.preset, device=args.device, out=os.path.join(tmp, "ql"), progress=False, **sizes)
         ours.update(report["stage_seconds"])
     rows = sorted(set(ours) | set(theirs), key=lambda k: list(ours).index(k) if k in ours else 99)
     print(f"{'stage':28s} {'quantlib s':>10s} {'ModelOpt s':>10s}")
@@ -107,7 +117,8 @@ def main(argv=None) -> dict:
         a, b = ours.get(k), theirs.get(k)
         print(f"{k:28s} {'' if a is None else f'{a:10.2f}':>10s} {'' if b is None else f'{b:10.2f}':>10s}")
     print(
-        f"quantlib: perplexity before {report['perplexity']['before']['perplexity']:.4f}, after {report['perplexity']['after']['perplexity']:.4f}, "
+        f"quantlib: perplexity before {report['perplexity']['before']['perplexity']:.4f}, after "
+        f"{report['perplexity']['after']['perplexity']:.4f}, "
         f"reloaded {report['perplexity']['reloaded']['perplexity']:.4f}; {report['check']['summary']}"
     )
     result = {
@@ -118,6 +129,7 @@ def main(argv=None) -> dict:
         "sizes": sizes,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device)),
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -110,7 +110,8 @@ def configs(preset: str, algorithm: str) -> tuple[dict, dict | None]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, held: torch.Tensor, ref_logp: torch.Tensor | None = None, windows: int = 64) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+def evaluate(model: nn.Module, held: torch.Tensor, ref_logp: torch.Tensor | None = None,
+             windows: int = 64) -> tuple[float, float, torch.Tensor, torch.Tensor]:
     """(held-out perplexity, mean KL(reference || model) per byte in nats, log-probs, mean NLL per
     window); ``windows=0`` evaluates every disjoint window of the held-out text."""
     device = next(model.parameters()).device
@@ -139,8 +140,11 @@ def _calibrate(quantize: Callable, model: nn.Module, cfg: dict, data: list[torch
         for b in data:
             m(b)
 
+    sync = torch.cuda.synchronize if data and data[0].is_cuda else (lambda: None)  # GPU work is timed to its end
+    sync()
     t = time.perf_counter()
     q = quantize(copy.deepcopy(model), copy.deepcopy(cfg), loop)
+    sync()
     return q, time.perf_counter() - t
 
 
@@ -187,7 +191,8 @@ def run_model(name: str, rows: list, seeds: int, batches: int, device: str, wind
                 for lib, quantize, cfg in libs:
                     q, secs = _calibrate(quantize, model, cfg, data)
                     ppl, kl, _, nll = evaluate(q, held, ref, windows)
-                    rec = {"model": name, "preset": preset, "algorithm": algo, "lib": lib, "seed": seed, "ppl": ppl, "kl": kl, "calib_s": secs}
+                    rec = {"model": name, "preset": preset, "algorithm": algo, "lib": lib, "seed": seed, "ppl": ppl, "kl": kl,
+                           "calib_s": secs}
                     if ops and seed == 0:
                         rec["ops"] = count_ops(quantize, model, cfg, data)
                     if algo == "max":
@@ -230,7 +235,8 @@ def table(rows: list[dict]) -> str:
     by = {(r["model"], r["preset"], r["algorithm"], r["lib"]): r for r in rows}
     keys = list(dict.fromkeys((r["model"], r["preset"], r["algorithm"]) for r in rows))
     out = [
-        "| model | preset | algorithm | ppl quantlib | vs max % quantlib | held-out SE % | windows better | ppl ModelOpt | vs max % ModelOpt | KL quantlib (mnat) | KL ModelOpt (mnat) | calib s quantlib | calib s ModelOpt |",
+        "| model | preset | algorithm | ppl quantlib | vs max % quantlib | held-out SE % | windows better | ppl ModelOpt | vs max % "
+        "ModelOpt | KL quantlib (mnat) | KL ModelOpt (mnat) | calib s quantlib | calib s ModelOpt |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, preset, algo in keys:
@@ -246,7 +252,8 @@ def table(rows: list[dict]) -> str:
                 return r[key]
             return f"{r[key] * 1e3:.3f}" if key == "kl" else f"{r[key]:.4f}" if key == "ppl" else f"{r[key]:.2f}"
 
-        cells = [cell(ours, "ppl"), cell(ours, "vs_max_pct"), cell(ours, "se_pct"), cell(ours, "windows_better"), cell(mo, "ppl"), cell(mo, "vs_max_pct"), cell(ours, "kl"), cell(mo, "kl"), cell(ours, "calib_s"), cell(mo, "calib_s")]
+        cells = [cell(ours, "ppl"), cell(ours, "vs_max_pct"), cell(ours, "se_pct"), cell(ours, "windows_better"), cell(mo, "ppl"),
+                 cell(mo, "vs_max_pct"), cell(ours, "kl"), cell(mo, "kl"), cell(ours, "calib_s"), cell(mo, "calib_s")]
         out.append(f"| {model} | {preset} | {algo} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -272,13 +279,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seeds", type=int, default=3, help="calibration draws (ppl vs max: mean and std over them)")
     parser.add_argument("--batches", type=int, default=8, help="calibration batches of 4 x 128 bytes per draw")
-    parser.add_argument("--windows", type=int, default=256, help="held-out windows of 128 bytes evaluated (evenly spaced); 0: every disjoint one")
+    parser.add_argument("--windows", type=int, default=256, help="held-out windows of 128 bytes evaluated (evenly spaced); 0: every "
+                                                                 "disjoint one")
     parser.add_argument("--quick", action="store_true", help="INT4 max and awq_lite only, one draw of 4 batches, 16 windows")
     parser.add_argument("--retrain", action="store_true", help="train the models again and overwrite the cache")
-    parser.add_argument("--presets", nargs="+", default=None, help="only these rows' presets (e.g. W4A16_NVFP4_CFG 'W4A16_NVFP4_CFG:static')")
+    parser.add_argument("--presets", nargs="+", default=None, help="only these rows' presets (e.g. W4A16_NVFP4_CFG "
+                                                                   "'W4A16_NVFP4_CFG:static')")
     parser.add_argument("--algorithms", nargs="+", default=None, help="only these algorithms of each row (max is kept: the baseline)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--count-ops", action="store_true", help="also count the aten ops of each row's first calibration (a proxy for launch-bound GPU time)")
+    parser.add_argument("--count-ops", action="store_true", help="also count the aten ops of each row's first calibration (a proxy for "
+                                                                 "launch-bound GPU time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.getLogger("quantlib").setLevel(logging.ERROR)

@@ -40,7 +40,8 @@ HIDDEN, INTER, HEADS, VOCAB = 512, 1536, 8, 512
 def llama_config(num_layers: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=num_layers, num_attention_heads=HEADS,
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=num_layers,
+                       num_attention_heads=HEADS,
                        num_key_value_heads=HEADS, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
 
 

@@ -191,14 +191,16 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"torch {torch.__version__}, backend {args.backend}, {args.layers} layers x ({2} dense + {2 * args.experts} expert Linears)")
     print(
-        "| layout | ranks | quantizers/rank | sync_amax (ms, median) | of which in all_reduce (ms) | all_reduce calls | bytes/rank | naive per-quantizer all_reduce (ms, calls) |"
+        "| layout | ranks | quantizers/rank | sync_amax (ms, median) | of which in all_reduce (ms) | all_reduce calls | bytes/rank | naive "
+        "per-quantizer all_reduce (ms, calls) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for layout in args.layouts:
         r = run(layout, args)
         naive = "-" if r["naive"] is None else f"{r['naive'][0]:.0f} ({r['naive'][1]})"
         print(
-            f"| {r['layout']} | {r['world']} | {r['quantizers']} | {r['sync_ms']:.1f} | {r['comm_ms']:.1f} | {r['collectives']} | {r['bytes']} | {naive} |",
+            f"| {r['layout']} | {r['world']} | {r['quantizers']} | {r['sync_ms']:.1f} | {r['comm_ms']:.1f} | {r['collectives']} | "
+            f"{r['bytes']} | {naive} |",
             flush=True,
         )
 

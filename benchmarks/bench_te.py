@@ -333,7 +333,8 @@ def run(args) -> dict:
     sizes += ["--clipped-ste"] if args.clipped_ste else []
     for kind, lib, presets in jobs:
         with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as rows:
-            cmd = [sys.executable, os.path.abspath(__file__), *sizes, "--rows", rows.name, "--profile", *args.profile, "--_child", kind, lib, *presets]
+            cmd = [sys.executable, os.path.abspath(__file__), *sizes, "--rows", rows.name, "--profile", *args.profile, "--_child", kind,
+                   lib, *presets]
             try:
                 done = subprocess.run(cmd, timeout=args.child_timeout).returncode
             except subprocess.TimeoutExpired:
@@ -361,7 +362,8 @@ def add_ratios(results: dict) -> dict:
 def table(results: dict) -> str:
     rows = {(r["layer"], r["preset"], r["lib"]): r for r in results["rows"]}
     lines = [
-        "| layer | preset | fwd ms (bf16 / quantlib / ModelOpt) | fwd x bf16 quantlib (target) | fwd x bf16 ModelOpt | fwd+bwd x bf16 quantlib / ModelOpt | quantlib speed-up fwd / fwd+bwd |",
+        "| layer | preset | fwd ms (bf16 / quantlib / ModelOpt) | fwd x bf16 quantlib (target) | fwd x bf16 ModelOpt | fwd+bwd x bf16 "
+        "quantlib / ModelOpt | quantlib speed-up fwd / fwd+bwd |",
         "|---|---|---|---|---|---|---|",
     ]
     for (layer, preset, lib), r in rows.items():
@@ -392,9 +394,11 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--layers", nargs="+", default=["GroupedLinear", "TEGroupedMLP"], choices=["GroupedLinear", "TEGroupedMLP"])
     p.add_argument("--no-modelopt", action="store_true")
-    p.add_argument("--clipped-ste", action="store_true", help="both libraries with pass_through_bwd=False (gradient zeroed where |x| > amax); default: both pass through, ModelOpt 0.47's default")
+    p.add_argument("--clipped-ste", action="store_true", help="both libraries with pass_through_bwd=False (gradient zeroed where |x| > "
+                                                              "amax); default: both pass through, ModelOpt 0.47's default")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--profile", nargs="*", default=[], choices=list(PRESETS), help="print the top CUDA kernels of these presets' GroupedLinear forward + backward")
+    p.add_argument("--profile", nargs="*", default=[], choices=list(PRESETS), help="print the top CUDA kernels of these presets' "
+                                                                                   "GroupedLinear forward + backward")
     p.add_argument("--child-timeout", type=int, default=300, help="seconds one child process may take")
     p.add_argument("--rows", help=argparse.SUPPRESS)
     p.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)

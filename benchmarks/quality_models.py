@@ -167,7 +167,8 @@ def train(model: nn.Module, text: torch.Tensor, steps: int, batch: int = 16, lr:
     return model.eval()
 
 
-def load_or_train(build: Callable[[], nn.Module], path: str, steps: int, retrain: bool = False, lr: float = 3e-3, weight_decay: float = 0.01) -> nn.Module:
+def load_or_train(build: Callable[[], nn.Module], path: str, steps: int, retrain: bool = False, lr: float = 3e-3,
+                  weight_decay: float = 0.01) -> nn.Module:
     """The model ``build`` makes, with the cached weights at ``path`` (trained and cached when missing
     or ``retrain``); stored in bf16 to halve the file, computed in fp32."""
     torch.manual_seed(0)

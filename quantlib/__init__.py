@@ -4,6 +4,22 @@ from .auto_quantize import auto_quantize
 from .checkpoint import CheckpointError, quantizer_state, restore, restore_state, save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
 from .coverage import WeightCoverage, weight_coverage
+from .distributed import AmaxSyncError, ParallelState, sync_amax
+from .kernels import KernelPreference
+from .kv.presets import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
+from .model_quant import (
+    calibrate,
+    clear_weight_cache,
+    convert,
+    disable_quantizer,
+    enable_quantizer,
+    print_quant_summary,
+    quant_summary,
+    quantize,
+    set_quantizer_by_cfg,
+)
+from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
+from .pipeline import oneshot
 from .presets import (
     FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
     FP8_BLOCKWISE_CFG,
@@ -31,15 +47,10 @@ from .presets import (
     NVFP4_OMLP_ONLY_CFG,
     NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG,
     PRESETS,
-    W4A16_NVFP4_CFG,
     W4A8_AWQ_BETA_CFG,
     W4A8_NVFP4_FP8_CFG,
+    W4A16_NVFP4_CFG,
 )
-from .distributed import AmaxSyncError, ParallelState, sync_amax
-from .kv_cache import FP8_AFFINE_KV_CFG, FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config
-from .model_quant import calibrate, clear_weight_cache, convert, disable_quantizer, enable_quantizer, print_quant_summary, quant_summary, quantize, set_quantizer_by_cfg
-from .nn import CalibrationError, GroupedQuantizer, QuantModule, QuantModuleRegistry, SequentialQuantizer, TensorQuantizer
-from .pipeline import oneshot
 
 __version__ = "0.1.0"
 
@@ -82,6 +93,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "GroupedQuantizer",
+    "KernelPreference",
     "QuantModule",
     "ParallelState",
     "QuantModuleRegistry",
@@ -108,3 +120,6 @@ __all__ = [
     "sync_amax",
     "weight_coverage",
 ]
+
+# last, in a block of its own (so import sorting leaves it here): fills the module registry's finder hook
+from . import plugins  # noqa: E402, F401

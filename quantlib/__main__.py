@@ -13,11 +13,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--presets", nargs="*", help="preset names (default: a representative set)")
     from .pipeline.cli import add_arguments
 
-    add_arguments(sub.add_parser("quantize", help="quantize a Hugging Face model directory (default: a small built-in LM), evaluate, export, reload and check"))
+    add_arguments(sub.add_parser("quantize", help="quantize a Hugging Face model directory (default: a small built-in LM), evaluate, "
+                                                  "export, reload and check"))
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .presets import PRESETS
         from .demo import DEMO_PRESETS, run_demo
+        from .presets import PRESETS
 
         names = tuple(args.presets or DEMO_PRESETS)
         unknown = [n for n in names if n not in PRESETS]

@@ -26,10 +26,10 @@ from . import presets
 from .config import ConfigError, QuantizeConfig
 from .formats import FormatSpec, Kind
 from .model_quant import quantize
-from .nn.quant_module import QuantModule
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
+from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import TensorQuantizer
-from .traversal import clear_weight_cache
+from .traversal import clear_weight_cache, set_applied_config
 
 NONE = "NONE"  # the candidate "leave this layer unquantized", always searched
 #: leaves a consumer fuses into one GEMM: they share one decision (ModelOpt groups the same ones)
@@ -53,9 +53,7 @@ def weight_bits(spec: Optional[FormatSpec]) -> float:
     if spec is None:
         return 16.0
     element = spec.num_bits if spec.element is None else sum(spec.element) + 1
-    if spec.kind == Kind.NVFP4:
-        return element + 8 / spec.block[0]
-    if spec.kind == Kind.MX:
+    if spec.kind in (Kind.NVFP4, Kind.MX):  # one 8-bit scale (E4M3 / E8M0) per block
         return element + 8 / spec.block[0]
     return float(element)
 
@@ -302,12 +300,13 @@ def auto_quantize(
             chosen[n] = choice[i]
             _install(searched[n], none[n] if choice[i] == NONE else snaps[choice[i]][n])
     config = _chosen_config(searched)
-    model._quantlib_config = QuantizeConfig.from_any(config)
+    set_applied_config(model, QuantizeConfig.from_any(config))
     bits = sum(decisions[i].bits[c] * decisions[i].numel for i, c in choice.items()) / sum(d.numel for d in decisions)
     state = {
         "candidates": names,
         "decisions": [{"modules": d.modules, "numel": d.numel, "score": d.score, "bits": d.bits} for d in decisions],
-        "best": {"recipe": chosen, "effective_bits": bits, "score": sum(decisions[i].score[c] for i, c in choice.items()), "constraints": {"effective_bits": budget}},
+        "best": {"recipe": chosen, "effective_bits": bits, "score": sum(decisions[i].score[c] for i, c in choice.items()),
+                 "constraints": {"effective_bits": budget}},
         "config": config,
     }
     return model, state

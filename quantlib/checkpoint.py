@@ -39,8 +39,8 @@ from torch import nn
 
 from ._atomic_io import atomic_torch_save
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig
-from .formats import Kind, blocked_shape
-from .kv_cache import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
+from .formats import blocked_shape
+from .kv.presets import PROBS_QUANTIZER_NAME, QKV_QUANTIZER_NAMES
 from .nn.containers import GroupedQuantizer, SequentialQuantizer
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
@@ -53,7 +53,7 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelLayout:
+class QuantizerGroups:
     """What a migration may need to know about the model a state is restored into (old schemas did not
     record it): ``grouped`` maps the name of each grouped weight quantizer to its number of members
     (GEMMs / experts). :func:`restore_state` builds it from the model."""
@@ -61,7 +61,7 @@ class ModelLayout:
     grouped: Mapping[str, int] = field(default_factory=dict)
 
 
-def migrate_v1_to_v2(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v1_to_v2(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 1 -> 2: a grouped weight quantizer saved as one shared entry (``"tensor"`` with one
     ``_amax``, or ``"sequential"``) becomes ``"grouped"`` with one copy per member, so member i of
     ``weight_quantizer`` restores ``weight_quantizer.{i}._amax`` (``restore(...,
@@ -98,21 +98,21 @@ def _with_entry(qstate: Any, key: str) -> Any:
     return _each_tensor_entry(qstate, lambda entry: {**entry, key: entry.get(key)})
 
 
-def migrate_v2_to_v3(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v2_to_v3(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 2 -> 3: every tensor quantizer entry (members of containers included) gets
     ``"_pre_quant_scale": None``: schema 2 had no pre_quant_scale, so none was in use. ``layout`` is
     not needed; ``state`` is not modified."""
     return {**state, "schema": 3, "quantizers": {name: _with_entry(q, "_pre_quant_scale") for name, q in state["quantizers"].items()}}
 
 
-def migrate_v3_to_v4(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v3_to_v4(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 3 -> 4: every tensor quantizer entry gets ``"_bias_value": None``: schema 3 had no affine
     quantization (its configs could not hold a ``bias``), so no bias was in use. ``layout`` is not
     needed; ``state`` is not modified."""
     return {**state, "schema": 4, "quantizers": {name: _with_entry(q, "_bias_value") for name, q in state["quantizers"].items()}}
 
 
-def migrate_v4_to_v5(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v4_to_v5(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 4 -> 5: every attention module (one holding ``q_bmm_quantizer``, ``k_bmm_quantizer`` and
     ``v_bmm_quantizer``) gets a disabled ``p_bmm_quantizer``: schema 4 had none, so P was never
     quantized. ``layout`` is not needed; ``state`` is not modified."""
@@ -135,7 +135,7 @@ def _clipped(attrs: Any) -> Any:
     return {**attrs, "pass_through_bwd": False} if isinstance(attrs, dict) else attrs
 
 
-def migrate_v5_to_v6(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate_v5_to_v6(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Schema 5 -> 6: every attribute config (each tensor quantizer's ``attrs`` and the saved config's
     ``quant_cfg`` entries) gets ``"pass_through_bwd": False``: schema 5 had no such field and always
     zeroed the straight-through gradient where ``|x| > amax``, which the field's default (True, as in
@@ -146,13 +146,15 @@ def migrate_v5_to_v6(state: dict, layout: Optional[ModelLayout] = None) -> dict:
 
     config = state.get("config")
     if isinstance(config, dict) and isinstance(config.get("quant_cfg"), list):
-        items = [{**item, "cfg": _clipped(item.get("cfg"))} if isinstance(item, dict) and "cfg" in item else item for item in config["quant_cfg"]]
+        items = [{**item, "cfg": _clipped(item.get("cfg"))} if isinstance(item, dict) and "cfg" in item else item
+                 for item in config["quant_cfg"]]
         config = {**config, "quant_cfg": items}
-    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry) for name, q in state["quantizers"].items()}}
+    return {**state, "schema": 6, "config": config, "quantizers": {name: _each_tensor_entry(q, entry)
+                                                                   for name, q in state["quantizers"].items()}}
 
 
 #: MIGRATIONS[v](state, layout) turns a schema-v state into a schema-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict, Optional[ModelLayout]], dict]] = {
+MIGRATIONS: dict[int, Callable[[dict, Optional[QuantizerGroups]], dict]] = {
     1: migrate_v1_to_v2,
     2: migrate_v2_to_v3,
     3: migrate_v3_to_v4,
@@ -175,13 +177,16 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
             )
         pqs = q.pre_quant_scale_values
         if pqs is None and q.pre_quant_scale is not None:
-            raise CheckpointError(f"{name or q._qname}: _pre_quant_scale is on the meta device and holds no values; materialise and calibrate the model before saving")
+            raise CheckpointError(f"{name or q._qname}: _pre_quant_scale is on the meta device and holds no values; materialise and "
+                                  "calibrate the model before saving")
         bias = q.bias_values
         if bias is None and q.bias_value is not None:
-            raise CheckpointError(f"{name or q._qname}: _bias_value is on the meta device and holds no values; materialise and calibrate the model before saving")
+            raise CheckpointError(f"{name or q._qname}: _bias_value is on the meta device and holds no values; materialise and calibrate "
+                                  "the model before saving")
         blocks = q.block_amax_values
         if blocks is None and q.block_amax is not None:
-            raise CheckpointError(f"{name or q._qname}: _block_amax is on the meta device and holds no values; materialise and calibrate the model before saving")
+            raise CheckpointError(f"{name or q._qname}: _block_amax is on the meta device and holds no values; materialise and calibrate "
+                                  "the model before saving")
         entry = {
             "type": "tensor",
             "attrs": q.attrs.to_dict() | {"enable": q.is_enabled},
@@ -198,9 +203,9 @@ def _quantizer_state(q: nn.Module, name: Optional[str] = None) -> dict:
 
 def quantizer_state(model: nn.Module) -> dict:
     """Plain dict of every quantizer's config and amax (``torch.save``-able, weights-only loadable)."""
-    from .model_quant import iter_quantizers
+    from .model_quant import applied_config, iter_quantizers
 
-    cfg = getattr(model, "_quantlib_config", None)
+    cfg = applied_config(model)
     return {
         "schema": SCHEMA_VERSION,
         "config": cfg.to_dict() if isinstance(cfg, QuantizeConfig) else None,
@@ -251,9 +256,9 @@ def load_state(path: Union[str, os.PathLike]) -> dict:
     return state
 
 
-def migrate(state: dict, layout: Optional[ModelLayout] = None) -> dict:
+def migrate(state: dict, layout: Optional[QuantizerGroups] = None) -> dict:
     """Bring ``state`` to :data:`SCHEMA_VERSION` through the named migrations, one version at a time
-    (``layout``: the target model's, see :class:`ModelLayout`)."""
+    (``layout``: the target model's, see :class:`QuantizerGroups`)."""
     if not isinstance(state, dict) or "schema" not in state or "quantizers" not in state:
         raise CheckpointError("not a quantlib quantizer state: expected a dict with 'schema' and 'quantizers'")
     version = state["schema"]
@@ -269,9 +274,7 @@ def migrate(state: dict, layout: Optional[ModelLayout] = None) -> dict:
 
 def _planned_quantizers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Quantizer names a conversion of ``model`` has (or would have): name -> (module, attribute)."""
-    from . import plugins
-
-    plugins.register_available()
+    QuantModuleRegistry.find()
     plan = {}
     for mname, module in model.named_modules():
         if isinstance(module, (TensorQuantizer, SequentialQuantizer, GroupedQuantizer)):
@@ -296,17 +299,17 @@ def _is_grouped(module: nn.Module, attr: str) -> Optional[bool]:
     return None if names is None else attr in names
 
 
-def _layout(plan: dict[str, tuple[nn.Module, str]]) -> ModelLayout:
+def _layout(plan: dict[str, tuple[nn.Module, str]]) -> QuantizerGroups:
     grouped = {}
     for name, (module, attr) in plan.items():
         if _is_grouped(module, attr) is True:
             tensors = dict(_quantized_class(module).weight_groups(module)).get(attr)
             grouped[name] = len(tensors) if tensors is not None else len(getattr(module, attr))
-    return ModelLayout(grouped)
+    return QuantizerGroups(grouped)
 
 
-def model_layout(model: nn.Module) -> ModelLayout:
-    """The :class:`ModelLayout` of ``model`` (fresh or converted), for :func:`migrate`."""
+def quantizer_groups(model: nn.Module) -> QuantizerGroups:
+    """The :class:`QuantizerGroups` of ``model`` (fresh or converted), for :func:`migrate`."""
     return _layout(_planned_quantizers(model))
 
 
@@ -337,7 +340,7 @@ def _build(qstate: Any, where: str) -> nn.Module:
         amax = qstate.get("_amax")
         if amax is not None:
             _check_amax_values(amax, where)
-            per_tensor = q.spec.kind == Kind.NVFP4 or (q.spec.block is None and q.axis is None)
+            per_tensor = q.spec.per_tensor_amax(q.axis)
             if per_tensor and q.needs_calibration and amax.dim() != 0:
                 raise CheckpointError(f"{where}: amax of shape {tuple(amax.shape)} for a per-tensor quantizer (expected ())")
             q.amax = amax
@@ -411,9 +414,11 @@ def _check_weight_shapes(name: str, q: nn.Module, module: nn.Module, attr: str) 
             if leaf.amax is not None:
                 expected = leaf.amax_shape(tuple(w.shape))
                 if tuple(leaf.amax.shape) != expected:
-                    raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} (expected {expected})")
+                    raise CheckpointError(f"{leaf._qname}: amax of shape {tuple(leaf.amax.shape)} does not fit weight {tuple(w.shape)} "
+                                          f"(expected {expected})")
             if leaf.block_amax is not None and tuple(leaf.block_amax.shape) != blocked_shape(tuple(w.shape), leaf.spec.block):
-                raise CheckpointError(f"{leaf._qname}: _block_amax of shape {tuple(leaf.block_amax.shape)} does not fit weight {tuple(w.shape)} (expected {blocked_shape(tuple(w.shape), leaf.spec.block)})")
+                raise CheckpointError(f"{leaf._qname}: _block_amax of shape {tuple(leaf.block_amax.shape)} does not fit weight "
+                                      f"{tuple(w.shape)} (expected {blocked_shape(tuple(w.shape), leaf.spec.block)})")
 
 
 def _check_expert_scales(name: str, q: nn.Module, module: nn.Module, attr: str) -> None:
@@ -427,10 +432,12 @@ def _check_expert_scales(name: str, q: nn.Module, module: nn.Module, attr: str) 
     projections = getattr(qcls, "projections", ()) if callable(getattr(qcls, "expert_gemm", None)) else ()
     proj = next((p for p in projections if attr == f"{p}_input_quantizer"), None)
     if proj is None or not isinstance(q, TensorQuantizer):
-        raise CheckpointError(f"{name}: a per-expert (2-D) _pre_quant_scale of shape {tuple(table.shape)} belongs only to a fused-experts module's input quantizer")
+        raise CheckpointError(f"{name}: a per-expert (2-D) _pre_quant_scale of shape {tuple(table.shape)} belongs only to a fused-experts "
+                              "module's input quantizer")
     expected = (module.num_experts, qcls.expert_gemm(module, proj, 0)[0].shape[1])
     if tuple(table.shape) != expected:
-        raise CheckpointError(f"{name}: _pre_quant_scale of shape {tuple(table.shape)} does not fit {proj} (expected (experts, in) = {expected})")
+        raise CheckpointError(f"{name}: _pre_quant_scale of shape {tuple(table.shape)} does not fit {proj} (expected (experts, in) = "
+                              f"{expected})")
 
 
 def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str:
@@ -453,7 +460,7 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
     Each member of a grouped weight quantizer restores its own amax; ``recalibrate_experts=True``
     recalibrates every member from its own weight instead (e.g. after migrating a schema-1 shared amax).
     """
-    from .model_quant import convert, iter_quantizers, leaves_of
+    from .model_quant import convert, iter_quantizers, leaves_of, set_applied_config
 
     plan = _planned_quantizers(model)
     state = migrate(state, _layout(plan))
@@ -485,7 +492,7 @@ def restore_state(model: nn.Module, state: dict, strict: bool = True, recalibrat
         for leaf_name, leaf in leaves_of(name, q):
             leaf._qname = leaf_name
     if config is not None:
-        model._quantlib_config = config
+        set_applied_config(model, config)
     if recalibrate_experts:
         _recalibrate_grouped_weights(model, set(built))
     return model

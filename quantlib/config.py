@@ -9,21 +9,18 @@ from __future__ import annotations
 import copy
 import fnmatch
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
-from .calib.registry import AlgorithmConfig, AlgorithmConfigError, parse_algorithm
+from .calib_config import AlgorithmConfig, parse_algorithm
+from .fields import ConfigError, parse_fields
 from .formats import FLOAT_FORMATS, FormatSpec, Kind, Rounding
 from .formats.fp6 import FP6_FORMATS
 from .formats.spec import MIN_EPS
-from .kernels.backends import BACKENDS
+from .kernels.backends import as_preference
 
 # Keys ModelOpt documents that carry no meaning for fake quantization here: accepted, ignored.
 _IGNORED_ATTR_KEYS = frozenset({"effective_bits", "trt_high_precision_dtype"})
 _BLOCK_META_KEYS = frozenset({"type", "scale_bits", "scale_block_sizes"})
-
-
-class ConfigError(ValueError):
-    """An invalid quantization config; the message names the key and the value."""
 
 
 def _as_bits(value: Any, key: str = "num_bits") -> Union[int, tuple[int, int]]:
@@ -111,7 +108,7 @@ class QuantizerAttributeConfig:
     eps: float = 1e-10  # FP8 blockwise: floor of the block amax
     pow2_scale: bool = False  # FP8 blockwise: round scales up to powers of two
     rounding: str = "rceil"  # MX: E8M0 exponent rule, see formats.Rounding
-    backend: str = "auto"  # kernels backend
+    backend: str = "auto"  # kernels backend: a KernelPreference or its name (stored as the name)
     # ModelOpt's affine quantization: a calibrated mean, subtracted before quantizing and added back after
     bias: Optional[dict] = None
     # QAT backward: True (ModelOpt 0.47's default) passes the gradient everywhere and saves nothing for
@@ -125,7 +122,8 @@ class QuantizerAttributeConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
         if not self.fake_quant:
-            raise ConfigError("fake_quant=False (real quantized GEMMs) is not supported: use fake_quant=True and export codes with quantlib.kernels")
+            raise ConfigError("fake_quant=False (real quantized GEMMs) is not supported: use fake_quant=True and export codes with "
+                              "quantlib.kernels")
         if self.learn_amax:
             raise ConfigError("learn_amax=True is not supported")
         if self.calibrator != "max":
@@ -134,8 +132,7 @@ class QuantizerAttributeConfig:
             raise ConfigError(f"type={self.type!r}: expected 'static' or 'dynamic'")
         if self.backend is None:  # ModelOpt's default backend
             self.backend = "auto"
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        self.backend = as_preference(self.backend).value  # a KernelPreference is stored as its name
         if not isinstance(self.rounding, str) or self.rounding not in {r.value for r in Rounding}:
             raise ConfigError(f"rounding={self.rounding!r}: expected 'rceil' or 'floor'")
         self.rounding = Rounding(self.rounding).value
@@ -151,7 +148,8 @@ class QuantizerAttributeConfig:
         self.bias = _as_bias(self.bias)
         if self.bias is not None and (self._spec.block is not None or self.is_dynamic):
             what = f"block_sizes={self.block_sizes}" if self.block_sizes is not None else "type='dynamic'"
-            raise ConfigError(f"bias={self.bias} with {what}: affine quantization needs a static per-tensor or per-channel amax (FP8 or INT without blocks)")
+            raise ConfigError(f"bias={self.bias} with {what}: affine quantization needs a static per-tensor or per-channel amax (FP8 or "
+                              "INT without blocks)")
 
     @property
     def bias_axes(self) -> Optional[tuple[int, ...]]:
@@ -163,15 +161,8 @@ class QuantizerAttributeConfig:
         """Build from a config dict, rejecting unknown keys by name."""
         if not isinstance(d, dict):
             raise ConfigError(f"a quantizer attribute config must be a dict, got {d!r}")
-        known = {f.name for f in fields(cls)}
-        kwargs = {}
-        for k, v in d.items():
-            if k in _IGNORED_ATTR_KEYS:
-                continue
-            if k not in known:
-                raise ConfigError(f"unknown quantizer attribute {k!r} (value {v!r}); known: {sorted(known)}")
-            kwargs[k] = v
-        return cls(**kwargs)
+        # __post_init__ checks every value (a directly built config too), with the messages of its own rules
+        return cls(**parse_fields(cls, d, "", "quantizer attribute", _IGNORED_ATTR_KEYS, check_types=False))
 
     def to_dict(self) -> dict:
         """Plain, ``torch.load(weights_only=True)``-safe dict of the fields."""
@@ -184,7 +175,7 @@ class QuantizerAttributeConfig:
     @property
     def is_dynamic(self) -> bool:
         """True where no calibrated amax is used at all (MX, dynamic blocks, per-token, ``type="dynamic"``)."""
-        return self.type == "dynamic" or (self._spec.dynamic and self._spec.kind != Kind.NVFP4)
+        return self.type == "dynamic" or not self._spec.calibrated_amax
 
     # ------------------------------------------------------------------ validation -> FormatSpec
     def _parse_blocks(self) -> tuple[Optional[tuple[int, ...]], bool, Optional[tuple[int, int]], bool]:
@@ -206,14 +197,16 @@ class QuantizerAttributeConfig:
             if scale_bits not in ((4, 3), (8, 0)):
                 raise ConfigError(f"block_sizes['scale_bits']={scale_bits}: expected (4, 3) or (8, 0)")
         if bs.get("scale_block_sizes") is not None:
-            raise ConfigError(f"block_sizes['scale_block_sizes']={bs['scale_block_sizes']!r}: double quantization of scales is not supported")
+            raise ConfigError(f"block_sizes['scale_block_sizes']={bs['scale_block_sizes']!r}: double quantization of scales is not "
+                              "supported")
         dims = {k: v for k, v in bs.items() if k not in _BLOCK_META_KEYS}
         if any(k >= 0 for k in dims):
             raise ConfigError(f"block_sizes axes must be negative (-1, -2), got {sorted(dims)}")
         if set(dims) == {-1} and dims[-1] is None:
             if kind != "dynamic" or scale_bits is not None:
                 raise ConfigError(
-                    f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no scale_bits"
+                    f"block_sizes={bs} (one scale per row) needs type 'dynamic' (in block_sizes or as the attribute 'type') and no "
+                    "scale_bits"
                 )
             return None, True, None, True
         for k, v in dims.items():
@@ -230,15 +223,18 @@ class QuantizerAttributeConfig:
     def _mxint_spec(self, block: Optional[tuple[int, ...]], dynamic: bool, common: dict) -> FormatSpec:
         """MXINT8: integer num_bits with E8M0 (scale_bits (8, 0)) block scales, as ModelOpt reads them."""
         if self.num_bits != 8 or self.unsigned:
-            raise ConfigError(f"num_bits={self.num_bits} (unsigned={self.unsigned}) with block_sizes['scale_bits']=(8, 0): the only MX integer format is MXINT8, num_bits=8 signed")
+            raise ConfigError(f"num_bits={self.num_bits} (unsigned={self.unsigned}) with block_sizes['scale_bits']=(8, 0): the only MX "
+                              "integer format is MXINT8, num_bits=8 signed")
         if block != (32,) or not dynamic:
-            raise ConfigError(f"MXINT8 (num_bits=8, scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
+            raise ConfigError("MXINT8 (num_bits=8, scale_bits (8, 0)) needs block_sizes {-1: 32, 'type': 'dynamic'}, got "
+                              f"{self.block_sizes}")
         return FormatSpec(Kind.MX, num_bits=8, block=block, dynamic=True, **common)
 
     def _build_spec(self) -> FormatSpec:
         block, dynamic, scale_bits, per_token = self._parse_blocks()
         if block is not None and self.axis is not None:
-            raise ConfigError(f"axis={self.axis} together with block_sizes={self.block_sizes}: a quantizer is either per channel or per block")
+            raise ConfigError(f"axis={self.axis} together with block_sizes={self.block_sizes}: a quantizer is either per channel or per "
+                              "block")
         if per_token and self.axis is not None:
             raise ConfigError(f"axis={self.axis} together with per-row dynamic block_sizes {{-1: None}}")
         common = dict(eps=self.eps, pow2=self.pow2_scale, rounding=Rounding(self.rounding))
@@ -246,12 +242,15 @@ class QuantizerAttributeConfig:
             if scale_bits == (8, 0):
                 return self._mxint_spec(block, dynamic, common)
             if scale_bits is not None:
-                raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to float elements")
+                raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with integer num_bits={self.num_bits}: scale formats apply to "
+                                  "float elements")
             if self.num_bits < 2 and not self.unsigned:
                 raise ConfigError(
-                    f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or unsigned=True"
+                    f"num_bits={self.num_bits} signed: the largest code 2^(b-1)-1 is 0 (no scale exists); use num_bits >= 2 or "
+                    "unsigned=True"
                 )
-            return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block, dynamic=dynamic, **common)
+            return FormatSpec(Kind.INT, num_bits=self.num_bits, unsigned=self.unsigned, narrow_range=self.narrow_range, block=block,
+                              dynamic=dynamic, **common)
         element = self.num_bits
         if element not in FLOAT_FORMATS:
             raise ConfigError(f"num_bits={element}: float formats are (4, 3), (5, 2), (2, 1), and (3, 2) / (2, 3) (FP6, MX only)")
@@ -261,20 +260,24 @@ class QuantizerAttributeConfig:
             if block != (32,) or not dynamic:
                 raise ConfigError(f"MX format (scale_bits (8, 0)) needs block_sizes {{-1: 32, 'type': 'dynamic'}}, got {self.block_sizes}")
             if element == (5, 2):
-                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3), (3, 2), (2, 3) or (2, 1), or 8 (MXINT8)")
+                raise ConfigError(f"num_bits={element} (E5M2) with MX block_sizes is not supported: use num_bits (4, 3), (3, 2), (2, 3) or "
+                                  "(2, 1), or 8 (MXINT8)")
             return FormatSpec(Kind.MX, element=element, block=block, dynamic=True, **common)
         if element in FP6_FORMATS:
-            raise ConfigError(f"num_bits={element} (FP6) needs MX block_sizes {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}")
+            raise ConfigError(f"num_bits={element} (FP6) needs MX block_sizes {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got "
+                              f"block_sizes={self.block_sizes}")
         if element == (2, 1):
             # NVFP4: the global amax is calibrated either way; "static" also stores the block amax
             if scale_bits != (4, 3) or block not in ((16,), (32,)):
                 raise ConfigError(
-                    f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16 (or 32), 'type': 'dynamic' (or 'static'), 'scale_bits': (4, 3)}} "
+                    f"num_bits={element} (FP4 E2M1) needs NVFP4 blocks {{-1: 16 (or 32), 'type': 'dynamic' (or 'static'), 'scale_bits': "
+                    "(4, 3)} "
                     f"or MXFP4 blocks {{-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)}}, got block_sizes={self.block_sizes}"
                 )
             return FormatSpec(Kind.NVFP4, element=element, block=block, dynamic=dynamic, **common)
         if scale_bits is not None:
-            raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements (NVFP4)")
+            raise ConfigError(f"block_sizes['scale_bits']={scale_bits} with num_bits={element}: E4M3 block scales go with E2M1 elements "
+                              "(NVFP4)")
         if block is None:
             return FormatSpec(Kind.FP8, element=element, dynamic=per_token, **common)
         return FormatSpec(Kind.FP8_BLOCK, element=element, block=block, dynamic=dynamic, **common)
@@ -325,13 +328,33 @@ def turns_on(attrs: Any, enable: Optional[bool]) -> bool:
 
 def algorithm_config(value: Union[str, dict, AlgorithmConfig, None]) -> Optional[AlgorithmConfig]:
     """The typed config of an ``algorithm`` value; invalid ones raise ConfigError naming the key."""
-    try:
-        return parse_algorithm(value)
-    except AlgorithmConfigError as exc:
-        raise ConfigError(str(exc)) from None
+    return parse_algorithm(value)
 
 
 EXPERT_INPUT_POLICIES = ("error", "max_of_peers", "skip")
+
+#: The version of :meth:`QuantizeConfig.to_dict`'s form (its ``"version"`` key). A dict without one
+#: (ModelOpt's configs, quantlib's before versions, the configs inside older checkpoints) reads as 1.
+CONFIG_VERSION = 1
+
+#: CONFIG_MIGRATIONS[v](cfg) turns a version-v config dict into a version-(v + 1) one, as
+#: ``quantlib.checkpoint.MIGRATIONS`` does for checkpoint schemas; version 1 is the first, so none yet.
+CONFIG_MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+
+
+def migrate_config(cfg: dict) -> dict:
+    """``cfg`` (a config dict) brought to :data:`CONFIG_VERSION` through :data:`CONFIG_MIGRATIONS`, without
+    its ``"version"`` key; a version this quantlib cannot read raises ConfigError naming it."""
+    version = cfg.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ConfigError(f"version={version!r}: a config version is an int >= 1")
+    if version > CONFIG_VERSION:
+        newer = f"the config was written by a newer quantlib (this one reads config versions up to {CONFIG_VERSION})"
+        raise ConfigError(f"version={version}: {newer}; upgrade quantlib")
+    out = {k: v for k, v in cfg.items() if k != "version"}
+    for v in range(version, CONFIG_VERSION):
+        out = CONFIG_MIGRATIONS[v](out)
+    return out
 
 
 @dataclass
@@ -356,7 +379,7 @@ class QuantizeConfig:
 
     @property
     def algorithm_config(self) -> Optional[AlgorithmConfig]:
-        """The typed algorithm (see ``quantlib.calib.registry``), None for no calibration."""
+        """The typed algorithm (see ``quantlib.calib_config``), None for no calibration."""
         return self._algorithm
 
     @classmethod
@@ -366,20 +389,18 @@ class QuantizeConfig:
             return cfg
         if not isinstance(cfg, dict):
             raise ConfigError(f"a quantize config must be a dict, got {type(cfg).__name__}")
-        known = {"quant_cfg", "algorithm", "expert_input_policy", "sync_expert_weight_amax"}
-        for k in cfg:
-            if k not in known:
-                raise ConfigError(f"unknown quantize config key {k!r}; known: {sorted(known)}")
-        if "quant_cfg" not in cfg:
+        kwargs = parse_fields(cls, migrate_config(cfg), "", "quantize config key", check_types=False)  # __post_init__ checks the values
+        if "quant_cfg" not in kwargs:
             raise ConfigError("a quantize config needs a 'quant_cfg' key")
-        raw = cfg["quant_cfg"]
-        entries = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
-        policy = cfg.get("expert_input_policy", "max_of_peers")
-        return cls(entries, cfg.get("algorithm", "max"), policy, cfg.get("sync_expert_weight_amax", False))
+        raw = kwargs["quant_cfg"]
+        kwargs["quant_cfg"] = _parse_list_form(raw) if isinstance(raw, (list, tuple)) else _parse_dict_form(raw)
+        return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads."""
+        """Plain list-form dict (what :func:`from_any` reads back), safe for ``weights_only`` loads, with
+        its :data:`CONFIG_VERSION`."""
         return {
+            "version": CONFIG_VERSION,
             "quant_cfg": [e.to_dict() for e in self.quant_cfg],
             "algorithm": self.algorithm.to_dict() if isinstance(self.algorithm, AlgorithmConfig) else copy.deepcopy(self.algorithm),
             "expert_input_policy": self.expert_input_policy,
@@ -477,19 +498,3 @@ def _parse_list_form(raw: Any) -> list[QuantCfgEntry]:
 # ---------------------------------------------------------------------------------- presets
 # The presets live in quantlib/presets.py (plain dicts, no dependency on this module); re-exported here
 # because ModelOpt users import them from the config module.
-from .presets import (  # noqa: E402
-    FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
-    FP8_BLOCKWISE_CFG,
-    FP8_DEFAULT_CFG,
-    FP8_PER_CHANNEL_PER_TOKEN_CFG,
-    INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
-    INT8_DEFAULT_CFG,
-    INT8_WEIGHT_ONLY_CFG,
-    MXFP4_DEFAULT_CFG,
-    MXFP6_DEFAULT_CFG,
-    MXFP8_DEFAULT_CFG,
-    MXINT8_DEFAULT_CFG,
-    NVFP4_DEFAULT_CFG,
-    PRESETS,
-    W4A8_AWQ_BETA_CFG,
-)

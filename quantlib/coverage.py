@@ -20,7 +20,7 @@ from .config import QuantizeConfig, turns_on
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule, QuantModuleRegistry, all_disabled
 from .nn.tensor_quantizer import TensorQuantizer
-from .traversal import class_names
+from .traversal import applied_config, class_names
 
 _log = logging.getLogger("quantlib")
 
@@ -85,7 +85,7 @@ def _unmatched(cfg: QuantizeConfig, model: nn.Module) -> list[str]:
 def weight_coverage(model: nn.Module, config: Optional[QuantizeConfig] = None) -> WeightCoverage:
     """Count quantized and unquantized weight elements of ``model`` (``config``: the one applied, by
     default the model's last; it tells named choices from silent misses)."""
-    cfg = config if config is not None else getattr(model, "_quantlib_config", None)
+    cfg = config if config is not None else applied_config(model)
     cov = WeightCoverage()
     seen: set[int] = set()
     for name, m in model.named_modules():

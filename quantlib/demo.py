@@ -18,7 +18,8 @@ from .checkpoint import restore, save
 from .export import export_checkpoint
 from .model_quant import disable_quantizer, print_quant_summary, quantize
 
-DEMO_PRESETS = ("INT8_DEFAULT_CFG", "FP8_DEFAULT_CFG", "FP8_BLOCKWISE_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A8_AWQ_BETA_CFG", "MXFP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG")
+DEMO_PRESETS = ("INT8_DEFAULT_CFG", "FP8_DEFAULT_CFG", "FP8_BLOCKWISE_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A8_AWQ_BETA_CFG",
+                "MXFP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG")
 
 
 class TinyBlockModel(nn.Module):
@@ -27,7 +28,8 @@ class TinyBlockModel(nn.Module):
     def __init__(self, dim: int = 256, hidden: int = 1024, vocab: int = 512) -> None:
         super().__init__()
         self.stem = nn.Conv1d(dim, dim, kernel_size=3, padding=1)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(2))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+                                    for _ in range(2))
         self.lm_head = nn.Linear(dim, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,14 +98,17 @@ def export_demo(forward_loop: Callable[[nn.Module], None]) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "export")
         manifest = export_checkpoint(model, out, "ct_fp8_block")
-        print(f"exported {len(manifest.quantized_modules)} FP8-block linears ({manifest.num_bytes / 1e6:.2f} MB) to {', '.join(manifest.files)}; left unquantized: {', '.join(manifest.unquantized_modules)}")
+        print(f"exported {len(manifest.quantized_modules)} FP8-block linears ({manifest.num_bytes / 1e6:.2f} MB) to "
+              f"{', '.join(manifest.files)}; left unquantized: {', '.join(manifest.unquantized_modules)}")
         try:
             loaded = _decompress_with_compressed_tensors(out)
         except ImportError:
             print("compressed-tensors is not installed: skipped loading the export back (pip install compressed-tensors)")
             return True
-    same = all(torch.equal(loaded[name], model.get_submodule(name).quantize_weight(model.get_submodule(name).weight)) for name in manifest.quantized_modules)
-    print(f"compressed-tensors decompressed {len(loaded)} weights: {'identical to' if same else 'MISMATCH with'} quantlib's fake-quantized weights")
+    same = all(torch.equal(loaded[name], model.get_submodule(name).quantize_weight(model.get_submodule(name).weight))
+               for name in manifest.quantized_modules)
+    print(f"compressed-tensors decompressed {len(loaded)} weights: {'identical to' if same else 'MISMATCH with'} quantlib's fake-quantized "
+          "weights")
     return same
 
 

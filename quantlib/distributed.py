@@ -8,7 +8,6 @@ waiting in a collective.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -16,17 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import QuantizeConfig
-from .formats import Kind
+from .collectives import agreement, all_reduce, device_for, pack_by_slot, slot, structure_digest
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .parallel_state import GROUP_NAMES, PARALLEL_ROLES, LayoutError, ParallelState, ProcessGroup, discover_parallel_state, tp_shard_dim  # noqa: F401  (re-exported)
-from .traversal import expert_group_key, iter_quantizers
+from .traversal import applied_config, expert_group_key, iter_quantizers
 
 _CPU = torch.device("cpu")
 _ROW_BYTES = 1024  # per-rank room for the error report exchanged when something is wrong
-_MAX = dist.ReduceOp.MAX if dist.is_available() else None
 
 
 class AmaxSyncError(CalibrationError):
@@ -62,15 +59,15 @@ def _tp_reduces(leaf: TensorQuantizer, module: Optional[nn.Module], attr: str, k
         ndim = amax.dim()
     elif kind == "weight":
         ndim = 2
-    elif leaf.spec.kind != Kind.NVFP4 and (leaf.axis is not None or leaf.spec.block is not None):
+    elif not leaf.spec.per_tensor_amax(leaf.axis):
         return False  # an amax of unknown rank (no tokens here): what the calibrated ranks find decides
     else:
         ndim = 0
-    return tp_shard_dim(leaf, ndim, split, extent, tp_size, name) is None
+    return tp_shard_dim(leaf.spec, leaf.axis, ndim, split, extent, tp_size, name) is None
 
 
 def _per_tensor(leaf: TensorQuantizer) -> bool:
-    return leaf.spec.kind == Kind.NVFP4 or (leaf.spec.block is None and leaf.axis is None)
+    return leaf.spec.per_tensor_amax(leaf.axis)
 
 
 @dataclass
@@ -249,41 +246,24 @@ class _Comm:
     def __init__(self, state: ParallelState, preferred: torch.device) -> None:
         self.state = state
         self.sizes = {n: state.size(n) for n in GROUP_NAMES}
-        self.ranks = {n: state.rank(n) for n in GROUP_NAMES}
         self.active = [n for n in GROUP_NAMES if self.sizes[n] > 1]
-        self.devices = {n: _device_for(state.group(n), preferred) for n in self.active}
+        self.devices = {n: device_for(state.group(n), preferred) for n in self.active}
         self._slots: dict[tuple[str, ...], tuple[int, int]] = {}
 
     def all_reduce_max(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.devices[name])
-        dist.all_reduce(t, op=_MAX, group=self.state.group(name))
-        return t
+        return all_reduce(t.to(self.devices[name]), "max", self.state.group(name))
 
     def slot(self, slot_groups: tuple[str, ...]) -> tuple[int, int]:
         """(number of slots, this rank's slot) for a payload keyed by its position in ``slot_groups``."""
         if slot_groups not in self._slots:
-            count, index = 1, 0
-            for g in slot_groups:
-                count, index = count * self.sizes[g], index * self.sizes[g] + self.ranks[g]
-            self._slots[slot_groups] = (count, index)
+            self._slots[slot_groups] = slot(self.state, slot_groups)
         return self._slots[slot_groups]
 
 
-def _device_for(group: ProcessGroup, preferred: torch.device) -> torch.device:
-    """NCCL needs CUDA tensors; gloo and mixed backends take the amax's own device."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend and preferred.type != "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return preferred
-
-
 def _structure_hash(units: list[_Unit], policy: str, sync_expert_weights: bool) -> int:
-    h = hashlib.blake2b(digest_size=7)
-    h.update(f"policy={policy}|sync_expert_weight_amax={sync_expert_weights}\n".encode())
     spec_reprs: dict = {}
-    for u in units:
-        h.update(u.describe(spec_reprs).encode() + b"\n")
-    return int.from_bytes(h.digest(), "little")  # < 2**56: its negation fits in int64
+    head = f"policy={policy}|sync_expert_weight_amax={sync_expert_weights}\n"
+    return structure_digest([head] + [u.describe(spec_reprs) + "\n" for u in units])
 
 
 def _payload_size(comm: _Comm, units: list[_Unit], name: str) -> int:
@@ -302,9 +282,9 @@ def _check(comm: _Comm, units: list[_Unit], digest: int, err: bool) -> tuple[boo
     verdict = {}
     for name in comm.active:
         size = _payload_size(comm, units, name)
-        t = comm.all_reduce_max(name, torch.tensor([digest, -digest, size, -size, int(err)], dtype=torch.int64)).tolist()
-        verdict[name] = "S" if t[0] != -t[1] else ("N" if t[2] != -t[3] else "")
-        err = err or bool(t[4]) or bool(verdict[name])
+        same, (same_size,), (any_err,) = agreement(comm.state.group(name), digest, (size,), (err,), comm.devices[name])
+        verdict[name] = "S" if not same else ("N" if not same_size else "")
+        err = err or any_err or bool(verdict[name])
     return err, verdict
 
 
@@ -322,23 +302,9 @@ def _reduce(comm: _Comm, units: list[_Unit], verdict: dict[str, str], err: bool)
         agreed = not verdict[name]
         members = [u for u in units if name in u.groups and u.value is not None] if agreed else []
         head = torch.tensor([float(err)] + (have if agreed else []), dtype=torch.float32, device=dev)
-        starts, lengths, total, contiguous = [], [], head.numel(), True
-        for u in members:
-            count, index = comm.slot(u.groups[name] if name == "data" else ())
-            n = u.value.numel()
-            starts.append(total + index * n)
-            lengths.append(n)
-            total += count * n
-            contiguous = contiguous and count == 1
-        values = torch.cat([u.value.to(dev) for u in members]) if members else head.new_zeros(0)
-        if contiguous:
-            buf = torch.cat([head, values])
-            where = slice(head.numel(), total)
-        else:
-            buf = torch.zeros(total, dtype=torch.float32, device=dev)
-            buf[: head.numel()] = head
-            where = _positions(starts, lengths, dev)
-            buf[where] = values
+        slots = [comm.slot(u.groups[name] if name == "data" else ()) for u in members]
+        lengths = [u.value.numel() for u in members]
+        buf, where = pack_by_slot(head, [u.value for u in members], slots, 0.0)
         buf = comm.all_reduce_max(name, buf)
         err = err or bool(buf[0] > 0)
         if agreed:
@@ -346,14 +312,6 @@ def _reduce(comm: _Comm, units: list[_Unit], verdict: dict[str, str], err: bool)
         for u, piece in zip(members, buf[where].split(lengths), strict=True):
             u.value = piece
     return err, [h > 0 for h in have]
-
-
-def _positions(starts: list[int], lengths: list[int], device: torch.device) -> torch.Tensor:
-    """Indices ``[s0, s0+1, .., s0+n0-1, s1, ...]`` of the spans (start, length)."""
-    n = torch.tensor(lengths, dtype=torch.int64, device=device)
-    first = torch.tensor(starts, dtype=torch.int64, device=device)
-    before = torch.cumsum(n, 0) - n  # where each span begins in the packed values
-    return torch.arange(int(n.sum()), device=device) + torch.repeat_interleave(first - before, n)
 
 
 _FIELDS = ("identity", "kind", "layer grouping", "expert", "format", "axis", "groups")  # of _Unit.describe
@@ -447,7 +405,14 @@ def _commit(units: list[_Unit]) -> None:
 # ---------------------------------------------------------------------------------- the routine
 
 
-def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: Optional[BaseException] = None) -> None:
+def sync_amax(
+    model: nn.Module,
+    parallel_state: ParallelState,
+    *,
+    local_error: Optional[BaseException] = None,
+    expert_input_policy: Optional[str] = None,
+    sync_expert_weight_amax: Optional[bool] = None,
+) -> None:
     """Make the amax of ``model`` what the parallel layout demands, on every rank, or raise on all.
 
     Call it on every rank of every group of ``parallel_state``, after calibration
@@ -477,6 +442,9 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
       weights holds all local experts of its layer). Expert weight amax stay per expert unless the
       config sets ``sync_expert_weight_amax`` (then one per layer, the same way).
 
+    ``expert_input_policy`` and ``sync_expert_weight_amax`` (None: those of the config last applied to
+    the model, else the defaults) are the config's settings; calibrate passes its own.
+
     Missing amax follow the config's ``expert_input_policy``: an expert activation quantizer with no
     amax (no tokens) takes its layer's amax under "max_of_peers" (from local experts or, when none on
     this rank has one, from the other ranks; if no rank has one, every rank raises), stays dynamic
@@ -493,8 +461,9 @@ def sync_amax(model: nn.Module, parallel_state: ParallelState, *, local_error: O
     the amax's device (CUDA for NCCL). With no group of more than one rank it only checks and unifies
     the experts' amax locally.
     """
-    cfg = getattr(model, "_quantlib_config", None) or QuantizeConfig()
-    policy, sync_w = cfg.expert_input_policy, cfg.sync_expert_weight_amax
+    cfg = applied_config(model)
+    policy = expert_input_policy or (cfg.expert_input_policy if cfg is not None else "max_of_peers")
+    sync_w = sync_expert_weight_amax if sync_expert_weight_amax is not None else bool(cfg is not None and cfg.sync_expert_weight_amax)
     problems: list[str] = []
     units = _collect(model, sync_w)
     for u in units:

@@ -8,22 +8,32 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-import torch
 from torch import nn
 
-from .atomic import atomic, check_weight_quantizers
-from .coverage import report_coverage
 from .calib import awq_clip, awq_lite, gptq, mse, smoothquant  # noqa: F401  (register their runners)
-from .calib.collectives import StatSync
-from .calib.registry import AlgorithmConfig, CalibContext, register_runner, runner
+from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
+from .calib.registry import CalibContext, register_runner, runner
+from .calib_config import AlgorithmConfig
+from .collectives import StatSync
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
-from .kv_cache import check_kv_reach
+from .coverage import report_coverage
+from .kv.presets import check_kv_reach
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.modules.modelopt_only import MODELOPT_ONLY
 from .nn.quant_module import QuantModule, QuantModuleRegistry
 from .nn.tensor_quantizer import TensorQuantizer
-from .calib.activations import max_calibrate, tokens_per_expert_report  # noqa: F401  (tokens_per_expert_report re-exported)
-from .traversal import class_names, clear_weight_cache, expert_group_key, iter_leaf_quantizers, iter_quantizers, leaves_of, quant_modules  # noqa: F401  (re-exported)
+from .rollback import atomic, check_weight_quantizers
+from .traversal import (  # noqa: F401  (re-exported)
+    applied_config,
+    class_names,
+    clear_weight_cache,
+    expert_group_key,
+    iter_leaf_quantizers,
+    iter_quantizers,
+    leaves_of,
+    quant_modules,
+    set_applied_config,
+)
 
 ForwardLoop = Callable[[nn.Module], Any]
 if TYPE_CHECKING:
@@ -37,9 +47,7 @@ _log = logging.getLogger("quantlib")
 def convert(model: nn.Module) -> nn.Module:
     """Swap every module of a registered class for its quantized class (in place; returns the model,
     which is new only if the root itself was swapped). Parameters are shared, never copied."""
-    from . import plugins
-
-    plugins.register_available()
+    QuantModuleRegistry.find()
     return _convert(model, {})
 
 
@@ -64,8 +72,10 @@ def _convert(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
 
 def set_quantizer_by_cfg(model: nn.Module, config: Union[QuantizeConfig, dict]) -> None:
     """Apply a config's rules to every quantizer; a list config makes a SequentialQuantizer, a single
-    one a TensorQuantizer (members of a GroupedQuantizer each get it). A parsed config is used as is."""
+    one a TensorQuantizer (members of a GroupedQuantizer each get it). A parsed config is used as is; it
+    is recorded on the converted modules (``QuantModule.applied_config``) for later calls to read."""
     cfg = config if isinstance(config, QuantizeConfig) else QuantizeConfig.from_any(config)
+    set_applied_config(model, cfg)
     for name, parent, attr, q in list(iter_quantizers(model)):
         attrs, enable = cfg.resolve(name, class_names(parent))
         if attrs is not None:
@@ -96,7 +106,8 @@ def warn_modelopt_only(model: nn.Module, cfg: QuantizeConfig) -> None:
             if any(turns_on(*cfg.resolve(f"{name}.{qn}" if name else qn, class_names(m))) for qn in qnames):
                 found.setdefault(type(m).__name__, []).append(name)
     for cls, names in found.items():
-        _log.warning("%d nn.%s module(s) %s stay in full precision: ModelOpt would quantize them with this config, quantlib does not convert nn.%s", len(names), cls, names[:5], cls)
+        _log.warning("%d nn.%s module(s) %s stay in full precision: ModelOpt would quantize them with this config, quantlib does not "
+                     "convert nn.%s", len(names), cls, names[:5], cls)
 
 
 def _set_enabled(model: nn.Module, pattern: str, enabled: bool) -> int:
@@ -122,54 +133,86 @@ def disable_quantizer(model: nn.Module, pattern: str) -> int:
 
 
 @atomic  # a failed quantize() leaves the model exactly as it was
-def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
+def quantize(model: nn.Module, config: Union[QuantizeConfig, dict], forward_loop: Optional[ForwardLoop] = None, parallel_state=None,
+             sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """Convert ``model`` and calibrate it with ``config``'s algorithm on ``forward_loop(model)``.
 
     Calling it again with another config re-configures and recalibrates. Returns the model.
     ``sequential`` (True, a dict or ``quantlib.calib.sequential.SequentialOptions``): calibrate one decoder layer at a time.
     """
-    cfg = QuantizeConfig.from_any(config)
+    cfg = QuantizeConfig.from_any(config)  # the one parse: typed objects flow down from here
+    options = _sequential_options(sequential)
     model = convert(model)
     set_quantizer_by_cfg(model, cfg)
     warn_modelopt_only(model, cfg)
     check_weight_quantizers(model)
-    check_bias_support(model, cfg.algorithm_name)
+    if cfg.algorithm_config is None:
+        check_bias_support(model, None)  # else _calibrate checks, knowing the layout
     check_kv_reach(model, cfg)
     for _, leaf in iter_leaf_quantizers(model):
         leaf.pre_quant_scale = None  # a new recipe starts from the model's own function
-    model._quantlib_config = cfg
-    if cfg.algorithm_name is not None:
-        calibrate.__wrapped__(model, cfg.algorithm, forward_loop, parallel_state, sequential=sequential)  # quantize's own rollback covers it
+    if cfg.algorithm_config is not None:
+        _calibrate(model, cfg.algorithm_config, cfg, forward_loop, parallel_state, options)  # quantize's own rollback covers it
     report_coverage(model, cfg)
     return model
 
 
 @atomic  # a failed or interrupted calibrate() leaves every quantizer (amax, pre_quant_scale) as it was
-def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None, parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
+def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, None] = "max", forward_loop: Optional[ForwardLoop] = None,
+              parallel_state=None, sequential: Union[bool, dict, "SequentialOptions", None] = None) -> nn.Module:
     """(Re)calibrate an already converted model with ``algorithm`` (a name or ModelOpt's dict form, see
-    ``quantlib.calib.registry``; None: nothing). ``max``: weight amax from the weights, activation amax
+    ``quantlib.calib_config``; None: nothing). ``max``: weight amax from the weights, activation amax
     from ``forward_loop(model)`` (None: weights only; activations then use their dynamic amax); the
     other algorithms start from it. Amax are then synced over ``parallel_state`` (None: discovered, see
     ``quantlib.distributed.discover_parallel_state``). ``sequential``: calibrate one decoder layer at a
     time, with any algorithm (``quantlib.calib.sequential``). All or nothing: where it raises (KeyboardInterrupt
-    too), the model is put back as it was on entry."""
+    too), the model is put back as it was on entry. The model-level settings (``expert_input_policy``,
+    ``sync_expert_weight_amax``) are those of the config last applied to the model."""
     algo = algorithm_config(algorithm)
     if algo is None:
         return model
-    cfg: Optional[QuantizeConfig] = getattr(model, "_quantlib_config", None)
-    policy = cfg.expert_input_policy if cfg else "max_of_peers"
+    options = _sequential_options(sequential)
+    return _calibrate(model, algo, applied_config(model), forward_loop, parallel_state, options)
+
+
+def _sequential_options(sequential: Union[bool, dict, "SequentialOptions", None]) -> Optional["SequentialOptions"]:
+    """The parsed ``sequential`` argument (None: calibrate in one pass)."""
+    if not sequential:
+        return None
+    from .calib.sequential import SequentialOptions
+
+    return SequentialOptions.from_any(sequential)
+
+
+def _calibrate(
+    model: nn.Module,
+    algo: AlgorithmConfig,
+    cfg: Optional[QuantizeConfig],
+    forward_loop: Optional[ForwardLoop],
+    parallel_state,
+    options: Optional["SequentialOptions"],
+) -> nn.Module:
+    """:func:`calibrate` with everything parsed: ``cfg`` (None: the defaults) gives the model-level settings."""
+    policy = cfg.expert_input_policy if cfg is not None else "max_of_peers"
+    share_weights = cfg is not None and cfg.sync_expert_weight_amax
+    if algo.mutates_weights and share_weights:  # the closing sync would move its weights off the grid
+        why = "rounds each expert's weight with its own amax, which sync_expert_weight_amax=True then replaces"
+        raise ConfigError(f"algorithm {algo.method!r} {why}; set it to False")
     if parallel_state is None:
         from .distributed import discover_parallel_state
 
         parallel_state = discover_parallel_state()
-    check_bias_support(model, algo.method, parallel_state, sequential=bool(sequential))
-    ctx = CalibContext(forward_loop, lambda m: max_calibrate(m, forward_loop, policy), policy, tensor_parallel=_tensor_parallel(parallel_state), sync=StatSync(parallel_state))
+    check_bias_support(model, algo.method, parallel_state, sequential=options is not None)
+    ctx = CalibContext(
+        forward_loop, lambda m: max_calibrate(m, forward_loop, policy), policy,
+        tensor_parallel=_tensor_parallel(parallel_state), sync=StatSync(parallel_state), config=cfg,
+    )
     local_error = None
     try:
-        if sequential:
+        if options is not None:
             from .calib.sequential import calibrate_sequential
 
-            calibrate_sequential(model, algo, ctx, sequential)
+            calibrate_sequential(model, algo, ctx, options)
         else:
             runner(algo.method)(model, algo, ctx)
     except Exception as exc:  # a bad batch or OOM too: raised alone, it would leave the other ranks in the sync
@@ -177,11 +220,12 @@ def calibrate(model: nn.Module, algorithm: Union[str, dict, AlgorithmConfig, Non
             raise
         local_error = exc  # sync_amax makes every rank raise; this one re-raises exc
     # one process has no group to reduce over, but a layer's local experts still share one weight amax
-    local_experts = parallel_state is None and cfg is not None and cfg.sync_expert_weight_amax
+    local_experts = parallel_state is None and share_weights
     if (parallel_state is not None or local_experts) and algo.distributed_sync:
         from .distributed import ParallelState, sync_amax
 
-        sync_amax(model, parallel_state or ParallelState(), local_error=local_error)
+        state = parallel_state or ParallelState()
+        sync_amax(model, state, local_error=local_error, expert_input_policy=policy, sync_expert_weight_amax=share_weights)
     elif local_error is not None:
         raise local_error
     return model
@@ -200,18 +244,21 @@ def check_bias_support(model: nn.Module, algorithm: Optional[str], parallel_stat
                 continue
             where = f"{leaf_name} ({type(parent).__name__}): bias={bias}"
             if leaf is not q:
-                raise ConfigError(f"{where}: a quantizer with a bias cannot be a member of a list config (SequentialQuantizer) or of grouped experts")
+                raise ConfigError(f"{where}: a quantizer with a bias cannot be a member of a list config (SequentialQuantizer) or of "
+                                  "grouped experts")
             if attr not in getattr(parent, "affine_quantizer_names", ()):
                 raise ConfigError(
                     f"{where}: affine quantization is implemented for the q/k/v bmm quantizers of transformers attention only "
-                    "(Megatron's DotProductAttention sees [seq, batch, heads, dim], where the preset's axes -2/-4 would average over heads and seq)"
+                    "(Megatron's DotProductAttention sees [seq, batch, heads, dim], where the preset's axes -2/-4 would average over heads "
+                    "and seq)"
                 )
             if algorithm is not None and algorithm != "max":
                 raise ConfigError(f"{where}: algorithm {algorithm!r}: a bias is calibrated by algorithm 'max' only")
             if sequential:
                 raise ConfigError(f"{where}: sequential (layer-by-layer) calibration does not keep a bias; calibrate in one pass")
             if parallel_state is not None and parallel_state.size("data") > 1:
-                raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced across them; calibrate on one rank")
+                raise ConfigError(f"{where}: calibration over {parallel_state.size('data')} data-parallel ranks: the bias is not reduced "
+                                  "across them; calibrate on one rank")
 
 
 def _tensor_parallel(parallel_state) -> bool:
@@ -276,4 +323,7 @@ def print_quant_summary(model: nn.Module, file=None) -> None:
     print(quant_summary(model), end="", file=file or sys.stdout)
 
 
-__all__ = ["calibrate", "clear_weight_cache", "convert", "disable_quantizer", "enable_quantizer", "iter_quantizers", "print_quant_summary", "quant_summary", "quantize", "set_quantizer_by_cfg"]
+__all__ = [
+    "applied_config", "calibrate", "clear_weight_cache", "convert", "disable_quantizer", "enable_quantizer",
+    "iter_quantizers", "print_quant_summary", "quant_summary", "quantize", "set_quantizer_by_cfg",
+]

@@ -24,8 +24,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .formats import Kind
-from .nn.tensor_quantizer import TensorQuantizer
+from .formats import FormatSpec
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means a group of one rank
 
@@ -38,19 +37,22 @@ class LayoutError(ValueError):
     """An amax that has no layout-independent global form (a block straddles tensor-parallel shards)."""
 
 
-def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], extent: int, tp_size: int, where: str) -> Optional[int]:
-    """The dim of ``leaf``'s amax that is sharded over TP, or None where the amax is the same on every
-    TP rank (per tensor, or grouped over the whole split axis): the one rule of both the amax sync (which
-    MAX-reduces over TP exactly the amax this gives None for) and the checkpoints' global form.
+def tp_shard_dim(
+    spec: FormatSpec, axis: tuple[int, ...] | None, ndim: int, split_axis: int | None, extent: int, tp_size: int, where: str
+) -> int | None:
+    """The dim of the ``ndim``-D amax of a quantizer of format ``spec`` keeping ``axis`` (its config's axis)
+    that is sharded over TP, or None where the amax is the same on every TP rank (per tensor, or grouped
+    over the whole split axis): the one rule of both the amax sync (which MAX-reduces over TP exactly the
+    amax this gives None for) and the checkpoints' global form.
 
     ``split_axis`` is the axis of the quantized tensor that TP splits (None: not split) and ``extent``
     its local size. The rule depends only on the config and the layout, never on the amax values, so
     the same call maps a global amax shape back to the local one when loading.
     """
-    if split_axis is None or ndim == 0 or leaf.spec.kind == Kind.NVFP4:
+    if split_axis is None or ndim == 0 or spec.two_level:
         return None
     dim = split_axis % ndim
-    block = leaf.spec.block
+    block = spec.block
     if block is not None:
         blocked = {ndim - 1: block[-1]} if len(block) == 1 else {ndim - 2: block[0], ndim - 1: block[1]}
         if dim not in blocked:
@@ -71,7 +73,7 @@ def tp_shard_dim(leaf: TensorQuantizer, ndim: int, split_axis: Optional[int], ex
             f"{where}: blocks of {size} along an axis split over TP={tp_size} into {extent} per rank straddle the shards, "
             f"so its amax has no layout-independent form; use a block size that divides {extent} or >= {extent * tp_size}"
         )
-    kept = {a % ndim for a in (leaf.axis or ())}
+    kept = {a % ndim for a in (axis or ())}
     return dim if dim in kept else None
 
 

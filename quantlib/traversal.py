@@ -3,7 +3,7 @@ plugins share (below all of them, so none has to import another for it)."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
@@ -47,6 +47,18 @@ def quant_modules(model: nn.Module) -> Iterator[tuple[str, QuantModule]]:
     for name, m in model.named_modules():
         if isinstance(m, QuantModule):
             yield name, m
+
+
+def applied_config(model: nn.Module) -> Any:
+    """The parsed QuantizeConfig last applied to ``model``'s converted modules (see
+    ``QuantModule.applied_config``), or None where none was."""
+    return next((m.applied_config for _, m in quant_modules(model) if m.applied_config is not None), None)
+
+
+def set_applied_config(model: nn.Module, config: Any) -> None:
+    """Record the parsed ``config`` on every converted module of ``model`` (one shared object)."""
+    for _, m in quant_modules(model):
+        m.applied_config = config
 
 
 def class_names(module: nn.Module) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantlib as ql
-from quantlib.presets import SCOPED_PRESETS
 from quantlib import GroupedQuantizer, QuantModule, QuantModuleRegistry, TensorQuantizer
+from quantlib.presets import SCOPED_PRESETS
 
 
 class MLP(nn.Module):

@@ -133,7 +133,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     port = free_port()
     # not daemonic: a rank may start processes of its own (Megatron's checkpoint writer); die_with_parent
     # and the kills below keep them from outliving the test
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, timeout, backend, setup, teardown, fn, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, timeout, backend, setup, teardown, fn, args, results))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     outs: dict[int, Any] = {}

@@ -49,7 +49,8 @@ def test_weight_bits():
 def test_scores_are_gradient_weighted_output_errors():
     """Module 2's NVFP4 score equals sum((dL/dy * (Q(y) - y))^2), computed here by hand."""
     batches = data(2)
-    model, state = auto_quantize(copy.deepcopy(mlp()), {"effective_bits": 16}, ["NVFP4_DEFAULT_CFG"], batches, step, loss, num_calib_steps=2, num_score_steps=2)
+    model, state = auto_quantize(copy.deepcopy(mlp()), {"effective_bits": 16}, ["NVFP4_DEFAULT_CFG"], batches, step, loss,
+                                 num_calib_steps=2, num_score_steps=2)
     ref_q = ql.quantize(mlp(), ql.NVFP4_DEFAULT_CFG, lambda m: [m(b[0]) for b in batches])
     plain = mlp()
     expected = 0.0
@@ -137,7 +138,8 @@ def test_fused_siblings_take_one_format():
                                          num_key_value_heads=2, max_position_embeddings=32)).eval()
     ids = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     _, state = auto_quantize(model, {"effective_bits": 6.0}, ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"], ids, lambda m, b: m(b).logits,
-                             lambda out, b: nn.functional.cross_entropy(out[:, :-1].reshape(-1, 128), b[:, 1:].reshape(-1)), disabled_layers="*lm_head*")
+                             lambda out, b: nn.functional.cross_entropy(out[:, :-1].reshape(-1, 128), b[:, 1:].reshape(-1)),
+                             disabled_layers="*lm_head*")
     r = state["best"]["recipe"]
     attn, mlp_ = "model.layers.0.self_attn", "model.layers.0.mlp"
     assert r[f"{attn}.q_proj"] == r[f"{attn}.k_proj"] == r[f"{attn}.v_proj"]

@@ -28,7 +28,8 @@ def test_training_is_deterministic_and_the_cache_round_trips(tmp_path, monkeypat
     b = qm.load_or_train(_tiny, str(tmp_path / "b.pt"), steps=2)
     cached = qm.load_or_train(_tiny, str(tmp_path / "a.pt"), steps=2)
     untrained = (torch.manual_seed(0), _tiny())[1]
-    for (name, p), q, r, u in zip(a.state_dict().items(), b.state_dict().values(), cached.state_dict().values(), untrained.state_dict().values()):
+    for (name, p), q, r, _ in zip(a.state_dict().items(), b.state_dict().values(), cached.state_dict().values(),
+                                  untrained.state_dict().values()):
         assert torch.equal(p, q) and torch.equal(p, r), name
     assert any(not torch.equal(p, u) for p, u in zip(a.state_dict().values(), untrained.state_dict().values()))
 
@@ -48,8 +49,10 @@ def test_held_out_windows_cover_the_text_without_overlap():
 def test_static_variant_sweeps_static_weight_blocks_only():
     ours, mo = bq.configs("W4A16_NVFP4_CFG:static", "mse_fp8_sweep")
     assert ours["algorithm"] == {"method": "mse", "fp8_scale_sweep": True}
-    entries = ours["quant_cfg"] if isinstance(ours["quant_cfg"], list) else [{"quantizer_name": k, "cfg": v} for k, v in ours["quant_cfg"].items()]
-    types = {e["quantizer_name"]: e["cfg"]["block_sizes"]["type"] for e in entries if isinstance(e.get("cfg"), dict) and "block_sizes" in e["cfg"]}
+    entries = ours["quant_cfg"] if isinstance(ours["quant_cfg"], list) else [{"quantizer_name": k, "cfg": v}
+                                                                             for k, v in ours["quant_cfg"].items()]
+    types = {e["quantizer_name"]: e["cfg"]["block_sizes"]["type"] for e in entries if isinstance(e.get("cfg"), dict)
+             and "block_sizes" in e["cfg"]}
     assert types == {"*weight_quantizer": "static"}
     assert bq.configs("W4A16_NVFP4_CFG", "mse")[0]["algorithm"] == {"method": "mse"}
     if mo is not None:  # the library's preset itself is left dynamic
@@ -64,7 +67,8 @@ def test_static_variant_sweeps_static_weight_blocks_only():
 
 
 def test_summary_compares_each_draw_with_its_own_max():
-    rec = lambda algo, seed, ppl: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": seed, "ppl": ppl, "kl": 0.001, "calib_s": 1.0 + seed}  # noqa: E731
+    rec = lambda algo, seed, ppl: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": seed, "ppl": ppl,  # noqa: E731
+                                   "kl": 0.001, "calib_s": 1.0 + seed}
     rows = bq.summarize([rec("max", 0, 10.0), rec("max", 1, 20.0), rec("awq_lite", 0, 9.9), rec("awq_lite", 1, 19.6)])
     awq = next(r for r in rows if r["algorithm"] == "awq_lite")
     assert awq["vs_max_pct"] == pytest.approx(-1.5) and awq["vs_max_std"] == pytest.approx(math.sqrt(0.5))
@@ -92,7 +96,8 @@ def test_paired_error_is_the_standard_error_of_the_per_window_difference():
     base = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     out = bq.paired(base + torch.tensor([-0.01, -0.03, 0.01, -0.01], dtype=torch.float64), base)
     assert out["se_pct"] == pytest.approx(100 * 0.016329931618554522 / 2) and out["windows_better"] == 3 and out["windows"] == 4
-    rec = lambda algo, se: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": 0, "ppl": 1.0, "kl": 0.0, "se_pct": se, "windows_better": 3, "windows": 4}  # noqa: E731
+    rec = lambda algo, se: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": 0, "ppl": 1.0,  # noqa: E731
+                            "kl": 0.0, "se_pct": se, "windows_better": 3, "windows": 4}
     row = next(r for r in bq.summarize([rec("max", 0.0), rec("mse", 0.5)]) if r["algorithm"] == "mse")
     assert row["se_pct"] == 0.5 and row["windows_better"] == "3/4" and "| 0.50 | 3/4 |" in bq.table([row])
 
@@ -100,9 +105,23 @@ def test_paired_error_is_the_standard_error_of_the_per_window_difference():
 def test_op_count_counts_the_calibrations_aten_ops():
     model = _tiny()
     data = [torch.randint(0, 256, (2, 16))]
-    max_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}}, "algorithm": "max"}, data)
-    awq_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 16}}}, "algorithm": "awq_lite"}, data)
+    max_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}}, "algorithm": "max"},
+                           data)
+    awq_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 16}}},
+                                                   "algorithm": "awq_lite"}, data)
     assert 0 < max_ops < awq_ops  # the search runs the layers again per alpha
     rec = lambda lib, ops: {"model": "m", "preset": "P", "algorithm": "max", "lib": lib, "seed": 0, "ppl": 1.0, "kl": 0.0, "ops": ops}  # noqa: E731
     assert "| m | P | max | 30 | 120 | 0.25 |" in bq.ops_table(bq.summarize([rec("quantlib", 30), rec("modelopt", 120)]))
     assert bq.ops_table(bq.summarize([{k: v for k, v in rec("quantlib", 1).items() if k != "ops"}])) == ""
+
+
+def test_gpu_calibration_is_timed_to_its_end(monkeypatch):
+    # CUDA kernels run after the call returns: the clock must stop after a synchronize, not at the return
+    events: list[str] = []
+
+    class _Cuda:
+        is_cuda = True
+
+    monkeypatch.setattr(bq.torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    bq._calibrate(lambda m, c, loop: events.append("quantize") or m, torch.nn.Linear(2, 2), {}, [_Cuda()])
+    assert events == ["sync", "quantize", "sync"]

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from quantlib.calib.max import abs_max
+from quantlib.nn.max_collector import abs_max
 
 VALUES = st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([0.0, -0.0, float("inf"), float("-inf")]))
 
@@ -24,7 +23,8 @@ def _same(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(got[keep].view(torch.int32), ref[keep].view(torch.int32))  # bits: +0.0, never -0.0
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs a CUDA GPU")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -220,7 +220,8 @@ def test_other_width_is_refused_by_the_amax_shape(quantized, model_classes):
     torch.manual_seed(0)
     wider = model_classes["mlp"](hidden=40).eval()
     snap = snapshot(wider)
-    with pytest.raises(CheckpointError, match=r"fc1\.weight_quantizer: amax of shape \(48, 1\) does not fit weight \(40, 64\) \(expected \(40, 1\)\)"):
+    with pytest.raises(CheckpointError, match=r"fc1\.weight_quantizer: amax of shape \(48, 1\) does not fit weight \(40, 64\) \(expected "
+                                              r"\(40, 1\)\)"):
         ql.restore_state(wider, state)
     assert_untouched(wider, snap)
 
@@ -235,13 +236,19 @@ def _tamper(state: dict, name: str, member=None, amax=None) -> dict:
 
 
 TAMPERED_AMAX = {
-    "per_channel_weight": ("INT8_DEFAULT_CFG", "fc2.weight_quantizer", None, torch.ones(48, 1), r"fc2\.weight_quantizer: amax of shape \(48, 1\)"),
-    "per_channel_weight_transposed": ("INT8_DEFAULT_CFG", "fc1.weight_quantizer", None, torch.ones(1, 64), r"fc1\.weight_quantizer: amax of shape \(1, 64\)"),
-    "block_weight": ("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "fc1.weight_quantizer", None, torch.ones(48, 2), r"fc1\.weight_quantizer: amax of shape \(48, 2\)"),
-    "sequential_member_0": ("W4A8_AWQ_BETA_CFG", "fc1.weight_quantizer", 0, torch.ones(48), r"fc1\.weight_quantizer.*amax of shape \(48,\)"),
-    "sequential_member_1": ("W4A8_AWQ_BETA_CFG", "fc1.weight_quantizer", 1, torch.ones(48, 1), r"fc1\.weight_quantizer.*amax of shape \(48, 1\)"),
+    "per_channel_weight": ("INT8_DEFAULT_CFG", "fc2.weight_quantizer", None, torch.ones(48, 1), r"fc2\.weight_quantizer: amax of shape "
+                                                                                                r"\(48, 1\)"),
+    "per_channel_weight_transposed": ("INT8_DEFAULT_CFG", "fc1.weight_quantizer", None, torch.ones(1, 64),
+                                      r"fc1\.weight_quantizer: amax of shape \(1, 64\)"),
+    "block_weight": ("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "fc1.weight_quantizer", None, torch.ones(48, 2),
+                     r"fc1\.weight_quantizer: amax of shape \(48, 2\)"),
+    "sequential_member_0": ("W4A8_AWQ_BETA_CFG", "fc1.weight_quantizer", 0, torch.ones(48),
+                            r"fc1\.weight_quantizer.*amax of shape \(48,\)"),
+    "sequential_member_1": ("W4A8_AWQ_BETA_CFG", "fc1.weight_quantizer", 1, torch.ones(48, 1), r"fc1\.weight_quantizer.*amax of shape "
+                                                                                               r"\(48, 1\)"),
     "per_tensor_input": ("INT8_DEFAULT_CFG", "fc1.input_quantizer", None, torch.ones(5), r"fc1\.input_quantizer: .*amax of shape \(5,\)"),
-    "nvfp4_global": ("NVFP4_DEFAULT_CFG", "fc2.weight_quantizer", None, torch.ones(16, 3), r"fc2\.weight_quantizer: amax of shape \(16, 3\)"),
+    "nvfp4_global": ("NVFP4_DEFAULT_CFG", "fc2.weight_quantizer", None, torch.ones(16, 3),
+                     r"fc2\.weight_quantizer: amax of shape \(16, 3\)"),
     "not_a_tensor": ("INT8_DEFAULT_CFG", "fc1.input_quantizer", None, [1.0], r"fc1\.input_quantizer: _amax must be a tensor"),
 }
 

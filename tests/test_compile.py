@@ -57,7 +57,8 @@ def test_inductor_compile_equals_eager(name):
         assert torch.equal(compiled(x), lin(x))
 
 
-@pytest.mark.parametrize("name", ["INT8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "W4A8_AWQ_BETA_CFG"])
+@pytest.mark.parametrize("name", ["INT8_DEFAULT_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+                                  "W4A8_AWQ_BETA_CFG"])
 def test_qat_backward_compiles_and_matches_eager(name):
     lin = quantized_linear(name).train()
     x = probe().requires_grad_()

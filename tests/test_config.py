@@ -26,15 +26,19 @@ INVALID_ATTRS = {
     "axis_with_block_sizes": ({"num_bits": 4, "axis": 0, "block_sizes": {-1: 128}}, ["axis", "block_sizes", "128"]),
     "axis_with_per_token": ({"num_bits": (4, 3), "axis": 0, "block_sizes": {-1: None, "type": "dynamic"}}, ["axis", "(0,)"]),
     "e2m1_without_blocks": ({"num_bits": (2, 1)}, ["num_bits", "(2, 1)", "block_sizes"]),
-    "e2m1_static_blocks_of_64": ({"num_bits": (2, 1), "block_sizes": {-1: 64, "type": "static", "scale_bits": (4, 3)}}, ["block_sizes", "64"]),
-    "e2m1_2d_blocks_with_e4m3_scales": ({"num_bits": (2, 1), "block_sizes": {-1: 16, -2: 16, "type": "dynamic", "scale_bits": (4, 3)}}, ["block_sizes", "-2"]),
+    "e2m1_static_blocks_of_64": ({"num_bits": (2, 1), "block_sizes": {-1: 64, "type": "static", "scale_bits": (4, 3)}},
+                                 ["block_sizes", "64"]),
+    "e2m1_2d_blocks_with_e4m3_scales": ({"num_bits": (2, 1), "block_sizes": {-1: 16, -2: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+                                        ["block_sizes", "-2"]),
     "e2m1_blocks_without_scale_bits": ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic"}}, ["block_sizes", "16"]),
     "mx_static": ({"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "static", "scale_bits": (8, 0)}}, ["block_sizes", "static"]),
     "mx_type_missing_means_static": ({"num_bits": (4, 3), "block_sizes": {-1: 32, "scale_bits": (8, 0)}}, ["block_sizes", "(8, 0)"]),
     "mx_block_16": ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (8, 0)}}, ["block_sizes", "16"]),
     "mx_e5m2": ({"num_bits": (5, 2), "block_sizes": MX_BLOCKS}, ["(5, 2)"]),
-    "scale_bits_with_int": ({"num_bits": 4, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, ["scale_bits", "(4, 3)", "num_bits=4"]),
-    "e4m3_scales_with_e4m3_elements": ({"num_bits": (4, 3), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, ["scale_bits", "(4, 3)"]),
+    "scale_bits_with_int": ({"num_bits": 4, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+                            ["scale_bits", "(4, 3)", "num_bits=4"]),
+    "e4m3_scales_with_e4m3_elements": ({"num_bits": (4, 3), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+                                       ["scale_bits", "(4, 3)"]),
     "scale_bits_e5m2": ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (5, 2)}}, ["scale_bits", "(5, 2)"]),
     "num_bits_zero": ({"num_bits": 0}, ["num_bits", "0"]),
     "num_bits_17": ({"num_bits": 17}, ["num_bits", "17"]),
@@ -52,7 +56,8 @@ INVALID_ATTRS = {
     "block_size_bool": ({"num_bits": 4, "block_sizes": {-1: True}}, ["block_sizes[-1]", "True"]),
     "block_unknown_key": ({"num_bits": 4, "block_sizes": {-1: 16, "typ": "dynamic"}}, ["typ", "dynamic"]),
     "block_type_unknown": ({"num_bits": 4, "block_sizes": {-1: 16, "type": "Dynamic"}}, ["type", "'Dynamic'"]),
-    "block_scale_block_sizes": ({"num_bits": (2, 1), "block_sizes": dict(NVFP4_BLOCKS, scale_block_sizes={-1: 128})}, ["scale_block_sizes", "128"]),
+    "block_scale_block_sizes": ({"num_bits": (2, 1), "block_sizes": dict(NVFP4_BLOCKS, scale_block_sizes={-1: 128})},
+                                ["scale_block_sizes", "128"]),
     "per_row_static": ({"num_bits": (4, 3), "block_sizes": {-1: None}}, ["block_sizes", "dynamic"]),
     "unsigned_float": ({"num_bits": (4, 3), "unsigned": True}, ["unsigned", "(4, 3)"]),
     "enable_not_bool": ({"enable": "yes"}, ["enable", "'yes'"]),
@@ -76,7 +81,8 @@ def test_invalid_attribute_config_names_key_and_value(case):
         assert text in str(err.value), f"{case}: {text!r} not in {str(err.value)!r}"
 
 
-@pytest.mark.parametrize("case", ["unknown_key", "axis_with_block_sizes", "e2m1_without_blocks", "mx_static", "scale_bits_with_int", "num_bits_17"])
+@pytest.mark.parametrize("case", ["unknown_key", "axis_with_block_sizes", "e2m1_without_blocks", "mx_static", "scale_bits_with_int",
+                                  "num_bits_17"])
 @pytest.mark.parametrize("form", ["dict", "list", "list_of_cfgs"])
 def test_invalid_attribute_in_quantize_config_names_pattern(case, form):
     attrs, expected = INVALID_ATTRS[case]
@@ -215,7 +221,8 @@ def test_dict_form_default_applies_first_wherever_it_sits(position):
 
 def test_dict_form_default_disable_then_patterns_enable():
     """The presets' shape: ``"default": {"enable": False}`` last, yet the weight/input rules win."""
-    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8}, "default": {"enable": False}}}
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8},
+                         "default": {"enable": False}}}
     assert _resolved(cfg, "fc1.weight_quantizer") == (8, (0,), True)
     assert _resolved(cfg, "fc1.input_quantizer") == (8, None, True)
     assert _resolved(cfg, "fc1.output_quantizer") == ("untouched", False)
@@ -243,7 +250,8 @@ def test_list_form_enable_in_same_entry_overrides_cfg_enable():
 
 
 def test_list_form_equals_dict_form_of_same_rules():
-    dict_cfg = {"quant_cfg": {"*weight_quantizer": WEIGHT_RULE, "*input_quantizer": {"num_bits": (4, 3)}, "*fc2*": {"enable": False}, "default": {"enable": False}}}
+    dict_cfg = {"quant_cfg": {"*weight_quantizer": WEIGHT_RULE, "*input_quantizer": {"num_bits": (4, 3)}, "*fc2*": {"enable": False},
+                              "default": {"enable": False}}}
     list_cfg = {
         "quant_cfg": [
             {"quantizer_name": "*", "enable": False},
@@ -264,7 +272,8 @@ def test_pattern_matches_the_full_name():
 
 def test_list_cfg_builds_a_sequential_quantizer(make_model):
     model = ql.convert(make_model("mlp"))
-    ql.set_quantizer_by_cfg(model, {"quant_cfg": [{"quantizer_name": "*weight_quantizer", "cfg": [{"num_bits": 4, "block_sizes": {-1: 128}}, {"num_bits": (4, 3)}]}]})
+    ql.set_quantizer_by_cfg(model, {"quant_cfg": [{"quantizer_name": "*weight_quantizer", "cfg": [{"num_bits": 4, "block_sizes": {-1: 128}},
+                                                                                                  {"num_bits": (4, 3)}]}]})
     for lin in (model.fc1, model.fc2):
         q = lin.weight_quantizer
         assert isinstance(q, ql.SequentialQuantizer)
@@ -278,8 +287,10 @@ def test_list_cfg_builds_a_sequential_quantizer(make_model):
 
 
 def test_class_scoped_entries_parse_with_their_class():
-    cfg = QuantizeConfig.from_any({"quant_cfg": {"nn.BatchNorm2d": {"*": {"enable": False}}, "nn.Conv2d": {"*input_quantizer": {"num_bits": 4}}}})
-    assert [(e.pattern, e.module_class, e.enable) for e in cfg.quant_cfg] == [("*", "BatchNorm2d", False), ("*input_quantizer", "Conv2d", None)]
+    cfg = QuantizeConfig.from_any({"quant_cfg": {"nn.BatchNorm2d": {"*": {"enable": False}},
+                                                 "nn.Conv2d": {"*input_quantizer": {"num_bits": 4}}}})
+    assert [(e.pattern, e.module_class, e.enable) for e in cfg.quant_cfg] == [("*", "BatchNorm2d", False),
+                                                                              ("*input_quantizer", "Conv2d", None)]
     assert cfg.quant_cfg[1].attrs.num_bits == 4
     # a class-scoped rule never reaches quantizers of other classes
     assert cfg.resolve("conv1.input_quantizer", ("Conv2d", "_ConvNd", "Module")) == (cfg.quant_cfg[1].attrs, None)
@@ -309,7 +320,8 @@ def test_presets_parse_and_round_trip_through_to_dict(name):
     torch.save(cfg.to_dict(), buf)
     buf.seek(0)
     back = QuantizeConfig.from_any(torch.load(buf, weights_only=True))
-    for qname in ("fc1.weight_quantizer", "fc1.input_quantizer", "fc1.output_quantizer", "lm_head.weight_quantizer", "router.input_quantizer"):
+    for qname in ("fc1.weight_quantizer", "fc1.input_quantizer", "fc1.output_quantizer", "lm_head.weight_quantizer",
+                  "router.input_quantizer"):
         assert back.resolve(qname, ("Linear",)) == cfg.resolve(qname, ("Linear",)), qname
     algorithm = ql.PRESETS[name]["algorithm"]  # None for MX, as in ModelOpt; a name or ModelOpt's {"method": ...}
     assert back.algorithm_name == cfg.algorithm_name == (algorithm["method"] if isinstance(algorithm, dict) else algorithm)
@@ -371,7 +383,8 @@ def test_set_quantizer_by_cfg_names_every_leaf(make_model):
     model = ql.convert(make_model("mlp"))
     ql.set_quantizer_by_cfg(model, ql.W4A8_AWQ_BETA_CFG)
     names = [n for n, _, _, _ in iter_quantizers(model)]
-    assert names == ["fc1.input_quantizer", "fc1.weight_quantizer", "fc1.output_quantizer", "fc2.input_quantizer", "fc2.weight_quantizer", "fc2.output_quantizer"]
+    assert names == ["fc1.input_quantizer", "fc1.weight_quantizer", "fc1.output_quantizer", "fc2.input_quantizer", "fc2.weight_quantizer",
+                     "fc2.output_quantizer"]
     assert [m._qname for m in model.fc2.weight_quantizer] == ["fc2.weight_quantizer.0", "fc2.weight_quantizer.1"]
 
 

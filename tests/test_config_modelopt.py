@@ -32,7 +32,8 @@ MO_PRESETS = {
     "INT8_DEFAULT_CFG": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}, "max"),
     "INT8_WEIGHT_ONLY_CFG": ({"num_bits": 8, "axis": 0}, None, "max"),
     "FP8_DEFAULT_CFG": ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}, "max"),
-    "FP8_PER_CHANNEL_PER_TOKEN_CFG": ({"num_bits": (4, 3), "axis": 0}, {"num_bits": (4, 3), "axis": None, "type": "dynamic", "block_sizes": {-1: None}}, "max"),
+    "FP8_PER_CHANNEL_PER_TOKEN_CFG": ({"num_bits": (4, 3), "axis": 0}, {"num_bits": (4, 3), "axis": None, "type": "dynamic",
+                                                                        "block_sizes": {-1: None}}, "max"),
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG": ({"num_bits": (4, 3), "axis": None, "block_sizes": {-1: 128, -2: 128}}, None, "max"),
     "INT4_BLOCKWISE_WEIGHT_ONLY_CFG": (_INT4_BLOCK, None, "max"),
     "NVFP4_DEFAULT_CFG": (_NVFP4, _NVFP4, "max"),
@@ -50,7 +51,8 @@ def modelopt_dump(name: str) -> dict:
     """ModelOpt 0.47's preset in its list form, as ``model_dump(exclude_unset=True)`` gives it."""
     weight, inp, algorithm = copy.deepcopy(MO_PRESETS[name])
     quant_cfg = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*weight_quantizer", "cfg": weight}]
-    quant_cfg.append({"quantizer_name": "*input_quantizer", "cfg": inp} if inp is not None else {"quantizer_name": "*input_quantizer", "enable": False})
+    quant_cfg.append({"quantizer_name": "*input_quantizer", "cfg": inp} if inp is not None else {"quantizer_name": "*input_quantizer",
+                                                                                                 "enable": False})
     quant_cfg += [{"quantizer_name": p, "enable": False} for p in MO_DISABLED]
     quant_cfg += [{"quantizer_name": "*", "parent_class": c, "enable": False} for c in MO_DISABLED_CLASSES]
     return {"quant_cfg": quant_cfg, "algorithm": algorithm}
@@ -128,7 +130,8 @@ def test_switching_to_type_dynamic_drops_the_calibrated_amax():
 
 
 def test_type_dynamic_input_is_not_calibrated_by_quantize(make_model, make_data, make_loop):
-    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "type": "dynamic"}, "default": {"enable": False}}}
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "type": "dynamic"},
+                         "default": {"enable": False}}}
     model = ql.quantize(make_model("mlp"), cfg, make_loop(make_data("mlp")))
     assert model.fc1.input_quantizer.amax is None and model.fc1.weight_quantizer.amax is not None
 
@@ -156,7 +159,8 @@ def test_modelopt_int8_default_cfg_gives_modelopts_activations(make_model, make_
     assert torch.equal(q(-2 * amax), torch.tensor([-128.0]) / (torch.tensor([127.0]) / amax))  # code -128
 
 
-@pytest.mark.parametrize("name,elem,shown", [("MXFP6_DEFAULT_CFG", "e3m2", "mxe3m2 block=(32,) dynamic"), ("MXINT8_DEFAULT_CFG", "int8", "mx8 block=(32,) dynamic")])
+@pytest.mark.parametrize("name,elem,shown", [("MXFP6_DEFAULT_CFG", "e3m2", "mxe3m2 block=(32,) dynamic"),
+                                             ("MXINT8_DEFAULT_CFG", "int8", "mx8 block=(32,) dynamic")])
 def test_modelopt_mx_preset_fake_quantizes_weights_and_inputs(name, elem, shown, make_model, make_data):
     """ModelOpt's MXFP6 / MXINT8 dicts: both quantizers of a linear apply the MX fake quant, no calibration."""
     from quantlib.formats.mx import mx_fake_quant
@@ -217,7 +221,8 @@ def test_installed_modelopt_mx_preset_is_ours(name, element, num_bits):
         ({"num_bits": (2, 3), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, "FP6.*needs MX block_sizes"),
         ({"num_bits": (3, 2), "block_sizes": {-1: 32, "type": "static", "scale_bits": (8, 0)}}, "needs block_sizes"),
         ({"num_bits": 4, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}, "only MX integer format is MXINT8"),
-        ({"num_bits": 8, "unsigned": True, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}, "only MX integer format is MXINT8"),
+        ({"num_bits": 8, "unsigned": True, "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+         "only MX integer format is MXINT8"),
         ({"num_bits": 8, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (8, 0)}}, "MXINT8.*needs block_sizes"),
     ],
 )

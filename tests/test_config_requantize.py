@@ -11,7 +11,8 @@ import quantlib as ql
 from quantlib.config import QuantizeConfig
 
 INT8_PER_TENSOR_WEIGHTS = {
-    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": None}, "*input_quantizer": {"num_bits": 8, "axis": None}, "default": {"enable": False}},
+    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": None}, "*input_quantizer": {"num_bits": 8, "axis": None},
+                  "default": {"enable": False}},
     "algorithm": "max",
 }
 

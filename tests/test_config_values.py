@@ -41,7 +41,8 @@ BAD_ATTRS: dict[str, list[tuple[str, dict, list[str]]]] = {
     "unsigned": [("unsigned_string", {"unsigned": "False"}, ["unsigned", "'False'"])],
     "narrow_range": [("narrow_range_string", {"narrow_range": "no"}, ["narrow_range", "'no'"])],
     "fake_quant": [("fake_quant_int", {"fake_quant": 1}, ["fake_quant", "1"])],
-    "calibrator": [("calibrator_int", {"calibrator": 1}, ["calibrator", "1"]), ("calibrator_histogram", {"calibrator": "histogram"}, ["calibrator", "'histogram'"])],
+    "calibrator": [("calibrator_int", {"calibrator": 1}, ["calibrator", "1"]), ("calibrator_histogram", {"calibrator": "histogram"},
+                                                                                ["calibrator", "'histogram'"])],
     "learn_amax": [("learn_amax_string", {"learn_amax": "no"}, ["learn_amax", "'no'"])],
     "type": [("type_capitalised", {"type": "Dynamic"}, ["type", "'Dynamic'"]), ("type_bool", {"type": True}, ["type", "True"])],
     "eps": [
@@ -54,7 +55,8 @@ BAD_ATTRS: dict[str, list[tuple[str, dict, list[str]]]] = {
     ],
     "pow2_scale": [("pow2_scale_string", {"pow2_scale": "yes"}, ["pow2_scale", "'yes'"])],
     "pass_through_bwd": [("pass_through_bwd_int", {"pass_through_bwd": 1}, ["pass_through_bwd", "1"])],
-    "rounding": [("rounding_int", {"rounding": 1}, ["rounding", "1"]), ("rounding_list", {"rounding": ["rceil"]}, ["rounding", "['rceil']"])],
+    "rounding": [("rounding_int", {"rounding": 1}, ["rounding", "1"]), ("rounding_list", {"rounding": ["rceil"]},
+                                                                        ["rounding", "['rceil']"])],
     "backend": [("backend_int", {"backend": 1}, ["backend", "1"]), ("backend_list", {"backend": ["cpu"]}, ["backend", "['cpu']"])],
     "bias": [
         ("bias_string", {"num_bits": (4, 3), "bias": "mean"}, ["bias", "'mean'"]),

@@ -39,7 +39,8 @@ def test_unregistered_layer_with_a_2d_weight_is_reported_with_its_share(caplog):
 
 def test_config_that_enables_no_quantizer_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="quantlib"):
-        m = ql.quantize(model(), {"quant_cfg": {"*wieght_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"})
+        m = ql.quantize(model(), {"quant_cfg": {"*wieght_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}},
+                                  "algorithm": "max"})
     assert m.quant_coverage.enabled_quantizers == 0 and m.quant_coverage.unmatched_patterns == ["*wieght_quantizer"]
     assert "enables no quantizer" in caplog.text and "*wieght_quantizer" in caplog.text
 
@@ -51,7 +52,8 @@ def test_chain_rule_with_its_first_member_off_still_counts_as_enabling():
 
 
 def test_layers_disabled_by_name_are_a_choice_not_silent(caplog):
-    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*4.weight_quantizer": {"enable": False}, "3.*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*4.weight_quantizer": {"enable": False},
+                         "3.*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
     with caplog.at_level(logging.WARNING, logger="quantlib"):
         m = ql.quantize(model(), cfg)
     assert m.quant_coverage.silent == {} and m.quant_coverage.disabled == {"3": 256, "4": 128}

@@ -159,8 +159,10 @@ def test_restore_into_a_meta_built_hf_moe_model_gives_the_cpu_flow_logits(tmp_pa
     from quantlib.plugins import huggingface as hf
 
     hf.refresh()  # registers the fused experts of the modeling code imported above
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                      experts_implementation="eager")  # fmt: skip
 
     def build() -> nn.Module:
         torch.manual_seed(0)

@@ -38,7 +38,8 @@ class _QuantToyGroupedLinear(QuantTEGroupedLinearBase):
 
     def forward(self, inp, m_splits):
         x = self.input_quantizer(inp)
-        outs = [F.linear(xs, self.quantize_weight(getattr(self, f"weight{i}"), "weight_quantizer", i)) for i, xs in enumerate(torch.split(x, m_splits))]
+        outs = [F.linear(xs, self.quantize_weight(getattr(self, f"weight{i}"), "weight_quantizer", i))
+                for i, xs in enumerate(torch.split(x, m_splits))]
         return self.output_quantizer(torch.cat(outs))
 
 
@@ -108,13 +109,13 @@ def test_migration_is_named_and_registered():
 def test_migrate_v1_to_v2_copies_the_shared_amax_to_every_member():
     v1 = golden("v1_anchor_shared.pt")
     before = copy.deepcopy(v1)
-    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.ModelLayout(GROUPED))
+    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.QuantizerGroups(GROUPED))
     assert v2["schema"] == 2 and v2["config"] == v1["config"]
     for name, num in GROUPED.items():
         shared = v1["quantizers"][name]
         entry = v2["quantizers"][name]
         assert entry["type"] == "grouped" and len(entry["members"]) == num
-        for i, m in enumerate(entry["members"]):  # weight_quantizer.{i}._amax, a copy each
+        for m in entry["members"]:  # weight_quantizer.{i}._amax, a copy each
             assert m["type"] == "tensor" and m["attrs"] == shared["attrs"]
             assert torch.equal(m["_amax"], shared["_amax"]) and m["_amax"].data_ptr() != shared["_amax"].data_ptr()
         assert len({m["_amax"].data_ptr() for m in entry["members"]}) == num
@@ -122,19 +123,19 @@ def test_migrate_v1_to_v2_copies_the_shared_amax_to_every_member():
     assert all(v2["quantizers"][n] is v1["quantizers"][n] for n in untouched)
     assert v1["schema"] == 1 and v1["quantizers"]["experts.weight_quantizer"]["type"] == "tensor"  # input unchanged
     assert torch.equal(v1["quantizers"]["experts.weight_quantizer"]["_amax"], before["quantizers"]["experts.weight_quantizer"]["_amax"])
-    assert ckpt.migrate(v1, ckpt.ModelLayout(GROUPED))["quantizers"].keys() == v2["quantizers"].keys()
+    assert ckpt.migrate(v1, ckpt.QuantizerGroups(GROUPED))["quantizers"].keys() == v2["quantizers"].keys()
 
 
 def test_migrate_v1_keeps_per_member_entries():
     v1 = golden("v1_grouped_members.pt")
-    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.ModelLayout(GROUPED))
+    v2 = ckpt.migrate_v1_to_v2(v1, ckpt.QuantizerGroups(GROUPED))
     assert v2["schema"] == 2 and all(v2["quantizers"][n] is v1["quantizers"][n] for n in v1["quantizers"])
 
 
 def test_model_layout_of_fresh_and_converted_models():
-    assert dict(ckpt.model_layout(toy_model()).grouped) == GROUPED
+    assert dict(ckpt.quantizer_groups(toy_model()).grouped) == GROUPED
     quantized = ql.quantize(toy_model(), golden("v1_anchor_shared.pt")["config"], None)
-    assert dict(ckpt.model_layout(quantized).grouped) == GROUPED
+    assert dict(ckpt.quantizer_groups(quantized).grouped) == GROUPED
 
 
 # ------------------------------------------------------------------------------ golden files restore
@@ -147,7 +148,7 @@ def test_golden_v1_shared_restores_the_copy_into_every_member():
         assert all(torch.equal(a, v1[f"{attr}.weight_quantizer"]["_amax"]) for a in members(model, attr))
     assert torch.equal(model.experts.input_quantizer.amax, v1["experts.input_quantizer"]["_amax"])
     assert torch.equal(model.proj.weight_quantizer.amax, v1["proj.weight_quantizer"]["_amax"])
-    assert isinstance(model._quantlib_config, ql.QuantizeConfig)
+    assert isinstance(ql.model_quant.applied_config(model), ql.QuantizeConfig)
     with torch.no_grad():
         assert torch.isfinite(model(torch.randn(8, 16))).all()
 
@@ -183,7 +184,8 @@ def test_golden_v1_int_quantizers_keep_the_narrow_range_they_were_saved_with(nam
     q = model.proj.input_quantizer
     a = q.amax.reshape(1)
     assert torch.equal(q(-2 * a), torch.tensor([-127.0]) / (torch.tensor([127.0]) / a))  # code -127
-    config_attrs = [e.attrs for e in model._quantlib_config.quant_cfg if e.attrs is not None and not isinstance(e.attrs, list)]
+    applied = ql.model_quant.applied_config(model)
+    config_attrs = [e.attrs for e in applied.quant_cfg if e.attrs is not None and not isinstance(e.attrs, list)]
     assert all(a.narrow_range is True for a in config_attrs if isinstance(a.num_bits, int))
 
 
@@ -234,7 +236,8 @@ def test_restore_never_broadcasts_a_reset_over_a_group(tmp_path, monkeypatch):
 def test_restored_amax_that_does_not_fit_the_weights_raises(tmp_path):
     ql.save(_calibrated(), tmp_path / "q.pt")
     wider = toy_model(int8_out=12)
-    with pytest.raises(ql.CheckpointError, match=r"experts_int8\.weight_quantizer\.0: amax of shape \(8, 1\) does not fit weight \(12, 16\)"):
+    with pytest.raises(ql.CheckpointError,
+                       match=r"experts_int8\.weight_quantizer\.0: amax of shape \(8, 1\) does not fit weight \(12, 16\)"):
         ql.restore(wider, tmp_path / "q.pt")
     assert not any(isinstance(m, ql.QuantModule) for m in wider.modules())
     fewer = toy_model(int8_gemms=2)

@@ -26,7 +26,7 @@ def _weight_amax_ok(model) -> None:
         if first.is_enabled and first.needs_calibration:
             assert tuple(first.amax.shape) == first.amax_shape(tuple(m.weight.shape))
             w_max = first.pre_scale(m.weight.detach()).abs().max()  # AWQ: of W * s
-            if model._quantlib_config.algorithm_name in ("awq_clip", "awq_full"):
+            if ql.model_quant.applied_config(model).algorithm_name in ("awq_clip", "awq_full"):
                 assert first.amax.max() <= w_max  # clipped
             else:
                 assert torch.equal(first.amax.max(), w_max)
@@ -102,7 +102,8 @@ _NAMES = sorted(ql.PRESETS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("first, second", list(zip(_NAMES, _NAMES[1:] + _NAMES[:1])) + [("W4A8_AWQ_BETA_CFG", "INT8_WEIGHT_ONLY_CFG"), ("NVFP4_DEFAULT_CFG", "INT8_DEFAULT_CFG")])
+@pytest.mark.parametrize("first, second", list(zip(_NAMES, _NAMES[1:] + _NAMES[:1])) + [("W4A8_AWQ_BETA_CFG", "INT8_WEIGHT_ONLY_CFG"),
+                                                                                        ("NVFP4_DEFAULT_CFG", "INT8_DEFAULT_CFG")])
 def test_quantize_again_reconfigures_and_recalibrates(kind, first, second, make_model, make_data, make_loop):
     """quantize(quantize(m, A), B) behaves exactly like quantize(m, B): no stale amax or structure."""
     data_a, data_b = make_data(kind, seed=1, scale=5.0), make_data(kind, seed=2)
@@ -226,7 +227,8 @@ def test_forward_loop_errors_propagate_and_leave_quantizers_usable(make_model, m
 def test_enable_disable_by_wildcard(make_model):
     model = ql.quantize(make_model("conv"), ql.INT8_DEFAULT_CFG, None)
     assert ql.disable_quantizer(model, "*conv*") == 6
-    assert [q.is_enabled for q in (model.conv1.weight_quantizer, model.conv2.input_quantizer, model.head.weight_quantizer)] == [False, False, True]
+    assert [q.is_enabled for q in (model.conv1.weight_quantizer, model.conv2.input_quantizer,
+                                   model.head.weight_quantizer)] == [False, False, True]
     assert ql.enable_quantizer(model, "conv2.weight_quantizer") == 1
     assert model.conv2.weight_quantizer.is_enabled and not model.conv2.input_quantizer.is_enabled
     assert ql.enable_quantizer(model, "*nothing*") == 0
@@ -273,7 +275,8 @@ def test_summary_rows_show_format_granularity_and_amax(make_model, make_data, ma
 
 def test_sequential_input_quantizer_does_not_quantize_downstream_calibration(make_model, make_data, make_loop):
     data = make_data("mlp")
-    cfg = {"quant_cfg": {"*input_quantizer": {"num_bits": 4}, "fc1.input_quantizer": [{"num_bits": 4}, {"num_bits": (4, 3)}], "default": {"enable": False}}}
+    cfg = {"quant_cfg": {"*input_quantizer": {"num_bits": 4}, "fc1.input_quantizer": [{"num_bits": 4}, {"num_bits": (4, 3)}],
+                         "default": {"enable": False}}}
     model = ql.quantize(make_model("mlp"), cfg, make_loop(data))
     ref = make_model("mlp")
     with torch.no_grad():

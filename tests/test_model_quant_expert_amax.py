@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
-
 from tests.test_export._export_models import qwen3_moe, tokens  # noqa: E402
 
 
@@ -30,7 +29,8 @@ def test_local_experts_share_the_max_weight_amax(preset):
             top = torch.stack(own).amax()
             assert all(torch.equal(a, top) for a in got), (layer, proj, [float(a) for a in got])
     # the attention's weights are no experts: untouched
-    assert torch.equal(shared.model.layers[0].self_attn.q_proj.weight_quantizer.amax, per_expert.model.layers[0].self_attn.q_proj.weight_quantizer.amax)
+    assert torch.equal(shared.model.layers[0].self_attn.q_proj.weight_quantizer.amax,
+                       per_expert.model.layers[0].self_attn.q_proj.weight_quantizer.amax)
 
 
 def test_dynamic_weight_sync_keeps_the_shared_expert_amax():
@@ -48,6 +48,6 @@ def test_dynamic_weight_sync_keeps_the_shared_expert_amax():
         top = getattr(experts, proj).detach().abs().amax()
         s2 = pairs[f"model.layers.1.mlp.experts.{key}_weight_scale_2"]
         assert torch.equal(s2, nvfp4_global_scale(top).expand_as(s2)), (proj, s2)
-    model._quantlib_config.sync_expert_weight_amax = False
+    ql.model_quant.applied_config(model).sync_expert_weight_amax = False
     s2 = dict(sync_pairs(model, "modelopt_nvfp4"))["model.layers.1.mlp.experts.w2_weight_scale_2"]
     assert len(set(s2.tolist())) == 4  # per expert without the flag

@@ -118,7 +118,7 @@ def test_failed_requantize_keeps_the_previous_quantization(make_model, make_data
     assert_as_before(model, before)
     with torch.no_grad():
         assert torch.equal(model(x), out)
-    assert model._quantlib_config == ql.config.QuantizeConfig.from_any(ql.INT8_DEFAULT_CFG)
+    assert ql.model_quant.applied_config(model) == ql.config.QuantizeConfig.from_any(ql.INT8_DEFAULT_CFG)
 
 
 def test_hooks_registered_before_a_failed_quantize_still_remove(make_model):

@@ -10,7 +10,9 @@ from quantlib.distributed import LayoutError, tp_shard_dim
 
 
 def _leaf(**attrs):
-    return ql.TensorQuantizer(ql.QuantizerAttributeConfig(**attrs))
+    """The (spec, axis) that tp_shard_dim reads of a quantizer with these attributes."""
+    q = ql.TensorQuantizer(ql.QuantizerAttributeConfig(**attrs))
+    return q.spec, q.axis
 
 
 @pytest.mark.parametrize(
@@ -36,17 +38,17 @@ def _leaf(**attrs):
     ],
 )
 def test_tp_shard_dim(attrs, ndim, split, extent, tp, expected):
-    assert tp_shard_dim(_leaf(**attrs), ndim, split, extent, tp, "q") == expected
+    assert tp_shard_dim(*_leaf(**attrs), ndim, split, extent, tp, "q") == expected
 
 
 def test_blocks_straddling_tp_shards_have_no_global_form():
     with pytest.raises(LayoutError, match="straddle"):
-        tp_shard_dim(_leaf(num_bits=4, block_sizes={-1: 128}), 2, 1, 200, 2, "decoder.linear_proj.weight_quantizer")
+        tp_shard_dim(*_leaf(num_bits=4, block_sizes={-1: 128}), 2, 1, 200, 2, "decoder.linear_proj.weight_quantizer")
 
 
 def test_blocks_along_a_split_axis_of_unknown_size_raise():
     """Extent 0: no weight to read the local size from; below TP=2 there is nothing to decide."""
     leaf = _leaf(num_bits=4, block_sizes={-1: 128})
     with pytest.raises(LayoutError, match="unknown"):
-        tp_shard_dim(leaf, 2, -1, 0, 2, "self_attention.core.k_quantizer")
-    assert tp_shard_dim(leaf, 2, -1, 0, 1, "self_attention.core.k_quantizer") == 1
+        tp_shard_dim(*leaf, 2, -1, 0, 2, "self_attention.core.k_quantizer")
+    assert tp_shard_dim(*leaf, 2, -1, 0, 1, "self_attention.core.k_quantizer") == 1

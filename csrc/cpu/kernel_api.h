@@ -53,6 +53,7 @@ struct BlockTask {
   int64_t L = 0, M = 0, K = 0, BM = 1, BK = 1, mb = 0, kb = 0;
   const float* amax_in = nullptr;  // static amax per block, or null: computed from the block
   bool nan_groups = false;         // with amax_in: a block holding NaN gets a NaN scale (INT)
+  const float* s2_rows = nullptr;  // NVFP4 with 1-D blocks: a global scale per row (null: ctx.s2)
   void* out = nullptr;             // FAKE: like x
   uint8_t* codes = nullptr;        // CODES: FP8 codes [L, M, K], or E2M1 packed [L, M, (K + 1) / 2]
   float* amax_out = nullptr;       // per block, each optional

@@ -157,10 +157,25 @@ void run_blocks_2d(const BlockTask& t, const O& op, int64_t b0, int64_t b1) {
   }
 }
 
+// The op of one row: NVFP4 with a global scale per row (stacked experts) takes that row's; others the call's.
+template <class O>
+QL_INLINE const O& row_op(const BlockTask&, const O& op, int64_t, O&) {
+  return op;
+}
+
+QL_INLINE const Nvfp4Op& row_op(const BlockTask& t, const Nvfp4Op& op, int64_t row, Nvfp4Op& own) {
+  if (t.s2_rows == nullptr) return op;
+  Ctx c = t.ctx;
+  c.s2 = t.s2_rows[row];
+  c.six_s2 = 6.0f * c.s2;  // as the wrapper's nvfp4_ctx
+  own = Nvfp4Op(c);
+  return own;
+}
+
 // 1-D blocks (BM = 1): up to kGroup consecutive blocks of one row at a time: their amax, then their
 // parameters in one (vectorized) loop, then their elements.
 template <class T, class O, Mode MODE>
-void run_blocks_1d(const BlockTask& t, const O& op, int64_t b0, int64_t b1) {
+void run_blocks_1d(const BlockTask& t, const O& call_op, int64_t b0, int64_t b1) {
   constexpr int64_t kGroup = 64, kSmallBlock = 32;
   using S = typename T::S;
   const bool scan = t.amax_in == nullptr || t.nan_groups;
@@ -169,6 +184,8 @@ void run_blocks_1d(const BlockTask& t, const O& op, int64_t b0, int64_t b1) {
   alignas(64) uint32_t bits[kGroup];
   for (int64_t b = b0; b < b1;) {
     const int64_t row = b / t.kb, j0 = b % t.kb;
+    O own = call_op;
+    const O& op = row_op(t, call_op, row, own);
     const int64_t g = (t.kb - j0) < kGroup ? (t.kb - j0) : kGroup;
     const int64_t nb = (b1 - b) < g ? (b1 - b) : g;
     const S* x = static_cast<const S*>(t.x) + row * t.K;

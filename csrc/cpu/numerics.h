@@ -1,4 +1,4 @@
-// Scalar numerics of every format (DESIGN.md section 3), written to follow the torch reference in
+// Scalar numerics of every format (docs/design.md §3), written to follow the torch reference in
 // quantlib/formats operation by operation: IEEE fp32 multiply / divide in the reference's order, FP8
 // and E2M1 rounding done on the fp32 bits with integer operations, E8M0 exponents from the bits.
 //

@@ -134,11 +134,13 @@ at::Tensor static_block_amax(const at::Tensor& amax, const Layout& g, const char
 }
 
 // Fake quant of x in blocks; `amax` static (per block) or undefined (computed from each block).
+// `s2_rows`: NVFP4's global scale per row (undefined: the ctx's one).
 at::Tensor fake_blocks(const at::Tensor& x, DType dt, Op op, const Ctx& ctx, const Layout& g, const at::Tensor& amax,
-                       bool nan_groups) {
+                       bool nan_groups, const at::Tensor& s2_rows = at::Tensor()) {
   at::Tensor out = at::empty_like(x);
   BlockTask t = block_task(x, dt, op, Mode::FAKE, ctx, g);
   t.out = out.data_ptr();
+  if (s2_rows.defined()) t.s2_rows = s2_rows.data_ptr<float>();
   if (amax.defined()) {
     t.amax_in = amax.data_ptr<float>();
     t.nan_groups = nan_groups;
@@ -240,6 +242,32 @@ Ctx nvfp4_ctx(float global_amax) {
   c.six_s2 = 6.0f * c.s2;
   return c;
 }
+
+// A global amax of more than one value: one per row, broadcasting to x.shape[:-1] + (1,) ((E, 1, 1) for E
+// stacked experts). `s2` has its shape (the cast's global scale); `rows` is s2 expanded, one per row.
+struct RowScales {
+  at::Tensor s2, rows;
+};
+
+RowScales nvfp4_row_scales(const at::Tensor& x, const at::Tensor& global_amax, const char* op) {
+  std::vector<int64_t> rows(x.sizes().begin(), x.sizes().end());
+  rows.back() = 1;
+  const int64_t pad = int64_t(rows.size()) - global_amax.dim();
+  bool fits = pad >= 0;
+  for (int64_t d = 0; fits && d < global_amax.dim(); ++d) fits = global_amax.size(d) == 1 || global_amax.size(d) == rows[pad + d];
+  TORCH_CHECK_VALUE(fits, op, ": global amax of shape ", global_amax.sizes(), " is neither one value nor one per row of input ",
+                    x.sizes(), " (broadcasting to ", at::IntArrayRef(rows), ")");
+  const at::Tensor a = global_amax.to(at::kFloat).contiguous();
+  RowScales r;
+  r.s2 = at::empty(a.sizes(), a.options());
+  const float* ap = a.data_ptr<float>();
+  float* sp = r.s2.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) sp[i] = nvfp4_ctx(ap[i]).s2;
+  r.rows = r.s2.expand(rows).contiguous();
+  return r;
+}
+
+bool per_row(const std::optional<at::Tensor>& global_amax) { return global_amax.has_value() && global_amax->numel() != 1; }
 
 // Global amax of x: static (any shape with one element) or the max of the block amax, which the
 // dynamic case computes first into `amax` (the second pass then reads it back).
@@ -344,6 +372,9 @@ at::Tensor fake_quant_nvfp4(const at::Tensor& x_, const std::optional<at::Tensor
   const Layout g = block_layout(x, {block}, "fake_quant(nvfp4)");
   at::Tensor amax = nvfp4_static_blocks(global_amax, block_amax, g, "fake_quant(nvfp4)");
   const bool fixed = amax.defined();
+  if (per_row(global_amax)) {
+    return fake_blocks(x, dt, Op::NVFP4, Ctx{}, g, amax, fixed, nvfp4_row_scales(x, *global_amax, "fake_quant(nvfp4)").rows);
+  }
   const Ctx ctx = nvfp4_ctx(nvfp4_global_amax(x, dt, g, global_amax, amax));
   return fake_blocks(x, dt, Op::NVFP4, ctx, g, amax, fixed);
 }
@@ -399,7 +430,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x_, 
   TORCH_CHECK_VALUE(block % 2 == 0, "nvfp4_cast: packed E2M1 needs an even block, got ", block);
   at::Tensor amax = nvfp4_static_blocks(global_amax, block_amax, g, "nvfp4_cast");
   const bool fixed = amax.defined();
-  const Ctx ctx = nvfp4_ctx(nvfp4_global_amax(x, dt, g, global_amax, amax));
+  RowScales rs;
+  if (per_row(global_amax)) rs = nvfp4_row_scales(x, *global_amax, "nvfp4_cast");
+  const Ctx ctx = rs.rows.defined() ? Ctx{} : nvfp4_ctx(nvfp4_global_amax(x, dt, g, global_amax, amax));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = (shape.back() + 1) / 2;
   at::Tensor packed = at::empty(shape, x.options().dtype(at::kByte));
@@ -409,8 +442,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x_, 
   t.nan_groups = fixed;
   t.codes = packed.data_ptr<uint8_t>();
   t.byte_out = static_cast<uint8_t*>(scales.data_ptr());
+  if (rs.rows.defined()) t.s2_rows = rs.rows.data_ptr<float>();
   run(t);
-  return {packed, scales, at::full({}, ctx.s2, x.options().dtype(at::kFloat))};
+  return {packed, scales, rs.rows.defined() ? rs.s2 : at::full({}, ctx.s2, x.options().dtype(at::kFloat))};
 }
 
 std::string isa() { return kernels().name; }

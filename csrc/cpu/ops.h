@@ -32,7 +32,8 @@ at::Tensor fake_quant_fp8_blockwise(const at::Tensor& x, const std::optional<at:
 // MX fake quant, elem "e4m3", "e2m1", "e3m2", "e2m3" or "int8", blocks of `block` along the last dim.
 at::Tensor fake_quant_mx(const at::Tensor& x, const std::string& elem, int64_t block, bool floor_rounding);
 
-// NVFP4 fake quant; no global amax -> dynamic (the amax of x).
+// NVFP4 fake quant; no global amax -> dynamic (the amax of x); one value, or one per row (broadcasting to
+// x.shape[:-1] + (1,), e.g. (E, 1, 1) for stacked experts).
 at::Tensor fake_quant_nvfp4(const at::Tensor& x, const std::optional<at::Tensor>& global_amax, int64_t block,
                             const std::optional<at::Tensor>& block_amax);
 
@@ -44,7 +45,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x, const
 std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x, const std::string& elem, int64_t block,
                                            bool floor_rounding);
 
-// Packed E2M1 (uint8), float8_e4m3fn block scales, fp32 global scale s2 (0-dim).
+// Packed E2M1 (uint8), float8_e4m3fn block scales, fp32 global scale s2 (0-dim; with a global amax per row,
+// of its shape).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x, const std::optional<at::Tensor>& global_amax,
                                                           int64_t block, const std::optional<at::Tensor>& block_amax);
 

@@ -1,5 +1,5 @@
 // CUDA kernels of quantlib's block formats: one pass over device memory (16-byte vector loads, block
-// amax + scale + cast fused), bit-exact to quantlib.formats (DESIGN §3).
+// amax + scale + cast fused), bit-exact to quantlib.formats (docs/design.md §3).
 //
 // Every fp32 operation the contract names is an explicit round-to-nearest intrinsic (__fdiv_rn,
 // __fmul_rn, __fmaf_rn, __frcp_rn), so neither fast-math nor FMA contraction can change a result;

@@ -13,8 +13,8 @@ from torch import nn
 
 from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .shared_global_amax import share_static_block_global_amax
 from ..traversal import expert_group_key, iter_leaf_quantizers, leaves_of, quant_modules, weight_quantizer_ids
+from .shared_global_amax import share_static_block_global_amax
 
 ForwardLoop = Callable[[nn.Module], Any]
 _log = logging.getLogger("quantlib")
@@ -98,19 +98,24 @@ def tokens_per_expert_report(model: nn.Module, warn: bool = True) -> dict[str, l
 
 def fill_missing(model: nn.Module, missing: list[tuple[str, TensorQuantizer]], policy: str) -> None:
     """Quantizers the forward loop never reached: experts follow the policy, anything else raises."""
-    experts = {id(leaf) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names for _, leaf in leaves_of(qn, getattr(m, qn))}
+    experts = {id(leaf) for _, m in quant_modules(model) if m.is_expert for qn in m.quantizer_names
+               for _, leaf in leaves_of(qn, getattr(m, qn))}
     # a module with grouped weights holds all local experts of its layer: its quantizers have no local
     # peers (expert_group_key of their names would replace the layer index instead)
-    alone = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert and any(isinstance(getattr(m, w, None), GroupedQuantizer) for w in m.weight_quantizer_names) for qn in m.quantizer_names}
+    alone = {id(getattr(m, qn)) for _, m in quant_modules(model) if m.is_expert and any(isinstance(getattr(m, w, None), GroupedQuantizer)
+                                                                                        for w in m.weight_quantizer_names)
+                                                                                        for qn in m.quantizer_names}
     not_experts = [n for n, q in missing if id(q) not in experts]
     if not_experts:
-        raise CalibrationError(f"calibration data never reached {len(not_experts)} quantizer(s): {not_experts[:5]}; feed data that reaches them or disable them in the config")
+        raise CalibrationError(f"calibration data never reached {len(not_experts)} quantizer(s): {not_experts[:5]}; feed data that reaches "
+                               "them or disable them in the config")
     if policy == "skip":
         for n, _ in missing:
             _log.warning("%s: no tokens reached this expert; its input quantizer uses a dynamic amax", n)
         return
     if policy == "error":
-        raise CalibrationError(f"no tokens reached {len(missing)} expert input quantizer(s): {[n for n, _ in missing][:5]} (expert_input_policy='error')")
+        raise CalibrationError(f"no tokens reached {len(missing)} expert input quantizer(s): {[n for n, _ in missing][:5]} "
+                               "(expert_input_policy='error')")
     peers: dict[str, list[torch.Tensor]] = {}
     for n, q in iter_leaf_quantizers(model):
         if id(q) in experts and id(q) not in alone and q.amax is not None:

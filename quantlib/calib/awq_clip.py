@@ -35,20 +35,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import Kind
+from ..calib_config import AwqClipConfig, AwqFullConfig
+from ..collectives import StatSync, stat_sync
 from ..kernels import ops
+from ..nn.max_collector import static_amax
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
-from .collectives import StatSync, stat_sync
-from .max import static_amax
-from .registry import AwqClipConfig, AwqFullConfig, CalibContext, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import input_pre_scale, progress, store_result
 from .shards import groups_span_shards
 
 _log = logging.getLogger("quantlib")
 
-#: largest number of weight elements (quantized copies included) one batched clip search holds
+#: largest number of weight elements (quantized copies included) one batched clip search holds; on the CPU
+#: too (unlike mse's elementwise search, its work is batched GEMMs, and a smaller chunk re-quantizes the
+#: copies on every call): 2^22..2^16 were no faster, 2^18 1.8x slower on bench_quality's dense LM (notes/gptq30)
 CHUNK_ELEMENTS = 1 << 24
 
 
@@ -63,7 +65,7 @@ def clippable(q: nn.Module) -> bool:
     if not isinstance(q, TensorQuantizer) or not q.is_enabled:
         return False
     s = q.spec
-    return s.kind == Kind.NVFP4 or (s.block is not None and len(s.block) == 1 and not s.dynamic)
+    return s.two_level or (s.block is not None and len(s.block) == 1 and not s.dynamic)
 
 
 def _quantize(q: TensorQuantizer, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -81,7 +83,8 @@ def _pieces(rows: int, cols: int, n_ratios: int, co_batch: int) -> list[tuple[sl
     """(output channels, ratios) searched by one batched product: ``co_batch`` channels, and as many
     ratios as :data:`CHUNK_ELEMENTS` weight elements hold (at least one)."""
     per = max(1, min(n_ratios, CHUNK_ELEMENTS // max(1, min(rows, co_batch) * cols) - 1))  # - 1: the reference
-    return [(slice(r, min(r + co_batch, rows)), slice(k, min(k + per, n_ratios))) for r in range(0, rows, co_batch) for k in range(0, n_ratios, per)]
+    return [(slice(r, min(r + co_batch, rows)), slice(k, min(k + per, n_ratios))) for r in range(0, rows, co_batch)
+            for k in range(0, n_ratios, per)]
 
 
 def _piece_weights(q: TensorQuantizer, w: torch.Tensor, cands: torch.Tensor, rows: slice, ks: slice, block: int) -> torch.Tensor:
@@ -96,7 +99,8 @@ def _piece_weights(q: TensorQuantizer, w: torch.Tensor, cands: torch.Tensor, row
     return _blocked((F.pad(both, (0, pad)) if pad else both).flatten(1), block)
 
 
-def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig, sync: Optional[StatSync] = None, span: bool = False) -> torch.Tensor:
+def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float],
+                cfg: AwqClipConfig, sync: Optional[StatSync] = None, span: bool = False) -> torch.Tensor:
     """fp32 [len(ratios), *w_amax.shape] (NVFP4: [len(ratios)]), summed over ``inputs``. Split over
     tensor-parallel ranks: a row-parallel shard adds its partial outputs over the shards before squaring
     where the loss is over the whole row (NVFP4, or ``span``: one block covering every shard); a
@@ -106,7 +110,7 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     role = sync.role(module)
     w = q.pre_scale(module.weight.detach())
     xs = [input_pre_scale(module, x) for x in inputs]
-    if q.spec.kind == Kind.NVFP4:
+    if q.spec.two_level:
         losses = torch.zeros(len(ratios), dtype=torch.float32, device=w.device)
         refs = [x @ w.T for x in xs]
         for k, r in enumerate(ratios):
@@ -125,7 +129,8 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
     return losses
 
 
-def block_losses(q: TensorQuantizer, w: torch.Tensor, xs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig, span: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+def block_losses(q: TensorQuantizer, w: torch.Tensor, xs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig,
+                 span: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """fp32 [len(ratios), *w_amax.shape]: per block, the summed loss of every ratio of weight ``w`` on
     the (pre-scaled) inputs ``xs``; ``span`` sums a block's partial outputs over the shards.
 
@@ -138,7 +143,8 @@ def block_losses(q: TensorQuantizer, w: torch.Tensor, xs: list[torch.Tensor], w_
     block, rows = q.spec.block[0], w.shape[0]
     cands = w_amax.unsqueeze(0) * _ratio_tensor(ratios, w_amax.device).reshape((-1,) + (1,) * w_amax.dim())
     pieces = _pieces(rows, w.shape[-1], len(ratios), cfg.max_co_batch_size)
-    kept = [_piece_weights(q, w, cands, r, k, block) for r, k in pieces] if len(pieces) == 1 or (len(ratios) + 1) * w.numel() <= CHUNK_ELEMENTS else None
+    small = len(pieces) == 1 or (len(ratios) + 1) * w.numel() <= CHUNK_ELEMENTS
+    kept = [_piece_weights(q, w, cands, r, k, block) for r, k in pieces] if small else None
     sums: list[Optional[torch.Tensor]] = [None] * len(pieces)  # per piece: the sum over the calls so far
     for x in xs:
         x = x.reshape(-1, x.shape[-1])
@@ -187,10 +193,11 @@ def clip(targets: list, inputs: dict[str, list[torch.Tensor]], calls: list[float
             q = m.weight_quantizer
             if not clippable(q):
                 if n_calls:
-                    _log.warning("%s: awq_clip searches one weight quantizer with static 1-D blocks or NVFP4; %s keeps its amax", name, type(q).__name__)
+                    _log.warning("%s: awq_clip searches one weight quantizer with static 1-D blocks or NVFP4; %s keeps its amax", name,
+                                 type(q).__name__)
                 continue
             where = f"{name}.weight_quantizer"
-            per_tensor = q.spec.kind == Kind.NVFP4
+            per_tensor = q.spec.per_tensor_amax(q.axis)
             span = not per_tensor and groups_span_shards(q.spec.block[0], m, sync, where)
             w_amax = static_amax(q.pre_scale(m.weight.detach()), q.spec, q.axis, q.attrs.backend)
             if per_tensor or span:  # the global amax, or the one block of a row: over every shard

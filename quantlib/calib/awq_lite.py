@@ -26,7 +26,7 @@ as a linear on the tokens routed to it (gate_up: its routed hidden states; down:
 with its own statistics, alpha and scales; ``awq_lite_alpha`` is then ``{proj: [alpha per expert]}``
 (None for an expert no token reached), and the shared input amax the max over the experts' scaled amax.
 
-Parallel layouts (:mod:`~quantlib.calib.collectives`, :mod:`~quantlib.calib.shards`): statistics and
+Parallel layouts (:mod:`~quantlib.collectives`, :mod:`~quantlib.calib.shards`): statistics and
 losses are reduced over a linear's replicas (an expert's own only, under expert parallelism); a
 linear split over tensor-parallel ranks gets what one process gets on the whole linear: a
 column-parallel shard's ``w`` is the mean over every shard's rows and its loss the mean over every
@@ -44,13 +44,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..calib_config import AwqLiteConfig
+from ..collectives import StatSync, stat_sync, targets_digest
 from ..kernels import ops
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .collectives import StatSync, stat_sync, targets_digest
-from .registry import AwqLiteConfig, CalibContext, register_runner
+from .registry import CalibContext, register_runner
+from .scaling import (
+    InputRecorder,
+    apply_pre_quant_scale,
+    check_finite,
+    clear_scales,
+    first_leaf,
+    handle_unreached,
+    input_statistics,
+    linear_bias,
+    progress,
+    reached_calls,
+    served_linears,
+    store_result,
+)
 from .shards import groups_span_shards, search_amax
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, first_leaf, handle_unreached, input_statistics, linear_bias, progress, reached_calls, served_linears, store_result
 
 _log = logging.getLogger("quantlib")
 
@@ -65,7 +79,8 @@ def search_quantizer(module: QuantModule) -> TensorQuantizer:
     return first_leaf(module.weight_quantizer)
 
 
-def weight_scale(w: torch.Tensor, block: Optional[int], target: Any = None, sync: Optional[StatSync] = None, where: str = "") -> torch.Tensor:
+def weight_scale(w: torch.Tensor, block: Optional[int], target: Any = None, sync: Optional[StatSync] = None,
+                 where: str = "") -> torch.Tensor:
     """fp32 per input channel: mean over rows of |W| / (its group's max |W| + tiny). Split over
     tensor-parallel ranks (``target``, ``sync``): a group spanning a row-parallel shard takes its max
     over the shards; a column-parallel shard's rows are averaged with the other shards'."""
@@ -99,7 +114,8 @@ def _raw_scale(act: torch.Tensor, wscale: torch.Tensor, alpha: float) -> torch.T
     return (act.pow(alpha) / (wscale.to(act.device).pow(1 - alpha) + torch.finfo(torch.float32).tiny)).clamp(min=1e-4, max=1e4).view(-1)
 
 
-def candidate_scales(act: torch.Tensor, wscale: torch.Tensor, grid: list[float], target: Any = None, sync: Optional[StatSync] = None) -> list[torch.Tensor]:
+def candidate_scales(act: torch.Tensor, wscale: torch.Tensor, grid: list[float], target: Any = None,
+                     sync: Optional[StatSync] = None) -> list[torch.Tensor]:
     """:func:`awq_scale` of every alpha of ``grid``; a row-parallel shard normalises by the max and min
     over every shard's channels (one MAX and one MIN all-reduce for the whole grid)."""
     sync = sync or StatSync(None)
@@ -111,7 +127,8 @@ def candidate_scales(act: torch.Tensor, wscale: torch.Tensor, grid: list[float],
     return [(s / (h * m).sqrt()).view(-1) for s, h, m in zip(raw, hi, lo)]
 
 
-def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], scales: list[torch.Tensor], sync: Optional[StatSync] = None, where: str = "") -> torch.Tensor:
+def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], scales: list[torch.Tensor], sync: Optional[StatSync] = None,
+                 where: str = "") -> torch.Tensor:
     """fp32 [len(scales)]: per candidate scale, the sum over ``inputs`` of the mean squared output
     error of the whole linear: a row-parallel shard adds its partial errors over the shards before
     squaring them; column-parallel shards average their slices' means (and tensor ranks holding whole
@@ -157,7 +174,8 @@ def record_inputs(model: nn.Module, method: str, ctx: CalibContext) -> tuple[lis
     targets = []
     for name, m, w in served_linears(model, method, needs_input=False, tensor_parallel=ctx.tensor_parallel):
         if m.input_quantizer.is_enabled and m.input_quantizer.axis is not None:
-            _log.warning("%s: %s needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, method, m.input_quantizer.axis)
+            _log.warning("%s: %s needs a per-tensor input quantizer (axis=%s); it keeps max calibration", name, method,
+                         m.input_quantizer.axis)
             continue
         clear_scales(m)
         targets.append((name, m, w))

@@ -22,10 +22,17 @@ Then, per linear, the textbook algorithm (Frantar et al. 2022) on the fp32 weigh
 Supported weight quantizers: static amax (INT per tensor / channel / block, FP8 per tensor / channel,
 NVFP4 with static block scales), alone or chained (W4A8: each member on the previous one's output);
 dynamic scales (MX, dynamic blocks, NVFP4 dynamic blocks), affine biases and a weight
-``pre_quant_scale`` are refused by name, as are row-parallel linears split over tensor-parallel ranks
-(their Hessian spans every shard's columns). Column-parallel shards need no reduction: each owns its
-rows and all see the same inputs. A linear or expert no token reached: experts follow
+``pre_quant_scale`` are refused by name. A linear or expert no token reached: experts follow
 ``expert_input_policy`` ("error" raises; otherwise they keep max calibration), anything else raises.
+
+Tensor / expert parallelism: a column-parallel shard owns its rows and sees the whole input, so its
+Hessian is the whole linear's and its rows are GPTQ'd as one process would (rows are independent). A
+row-parallel shard owns a slice of the input columns, and the column sweep runs over all of them: each
+call's input slices are joined into the whole input before ``X^T X``, and the weight's columns and
+their per-column amax are joined before the sweep; every shard then runs the same sweep on the same
+values and keeps its own columns. (Joining = each rank's slice placed in zeros and SUM-reduced over the
+shards: exact.) Experts split over expert-parallel ranks are local: their Hessians meet only their
+replicas'.
 """
 
 from __future__ import annotations
@@ -36,14 +43,16 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..calib_config import GptqConfig
+from ..collectives import StatSync, stat_sync, targets_digest
 from ..formats import Kind
 from ..formats.fp8 import cast_fp8, fp8_scale
 from ..formats.int import int_range, int_scale
 from ..formats.spec import TINY_AMAX
 from ..kernels import ops
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .collectives import stat_sync, targets_digest
-from .registry import CalibContext, GptqConfig, register_runner
+from ..parallel_state import LayoutError, tp_shard_dim
+from .registry import CalibContext, register_runner
 from .scaling import InputRecorder, progress, served_linears
 
 _log = logging.getLogger("quantlib")
@@ -55,16 +64,19 @@ class HessianRecorder(InputRecorder):
     """Forward pre-hooks (the :class:`InputRecorder`'s) that add each GEMM input's ``X^T X`` (fp32, on
     the input's device) and token count per target; the inputs themselves are not kept."""
 
-    def __init__(self, modules: list) -> None:
+    def __init__(self, modules: list, widen: Optional[dict[str, Callable[[torch.Tensor], torch.Tensor]]] = None) -> None:
         super().__init__(modules)
         self.xtx: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, int] = {name: 0 for name, _ in modules}
+        self.widen = widen or {}
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        """Add one call's input ``x`` of target ``name``."""
+        """Add one call's input ``x`` of target ``name`` (a row-parallel shard's: joined over its shards)."""
         if x.numel() == 0:
             return
         x = x.detach().reshape(-1, x.shape[-1]).float()
+        if name in self.widen:
+            x = self.widen[name](x)
         held = self.xtx.get(name)
         if held is None:
             self.xtx[name] = x.T @ x
@@ -83,9 +95,9 @@ def check_quantizer(where: str, q: nn.Module) -> None:
     for leaf in _leaves(q):
         spec = leaf.spec
         why = None
-        if spec.kind == Kind.MX or not leaf.needs_calibration or (spec.kind != Kind.NVFP4 and spec.dynamic):
+        if not spec.calibrated_amax or not leaf.needs_calibration:
             why = "its scales are dynamic (computed from the weight on every call)"
-        elif spec.kind == Kind.NVFP4 and not leaf.static_blocks:
+        elif spec.two_level and not leaf.static_blocks:
             why = "NVFP4 with dynamic block scales; set block_sizes 'type': 'static'"
         elif leaf.attrs.bias is not None:
             why = f"bias={leaf.attrs.bias!r}"
@@ -105,6 +117,9 @@ def _column_amax(amax: torch.Tensor, spec_block: Optional[tuple[int, ...]], cols
     if amax.dim() == 2 and amax.shape[-1] == cols and cols > 1:
         return amax[:, j : j + 1]
     return amax
+
+
+Widen = Callable[[TensorQuantizer, str, torch.Tensor], torch.Tensor]
 
 
 def _amax_by_column(amax: torch.Tensor, block: Optional[tuple[int, ...]], rows: int, cols: int) -> Optional[torch.Tensor]:
@@ -156,27 +171,29 @@ def _fp8_step(spec, by_col: torch.Tensor) -> Callable[[torch.Tensor, int], torch
     return step
 
 
-def _leaf_step(leaf: TensorQuantizer, rows: int, cols: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+def _leaf_step(leaf: TensorQuantizer, rows: int, cols: int, widen: Optional[Widen]) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """``fn(c, j)``: ``leaf``'s fake quant of column ``j`` (fp32 ``[rows]``) with its groups' stored amax."""
     spec, backend, amax = leaf.spec, leaf.attrs.backend, leaf.amax.float()
+    if widen is not None:
+        amax = widen(leaf, "amax", amax)
     if spec.kind == Kind.INT or (spec.kind == Kind.FP8 and spec.block is None):
         by_col = _amax_by_column(amax, spec.block, rows, cols)
         if by_col is not None:
             return (_int_step if spec.kind == Kind.INT else _fp8_step)(spec, by_col)
-    if spec.kind == Kind.NVFP4:  # the global amax stays whole; the block amax is sliced
-        blocks = leaf.block_amax.float()
+    if spec.two_level:  # the global amax stays whole; the block amax is sliced
+        blocks = leaf.block_amax.float() if widen is None else widen(leaf, "block_amax", leaf.block_amax.float())
         return lambda c, j: ops.fake_quant(c.unsqueeze(1), spec, amax, backend, _column_amax(blocks, spec.block, cols, j)).squeeze(1)
     return lambda c, j: ops.fake_quant(c.unsqueeze(1), spec, _column_amax(amax, spec.block, cols, j), backend).squeeze(1)
 
 
-def column_quantizer(q: nn.Module, cols: int, rows: int) -> ColumnQuant:
+def column_quantizer(q: nn.Module, cols: int, rows: int, widen: Optional[Widen] = None) -> ColumnQuant:
     """``fn(col, j) -> (quantized, stored)``: fake quant of column ``j`` (fp32 ``[rows]``) of a ``[rows,
     cols]`` weight by ``q`` with the stored amax of ``j``'s groups, and the value to store in the weight:
     the same, or for a chain (W4A8) the first member's output, whose fake quant by the chain is the
     chain's output (the first member's is idempotent; storing the chain's would quantize it twice). Every
     element takes the format's own formula with its own group's scale: the same bits as quantizing the
-    whole weight."""
-    steps = [_leaf_step(leaf, rows, cols) for leaf in _leaves(q)]
+    whole weight. ``widen(leaf, attr, amax)`` gives a row-parallel shard's amax for all ``cols`` columns."""
+    steps = [_leaf_step(leaf, rows, cols, widen) for leaf in _leaves(q)]
 
     def quantize(col: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         stored = c = steps[0](col, j)
@@ -234,11 +251,54 @@ def _record(model: nn.Module, rec: HessianRecorder, ctx: CalibContext) -> None:
         ctx.max_calibrate(model)
 
 
-def _check_layout(name: str, m: nn.Module, sync) -> None:
-    if sync.role(m) == "row":
-        why = "split over tensor-parallel ranks, its Hessian spans every shard's input columns"
-        raise CalibrationError(f"{name}: gptq on a row-parallel linear is not supported ({why}); calibrate at TP=1")
-    check_quantizer(f"{name}.weight_quantizer", m.weight_quantizer)
+def join_shards(t: torch.Tensor, dim: int, sync: StatSync, target: nn.Module) -> torch.Tensor:
+    """``t``, this rank's slice along ``dim`` of a tensor split over ``target``'s tensor-parallel shards,
+    joined with the other shards' slices in rank order, on every shard (a new tensor). Each slice is
+    placed in zeros and the whole SUM-reduced: every element is one rank's value plus zeros, exact."""
+    group = sync.shard_group(target)
+    k, r = sync.size(group), sync.state.rank(group)
+    dim, n = dim % t.dim(), t.shape[dim]
+    full = t.new_zeros(t.shape[:dim] + (n * k,) + t.shape[dim + 1 :])
+    full.narrow(dim, r * n, n).copy_(t)
+    return sync.over_shards(full, "sum", target)
+
+
+def _shard_amax(name: str, m: nn.Module, sync: StatSync, extent: int) -> Widen:
+    """``widen(leaf, attr, amax)`` of a tensor-parallel shard (``extent``: its size along the split axis):
+    the amax the closing amax sync gives this shard, for the sweep to round to. An amax split with the
+    columns of a row-parallel shard (blocks inside a shard, NVFP4's block amax) joined over the shards
+    (the sweep covers every column); one that does not keep the split axis (per tensor, NVFP4's global
+    amax, a row-parallel row, a block spanning the shards) MAX-reduced over them; a column-parallel
+    shard's own rows' amax as it is."""
+    tp, split = sync.shards(m), 0 if sync.role(m) == "column" else 1
+
+    def widen(leaf: TensorQuantizer, attr: str, amax: torch.Tensor) -> torch.Tensor:
+        if attr == "block_amax":
+            return join_shards(amax, -1, sync, m) if split == 1 else amax
+        try:
+            dim = tp_shard_dim(leaf, amax.dim(), split, extent, tp, f"{name}.weight_quantizer")
+        except LayoutError as exc:
+            raise CalibrationError(str(exc)) from None
+        if dim is None:
+            return sync.over_shards(amax, "max", m)
+        return join_shards(amax, dim, sync, m) if split == 1 else amax
+
+    return widen
+
+
+def _check_layout(name: str, m: nn.Module, w: torch.Tensor, sync: StatSync) -> None:
+    where = f"{name}.weight_quantizer"
+    check_quantizer(where, m.weight_quantizer)
+    if sync.role(m) != "row":
+        return
+    for leaf in _leaves(m.weight_quantizer):
+        if leaf.spec.kind == Kind.NVFP4 and w.shape[1] % leaf.spec.block[-1]:
+            why = f"NVFP4 blocks of {leaf.spec.block[-1]} straddle its {sync.shards(m)} tensor-parallel shards of {w.shape[1]} columns"
+            raise CalibrationError(f"{where}: gptq cannot join the block scales of a row-parallel linear whose {why}")
+        try:
+            tp_shard_dim(leaf, 2, 1, w.shape[1], sync.shards(m), where)
+        except LayoutError as exc:
+            raise CalibrationError(str(exc)) from None
 
 
 def _unreached(names: list[str], experts: list[bool], policy: str) -> None:
@@ -258,12 +318,13 @@ def run_gptq(model: nn.Module, cfg: GptqConfig, ctx: CalibContext) -> None:
         return
     sync = stat_sync(ctx)
     targets = served_linears(model, "gptq", needs_input=False, tensor_parallel=ctx.tensor_parallel)
-    sync.step("gptq", lambda: [_check_layout(n, m, sync) for n, m, _ in targets], targets_digest("gptq", targets))
-    rec = HessianRecorder([(n, m) for n, m, _ in targets])
+    sync.step("gptq", lambda: [_check_layout(n, m, w, sync) for n, m, w in targets], targets_digest("gptq", targets))
+    rows = {n: m for n, m, _ in targets if sync.role(m) == "row"}  # joined over their shards, in the same order on each
+    rec = HessianRecorder([(n, m) for n, m, _ in targets], {n: (lambda x, m=m: join_shards(x, -1, sync, m)) for n, m in rows.items()})
     sync.step("gptq", lambda: _record(model, rec, ctx))
     reduced = []
     for name, m, w in targets:  # every rank reduces every target, in one order (zeros where no token came)
-        cols = w.shape[1]
+        cols = w.shape[1] * sync.shards(m) if name in rows else w.shape[1]
         xtx = rec.xtx.pop(name, None)
         xtx = torch.zeros(cols, cols, dtype=torch.float32, device=w.device) if xtx is None else xtx.to(w.device)
         n = torch.tensor([float(rec.tokens[name])], device=w.device)
@@ -277,7 +338,13 @@ def run_gptq(model: nn.Module, cfg: GptqConfig, ctx: CalibContext) -> None:
             if not bool(torch.isfinite(xtx).all()):
                 raise CalibrationError(f"{name}.input_quantizer: gptq's Hessian saw NaN/Inf inputs; check the model's activations")
             hessian = xtx.mul_(2.0 / n)
-            new = gptq_quantize(w, hessian, column_quantizer(m.weight_quantizer, w.shape[1], w.shape[0]), cfg, name)
+            widen = _shard_amax(name, m, sync, w.shape[0 if sync.role(m) == "column" else 1]) if sync.shard_group(m) else None
+            if name in rows:  # every shard sweeps the whole weight alike and keeps its own columns
+                whole = join_shards(w.detach().float(), 1, sync, m)
+                new = gptq_quantize(whole, hessian, column_quantizer(m.weight_quantizer, whole.shape[1], whole.shape[0], widen), cfg, name)
+                new = new[:, sync.state.rank(sync.shard_group(m)) * w.shape[1] :][:, : w.shape[1]]
+            else:
+                new = gptq_quantize(w, hessian, column_quantizer(m.weight_quantizer, w.shape[1], w.shape[0], widen), cfg, name)
             w.copy_(new.to(w.dtype))  # in place: the parameter (or the experts' slice view) keeps its storage
 
 

@@ -38,13 +38,14 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..formats import FormatSpec, Kind
+from ..calib_config import MseConfig
+from ..formats import FormatSpec
 from ..formats.blocks import to_blocks
 from ..kernels import block_amax, ops
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .registry import CalibContext, MseConfig, register_runner
+from .registry import CalibContext, register_runner
 from .scaling import progress
 
 _log = logging.getLogger("quantlib")
@@ -82,7 +83,8 @@ def group_sq_error(err: torch.Tensor, spec: FormatSpec, amax_shape: tuple[int, .
     return err.sum_to_size((err.shape[0],) + tuple(amax_shape))
 
 
-def search_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def search_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(best amax, index of the chosen candidate per group) of weight ``w`` with max amax ``amax``
     (shape as the quantizer stores it): per group, the first candidate of least squared error."""
     shape = tuple(amax.shape)
@@ -93,7 +95,8 @@ def search_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidate
     return (a * cands[best]).reshape(shape), best.reshape(shape)
 
 
-def search_global_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def search_global_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, candidates: torch.Tensor,
+                       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 dynamic blocks: (best global amax, index of the chosen candidate) of weight ``w`` with max
     global amax ``amax``: the first multiple of least squared error summed over the whole weight."""
     a = amax.to(w.device, torch.float32)
@@ -104,7 +107,8 @@ def search_global_amax(w: torch.Tensor, spec: FormatSpec, amax: torch.Tensor, ca
     return batch[best].reshape(a.shape), best
 
 
-def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tensor, block_amax: torch.Tensor, candidates: torch.Tensor, sweep: bool, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tensor, block_amax: torch.Tensor, candidates: torch.Tensor,
+                      sweep: bool, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 static blocks: (best block amax, index of the chosen candidate per block) of weight ``w``
     against the fixed ``global_amax``: candidates are multipliers of ``block_amax``, or with ``sweep``
     the fractions ``v / 448`` of the global amax (:func:`fp8_scale_candidates`)."""
@@ -116,7 +120,8 @@ def search_block_amax(w: torch.Tensor, spec: FormatSpec, global_amax: torch.Tens
     return base * cands[best], best
 
 
-def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor, quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _first_least(w: torch.Tensor, spec: FormatSpec, batch_amax: torch.Tensor,
+                 quant: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Per group, the index of the first of the ``K`` candidate amax ``batch_amax`` [K, *amax] whose
     fake quant ``quant(stacked w, amax chunk)`` has the least summed squared error over the group."""
     x = w.detach().float()
@@ -149,21 +154,24 @@ def run_mse(model: nn.Module, cfg: MseConfig, ctx: CalibContext) -> None:
     weights only)."""
     ctx.max_calibrate(model)
     candidates = fp8_scale_candidates() if cfg.fp8_scale_sweep else multipliers(cfg)
-    members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule) for _, leaf, w in _static_weight_members(module)]
+    members = [(leaf, w) for _, module in model.named_modules() if isinstance(module, QuantModule)
+               for _, leaf, w in _static_weight_members(module)]
     if cfg.fp8_scale_sweep:
         members = [(leaf, w) for leaf, w in members if leaf.static_blocks]
     statics = [leaf for leaf, _ in members if leaf.static_blocks]
     if statics and ctx.tensor_parallel:  # the TP sync after calibration would move the global amax under them
-        raise ValueError(f"{statics[0]._qname}: mse on NVFP4 static block scales under tensor parallelism is not supported (ModelOpt refuses it too): calibrate at TP=1")
+        raise ValueError(f"{statics[0]._qname}: mse on NVFP4 static block scales under tensor parallelism is not supported (ModelOpt "
+                         "refuses it too): calibrate at TP=1")
     with torch.no_grad():
         for leaf, w in progress(members, "mse search", len(members)):
             if leaf.amax is None or leaf.amax.is_meta:
                 continue
             x = leaf.pre_scale(w)
             if leaf.static_blocks:
-                blocks = leaf.block_amax if leaf.block_amax is not None else block_amax(x.detach(), leaf.spec.block, backend=leaf.attrs.backend)
+                blocks = leaf.block_amax if leaf.block_amax is not None else block_amax(x.detach(), leaf.spec.block,
+                                                                                        backend=leaf.attrs.backend)
                 leaf.block_amax, _ = search_block_amax(x, leaf.spec, leaf.amax, blocks, candidates, cfg.fp8_scale_sweep, leaf.attrs.backend)
-            elif leaf.spec.kind == Kind.NVFP4:
+            elif leaf.spec.two_level:
                 leaf.amax, _ = search_global_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)
             else:
                 leaf.amax, _ = search_amax(x, leaf.spec, leaf.amax, candidates, leaf.attrs.backend)

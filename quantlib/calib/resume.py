@@ -24,10 +24,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..calib_config import AlgorithmConfig
 from ..nn.containers import QuantizerContainer
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..traversal import iter_leaf_quantizers, quant_modules
-from .registry import RESULT_ATTRIBUTES, AlgorithmConfig
+from .registry import RESULT_ATTRIBUTES
 
 RESUME_SCHEMA = 3  # 2: pre_quant_scale, runners' module results, the algorithm; 3: tensor shapes, weight digests
 
@@ -118,9 +119,9 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
 # ---------------------------------------------------------------------------------- the checks
 
 
-def fingerprint(model: nn.Module, layers: nn.ModuleList, algo: AlgorithmConfig) -> dict:
-    """What a resume file must have been written for: config, algorithm, layers, quantizer names, shapes."""
-    cfg = getattr(model, "_quantlib_config", None)
+def fingerprint(model: nn.Module, layers: nn.ModuleList, algo: AlgorithmConfig, cfg: Any) -> dict:
+    """What a resume file must have been written for: config (``cfg``, a QuantizeConfig or None), algorithm,
+    layers, quantizer names, shapes."""
     return {
         "layers": len(layers),
         "quantizers": [n for n, _ in iter_leaf_quantizers(model)],
@@ -135,8 +136,10 @@ def _load(path: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         text = str(exc)
-        why = "it holds objects other than tensors and plain containers" if "weights_only" in text or "Weights only" in text else (text.splitlines() or [type(exc).__name__])[0]
-        raise CalibrationError(f"sequential calibration: resume file {path} cannot be read (truncated, corrupt or not written by quantlib: {why}); {_DELETE}") from None
+        why = ("it holds objects other than tensors and plain containers" if "weights_only" in text or "Weights only" in text
+               else (text.splitlines() or [type(exc).__name__])[0])
+        raise CalibrationError(f"sequential calibration: resume file {path} cannot be read (truncated, corrupt or not written by quantlib: "
+                               f"{why}); {_DELETE}") from None
     if not isinstance(state, dict) or "schema" not in state:
         raise CalibrationError(f"sequential calibration: {path} is not a quantlib resume file (no 'schema' in it); {_DELETE}")
     return state
@@ -158,11 +161,13 @@ def read_resume(path: str, fp: dict) -> dict:
     """The state in ``path``, after checking it was written by this schema for fingerprint ``fp``."""
     state = _load(path)
     if state["schema"] != RESUME_SCHEMA:
-        raise CalibrationError(f"sequential calibration: resume file {path} has schema {state['schema']!r}, this quantlib writes {RESUME_SCHEMA}; {_DELETE}")
+        raise CalibrationError(f"sequential calibration: resume file {path} has schema {state['schema']!r}, this quantlib writes "
+                               f"{RESUME_SCHEMA}; {_DELETE}")
     saved = state.get("fingerprint", {})
     for key in ("layers", "quantizers", "config", "algorithm"):
         if saved.get(key) != fp[key]:
-            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model, config or algorithm (its {key} differs); {_DELETE}")
+            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model, config or algorithm (its "
+                                   f"{key} differs); {_DELETE}")
     shape = _first_shape_difference(fp["shapes"], saved.get("shapes", {}))
     if shape is not None:
         raise CalibrationError(f"sequential calibration: resume file {path} was written for another model: {shape}; {_DELETE}")
@@ -173,7 +178,8 @@ def check_digests(path: str, here: dict[str, tuple[int, int]], saved: dict) -> N
     """Raise, naming the first tensor, where one of ``here`` has a digest unlike the file's (``saved``)."""
     for n, d in here.items():
         if n in saved and tuple(saved[n]) != d:
-            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model: the values of {n} differ (same shape); {_DELETE}")
+            raise CalibrationError(f"sequential calibration: resume file {path} was written for another model: the values of {n} differ "
+                                   f"(same shape); {_DELETE}")
 
 
 # ---------------------------------------------------------------------------------- finished layers

@@ -16,10 +16,10 @@ from typing import Iterable, Optional, TypeVar
 import torch
 from torch import nn
 
+from ..collectives import StatSync
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .collectives import StatSync
 
 _log = logging.getLogger("quantlib")
 T = TypeVar("T")
@@ -98,7 +98,8 @@ class ExpertGemm:
             iq.pre_quant_scale = None
             return
         current = iq.pre_quant_scale
-        table = torch.ones(self.module.num_experts, pqs.numel(), dtype=pqs.dtype, device=pqs.device) if current is None or current.dim() != 2 else current.clone()
+        table = torch.ones(self.module.num_experts, pqs.numel(), dtype=pqs.dtype,
+                           device=pqs.device) if current is None or current.dim() != 2 else current.clone()
         table[self.e] = pqs
         iq.pre_quant_scale = table
 
@@ -149,7 +150,8 @@ def _expert_gemms(name: str, m: QuantModule, needs_input: bool) -> list[tuple[st
     return out
 
 
-def served_linears(model: nn.Module, method: str, needs_input: bool, tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
+def served_linears(model: nn.Module, method: str, needs_input: bool,
+                   tensor_parallel: bool = False) -> list[tuple[str, QuantModule, torch.Tensor]]:
     """(name, module, weight) of every quantized linear whose weight quantizer is enabled (and, with
     ``needs_input``, whose input quantizer too), and of every expert GEMM of fused-experts modules
     (:class:`ExpertGemm`, named ``<module>.<proj>[e]``). A module the config quantizes that the algorithm
@@ -176,9 +178,11 @@ def served_linears(model: nn.Module, method: str, needs_input: bool, tensor_para
             out.append((name, m, w))
     gathered = [n for n, m, _ in out if m.parallel_role == "column" and getattr(m, "sequence_parallel", False)]
     if tensor_parallel and gathered:
-        raise CalibrationError(f"{method} under sequence parallelism is not supported: {gathered[:3]} see only this rank's tokens; calibrate with sequence_parallel=False (the same weights)")
+        raise CalibrationError(f"{method} under sequence parallelism is not supported: {gathered[:3]} see only this rank's tokens; "
+                               "calibrate with sequence_parallel=False (the same weights)")
     if weightless:
-        raise CalibrationError(f"{method} cannot serve {weightless[:5]}: they have no weight to take the per-channel scales; disable their input quantizers in the config or use algorithm 'max'")
+        raise CalibrationError(f"{method} cannot serve {weightless[:5]}: they have no weight to take the per-channel scales; disable their "
+                               "input quantizers in the config or use algorithm 'max'")
     return out
 
 
@@ -254,7 +258,8 @@ def check_finite(where: str, what: str, t: torch.Tensor) -> None:
     """NaN / Inf in a calibration statistic raise, naming the quantizer; no such scale is stored."""
     if not bool(torch.isfinite(t).all()):
         bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-        raise CalibrationError(f"{where}: calibration saw {bad} values in the {what}; check the model's activations or disable this quantizer")
+        raise CalibrationError(f"{where}: calibration saw {bad} values in the {what}; check the model's activations or disable this "
+                               "quantizer")
 
 
 def first_leaf(q: nn.Module) -> TensorQuantizer:
@@ -326,7 +331,8 @@ def input_statistics(targets: list, rec: InputRecorder, sync: StatSync, mean: bo
     experts = [m.is_expert for _, m, _ in targets]
     zeros = [torch.zeros(w.shape[1], device=w.device) for _, _, w in targets]
     amax = sync.over_replicas_each([rec.amax.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts, "max")
-    sums = sync.over_replicas_each([rec.mean_abs_sum.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts, "sum") if mean else [None] * len(targets)
+    sums = sync.over_replicas_each([rec.mean_abs_sum.get(n, z) for (n, _, _), z in zip(targets, zeros)], experts,
+                                   "sum") if mean else [None] * len(targets)
     for i, (_, m, _) in enumerate(targets):
         if sync.peer_group(m):  # the same input on every peer up to rounding: one value for all
             amax[i] = sync.over_peers(amax[i], "max", m)

@@ -50,12 +50,27 @@ import torch
 from torch import nn
 
 from .._atomic_io import atomic_torch_save
+from ..calib_config import AlgorithmConfig
+from ..fields import ConfigError, parse_fields
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import clear_weight_cache, iter_leaf_quantizers, iter_quantizers
 from .activations import max_calibrate
-from .registry import AlgorithmConfig, CalibContext, runner
-from .resume import RESUME_SCHEMA, check_digests, digests, finished_state, fingerprint, is_quantizer, model_tensors, own_tensors, read_resume, restore_finished, view
+from .registry import CalibContext, runner
+from .resume import (
+    RESUME_SCHEMA,
+    check_digests,
+    digests,
+    fingerprint,
+    finished_state,
+    is_quantizer,
+    model_tensors,
+    own_tensors,
+    read_resume,
+    restore_finished,
+    view,
+)
+
 
 @dataclass
 class SequentialOptions:
@@ -68,22 +83,20 @@ class SequentialOptions:
 
     layers: Optional[str] = None
     device: Optional[Union[str, torch.device]] = None
-    offload_folder: Optional[str] = None
-    resume_file: Optional[str] = None
+    offload_folder: Optional[Union[str, os.PathLike]] = None
+    resume_file: Optional[Union[str, os.PathLike]] = None
 
     @classmethod
     def from_any(cls, value: Union[bool, dict, "SequentialOptions"]) -> "SequentialOptions":
-        """``True``, a dict of the fields, or the options themselves."""
+        """``True``, a dict of the fields, or the options themselves; unknown options and ill-typed values
+        raise ConfigError naming the option and the value."""
         if isinstance(value, SequentialOptions):
             return value
         if value is True:
             return cls()
         if isinstance(value, dict):
-            unknown = set(value) - {"layers", "device", "offload_folder", "resume_file"}
-            if unknown:
-                raise ValueError(f"sequential calibration: unknown option(s) {sorted(unknown)}")
-            return cls(**value)
-        raise TypeError(f"sequential must be True, a dict or SequentialOptions, got {value!r}")
+            return cls(**parse_fields(cls, value, "sequential calibration: ", "option"))
+        raise ConfigError(f"sequential must be True, a dict or SequentialOptions, got {value!r}")
 
 
 class _StopForward(Exception):
@@ -128,7 +141,8 @@ def decoder_layers(model: nn.Module, path: Optional[str] = None) -> tuple[str, n
             if size > most:
                 best, most = (name, m), size
     if best is None:
-        raise ValueError(f"sequential calibration: no nn.ModuleList of repeated layers in {type(model).__name__}; pass SequentialOptions(layers=...)")
+        raise ValueError(f"sequential calibration: no nn.ModuleList of repeated layers in {type(model).__name__}; pass "
+                         "SequentialOptions(layers=...)")
     return best
 
 
@@ -219,8 +233,8 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
 
 def _return_freed_memory() -> None:
     """Hand the heap's free pages back to the OS. glibc keeps freed activations of a pass in its heap
-    (its mmap threshold grows after the first large free), and they add up over dozens of layers:
-    measured on a 39-layer model, peak RSS 93 MiB without this, 51 MiB with it (benchmarks/RESULTS_sequential.md)."""
+    (its mmap threshold grows after the first large free), and they add up over dozens of layers
+    (benchmarks/RESULTS_sequential.md: the peak grew with the layer count before this)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -270,7 +284,8 @@ def _strip_cache(kwargs: dict, where: str) -> dict:
     for k, v in kwargs.items():
         if hasattr(v, "get_seq_length") and hasattr(v, "update"):
             if v.get_seq_length() != 0:
-                raise ValueError(f"sequential calibration: {where} received {k}= a cache with past tokens; calibrate without past key values")
+                raise ValueError(f"sequential calibration: {where} received {k}= a cache with past tokens; calibrate without past key "
+                                 "values")
             continue
         out[k] = v
     return out
@@ -298,7 +313,8 @@ def _template(output: Any) -> Any:
         return "tensor"
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return ("tuple", len(output))
-    raise ValueError(f"sequential calibration: a decoder layer returned {type(output).__name__}; expected a tensor or a tuple starting with one")
+    raise ValueError(f"sequential calibration: a decoder layer returned {type(output).__name__}; expected a tensor or a tuple starting "
+                     "with one")
 
 
 # ---------------------------------------------------------------------------------- the passes
@@ -331,12 +347,14 @@ class _Driver:
                 raise _StopForward
             if idx == self.run_idx:
                 if self.position >= len(self.outputs):
-                    raise RuntimeError(f"sequential calibration: the forward loop ran more batches than in the pass that captured {self.name}.{idx}'s inputs")
+                    raise RuntimeError("sequential calibration: the forward loop ran more batches than in the pass that captured "
+                                       f"{self.name}.{idx}'s inputs")
                 shape, recorded = _hidden(args, kwargs).shape, self.shapes[self.position]
                 if shape != recorded:
                     raise RuntimeError(
                         f"sequential calibration: batch {self.position} of this pass has hidden states of shape {tuple(shape)} at "
-                        f"{self.name}.{idx}, the pass that recorded its inputs {tuple(recorded)}: the forward loop must feed the same batches in the same order every time"
+                        f"{self.name}.{idx}, the pass that recorded its inputs {tuple(recorded)}: the forward loop must feed the same "
+                        "batches in the same order every time"
                     )
                 self.position += 1
                 return self.outputs[self.position - 1]
@@ -378,7 +396,8 @@ class _Driver:
         finally:
             restore()
         if self.run_idx is not None and self.position != len(self.outputs):
-            raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.outputs)} cached batches but the loop ran {self.position}")
+            raise RuntimeError(f"sequential calibration: {self.name}.{self.run_idx} got {len(self.outputs)} cached batches but the loop "
+                               f"ran {self.position}")
 
 
 def _resident_paths(model: nn.Module, layers: nn.ModuleList) -> list[str]:
@@ -391,7 +410,8 @@ def _resident_paths(model: nn.Module, layers: nn.ModuleList) -> list[str]:
         if id(m) in inside or id(m) in covered or not (isinstance(m, QuantModule) or id(m) in holders):
             continue
         if any(id(x) in inside for x in m.modules()):
-            raise ValueError(f"sequential calibration: {path or type(model).__name__} holds quantizers and also the decoder layers; only modules outside the layers can be calibrated apart from them")
+            raise ValueError(f"sequential calibration: {path or type(model).__name__} holds quantizers and also the decoder layers; only "
+                             "modules outside the layers can be calibrated apart from them")
         paths.append(path)
         covered.update(id(x) for x in m.modules())
     return paths
@@ -417,7 +437,7 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
     run = runner(algo.method)
     residents = view(model, _resident_paths(model, layers))
     driver = _Driver(model, name, layers)
-    resume = _open_resume(model, driver, algo, opts)
+    resume = _open_resume(model, driver, algo, opts, ctx.config)
     restores = [_patch_forward(layer, driver.layer_forward(i)) for i, layer in enumerate(layers)]
     # the passes run the unquantized model, as in memory; the runners switch their own quantizers (a
     # chain's weights calibrate with quantization on: member i sees the output of members < i)
@@ -451,14 +471,14 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
         os.unlink(opts.resume_file)  # finished: a later run starts over
 
 
-def _open_resume(model: nn.Module, driver: _Driver, algo: AlgorithmConfig, opts: SequentialOptions) -> Optional[dict]:
+def _open_resume(model: nn.Module, driver: _Driver, algo: AlgorithmConfig, opts: SequentialOptions, config: Any) -> Optional[dict]:
     """With a resume file, fingerprint the model (shapes, and digests of the weights outside the layers) into
     ``driver``; return the file's state where it exists and was written for this model (its finished layers'
     weights are read again to be compared, from the offload folder where they are on meta), else None."""
     if opts.resume_file is None:
         return None
     path = opts.resume_file
-    driver.fingerprint = fingerprint(model, driver.layers, algo)
+    driver.fingerprint = fingerprint(model, driver.layers, algo, config)
     driver.digests = digests(model_tensors(model, skip=driver.layers))
     if not os.path.exists(path):
         return None
@@ -484,7 +504,8 @@ def _layer_digests(layer: nn.Module, where: str, opts: SequentialOptions) -> dic
 def _write_resume(model: nn.Module, driver: _Driver, done: int, path: str) -> None:
     """Layers ``< done`` are finished: write their state, the fingerprint and the next layer's inputs to ``path``."""
     inputs = [_to_device(e, torch.device("cpu")) for e in driver.captured]
-    state = {"schema": RESUME_SCHEMA, "fingerprint": driver.fingerprint, "digests": driver.digests, "done": done, "templates": driver.templates[:done], "inputs": inputs}
+    state = {"schema": RESUME_SCHEMA, "fingerprint": driver.fingerprint, "digests": driver.digests, "done": done,
+             "templates": driver.templates[:done], "inputs": inputs}
     atomic_torch_save({**state, **finished_state(model, driver.name, done)}, path, crc32=False)
 
 
@@ -504,7 +525,8 @@ class _QuantOff:
         return False
 
 
-def _calibrate_layer(model: nn.Module, driver: _Driver, idx: int, run: Callable, algo: AlgorithmConfig, ctx: CalibContext, opts: SequentialOptions, device: Optional[torch.device]) -> None:
+def _calibrate_layer(model: nn.Module, driver: _Driver, idx: int, run: Callable, algo: AlgorithmConfig, ctx: CalibContext,
+                     opts: SequentialOptions, device: Optional[torch.device]) -> None:
     """Load layer ``idx``, run the algorithm on it over its cached inputs (keeping its outputs), send it back."""
     where = f"{driver.name}.{idx}"
     layer = driver.layers[idx]
@@ -520,7 +542,8 @@ def _calibrate_layer(model: nn.Module, driver: _Driver, idx: int, run: Callable,
     finally:
         _release_layer(layer, home)
     if driver.cached and not driver.outputs:
-        raise RuntimeError(f"sequential calibration: algorithm {algo.method!r} never ran the forward loop on {where}, so the next layer has no inputs")
+        raise RuntimeError(f"sequential calibration: algorithm {algo.method!r} never ran the forward loop on {where}, so the next layer "
+                           "has no inputs")
     driver.cached, driver.run_idx = [], idx
 
 

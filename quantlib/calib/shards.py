@@ -21,11 +21,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..formats import Kind
+from ..collectives import StatSync
+from ..nn.max_collector import static_amax
 from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
-from .collectives import StatSync
-from .max import static_amax
 
 
 def groups_span_shards(block: Optional[int], target: Any, sync: StatSync, where: str) -> bool:
@@ -41,7 +40,8 @@ def groups_span_shards(block: Optional[int], target: Any, sync: StatSync, where:
         return False
     if extent * tp <= block:
         return True
-    raise CalibrationError(f"{where}: blocks of {block} input channels straddle the {tp} tensor-parallel shards of {extent} columns each; use a block size that divides {extent} or covers all {extent * tp}")
+    raise CalibrationError(f"{where}: blocks of {block} input channels straddle the {tp} tensor-parallel shards of {extent} columns each; "
+                           f"use a block size that divides {extent} or covers all {extent * tp}")
 
 
 def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync, where: str) -> Optional[torch.Tensor]:
@@ -49,7 +49,7 @@ def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync
     the amax of ``x`` itself in the quantizer's shape (None for a dynamic one, and for NVFP4 on a whole
     weight: its global amax is then taken from ``x`` by the quantizer), MAX-reduced over the shards
     where it does not keep the split axis."""
-    nvfp4 = q.spec.kind == Kind.NVFP4
+    nvfp4 = q.spec.two_level
     if not q.needs_calibration and not nvfp4:
         return None
     group = sync.shard_group(target)
@@ -60,7 +60,7 @@ def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync
         return amax
     axis = 0 if sync.role(target) == "column" else 1
     try:
-        dim = tp_shard_dim(q, amax.dim(), axis, x.shape[axis], sync.shards(target), where)
+        dim = tp_shard_dim(q.spec, q.axis, amax.dim(), axis, x.shape[axis], sync.shards(target), where)
     except LayoutError as exc:
         raise CalibrationError(str(exc)) from None
     return sync.over_shards(amax, "max", target) if dim is None else amax

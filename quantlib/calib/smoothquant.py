@@ -27,11 +27,21 @@ import logging
 import torch
 from torch import nn
 
+from ..calib_config import SmoothQuantConfig
+from ..collectives import stat_sync, targets_digest
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
-from .collectives import stat_sync, targets_digest
-from .registry import CalibContext, SmoothQuantConfig, register_runner
-from .scaling import InputRecorder, apply_pre_quant_scale, check_finite, clear_scales, handle_unreached, input_statistics, reached_calls, served_linears
+from .registry import CalibContext, register_runner
+from .scaling import (
+    InputRecorder,
+    apply_pre_quant_scale,
+    check_finite,
+    clear_scales,
+    handle_unreached,
+    input_statistics,
+    reached_calls,
+    served_linears,
+)
 
 _log = logging.getLogger("quantlib")
 
@@ -74,7 +84,8 @@ def run_smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: CalibContext)
     sync.step("smoothquant", record, targets_digest("smoothquant", targets))
     # reached on any replica (an expert may get tokens on one rank only): every replica decides alike
     calls = reached_calls(targets, rec, sync)
-    sync.step("smoothquant", lambda: handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0], ctx.expert_input_policy))
+    sync.step("smoothquant", lambda: handle_unreached("smoothquant", [(n, m) for (n, m, _), c in zip(targets, calls) if c == 0],
+                                                      ctx.expert_input_policy))
     _, act_amax = input_statistics(targets, rec, sync, mean=False)
     with torch.no_grad():
         # per input channel, over the rows: a column-parallel shard holds some of them

@@ -4,17 +4,18 @@
 directory atomically; ``serialize_weight`` packs one tensor and ``sync_pairs`` a whole model for RL
 weight sync, with scales from the weights being sent (``scales="dynamic"``), in buckets of one dtype. Packing uses the
 quantizers' own amax and quantlib's kernels, so the consumer's weights are those the model was
-evaluated with. Megatron-Core models: :func:`quantlib.export.megatron.export_megatron_checkpoint`.
+evaluated with. Megatron-Core models: :func:`quantlib.export.megatron_export.export_megatron_checkpoint` (files) and
+:func:`quantlib.export.megatron_sync.megatron_sync_tensors` (in memory, each rank its own parts, no gather).
 """
 
-from .checkpoint import export_checkpoint
+from .buckets import Bucket, BucketEntry, bucket_by_dtype
+from .export_checkpoint import export_checkpoint
 from .fold import share_pre_quant_scale
 from .iterate import iter_packed
 from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, TRANSFORMERS, ModelLayout, layout_for, register_layout
 from .siblings import share_sibling_amax
-from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
-from .buckets import Bucket, BucketEntry, bucket_by_dtype
 from .sync_scales import Scales
+from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
 from .vllm_names import ExpertNames, check_receiver
 from .weight_sync import chunk_by_bytes, serialize_weight, sync_pairs
 

@@ -61,15 +61,18 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
         elif standalone is not None and enabled and leaf not in standalone:
             # only linears that read inputs of one width can be fused into one GEMM
             unknown.setdefault((parent, _in_features(module)), []).append(name)
-    for (parent, group), members in groups.items():
+    for (_parent, group), members in groups.items():
         on = [n for n, e in members if e]
         off = [n for n, e in members if not e]
         if on and off:
-            raise ExportError(f"{off[0]}: not quantized (its weight quantizer is off, or it has none) but its fused siblings {on} are; consumers fuse {group} into one GEMM "
-                              f"and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole group or none of it")
+            raise ExportError(f"{off[0]}: not quantized (its weight quantizer is off, or it has none) but its fused siblings {on} are; "
+                              f"consumers fuse {group} into one GEMM "
+                              "and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole "
+                              "group or none of it")
     for names in unknown.values():
         if len(names) > 1:
-            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not know); "
+            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not "
+                              "know); "
                               f"fused siblings need one global scale, so say which are: {_HOW}")
     if walk.tied:  # else no weight has a second owner
         _refuse_tied(walk.modules)
@@ -89,21 +92,26 @@ def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:
         for n, m in ((owner, owner_module), (name, module)):
             q = _weight_quantizer(m)
             if q is not None and q.is_enabled:
-                raise ExportError(f"{n}.weight_quantizer is enabled but {name}.weight is tied to {owner}.weight (tie_word_embeddings): a checkpoint holds "
-                                  f"the tensor once, so one of them would load unquantized; disable the quantizer (quantlib.disable_quantizer(model, '*{n.rpartition('.')[2]}*')) "
+                raise ExportError(f"{n}.weight_quantizer is enabled but {name}.weight is tied to {owner}.weight (tie_word_embeddings): a "
+                                  "checkpoint holds "
+                                  "the tensor once, so one of them would load unquantized; disable the quantizer "
+                                  f"(quantlib.disable_quantizer(model, '*{n.rpartition('.')[2]}*')) "
                                   "or untie the weights before quantizing")
 
 
-def stored_fused(module: nn.Module, name: str, layout: ModelLayout) -> bool:
+def stored_fused(module: nn.Module, name: str, layout: ModelLayout, carried: bool = False) -> bool:
     """Whether the checkpoint keeps ``module``'s fused experts as they are (3-D, e.g. GPT-OSS's interleaved
-    ``gate_up_proj``): then they pass through whole, and quantized ones are refused (no format carries them)."""
+    ``gate_up_proj``): then they are written whole, and quantized ones are refused unless the format
+    ``carried`` them (``openai_mxfp4``)."""
     projs = layout.experts.get(name, {})
     if STORED_FUSED not in projs.values():
         return False
-    for proj in module.projections:
+    for proj in [] if carried else module.projections:
         q = module._modules.get(f"{proj}_weight_quantizer")
         if q is not None and any(m.is_enabled for m in q.members()):
-            raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D tensor "
-                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and no export format carries quantized 3-D experts: "
-                              f"disable it (quantlib.disable_quantizer(model, '*experts*'))")
+            raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D "
+                              "tensor "
+                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and only format openai_mxfp4 "
+                              "(MXFP4, OpenAI's GPT-OSS checkpoint) carries quantized 3-D experts: export in it, or disable it "
+                              "(quantlib.disable_quantizer(model, '*experts*'))")
     return True

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ..formats import Kind, QuantizedTensor
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
-from ..nn.containers import QuantizerContainer
+from ..kv.presets import ATTENTION_QUANTIZER_NAMES
+from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .types import ExportError
@@ -110,13 +110,13 @@ class Folds:
                     it.post = lambda q, p=p: scale_rows(q, p)
                 for k in ("weight", "bias"):
                     if k in it.extras:
-                        it.extras[k] = _times(it.extras[k], p)
+                        it.extras[k] = times_rows(it.extras[k], p)
             if name in self.carried:
                 p = self.carried[name]
                 it.extras["pre_quant_scale"] = lambda p=p: p.detach()
 
 
-def _times(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:
+def times_rows(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:
     """``get()`` times ``p`` along its first dim (output channels), in fp32."""
 
     def scaled() -> torch.Tensor:
@@ -170,18 +170,21 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     """A plain linear's scales, or ExportError naming a quantizer whose scale has no linear reading."""
     iq, wq = module._modules.get("input_quantizer"), module._modules.get("weight_quantizer")
     w = getattr(module, "weight", None)
-    plain = isinstance(iq, TensorQuantizer) and isinstance(wq, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
+    first = wq[0] if isinstance(wq, SequentialQuantizer) else wq  # a chain (W4A8) scales the weight in its first member
+    plain = isinstance(iq, TensorQuantizer) and isinstance(first, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
     for qn in module.quantizer_names:
         for leaf in _leaves(module._modules.get(qn)):
-            if _slot(leaf) is not None and not (plain and qn in ("input_quantizer", "weight_quantizer")):
-                raise ExportError(f"{name}.{qn}: pre_quant_scale is set on a {type(module).__name__}, which export can fold only for plain linears (input and weight quantizer)")
+            if _slot(leaf) is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
+                raise ExportError(f"{name}.{qn}: pre_quant_scale is set on a {type(module).__name__}, which export can fold only for plain "
+                                  "linears (input and weight quantizer)")
     if module.quantizers_off():
         return _Linear(module, None, None)  # the original forward: no scale applies
     pin = _slot(iq)
     if pin is not None and pin.dim() != 1:
-        raise ExportError(f"{name}.input_quantizer: pre_quant_scale of shape {tuple(pin.shape)} (one row per expert); export folds 1-D scales only")
+        raise ExportError(f"{name}.input_quantizer: pre_quant_scale of shape {tuple(pin.shape)} (one row per expert); export folds 1-D "
+                          "scales only")
     # a disabled weight quantizer returns the weight untouched (QuantModule.quantize_weight)
-    return _Linear(module, pin, _slot(wq) if wq.is_enabled else None)
+    return _Linear(module, pin, _slot(first) if wq.is_enabled else None)
 
 
 def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: bool, fmt: str,
@@ -213,10 +216,12 @@ def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: 
                 pending -= set(targets)
                 continue
         if not carries:
-            raise ExportError(f"{name}.input_quantizer: pre_quant_scale is set (SmoothQuant / AWQ) and cannot be folded into the op before it ({why}); format {fmt} "
+            raise ExportError(f"{name}.input_quantizer: pre_quant_scale is set (SmoothQuant / AWQ) and cannot be folded into the op before "
+                              f"it ({why}); format {fmt} "
                               "has no pre_quant_scale tensor: export to a ModelOpt AWQ format, or calibrate this module with 'max'")
         if not linears[name].module.weight_quantizer.is_enabled:  # an excluded module's extra tensor would be ignored
-            raise ExportError(f"{name}.input_quantizer: pre_quant_scale is set and folds nowhere ({why}), and the module is left unquantized, "
+            raise ExportError(f"{name}.input_quantizer: pre_quant_scale is set and folds nowhere ({why}), and the module is left "
+                              "unquantized, "
                               f"where format {fmt} has no pre_quant_scale")
         folds.carried[name] = linears[name].input
         pending.discard(name)
@@ -231,7 +236,8 @@ def _rule(rules: tuple[FoldRule, ...], name: str) -> tuple[Optional[FoldRule], s
     return None, ""
 
 
-def _fold(folds: Folds, rule: FoldRule, source: str, targets: list[str], by_name: dict, linears: dict[str, _Linear], model: nn.Module) -> Optional[str]:
+def _fold(folds: Folds, rule: FoldRule, source: str, targets: list[str], by_name: dict, linears: dict[str, _Linear],
+          model: nn.Module) -> Optional[str]:
     """Record the fold of ``targets``' common input scale into ``source``; else why it cannot be done."""
     missing = [t for t in targets if t not in by_name]
     if source not in by_name or missing:
@@ -257,7 +263,8 @@ def _fold(folds: Folds, rule: FoldRule, source: str, targets: list[str], by_name
         if isinstance(p, str):
             return p
         attn = by_name.get(source.rpartition(".")[0])
-        kv = [qn for qn in ATTENTION_QUANTIZER_NAMES if isinstance(getattr(attn, qn, None), TensorQuantizer) and getattr(attn, qn).is_enabled]
+        kv = [qn for qn in ATTENTION_QUANTIZER_NAMES if isinstance(getattr(attn, qn, None), TensorQuantizer)
+              and getattr(attn, qn).is_enabled]
         if kv:
             return f"the KV cache is quantized ({kv}): v scaled per channel would not match its amax"
     why = _rows_ok(source, src, p)
@@ -276,7 +283,8 @@ def _kv_rows(p: torch.Tensor, v: nn.Module, o: nn.Module, model: nn.Module) -> "
     kv = v_rows // head_dim
     grouped = p.reshape(kv, o_cols // head_dim // kv, head_dim)
     if not bool((grouped == grouped[:, :1]).all()):
-        return f"the query heads sharing a key/value head ({o_cols // v_rows} per group) have different scales, and one value channel feeds them all"
+        return (f"the query heads sharing a key/value head ({o_cols // v_rows} per group) have different scales, and one value channel "
+                "feeds them all")
     return grouped[:, 0].reshape(-1)
 
 
@@ -293,7 +301,8 @@ def _rows_ok(source: str, src: nn.Module, p: torch.Tensor) -> Optional[str]:
     if not isinstance(wq, TensorQuantizer) or not wq.is_enabled:
         return None if not isinstance(wq, QuantizerContainer) or not wq.is_enabled else f"{source}.weight_quantizer is a chain"
     spec, amax = wq.spec, wq.amax
-    per_row = spec.kind == Kind.INT and (spec.block is None or len(spec.block) == 1) and amax is not None and amax.numel() > 1 and amax.shape[0] == p.numel()
+    per_row = spec.kind == Kind.INT and (spec.block is None
+                                         or len(spec.block) == 1) and amax is not None and amax.numel() > 1 and amax.shape[0] == p.numel()
     if not per_row:
         return f"{source}.weight_quantizer ({spec.kind.value}) has no scale per output row to take the scale"
     return None
@@ -325,9 +334,11 @@ def share_pre_quant_scale(model: nn.Module, forward_loop: Optional[Callable[[nn.
             grouped = lins[0].input.float().reshape(v.weight.shape[0] // hd, o.weight.shape[1] // v.weight.shape[0], hd)
             if not bool((grouped == grouped[:, :1]).all()):
                 plans.append((targets, [grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)]))
-    static = [t for targets, _ in plans for t in targets if by_name[t].input_quantizer.is_enabled and by_name[t].input_quantizer.needs_calibration]
+    static = [t for targets, _ in plans for t in targets if by_name[t].input_quantizer.is_enabled
+              and by_name[t].input_quantizer.needs_calibration]
     if static and forward_loop is None:
-        raise ExportError(f"{static[0]}.input_quantizer: a static input amax depends on pre_quant_scale; pass forward_loop to recalibrate it")
+        raise ExportError(f"{static[0]}.input_quantizer: a static input amax depends on pre_quant_scale; pass forward_loop to recalibrate "
+                          "it")
     amax = _input_amax(model, static, by_name, forward_loop) if static else {}
     changed = {}
     for targets, scales in plans:

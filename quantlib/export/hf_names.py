@@ -97,7 +97,8 @@ def _probe(sources: list) -> dict[str, torch.Tensor]:
     probe = {}
     for start, key, _, _, info, shape in sources:
         n = math.prod(shape)
-        probe[key] = torch.arange(start, start + n, dtype=torch.float64).reshape(shape) if info else torch.full(shape, float(start), dtype=torch.float64)
+        probe[key] = torch.arange(start, start + n,
+                                  dtype=torch.float64).reshape(shape) if info else torch.full(shape, float(start), dtype=torch.float64)
     return probe
 
 
@@ -130,7 +131,8 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
         with torch.no_grad():
             saved = revert_weight_conversion(model, dict(probe))
     except Exception as exc:  # transformers' own failure on the probe: say so rather than guess names
-        raise ExportError(f"{what}: transformers' checkpoint conversion (revert_weight_conversion) failed on quantlib's name probe: {exc!r}") from exc
+        raise ExportError(f"{what}: transformers' checkpoint conversion (revert_weight_conversion) failed on quantlib's name probe: "
+                          f"{exc!r}") from exc
     starts = [s[0] for s in sources]
     flat = torch.cat([t.reshape(-1) for t in saved.values()]).tolist() if saved else []  # one read of the (host) probe
     renames: dict[str, str] = {}
@@ -144,7 +146,8 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
         ordered = values == list(range(first, first + n))
         which = sorted({bisect.bisect_right(starts, v) - 1 for v in (values if not ordered else (values[0], values[-1]))})
         if len(which) != 1:
-            raise ExportError(f"{what}: transformers saves {key} from several tensors ({[sources[i][1] for i in which]}); quantlib cannot write that key")
+            raise ExportError(f"{what}: transformers saves {key} from several tensors ({[sources[i][1] for i in which]}); quantlib cannot "
+                              "write that key")
         start, src, mname, pname, info, _ = sources[which[0]]
         local = range(first - start, first - start + n) if ordered else [int(v) - start for v in values]
         module, _, suffix = key.rpartition(".")
@@ -156,7 +159,8 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
             n, per, g = info
             e = {local[0] // per, local[-1] // per} if ordered else {v // per for v in local}
             if len(e) != 1 or suffix != "weight" or not ordered:
-                raise ExportError(f"{what}: transformers saves rows of experts {sorted(e)} of {src} as {key} out of order; quantlib writes an expert's contiguous rows as a 2-D weight")
+                raise ExportError(f"{what}: transformers saves rows of experts {sorted(e)} of {src} as {key} out of order; quantlib writes "
+                                  "an expert's contiguous rows as a 2-D weight")
             r0 = local[0] % per
             parts = experts.setdefault(mname, {}).setdefault(pname, [[] for _ in range(n)])
             parts[e.pop()].append((module, r0 * g, (r0 + len(local)) * g))

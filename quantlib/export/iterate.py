@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from ..formats import Kind
-from .formats import Packer, as_format, packer as get_packer
+from ..traversal import applied_config
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
 from .types import ExportError, ExportFormat, PackedWeight
+from .writers import Packer, as_format, packer as get_packer
 
 T = TypeVar("T")
 
@@ -27,7 +28,10 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
     if it.spec is not None:
         w = it.weight() if it.pre is None else it.pre(it.weight())
         q = real_quantize(w, it.spec, it.amax, backend="auto", scale=scale, block_amax=it.block_amax)
-        tensors.update(p.pack(q if it.post is None else it.post(q)))
+        q = q if it.post is None else it.post(q)
+        tensors.update(p.pack_experts(it.leaf, q) if it.role == "experts" else p.pack(q))
+        if it.chain is not None:
+            tensors.update(p.pack_chain(*it.chain))
         if it.input_spec is not None:
             tensors.update(p.pack_input(it.input_spec, it.input_amax))
     for k, get in it.extras.items():
@@ -72,7 +76,8 @@ def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional
     for shard, group in by_shard.items():
         packed = [pack_item(it, fmt, (scales or {}).get(id(it))) for it in sorted(group, key=lambda i: i.expert)]
         prefix = "w2" if shard == "w2" else "w13"
-        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where) for k in packed[0].tensors}
+        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where)
+                   for k in packed[0].tensors}
         yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
 
 
@@ -124,12 +129,13 @@ def iter_packed(
     if experts not in ("per_expert", "stacked"):
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
     if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
-        raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); pass tp_rank in [0, {tp})")
+        raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); "
+                          f"pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
     mw = ModuleWalk(model)  # one traversal for the layout and the plan
     unify = unify_siblings or source is Scales.DYNAMIC
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw)
-    config = getattr(model, "_quantlib_config", None)
+    config = applied_config(model)
     plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from ..formats import FormatSpec
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+from ..kv.presets import ATTENTION_QUANTIZER_NAMES
 from ..nn.tensor_quantizer import TensorQuantizer
-from .formats import Packer
-from .formats.base import describe
 from .layouts import ModelLayout
 from .types import ExportError
+from .writers import Packer
+from .writers.base import describe
 
 _DISABLE = "quantlib.disable_quantizer(model, '*_bmm_quantizer')"
 _NAMES = frozenset(ATTENTION_QUANTIZER_NAMES)
@@ -47,7 +47,8 @@ def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer, finite: bool
         )
     why = packer.kv_ok(q.spec, tuple(q.amax.shape) if q.amax is not None else ())
     if why is not None:
-        raise ExportError(f"{full} = {describe(q.spec)}: format {packer.fmt.value} cannot carry this KV-cache quantizer ({why}); disable it ({_DISABLE}) or pick another format")
+        raise ExportError(f"{full} = {describe(q.spec)}: format {packer.fmt.value} cannot carry this KV-cache quantizer ({why}); disable "
+                          f"it ({_DISABLE}) or pick another format")
     if q.amax is None:
         raise ExportError(f"{full}: KV-cache quantizer has no amax; calibrate with a forward_loop (quantlib.quantize / quantlib.calibrate)")
     if finite and not q.amax.is_meta and not bool(torch.isfinite(q.amax).all()):
@@ -67,7 +68,8 @@ def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: Packe
         _check_quantizer(q, full, packer)
 
 
-def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
+def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout,
+            modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
     """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
     :class:`ExportError` naming the quantizer where the format cannot carry it. ``modules``: the
     model's named modules, where the caller has them (quantizers may be left out, and modules without a
@@ -84,7 +86,8 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout, modules: Opti
     return items, (first[1] if first is not None else None)
 
 
-def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: ModelLayout, checked: list) -> tuple[list[KVItem], Optional[tuple[str, FormatSpec]]]:
+def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: ModelLayout,
+             checked: list) -> tuple[list[KVItem], Optional[tuple[str, FormatSpec]]]:
     items: list[KVItem] = []
     first: Optional[tuple[str, FormatSpec]] = None
     for name, module in modules:
@@ -96,15 +99,18 @@ def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: M
         prefix = f"{name}." if name else ""
         if qs["p_bmm_quantizer"] is not None:
             raise ExportError(
-                f"{prefix}p_bmm_quantizer = {describe(qs['p_bmm_quantizer'].spec)}: no export format carries attention-probabilities (softmax output) "
+                f"{prefix}p_bmm_quantizer = {describe(qs['p_bmm_quantizer'].spec)}: no export format carries attention-probabilities "
+                "(softmax output) "
                 f"quantization; disable it ({_DISABLE})"
             )
         if qs["q_bmm_quantizer"] is not None:
-            raise ExportError(f"{prefix}q_bmm_quantizer = {describe(qs['q_bmm_quantizer'].spec)}: no export format carries query quantization; disable it ({_DISABLE})")
+            raise ExportError(f"{prefix}q_bmm_quantizer = {describe(qs['q_bmm_quantizer'].spec)}: no export format carries query "
+                              f"quantization; disable it ({_DISABLE})")
         for qname in ("k_bmm_quantizer", "v_bmm_quantizer"):
             if qs[qname] is None:
                 other = "v_bmm_quantizer" if qname == "k_bmm_quantizer" else "k_bmm_quantizer"
-                raise ExportError(f"{prefix}{qname} = disabled while {prefix}{other} is enabled: a KV cache is quantized as keys and values together; enable both or neither")
+                raise ExportError(f"{prefix}{qname} = disabled while {prefix}{other} is enabled: a KV cache is quantized as keys and "
+                                  "values together; enable both or neither")
             _check_quantizer(qs[qname], prefix + qname, packer, finite=False)
             checked.append((prefix + qname, qs[qname]))
         k, v = qs["k_bmm_quantizer"], qs["v_bmm_quantizer"]
@@ -112,6 +118,7 @@ def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: M
             if first is None:
                 first = (prefix + qname, q.spec)
             elif q.spec != first[1]:
-                raise ExportError(f"{prefix}{qname} = {describe(q.spec)} differs from {first[0]} = {describe(first[1])}; one export carries one KV-cache scheme")
+                raise ExportError(f"{prefix}{qname} = {describe(q.spec)} differs from {first[0]} = {describe(first[1])}; one export "
+                                  "carries one KV-cache scheme")
         items.append(KVItem(layout.checkpoint_name(name), name, k.spec, k.amax, v.amax))
     return items, first

@@ -81,7 +81,8 @@ class ModelLayout:
         if isinstance(named, list):
             parts = named[e]
             if shards is None or len(parts) != len(shards):
-                raise ExportError(f"{module}.{proj}: the checkpoint splits it into {len(parts)} modules; quantlib knows vLLM's shards of gate_up_proj / up_proj / down_proj")
+                raise ExportError(f"{module}.{proj}: the checkpoint splits it into {len(parts)} modules; quantlib knows vLLM's shards of "
+                                  "gate_up_proj / up_proj / down_proj")
             return [(n, n.rpartition(".")[2], s, r0, r1) for (n, r0, r1), s in zip(parts, shards)]
         if proj not in self.expert_split:
             raise ExportError(f"{module}.{proj}: layout {self.name} does not say how to split this fused-experts projection")
@@ -108,7 +109,8 @@ STANDALONE = frozenset({
 })  # fmt: skip
 _DECODER = dict(
     siblings=FUSED_SIBLINGS,
-    shards={"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1, "q_a_proj": 0, "kv_a_proj_with_mqa": 1, "w1": 0, "w3": 1},
+    shards={"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1, "q_a_proj": 0, "kv_a_proj_with_mqa": 1, "w1": 0,
+            "w3": 1},
     column=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "w1", "w3", "c_fc", "c_attn"}),
     row=frozenset({"o_proj", "down_proj", "w2", "c_proj"}),
     expert_split=_EXPERT_SPLIT,

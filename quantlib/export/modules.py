@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kv_cache import ATTENTION_QUANTIZER_NAMES
+from ..kv.presets import ATTENTION_QUANTIZER_NAMES
 from ..nn.containers import QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer

@@ -63,7 +63,8 @@ class _Reader:
                 self.enter(idx)
             t = get()
             if t.is_meta:
-                raise ExportError(f"{it.where}: {key or 'weight'} is on the meta device and is not part of a decoder layer in {self.folder}")
+                raise ExportError(f"{it.where}: {key or 'weight'} is on the meta device and is not part of a decoder layer in "
+                                  f"{self.folder}")
             return t
 
         return read

@@ -3,6 +3,7 @@ anything is packed or written (docs/design.md §8)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -11,18 +12,18 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors
 
-from ..formats import FormatSpec, Kind, QuantizedTensor
+from ..formats import FormatSpec, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
-from .formats import ConfigInfo, Packer
-from .formats.base import Scheme, describe
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .types import ExportError
+from .writers import ConfigInfo, Packer
+from .writers.base import Scheme, describe
 
 
 @dataclass
@@ -49,8 +50,9 @@ class Item:
     fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
     input_where: str = ""  # the input quantizer, for messages
     block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
-    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (its quantizer's pre_quant_scale)
-    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a pre_quant_scale fold)
+    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
+    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
+    chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
 
 
 @dataclass
@@ -64,8 +66,8 @@ class Plan:
 
     @property
     def quantized(self) -> list[str]:
-        """Checkpoint names of the quantized items."""
-        return [i.name for i in self.items if i.spec is not None]
+        """Checkpoint names of the quantized items, each once (a stored-fused experts module has one item per projection)."""
+        return list(dict.fromkeys(i.name for i in self.items if i.spec is not None))
 
 
 def _fused_experts_class() -> type:
@@ -106,7 +108,8 @@ def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) ->
             if _pqs_slot(leaf) and leaf.pre_quant_scale is not None:
                 raise ExportError(
                     f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which this path cannot fold into the op before it "
-                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with 'max' or 'mse'"
+                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with "
+                    "'max' or 'mse'"
                 )
 
 
@@ -130,9 +133,12 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
-def walk(model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None) -> list[Item]:
+def walk(
+    model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False
+) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
-    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one."""
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one.
+    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
     fused_cls = _fused_experts_class()
     mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
@@ -140,31 +146,47 @@ def walk(model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = 
     renamed, shards, tp_axis = layout.renames.get, layout.shards.get, layout.tp_axis
     for name, module, direct, quant in mw.entries:  # containers hold nothing of their own to write or check
         parent, _, leaf = name.rpartition(".")
-        if quant and isinstance(module, fused_cls) and not stored_fused(module, name, layout):
-            items += _fused_items(module, name, layout, direct)
-            direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+        if quant and isinstance(module, fused_cls):
+            if not stored_fused(module, name, layout, carried=stored_experts):
+                items += _fused_items(module, name, layout, direct)
+                direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
+            elif stored_experts:
+                items += _stored_items(module, name, layout)
+                direct = {k: t for k, t in direct.items() if k not in module.projections}
         elif quant and "weight" in direct:
             if type(module).weight_groups is not base_groups:  # the base yields this module's weight alone
                 groups = list(module.weight_groups())
                 if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not direct["weight"]:
                     raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
             q = _child(module, "weight_quantizer")
-            plain = type(q) is TensorQuantizer  # most quantizers: no isinstance chain
-            if not plain and isinstance(q, SequentialQuantizer) and q.is_enabled:
-                raise ExportError(f"{name}.weight_quantizer = SequentialQuantizer ({len(q)} members): no export format carries chained weight quantizers")
-            if (plain or isinstance(q, TensorQuantizer)) and q.is_enabled:
+            chain = _chain(q, f"{name}.weight_quantizer") if isinstance(q, SequentialQuantizer) and q.is_enabled else None
+            if chain is not None:
+                q = q[0]  # the item is the first member's; its second packs beside it (Packer.chain_ok)
+            if isinstance(q, TensorQuantizer) and q.is_enabled:
+                w = direct["weight"]  # the walk's dict is shared: read, not popped
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
                 extras = {k: _live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
                 spec = q.spec
-                block_amax = q.block_amax if spec.kind == Kind.NVFP4 else None  # only NVFP4 keeps one: skip the lookup
+                block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
                 items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
                                   ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
-                                  shape=tuple(direct["weight"].shape), input_where=f"{name}.input_quantizer", block_amax=block_amax))
+                                  shape=tuple(w.shape), input_where=f"{name}.input_quantizer", block_amax=block_amax, chain=chain))
                 continue
         if direct:
-            extras = {k: _live(module, k) for k in direct}
-            items.append(Item(renamed(name, name), "unquantized", name, extras=extras, parent=parent, leaf=leaf))
+            items.append(Item(renamed(name, name), "unquantized", name, extras={k: _live(module, k) for k in direct},
+                              parent=parent, leaf=leaf))
     return items
+
+
+def _chain(q: SequentialQuantizer, where: str) -> tuple[FormatSpec, Optional[torch.Tensor]]:
+    """The second member (spec, amax) of a two-member weight chain whose members are all enabled (W4A8: INT4 blocks
+    then FP8 per tensor); any other chain is refused by name: no format carries it."""
+    members = list(q)
+    if len(members) != 2 or not all(isinstance(m, TensorQuantizer) and m.is_enabled for m in members):
+        states = ", ".join(describe(m.spec) if m.is_enabled else "disabled" for m in members)
+        raise ExportError(f"{where} = SequentialQuantizer [{states}]: export formats carry a chain of two enabled members only (W4A8_AWQ: "
+                          "INT4 blocks, then FP8)")
+    return members[1].spec, members[1].amax
 
 
 def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict) -> list[Item]:
@@ -182,18 +204,63 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
                 head, _, idx = full.rpartition(".")[0].rpartition(".")
                 fused = head if idx == str(e) else layout.checkpoint_name(name)
-                extras = {} if bias is None else {"bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
-                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])
+                extras = {} if bias is None else {
+                    "bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
+                get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
-                    items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
-                                      parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]), rows=(r0, r1, rows),
-                                      fused=fused, input_where=f"{name}.{proj}_input_quantizer", block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
+                    items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras,
+                                      expert=e, shard=shard,
+                                      parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]),
+                                      rows=(r0, r1, rows),
+                                      fused=fused, input_where=f"{name}.{proj}_input_quantizer",
+                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
                 elif isinstance(q, SequentialQuantizer) and q.is_enabled:
-                    raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight quantizers")
+                    raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight "
+                                      "quantizers")
                 else:
-                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0], leaf=leaf))
+                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
+                                      leaf=leaf))
     return items
+
+
+def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Item]:
+    """One item per projection of a fused-experts module the checkpoint keeps 3-D: every expert's (out, in)
+    slice stacked into one (E * out, in) matrix, packed back into (E, out, ...) (per-row blocks never cross
+    experts). Every expert of every projection must be quantized alike: consumers read the module whole."""
+    from ..plugins.hf_experts import expert_weight, flag
+
+    items = []
+    for proj in module.projections:
+        qname = f"{proj}_weight_quantizer"
+        group = getattr(module, qname)
+        members = [group[e] for e in range(module.num_experts)]
+        first = describe(members[0].spec if members[0].is_enabled else None)
+        for e, q in enumerate(members):
+            if not (isinstance(q, TensorQuantizer) and q.is_enabled and q.spec == members[0].spec):
+                what = "a chained quantizer" if isinstance(q, SequentialQuantizer) else describe(q.spec if q.is_enabled else None)
+                raise ExportError(f"{name}.{qname}[{e}] = {what}, but {name}.{qname}[0] = {first}: the checkpoint keeps {name}.{proj} "
+                                  "as one tensor of every expert, so every expert of every projection is quantized alike")
+        inp = getattr(module, f"{proj}_input_quantizer", None)
+        refuse_pre_quant_scale([(f"{name}.{qname}", group), (f"{name}.{proj}_input_quantizer", inp)])
+        w = expert_weight(module, proj, 0)
+        shape = (module.num_experts, *w.shape)
+        # the 3-D parameter as (E, out, in), a view (no copy until packed: plan_bytes reads the getters)
+        swap = flag(module, "is_transposed")
+        get = (lambda proj=proj, swap=swap: getattr(module, proj).detach().transpose(1, 2) if swap else getattr(module, proj).detach())  # noqa: E731
+        post = functools.partial(_as_experts, shape=shape)
+        amax = None if any(q.amax is None for q in members) else torch.stack([q.amax for q in members])
+        ispec, iamax = _active_input(inp)
+        items.append(Item(layout.checkpoint_name(name), "experts", f"{name}.{qname}", get, members[0].spec, amax, ispec, iamax, parent=name,
+                          leaf=proj, shape=(shape[0] * shape[1], shape[2]), input_where=f"{name}.{proj}_input_quantizer",
+                          pre=lambda w: w.reshape(-1, w.shape[-1]), post=post))
+    return items
+
+
+def _as_experts(q: QuantizedTensor, shape: tuple[int, int, int]) -> QuantizedTensor:
+    """A stacked (E * out, in) weight's codes and scales as (E, out, ...)."""
+    e, out = shape[:2]
+    return dataclasses.replace(q, codes=q.codes.reshape(e, out, -1), scale=q.scale.reshape(e, out, -1), shape=shape)
 
 
 def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[int, float]]:
@@ -205,8 +272,8 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
         if it.amax is not None and not it.amax.is_meta:
             by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax)
     for it in scalars:
-        if it.amax is not None and not it.amax.is_meta:
-            by_device.setdefault(it.amax.device, ([], []))[1].append(it)
+        if _shared(it) is not None and not _shared(it).is_meta:
+            by_device.setdefault(_shared(it).device, ([], []))[1].append(it)
     finite, values = True, {}
     for device, (amaxes, members) in by_device.items():
         # flattened and concatenated in one call: a reshape per amax is a Python call each
@@ -214,7 +281,7 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
             finite = bool(torch.isfinite(_flatten_dense_tensors(amaxes)).all()) and finite
             continue
         ok = torch.isfinite(_flatten_dense_tensors(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
-        row = torch.cat([ok.float()] + [m.amax.reshape(1) for m in members]).tolist()
+        row = torch.cat([ok.float()] + [_shared(m).reshape(1).float() for m in members]).tolist()
         finite = finite and row[0] == 1.0
         values.update(zip(map(id, members), row[1:]))
     return finite, values
@@ -224,7 +291,7 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     """Refuse what ``it`` cannot be exported as; ``passed``: the keys of the format and block checks that
     earlier items of the same call passed (a model's linears share a handful of them)."""
     spec, where = it.spec, it.where
-    if it.amax is None and spec.kind != Kind.MX and not (spec.dynamic and spec.kind != Kind.NVFP4):
+    if it.amax is None and spec.calibrated_amax:
         what = f"expert {it.expert} " if it.expert is not None else ""
         raise ExportError(f"{where}: {what}weight quantizer has no amax; calibrate first (quantlib.calibrate / quantize)")
     if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
@@ -232,15 +299,29 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
     if it.role == "expert" and packer.experts_why is not None:
         raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
+    if packer.roles is not None and it.role not in packer.roles:
+        raise ExportError(f"{where}: format {packer.fmt.value} quantizes no {it.role} weight ({packer.roles_why}); disable this quantizer")
     if len(it.shape) != 2:
-        raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this quantizer)")
+        raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this "
+                          "quantizer)")
     # the format and block checks depend on these alone (the names only make their messages); the specs by
     # identity (they outlive ``passed``): hashing a spec's fields per item costs more than an equal spec's recheck
-    key = (id(spec), it.amax.shape if it.amax is not None else (), id(it.input_spec), it.shape, it.rows, it.tp_axis, tp)
+    key = (id(spec), tuple(it.amax.shape) if it.amax is not None else (), id(it.input_spec), it.shape, it.rows, it.tp_axis, tp, None
+           if it.chain is None else it.chain[0])
     done = passed is not None and key in passed
     if not done:
-        packer.check(spec, tuple(key[1]), it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
-    if it.input_spec is not None and it.input_amax is None and (not it.input_spec.dynamic or it.input_spec.kind == Kind.NVFP4):
+        why = packer.chain_ok(None if it.chain is None else it.chain[0], () if it.chain is None or it.chain[1] is None
+                              else tuple(it.chain[1].shape))
+        if why is not None:  # the weight's chain first: it decides the format more than its input does
+            second = "none" if it.chain is None else describe(it.chain[0])
+            raise ExportError(f"{where}: chained member 1 = {second}: format {packer.fmt.value} cannot carry it ({why})")
+        packer.check(spec, key[1], it.input_spec, it.where, it.input_where or f"{it.name}.input_quantizer")
+    if it.chain is not None and it.chain[1] is None and not it.chain[0].dynamic:
+        raise ExportError(f"{where}[1]: the chain's {describe(it.chain[0])} member has no amax; calibrate first (quantlib.calibrate / "
+                          "quantize)")
+    if it.chain is not None and it.chain[1] is not None and not it.chain[1].is_meta and not bool(torch.isfinite(it.chain[1]).all()):
+        raise ExportError(f"{where}[1]: amax holds {it.chain[1].flatten()[:4].tolist()}; recalibrate")
+    if it.input_spec is not None and it.input_amax is None and it.input_spec.calibrated_amax:
         # dynamic NVFP4 blocks still scale by a calibrated global amax: the export's input_scale
         what = "static" if not it.input_spec.dynamic else "NVFP4 (its global scale is calibrated)"
         raise ExportError(f"{it.input_where}: {what} {describe(it.input_spec)} input without an amax; calibrate with a forward_loop")
@@ -256,19 +337,32 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
     bm, bk = (block[0], block[1]) if len(block) == 2 else (1, block[0] if block else 1)
     where = it.where
     if rows % bm or cols % bk:
-        raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the scale grid and load it wrong")
+        raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the "
+                          "scale grid and load it wrong")
     r = it.rows
     if r is not None and bm > 1 and (r[0] % bm or r[1] % bm):
-        raise ExportError(f"{where}: rows {r[0]}:{r[1]} of the fused {r[2]}-row expert weight straddle {bm}-row blocks; the split halves cannot keep their scales")
+        raise ExportError(f"{where}: rows {r[0]}:{r[1]} of the fused {r[2]}-row expert weight straddle {bm}-row blocks; the split halves "
+                          "cannot keep their scales")
     if tp > 1 and it.tp_axis is not None:
         n, b = (rows, bm) if it.tp_axis == 0 else (cols, bk)
         if n % tp or (n // tp) % b:
-            raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of {n / tp:g}, not a whole number of blocks of {b}")
+            raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of "
+                              f"{n / tp:g}, not a whole number of blocks of {b}")
+
+
+def _shared(it: Item) -> Optional[torch.Tensor]:
+    """The amax a sibling group shares when it has one element: a chain's second member's (W4A8's FP8), else the weight's."""
+    return it.chain[1] if it.chain is not None else it.amax
+
+
+def _shared(it: Item) -> Optional[torch.Tensor]:
+    """The amax a sibling group shares when it has one element: a chain's second member's (W4A8's FP8), else the weight's."""
+    return it.chain[1] if it.chain is not None else it.amax
 
 
 def _grouped(items: list[Item]) -> list[Item]:
     """The items whose one-element amax a sibling group shares."""
-    return [it for it in items if it.group is not None and it.spec is not None and it.amax is not None and it.amax.numel() == 1]
+    return [it for it in items if it.spec is not None and _shared(it) is not None and _shared(it).numel() == 1 and it.group is not None]
 
 
 def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple[str, ...], float]:
@@ -279,21 +373,27 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
         if id(it) in read:
             groups.setdefault((it.parent, it.group), []).append(it)
     unified = {}
-    for (_, group), members in groups.items():
+    for members in groups.values():
         values = [read[id(m)] for m in members]
         if len(set(values)) <= 1:
             continue
         names = tuple(m.name for m in members)
         static = [m.where for m in members if m.block_amax is not None]
         if static:  # their block scales were chosen against their own global amax: another one changes them all
-            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ ({values}); {static[0]} has static NVFP4 block scales "
-                              "chosen against its own global amax, so they cannot be unified: calibrate with one global amax per sibling group")
+            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ ({values}); {static[0]} has "
+                              "static NVFP4 block scales "
+                              "chosen against its own global amax, so they cannot be unified: calibrate with one global amax per sibling "
+                              "group")
         if not unify:
-            detail = ", ".join(f"{m.where} = {v!r}" for m, v in zip(members, values))
-            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass unify_siblings=True to use their max (the export then differs from the evaluated model)")
+            detail = ", ".join(f"{m.where}{'' if m.chain is None else '[1]'} = {v!r}" for m, v in zip(members, values))
+            raise ExportError(f"siblings {names} are fused by consumers and need one global amax, but differ: {detail}; pass "
+                              "unify_siblings=True to use their max (the export then differs from the evaluated model)")
         top = max(values)
         for m in members:
-            m.amax = torch.full_like(m.amax, top)
+            if m.chain is not None:
+                m.chain = (m.chain[0], torch.full_like(m.chain[1], top))
+            else:
+                m.amax = torch.full_like(m.amax, top)
         unified[names] = top
     return unified
 
@@ -302,22 +402,56 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
               modules: Optional[ModuleWalk] = None) -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer.
     ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if packer.model_types is not None and model_type not in packer.model_types:
+        raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers "
+                          f"for model_type {sorted(packer.model_types)} only")
     mw = ModuleWalk(model) if modules is None else modules  # one traversal shared by every pass below
     layout = with_checkpoint_names(model, layout, mw)  # a layout passed by hand still gets transformers' names (cached)
     check_structure(mw, layout, type(model).__name__)
     folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
-    items = walk(model, layout, mw)
+    items = walk(model, layout, mw, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    _refuse_split_inputs(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
-        raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} cannot carry it ({why})")
+        raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} "
+                          f"cannot carry it ({why})")
     return plan
 
 
-def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "", what: str = "the model") -> Plan:
+def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
+    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
+    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
+    ``pre_quant_scale`` and one input amax."""
+    groups: dict[tuple, list[Item]] = {}
+    for it in items:
+        group = it.group or layout.sibling_group(it.leaf)  # INT4 / W4A16 siblings share no global scale, so it.group is None
+        if it.spec is not None and group is not None:
+            groups.setdefault((it.parent, group), []).append(it)
+    for first, *rest in groups.values():
+        if not any(m.chain is not None or "pre_quant_scale" in m.extras for m in (first, *rest)):
+            continue
+        for m in rest:
+            p0, p1 = first.extras.get("pre_quant_scale"), m.extras.get("pre_quant_scale")
+            if (p0 is None) != (p1 is None) or (p0 is not None and not torch.equal(p0(), p1())):
+                what = "pre_quant_scale"
+            elif (first.input_amax is None) != (m.input_amax is None) or (m.input_amax is not None
+                                                                          and not torch.equal(first.input_amax, m.input_amax)):
+                what = "input amax"
+            else:
+                continue
+            raise ExportError(f"{m.input_where} and {first.input_where}: siblings fused by consumers into one GEMM need one {what}, but "
+                              "differ; "
+                              "call quantlib.export.share_pre_quant_scale(model, forward_loop) after calibration (one scale per group, "
+                              "input amax recalibrated)")
+
+
+def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "",
+                what: str = "the model") -> Plan:
     """Check the items of a walk (the plan of :func:`make_plan`, or a Megatron model's gathered items)."""
     quantized = [it for it in items if it.spec is not None]
     if not quantized:
@@ -334,13 +468,18 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()
-    scheme = _key(first.spec), _key(first.input_spec)
+    first_chain = first.chain and first.chain[0]
+    scheme = _key(first.spec), _key(first.input_spec), _key(first_chain)
     mixed = packer.mixed
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
-        other = it.spec is not first.spec or it.input_spec is not first.input_spec  # the same objects: the same scheme
-        if not mixed and other and (_key(it.spec), _key(it.input_spec)) != scheme:
-            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one scheme (format ct_mixed carries several)")
+        # the same spec objects: the same scheme (a model's quantizers share one spec object)
+        chain = it.chain and it.chain[0]
+        other = it.spec is not first.spec or it.input_spec is not first.input_spec or chain is not first_chain
+        if not mixed and other and (_key(it.spec), _key(it.input_spec), _key(chain)) != scheme:
+            raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: "
+                              f"weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one "
+                              "scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.spec.block is None and first.amax.numel() == 1
@@ -359,7 +498,8 @@ def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
             keys = (_key(spec), _key(inp), per_tensor)
             last = by.setdefault(keys, [])
         last.append(it)
-    return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)), tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
+    return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)),
+                        tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
 
 @functools.lru_cache(maxsize=256)  # specs are frozen and few: a model's linears share a handful

@@ -19,7 +19,8 @@ from ..formats.mx import mx_element_name, spec_element
 
 
 def real_quantize(
-    w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None, block_amax: Optional[torch.Tensor] = None
+    w: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor], backend: str = "auto", scale: Optional[torch.Tensor] = None,
+    block_amax: Optional[torch.Tensor] = None
 ) -> QuantizedTensor:
     """Codes and scales of ``w`` (on its device) as the quantizer of ``spec`` with ``amax`` fake-quantizes it,
     queued on ``w``'s device without reading anything back.
@@ -36,7 +37,8 @@ def real_quantize(
     if spec.kind == Kind.FP8_BLOCK and spec.element == (4, 3):
         # a static quantizer's block scales come from its calibrated amax, which the cast reads (no
         # comparison with the weight's own block amax: that would read a device value back per weight)
-        static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape, spec.block))  # e.g. one amax for every block
+        static = None if spec.dynamic or amax is None else amax.broadcast_to(blocked_shape(shape,
+                                                                                           spec.block))  # e.g. one amax for every block
         codes, d = kernels.fp8_blockwise_cast(w, spec.block, spec.eps, spec.pow2, backend=backend, amax=static)
         return QuantizedTensor(codes, d, spec, shape, dtype)
     if spec.kind == Kind.FP8 and amax is not None and w.dim() == 2 and (amax.numel() == 1 or tuple(amax.shape) == (shape[0], 1)):
@@ -48,16 +50,11 @@ def real_quantize(
     return quantize(w, spec, None if amax is None else amax.to(w.device))
 
 
-def has_static_scale(spec: FormatSpec) -> bool:
-    """Whether the format's scale comes from a calibrated amax (FP8, static FP8 blocks)."""
-    return spec.kind == Kind.FP8 or (spec.kind == Kind.FP8_BLOCK and not spec.dynamic)
-
-
 def static_scale(amax: torch.Tensor, spec: FormatSpec) -> Optional[torch.Tensor]:
     """The scale a static FP8 (``Q / a``) or FP8-block (``d``) quantizer takes from its amax; None for others."""
     if spec.kind == Kind.FP8:
         return fp8_scale(amax, spec.element)
-    if has_static_scale(spec):
+    if spec.scale_from_amax:
         return blockwise_scale(amax, spec.element, spec.eps, spec.pow2)
     return None
 
@@ -68,7 +65,7 @@ def static_scales(pairs: list[tuple[FormatSpec, torch.Tensor]]) -> list[Optional
     out: list[Optional[torch.Tensor]] = [None] * len(pairs)
     groups: dict[tuple, list[int]] = {}
     for i, (spec, amax) in enumerate(pairs):
-        if amax is not None and has_static_scale(spec):
+        if amax is not None and spec.scale_from_amax:
             groups.setdefault((spec, amax.device), []).append(i)
     for (spec, _), idx in groups.items():
         flat = torch.cat([pairs[i][1].reshape(-1).float() for i in idx])

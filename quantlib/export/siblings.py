@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..nn.containers import SequentialQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
 from .layouts import ModelLayout, layout_for
 
@@ -19,6 +20,8 @@ def share_sibling_amax(model: nn.Module, layout: Optional[ModelLayout] = None) -
     groups: dict[tuple[str, tuple], list[tuple[str, TensorQuantizer]]] = {}
     for name, module in model.named_modules():
         q = getattr(module, "weight_quantizer", None)
+        if isinstance(q, SequentialQuantizer) and q.is_enabled:
+            q = q[-1]  # a chain's per-tensor member (W4A8's FP8) is what siblings share
         parent, _, leaf = name.rpartition(".")
         group = layout.sibling_group(leaf)
         if group is None or not isinstance(q, TensorQuantizer) or not q.is_enabled or q.amax is None or q.amax.numel() != 1:

@@ -15,9 +15,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..calib.max import abs_max
 from ..formats import FormatSpec, Kind
 from ..kernels import block_amax
+from ..nn.max_collector import abs_max
 from .plan import Item
 from .types import ExportError
 
@@ -41,7 +41,7 @@ def as_scales(value: Union[Scales, str]) -> Scales:
 def current_amax(w: torch.Tensor, spec: FormatSpec, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 amax of ``w`` in the stored ``shape`` of its quantizer's amax: one value, one per row
     (``[out, 1]``) or one per block; on ``w``'s device, nothing read back."""
-    if spec.kind == Kind.NVFP4 or len(shape) == 0 or all(s == 1 for s in shape):
+    if spec.two_level or len(shape) == 0 or all(s == 1 for s in shape):
         return abs_max(w).reshape(shape)
     if spec.block is not None:
         return block_amax(w, spec.block).reshape(shape)
@@ -132,6 +132,11 @@ def refuse_clipped(items: list[Item]) -> None:
 def apply_scales(items: list[Item], scales: Scales, share_experts: bool = False) -> list[Item]:
     """``items`` ready to pack with ``scales``: unchanged (calibrated), checked (static) or with dynamic amax
     (``share_experts``: one per-tensor amax for all experts of a layer, see :func:`dynamic_items`)."""
+    if scales is not Scales.CALIBRATED:
+        chained = next((it for it in items if it.chain is not None), None)
+        if chained is not None:  # the chain's second amax was calibrated on the first member's output
+            raise ExportError(f"{chained.where}: a chained weight quantizer (W4A8) packs with its calibrated scales only; use "
+                              "scales='calibrated'")
     if scales is Scales.DYNAMIC:
         return dynamic_items(items, share_experts=share_experts)
     if scales is Scales.STATIC:

@@ -14,7 +14,7 @@ class ExportError(ValueError):
 
 
 class ExportFormat(str, enum.Enum):
-    """Every on-disk / on-wire format quantlib writes (one module each in :mod:`quantlib.export.formats`)."""
+    """Every on-disk / on-wire format quantlib writes (one module each in :mod:`quantlib.export.writers`)."""
 
     HF_FP8_BLOCK = "hf_fp8_block"  # transformers fine-grained FP8: fp32 weight_scale_inv per 2-D block
     HF_FP8_BLOCK_UE8M0 = "hf_fp8_block_ue8m0"  # same, power-of-two scales stored as E8M0 bytes
@@ -31,11 +31,14 @@ class ExportFormat(str, enum.Enum):
     MODELOPT_NVFP4 = "modelopt_nvfp4"  # ModelOpt NVFP4 / W4A16_NVFP4
     MODELOPT_MXFP8 = "modelopt_mxfp8"  # ModelOpt MXFP8
     MODELOPT_INT4_AWQ = "modelopt_int4_awq"  # ModelOpt W4A16_AWQ: INT4 two rows per byte, pre_quant_scale
+    MODELOPT_W4A8_AWQ = "modelopt_w4a8_awq"  # ModelOpt W4A8_AWQ: INT4 as W4A16_AWQ, FP8 weight_scale_2 and input_scale
     MODELOPT_MIXED = "modelopt_mixed"  # ModelOpt MIXED_PRECISION: quantized_layers names each layer's algorithm
+    OPENAI_MXFP4 = "openai_mxfp4"  # OpenAI's GPT-OSS checkpoint: MXFP4 experts as <proj>_blocks / <proj>_scales
 
 
-#: "linear" (a quantized dense weight), "expert" (one expert's quantized weight), "unquantized" (passed through),
-#: "kv" (an attention module's KV-cache scales)
+#: "linear" (a quantized dense weight), "expert" (one expert's quantized weight), "experts" (one projection of every
+#: expert of a fused-experts module the checkpoint keeps 3-D), "unquantized" (passed through), "kv" (an attention
+#: module's KV-cache scales)
 Role = str
 
 

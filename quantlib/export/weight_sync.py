@@ -14,18 +14,17 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from ..formats import Kind
 from ..nn.containers import GroupedQuantizer, QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .buckets import chunks_by_dtype
-from .formats import as_format, packer as get_packer
 from .iterate import iter_packed, pack_item
 from .layouts import ModelLayout
 from .plan import Item, _active_input, _check_item, read_amax, refuse_pre_quant_scale
 from .sync_scales import Scales, as_scales, dynamic_items, refuse_clipped
 from .types import ExportError, ExportFormat
 from .vllm_names import ExpertNames, named_pairs
+from .writers import as_format, packer as get_packer
 
 
 def _quantizers(module: nn.Module, prefix: str, input_quantizer: Optional[nn.Module]) -> tuple[nn.Module, Optional[nn.Module], str]:
@@ -118,7 +117,7 @@ def _item(prefix: str, w: torch.Tensor, q: nn.Module, where: str, ispec, iamax, 
         state = "disabled" if isinstance(q, TensorQuantizer) else ""
         raise ExportError(f"{where}: {type(q).__name__} {state}: serialize_weight packs enabled TensorQuantizers")
     refuse_pre_quant_scale([(where, q)])
-    block_amax = q.block_amax if q.spec.kind == Kind.NVFP4 else None
+    block_amax = q.block_amax if q.spec.two_level else None
     return Item(prefix, "linear", where, lambda: w.detach(), q.spec, q.amax, ispec, iamax, shape=tuple(w.shape), input_where=input_where,
                 block_amax=block_amax)
 

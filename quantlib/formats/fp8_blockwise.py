@@ -71,7 +71,8 @@ def fp8_blockwise_dequantize(codes: torch.Tensor, d: torch.Tensor, block: tuple[
     return from_blocks(cb * d.unsqueeze(-1), block, codes.shape)
 
 
-def fp8_blockwise_fake_quant(x: torch.Tensor, block: tuple[int, ...], element: tuple[int, int] = (4, 3), eps: float = 1e-10, pow2: bool = False, amax: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_blockwise_fake_quant(x: torch.Tensor, block: tuple[int, ...], element: tuple[int, int] = (4, 3), eps: float = 1e-10,
+                             pow2: bool = False, amax: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 fake-quantized ``x``."""
     codes, d = fp8_blockwise_quantize(x, block, element, eps, pow2, amax)
     return fp8_blockwise_dequantize(codes, d, block)

@@ -56,7 +56,8 @@ def mx_limits(elem: MxElement) -> tuple[float, int]:
     return FLOAT_FORMATS[key]
 
 
-def mx_quantize(x: torch.Tensor, elem: MxElement = "e4m3", block: int = 32, rounding: Rounding | str = Rounding.RCEIL) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_quantize(x: torch.Tensor, elem: MxElement = "e4m3", block: int = 32, rounding: Rounding
+                | str = Rounding.RCEIL) -> tuple[torch.Tensor, torch.Tensor]:
     """Element codes (see the module docstring) and uint8 E8M0 bytes per block."""
     element = mx_element(elem)
     qmax, emax = mx_limits(element)

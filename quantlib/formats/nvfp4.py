@@ -7,6 +7,10 @@
 The block amax ``a`` is the block's max |x| (dynamic blocks), or a stored one (static blocks, ModelOpt's
 ``"type": "static"``: calibrated, e.g. by the MSE FP8-scale sweep) that needs the static global amax
 ``A`` it was chosen against. A block holding NaN gets NaN outputs either way.
+
+The global amax is one value (per tensor), or one per row: any shape that broadcasts to
+``x.shape[:-1] + (1,)``, e.g. ``(E, 1, 1)`` for E stacked expert weights ``(E, out, in)``; each row then
+takes the scale of its own global amax, bit for bit what a call per expert gives.
 """
 
 from __future__ import annotations
@@ -22,9 +26,22 @@ _E4M3_MAX = 448.0
 _SB_MIN = 2.0**-9
 
 
+def check_global_amax(shape: tuple[int, ...] | torch.Size, global_amax: torch.Tensor) -> None:
+    """Raise unless ``global_amax`` has one element or broadcasts to one value per row of an input of ``shape``."""
+    rows = tuple(shape)[:-1] + (1,)
+    g = tuple(global_amax.shape)
+    if global_amax.numel() == 1:
+        return
+    padded = (1,) * (len(rows) - len(g)) + g
+    if len(g) > len(rows) or any(a != 1 and a != r for a, r in zip(padded, rows)):
+        raise ValueError(f"nvfp4: global amax of shape {g} is neither one value nor one per row of input {tuple(shape)} "
+                         f"(broadcasting to {rows})")
+
+
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scalar ``s2`` from the global amax ``A``."""
-    a = global_amax.float().reshape(())
+    """fp32 ``s2`` from the global amax ``A``: 0-dim for one value, else of ``A``'s shape (one per row)."""
+    a = global_amax.float()
+    a = a.reshape(()) if a.numel() == 1 else a
     return torch.where(a <= TINY_AMAX, torch.ones_like(a), a / torch.full_like(a, 6.0 * _E4M3_MAX))  # IEEE on every device
 
 
@@ -39,7 +56,8 @@ def static_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> 
     """The stored block amax as fp32, NaN where the block of ``x`` holds NaN; raises if it does not fit."""
     expected = blocked_shape(x.shape, (block,))
     if tuple(block_amax.shape) != expected:
-        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {expected}")
+        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block "
+                         f"{block}: expected {expected}")
     has_nan = torch.isnan(to_blocks(x, (block,))).any(dim=-1)
     return torch.where(has_nan, torch.full_like(has_nan, float("nan"), dtype=torch.float32), block_amax.to(x.device, torch.float32))
 
@@ -49,9 +67,12 @@ def nvfp4_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed uint8 codes, float8_e4m3fn block scales and the fp32 global scale ``s2``.
 
-    ``global_amax`` None means dynamic: the amax of ``x``. ``block_amax``: static block amax (needs a
-    ``global_amax``); None: each block's max |x|.
+    ``global_amax`` None means dynamic: the amax of ``x``; one value, or one per row (see the module doc:
+    ``s2`` then has its shape). ``block_amax``: static block amax (needs a ``global_amax``); None: each
+    block's max |x|.
     """
+    if global_amax is not None:
+        check_global_amax(x.shape, global_amax)
     xf = x.float()
     if block_amax is None:
         a = max_per_block(xf, (block,))
@@ -73,7 +94,8 @@ def nvfp4_dequantize(packed: torch.Tensor, sb8: torch.Tensor, s2: torch.Tensor, 
     return from_blocks(vb, (block,), values.shape)
 
 
-def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK, block_amax: torch.Tensor | None = None) -> torch.Tensor:
+def nvfp4_fake_quant(x: torch.Tensor, global_amax: torch.Tensor | None = None, block: int = NVFP4_BLOCK, block_amax: torch.Tensor
+                     | None = None) -> torch.Tensor:
     """fp32 fake-quantized ``x``."""
     packed, sb8, s2 = nvfp4_quantize(x, global_amax, block, block_amax)
     return nvfp4_dequantize(packed, sb8, s2, x.shape[-1], block)

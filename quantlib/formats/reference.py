@@ -30,7 +30,8 @@ def _group_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) ->
             raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
         return dynamic_amax(x, spec)
     if spec.block is not None and tuple(amax.shape) != blocked_shape(x.shape, spec.block):
-        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: "
+                         f"expected {blocked_shape(x.shape, spec.block)}")
     return amax
 
 
@@ -40,7 +41,8 @@ def check_block_amax(spec: FormatSpec, block_amax: torch.Tensor | None) -> None:
         raise ValueError(f"a block amax is for NVFP4 with static blocks, not {spec.kind.value} (dynamic={spec.dynamic})")
 
 
-def quantize(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None, block_amax: torch.Tensor | None = None) -> QuantizedTensor:
+def quantize(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None = None, block_amax: torch.Tensor
+             | None = None) -> QuantizedTensor:
     """Real quantization of ``x``: codes + scales; ``amax`` is the static amax (None if dynamic);
     ``block_amax``: the stored block amax of NVFP4 with static blocks (None: from ``x``)."""
     check_block_amax(spec, block_amax)

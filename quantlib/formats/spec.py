@@ -83,3 +83,38 @@ class FormatSpec:
             return MXINT8_EMAX
         assert self.element is not None
         return FLOAT_FORMATS[self.element][1]
+
+    # The amax layout rules: every module that stores, syncs, checks, searches or exports an amax asks these.
+
+    @property
+    def two_level(self) -> bool:
+        """NVFP4: an fp32 global amax (stored, per tensor) scales the E4M3 block scales, which come from each
+        block's own amax (computed from the tensor, or stored too with :attr:`static_blocks`)."""
+        return self.kind == Kind.NVFP4
+
+    @property
+    def static_blocks(self) -> bool:
+        """NVFP4 with static blocks (ModelOpt's ``"type": "static"``): a stored block amax beside the global amax."""
+        return self.kind == Kind.NVFP4 and not self.dynamic
+
+    @property
+    def calibrated_amax(self) -> bool:
+        """Whether the format scales by a stored (calibrated) amax: all but MX and dynamic blocks / per-token
+        amax; NVFP4's global amax is calibrated even where its blocks are dynamic."""
+        return self.kind != Kind.MX and (not self.dynamic or self.kind == Kind.NVFP4)
+
+    @property
+    def per_block_amax(self) -> bool:
+        """Whether the stored amax holds one value per block (NVFP4's stored amax is its global one)."""
+        return self.block is not None and self.kind != Kind.NVFP4
+
+    def per_tensor_amax(self, axis: tuple[int, ...] | int | None) -> bool:
+        """Whether the stored amax is one value: no blocks and no ``axis`` (a per-channel amax keeps ``axis``),
+        or NVFP4, whose stored amax is its global amax."""
+        return self.kind == Kind.NVFP4 or (self.block is None and axis is None)
+
+    @property
+    def scale_from_amax(self) -> bool:
+        """Whether export derives the stored scale from the amax it is given (FP8, static FP8 blocks); MX and
+        NVFP4 scales come from the blocks of the weight, INT's from the reference formulas."""
+        return self.kind == Kind.FP8 or (self.kind == Kind.FP8_BLOCK and not self.dynamic)

@@ -1,18 +1,63 @@
-"""Which implementation of an op runs: "auto" picks CUDA extension > Triton > C++ CPU extension >
-torch reference, by the input's device and what is importable. Nothing is probed at import time.
+"""Which implementation of an op runs: a :class:`KernelPreference` (or its name). ``AUTO`` picks, per op
+and device, the first backend that is available and covers the op, in the order CUDA extension > Triton >
+C++ CPU extension > torch reference; any other preference is that backend, or an error naming the op and
+the backend. Nothing is probed at import time.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+from ..errors import ConfigError
+
+
+class KernelPreference(str, enum.Enum):
+    """The kernels an op runs with (as torchao's ``KernelPreference``); a string names one by its value."""
+
+    AUTO = "auto"  # the first available backend that covers the op (see the module docstring)
+    REFERENCE = "reference"  # the pure-torch reference of quantlib.formats
+    CPU = "cpu"  # the C++ CPU extension (quantlib._C)
+    TRITON = "triton"  # the Triton kernels (quantlib.kernels.triton)
+    CUDA = "cuda"  # the CUDA kernels of quantlib._C
+
+
+#: a preference or its name, as every ``backend=`` argument takes it
+Backend = KernelPreference | str
+BACKENDS = tuple(p.value for p in KernelPreference)
+_BY_NAME = {p.value: p for p in KernelPreference}
+OPS = ("fake_quant", "block_amax", "fp8_blockwise_cast", "fp8_cast", "mx_cast", "nvfp4_cast")
+
+#: the ops each backend implements (its module registers exactly these): AUTO passes over a backend for an
+#: op it lacks, an explicit choice of it raises. The CUDA kernels have no ``fp8_cast`` and no ``block_amax``.
+COVERS: dict[KernelPreference, frozenset[str]] = {
+    KernelPreference.REFERENCE: frozenset(OPS),
+    KernelPreference.CPU: frozenset(OPS),
+    KernelPreference.TRITON: frozenset(OPS),
+    KernelPreference.CUDA: frozenset({"fake_quant", "fp8_blockwise_cast", "mx_cast", "nvfp4_cast"}),
+}
+
+
+class KernelUnavailable(NotImplementedError):
+    """An explicitly chosen backend that has no kernel for an op; the message names both."""
+
+
 _log = logging.getLogger("quantlib.kernels")
+
+
+def as_preference(value: Backend) -> KernelPreference:
+    """``value`` as a :class:`KernelPreference`; anything else raises ConfigError naming it."""
+    if type(value) is KernelPreference:
+        return value
+    pref = _BY_NAME.get(value) if isinstance(value, str) else None
+    if pref is None:
+        raise ConfigError(f"backend={value!r}: expected a KernelPreference or one of {BACKENDS}")
+    return pref
 
 
 @functools.cache
@@ -39,66 +84,104 @@ def has_cuda_kernels() -> bool:
     return ext is not None and getattr(ext, "has_cuda", lambda: False)()
 
 
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+def check_backend(backend: Backend) -> str:
+    """The name of the preference ``backend`` (ConfigError for anything else)."""
+    return as_preference(backend).value
 
 
-def resolve(backend: str, device: torch.device) -> str:
-    """The concrete backend for a tensor on ``device``; an explicit choice that cannot run raises."""
-    check_backend(backend)
-    if backend == "auto":
-        if device.type == "cuda":
-            if has_cuda_kernels():
-                return "cuda"
-            return "triton" if triton_available() else "reference"
-        if device.type == "cpu" and native_extension() is not None:
-            return "cpu"
-        return "reference"
-    if backend == "cpu":
+def _auto_order(device_type: str) -> list[KernelPreference]:
+    """What AUTO tries on a device, best first; the reference runs everywhere."""
+    order = []
+    if device_type == "cuda":
+        order += [KernelPreference.CUDA] if has_cuda_kernels() else []
+        order += [KernelPreference.TRITON] if triton_available() else []
+    elif device_type == "cpu" and native_extension() is not None:
+        order.append(KernelPreference.CPU)
+    return order + [KernelPreference.REFERENCE]
+
+
+@functools.cache
+def _auto(device_type: str, op: str | None) -> KernelPreference:
+    return next(b for b in _auto_order(device_type) if op is None or op in COVERS[b])
+
+
+def resolve(backend: Backend, device: torch.device, op: str | None = None) -> KernelPreference:
+    """The backend that runs ``op`` (None: any op) on a tensor on ``device``: AUTO's choice, or the explicit
+    one, which raises where it cannot run (another device, not built, not installed, or not covering ``op``)."""
+    pref = as_preference(backend)
+    if pref is KernelPreference.AUTO:
+        return _auto(device.type, op)
+    if op is not None and op not in COVERS[pref]:  # before the device: this backend never runs the op
+        others = [b.value for b in KernelPreference if b is not KernelPreference.AUTO and op in COVERS[b]]
+        raise KernelUnavailable(
+            f"op {op!r} has no kernel in backend {pref.value!r} (asked for explicitly); backend='auto' runs it, or one of {others}"
+        )
+    what = f"{op}: backend" if op else "backend"
+    if pref is KernelPreference.CPU:
         if device.type != "cpu":
-            raise ValueError(f"backend 'cpu' cannot run on a {device.type} tensor")
+            raise ValueError(f"{what} 'cpu' cannot run on a {device.type} tensor")
         if native_extension() is None:
-            raise RuntimeError("backend 'cpu' needs the compiled quantlib._C extension, which is not built")
-    if backend == "cuda":
+            raise RuntimeError(f"{what} 'cpu' needs the compiled quantlib._C extension, which is not built")
+    elif pref is KernelPreference.CUDA:
         if device.type != "cuda":
-            raise ValueError(f"backend 'cuda' cannot run on a {device.type} tensor")
+            raise ValueError(f"{what} 'cuda' cannot run on a {device.type} tensor")
         if not has_cuda_kernels():
-            raise RuntimeError("backend 'cuda' needs quantlib._C built with CUDA")
-    if backend == "triton" and not triton_available():
-        raise RuntimeError("backend 'triton' needs the triton package")
-    return backend
+            raise RuntimeError(f"{what} 'cuda' needs quantlib._C built with CUDA")
+    elif pref is KernelPreference.TRITON and not triton_available():
+        raise RuntimeError(f"{what} 'triton' needs the triton package")
+    return pref
 
 
-_IMPLS: dict[tuple[str, str], Callable] = {}
+_IMPLS: dict[tuple[str, KernelPreference], Callable] = {}
 
 
-def register(op: str, backend: str) -> Callable[[Callable], Callable]:
-    """Register the implementation of ``op`` for ``backend``."""
+def register(op: str, backend: Backend) -> Callable[[Callable], Callable]:
+    """Register the implementation of ``op`` for ``backend``, which must declare the op in :data:`COVERS`."""
+    pref = as_preference(backend)
+    if op not in COVERS[pref]:
+        raise KernelUnavailable(f"register: backend {pref.value!r} does not declare op {op!r} in COVERS")
 
     def deco(fn: Callable) -> Callable:
-        _IMPLS[(op, backend)] = fn
+        _IMPLS[(op, pref)] = fn
         return fn
 
     return deco
 
 
-def implementation(op: str, backend: str) -> Callable:
+def implementation(op: str, backend: Backend) -> Callable:
     """The function for ``op`` on a resolved ``backend``; raises (never falls back) if it has none."""
-    _load(backend)
-    fn = _IMPLS.get((op, backend))
+    pref = as_preference(backend)
+    _load(pref)
+    fn = _IMPLS.get((op, pref))
     if fn is None:
-        raise NotImplementedError(f"op {op!r} has no {backend!r} implementation")
+        raise KernelUnavailable(f"op {op!r} has no kernel in backend {pref.value!r}")
+    return fn
+
+
+#: (op, backend as given, device type) -> the function :func:`select` found: every op call asks, and what is
+#: built or installed does not change within a process
+_SELECTED: dict[tuple[str, Backend, str], Callable] = {}
+
+
+def select(op: str, backend: Backend, device: torch.device) -> Callable:
+    """The function that runs ``op`` for ``backend`` on a tensor on ``device`` (see :func:`resolve`)."""
+    key = (op, backend, device.type)
+    try:
+        fn = _SELECTED.get(key)
+    except TypeError:  # an unhashable backend: resolve names it in its ConfigError
+        fn = None
+    if fn is None:  # a choice that cannot run raises here on every call: nothing is kept for it
+        fn = _SELECTED[key] = implementation(op, resolve(backend, device, op))
     return fn
 
 
 @functools.cache
-def _load(backend: str) -> None:
+def _load(backend: KernelPreference) -> None:
     modules = {
-        "reference": "quantlib.kernels.reference_impl",
-        "cpu": "quantlib.kernels.cpu_impl",
-        "cuda": "quantlib.kernels.cuda_impl",
-        "triton": "quantlib.kernels.triton",
+        KernelPreference.REFERENCE: "quantlib.kernels.reference_impl",
+        KernelPreference.CPU: "quantlib.kernels.cpu_impl",
+        KernelPreference.CUDA: "quantlib.kernels.cuda_impl",
+        KernelPreference.TRITON: "quantlib.kernels.triton",
     }
-    importlib.import_module(modules[backend])
+    if backend in modules:  # AUTO is never loaded: it is resolved to one of these first
+        importlib.import_module(modules[backend])

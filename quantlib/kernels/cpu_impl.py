@@ -17,6 +17,7 @@ from ..formats.fp8_blockwise import blockwise_scale, fp8_blockwise_quantize
 from ..formats.mx import mx_element_name, spec_element
 from .backends import native_extension, register
 
+
 def _ext() -> ModuleType:
     ext = native_extension()
     if ext is None:
@@ -59,7 +60,8 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
         dynamic = _is_dynamic(spec, amax)
         if spec.block is None and not dynamic:
             x = _broadcast_input(x, amax)
-        return C.cpu_fake_quant_int(x, None if dynamic else amax, list(spec.block or ()), dynamic, spec.num_bits, spec.unsigned, spec.narrow_range)
+        return C.cpu_fake_quant_int(x, None if dynamic else amax, list(spec.block or ()), dynamic, spec.num_bits, spec.unsigned,
+                                    spec.narrow_range)
     if kind == Kind.FP8:
         if spec.block is not None:
             raise NotImplementedError(f"cpu fake_quant: FP8 with block {spec.block} is not a format (use kind fp8_block)")
@@ -69,7 +71,8 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
         return C.cpu_fake_quant_fp8(x, None if dynamic else amax, list(spec.element or ()), dynamic)
     if kind == Kind.FP8_BLOCK:
         dynamic = _is_dynamic(spec, amax)
-        return C.cpu_fake_quant_fp8_blockwise(x, None if dynamic else amax, _block(spec), list(spec.element or ()), float(spec.eps), spec.pow2)
+        return C.cpu_fake_quant_fp8_blockwise(x, None if dynamic else amax, _block(spec), list(spec.element or ()), float(spec.eps),
+                                              spec.pow2)
     if kind == Kind.MX:
         return C.cpu_fake_quant_mx(x, mx_element_name(spec_element(spec)), _block(spec)[0], Rounding(spec.rounding) == Rounding.FLOOR)
     if kind == Kind.NVFP4:
@@ -83,7 +86,8 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "cpu")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
+                       | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     codes, d = _ext().cpu_fp8_blockwise_cast(x, list(block), eps, pow2, [4, 3])
     if amax is None:
         return codes, d
@@ -101,7 +105,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "cpu")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor
+               | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ext().cpu_nvfp4_cast(x, global_amax, block, block_amax)
 
 

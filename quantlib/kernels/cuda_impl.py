@@ -7,7 +7,7 @@ cast fused):
   static or dynamic amax, eps, pow2;
 - ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor (MXFP6 and MXINT8
   go to Triton, whose kernels implement every MX element);
-- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static or dynamic global amax, dynamic blocks;
+- ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static (one value) or dynamic global amax, dynamic blocks;
 - INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
 - INT fake quant with one group a row (no block): a static amax per row (per channel, of shape
   ``x.shape[:-1] + (1,)``) or a dynamic one, for rows of up to 16384 16-bit / 8192 fp32 elements;
@@ -15,13 +15,14 @@ cast fused):
 all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whole number of 16-byte
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
-Everything else -- FP8 per tensor / per channel / dynamic per row (``fp8_cast`` too), INT per tensor or
-with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
-with static block amax, other last dims, empty tensors, and ``block_amax`` -- goes explicitly to the Triton
-implementation (:mod:`quantlib.kernels.triton`), so that ``backend="auto"`` on a CUDA tensor (which
-resolves to "cuda" when the extension is built) runs every op. The hand-over is logged once per case at
-DEBUG level on the ``quantlib.kernels`` logger; without the triton package it raises
-``NotImplementedError`` naming the format kind instead.
+This backend covers ``fake_quant``, ``fp8_blockwise_cast``, ``mx_cast`` and ``nvfp4_cast``
+(:data:`~quantlib.kernels.backends.COVERS`); ``fp8_cast`` and ``block_amax`` it lacks: AUTO runs them with
+Triton (or the reference), an explicit ``KernelPreference.CUDA`` raises naming the op. Within the ops it
+covers, the cases its kernels do not take -- FP8 per tensor / per channel / dynamic per row, INT per tensor
+or with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
+with static block amax or a global amax per row (stacked experts), other last dims, empty tensors -- go to the Triton implementation
+(:mod:`quantlib.kernels.triton`). The hand-over is logged once per case at DEBUG level on the
+``quantlib.kernels`` logger; without the triton package it raises ``NotImplementedError`` naming the case.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | N
             raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
         return None
     if tuple(amax.shape) != blocked_shape(x.shape, spec.block):
-        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: "
+                         f"expected {blocked_shape(x.shape, spec.block)}")
     return amax.to(device=x.device, dtype=torch.float32)
 
 
@@ -119,14 +121,21 @@ def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bo
     return (1,) * (len(x_shape) - len(amax_shape)) + tuple(amax_shape) == tuple(x_shape[:-1]) + (1,)
 
 
+def _per_row_global(global_amax: torch.Tensor | None) -> bool:
+    """An NVFP4 global amax of more than one value (one per row, e.g. per expert): the CUDA kernels take one
+    scalar, the Triton kernel a value per row."""
+    return global_amax is not None and global_amax.numel() != 1
+
+
 @register("fake_quant", "cuda")
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     rows, a = _int_row_amax(x, spec, amax)
     if rows:
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
         return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
-    if not _cuda_fake_quant_kind(x, spec) or block_amax is not None:
-        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape {tuple(x.shape)})")(x, spec, amax, block_amax)
+    if not _cuda_fake_quant_kind(x, spec) or block_amax is not None or spec.kind == Kind.NVFP4 and _per_row_global(amax):
+        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape "
+                                     f"{tuple(x.shape)})")(x, spec, amax, block_amax)
     check_block(x, spec.block)
     ext, block = _ext(), list(_norm(spec.block))
     if spec.kind == Kind.MX:
@@ -141,13 +150,9 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
     return ext.cuda_fake_quant_int_block(x, a, block, lo, hi)
 
 
-@register("block_amax", "cuda")
-def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
-    return _triton("block_amax", "block_amax")(x, block)
-
-
 @register("fp8_blockwise_cast", "cuda")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
+                       | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b = _norm(block)
     # an extension built before the static cast existed has no cuda_fp8_blockwise_cast_static: Triton runs it
     static_ok = amax is None or hasattr(_ext(), "cuda_fp8_blockwise_cast_static")
@@ -155,7 +160,8 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
         what = "static " if amax is not None else ""
         return _triton("fp8_blockwise_cast", f"{what}fp8_blockwise_cast (block {block}, shape {tuple(x.shape)})")(x, block, eps, pow2, amax)
     if amax is not None:
-        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), list(b), float(eps), bool(pow2)))
+        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), list(b), float(eps),
+                                                           bool(pow2)))
     return tuple(_ext().cuda_fp8_blockwise_cast(x, list(b), float(eps), bool(pow2)))
 
 
@@ -167,13 +173,11 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "cuda")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not _vector_ok(x) or block != 16 or block_amax is not None:
-        return _triton("nvfp4_cast", f"nvfp4_cast (shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None})")(x, global_amax, block, block_amax)
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16,
+               block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _vector_ok(x) or block != 16 or block_amax is not None or _per_row_global(global_amax):
+        what = f"shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None}"
+        what += f", global amax per row {_per_row_global(global_amax)}"
+        return _triton("nvfp4_cast", f"nvfp4_cast ({what})")(x, global_amax, block, block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))
-
-
-@register("fp8_cast", "cuda")
-def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
-    return _triton("fp8_cast", f"fp8_cast (element {tuple(element)}, shape {tuple(x.shape)})")(x, scale, element)

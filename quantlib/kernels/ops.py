@@ -6,7 +6,6 @@ resolves its backend (see :mod:`quantlib.kernels.backends`) and calls that backe
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -15,7 +14,7 @@ from ..formats import FormatSpec, Kind, Rounding, blocked_shape
 from ..formats.blocks import from_blocks, to_blocks
 from ..formats.fp8 import fp8_dtype
 from ..formats.reference import check_block_amax
-from .backends import implementation, resolve, triton_available
+from .backends import Backend, check_backend, select
 
 # --------------------------------------------------------------------------- spec <-> op arguments
 
@@ -36,7 +35,8 @@ def spec_args(spec: FormatSpec) -> tuple:
     )
 
 
-def spec_from_args(kind: str, num_bits: int, element: list[int], unsigned: bool, narrow_range: bool, block: list[int], dynamic: bool, eps: float, pow2: bool, rounding: str) -> FormatSpec:
+def spec_from_args(kind: str, num_bits: int, element: list[int], unsigned: bool, narrow_range: bool, block: list[int], dynamic: bool,
+                   eps: float, pow2: bool, rounding: str) -> FormatSpec:
     return FormatSpec(
         kind=Kind(kind),
         num_bits=num_bits,
@@ -73,7 +73,7 @@ def _fake_quant(
     clip_grad: bool,
 ) -> torch.Tensor:
     spec = spec_from_args(kind, num_bits, element, unsigned, narrow_range, block, dynamic, eps, pow2, rounding)
-    return implementation("fake_quant", resolve(backend, x.device))(x, spec, amax, block_amax)
+    return select("fake_quant", backend, x.device)(x, spec, amax, block_amax)
 
 
 @_fake_quant.register_fake
@@ -88,7 +88,7 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 def ste_bound(spec: FormatSpec, amax: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The amax that clips the straight-through gradient of ``spec``, or None where it passes everywhere
     (no amax, a dynamic scale but NVFP4's global one, MX)."""
-    if amax is None or spec.dynamic and spec.kind != Kind.NVFP4 or spec.kind == Kind.MX:
+    if amax is None or not spec.calibrated_amax:
         return None
     return amax.detach()
 
@@ -102,7 +102,7 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     # promote (the comparison would round amax to x's dtype), hence the reshape
     mag = x.detach().abs()
     bound = amax.detach().float()
-    if spec.block is not None and spec.kind != Kind.NVFP4:
+    if spec.per_block_amax:
         inside = to_blocks(mag, spec.block) <= bound.unsqueeze(-1)
         return from_blocks(inside, spec.block, x.shape)
     if bound.dim() == 0 and x.dim() > 0:
@@ -110,24 +110,10 @@ def ste_mask(x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor]) ->
     return mag <= bound
 
 
-#: the fused straight-through backward kernel on CUDA is opt-in (QUANTLIB_FUSED_STE=1): its GPU tests
-#: pass (H200, 2026-12-04: the whole GPU suite, 423 tests), but the one timing since (bench_te, FP8
-#: GroupedLinear forward + backward: 5.00 ms with it, 4.90 ms without) shows no gain to make it the default
-FUSED_STE = os.environ.get("QUANTLIB_FUSED_STE", "0") == "1"
-
-
 def ste_grad(grad: torch.Tensor, x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
-    """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`: one fused Triton pass on a
-    CUDA tensor with ``QUANTLIB_FUSED_STE=1`` (:func:`quantlib.kernels.triton.ste.ste_grad`), the torch
-    expression otherwise (and where the backward itself is recorded, ``create_graph=True``: the kernel
-    has no derivative; and under torch.func transforms, whose wrapped tensors it cannot read). Same bits."""
-    if FUSED_STE and x.is_cuda and not (torch.is_grad_enabled() and grad.requires_grad) and not _functorch_active() and triton_available():
-        from .triton.ste import ste_grad as fused
-
-        out = fused(grad, x, spec, amax)
-        if out is not None:
-            return out
-    return torch.where(ste_mask(x, spec, amax), grad, 0.0)  # one pass; no mask copy in grad's dtype
+    """``where(|x| <= amax, grad, 0)`` for the layouts of :func:`ste_mask`, in one pass (no mask copy in
+    grad's dtype); differentiable, so a recorded backward (``create_graph=True``) has its derivative."""
+    return torch.where(ste_mask(x, spec, amax), grad, 0.0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -202,7 +188,8 @@ def eager_call(x: torch.Tensor) -> bool:
 
 
 def fake_quant(
-    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: str = "auto", block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
+    x: torch.Tensor, spec: FormatSpec, amax: Optional[torch.Tensor] = None, backend: Backend = "auto",
+    block_amax: Optional[torch.Tensor] = None, clip_grad: bool = True
 ) -> torch.Tensor:
     """Fake-quantize ``x`` (same shape and dtype); differentiable with the straight-through estimator,
     whose gradient is zeroed where ``|x| > amax`` (static amax) if ``clip_grad``, and passes everywhere
@@ -211,8 +198,8 @@ def fake_quant(
     torch.compile traces the custom op, whose fake kernel keeps the graph whole."""
     check_block_amax(spec, block_amax)
     if torch.compiler.is_compiling():
-        return _fake_quant(x, amax, block_amax, *spec_args(spec), backend, clip_grad)
-    fn = implementation("fake_quant", resolve(backend, x.device))
+        return _fake_quant(x, amax, block_amax, *spec_args(spec), check_backend(backend), clip_grad)
+    fn = select("fake_quant", backend, x.device)
     if torch.is_grad_enabled() and x.requires_grad:
         return (_FakeQuantSTEFunc if _functorch_active() else _FakeQuantSTE).apply(x, amax, block_amax, spec, fn, clip_grad)
     return fn(x, spec, amax, block_amax)
@@ -228,7 +215,7 @@ def _check_float_input(x: torch.Tensor, op: str) -> None:
 
 @torch.library.custom_op("quantlib::block_amax", mutates_args=())
 def _block_amax(x: torch.Tensor, block: list[int], backend: str) -> torch.Tensor:
-    return implementation("block_amax", resolve(backend, x.device))(x, tuple(block))
+    return select("block_amax", backend, x.device)(x, tuple(block))
 
 
 @_block_amax.register_fake
@@ -237,8 +224,9 @@ def _(x, block, backend):
 
 
 @torch.library.custom_op("quantlib::fp8_blockwise_cast", mutates_args=())
-def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return implementation("fp8_blockwise_cast", resolve(backend, x.device))(x, tuple(block), eps, pow2, amax)
+def _fp8_blockwise_cast(x: torch.Tensor, block: list[int], eps: float, pow2: bool, amax: Optional[torch.Tensor],
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return select("fp8_blockwise_cast", backend, x.device)(x, tuple(block), eps, pow2, amax)
 
 
 @_fp8_blockwise_cast.register_fake
@@ -248,7 +236,7 @@ def _(x, block, eps, pow2, amax, backend):
 
 @torch.library.custom_op("quantlib::fp8_cast", mutates_args=())
 def _fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: list[int], backend: str) -> torch.Tensor:
-    return implementation("fp8_cast", resolve(backend, x.device))(x, scale, tuple(element))
+    return select("fp8_cast", backend, x.device)(x, scale, tuple(element))
 
 
 @_fp8_cast.register_fake
@@ -258,7 +246,7 @@ def _(x, scale, element, backend):
 
 @torch.library.custom_op("quantlib::mx_cast", mutates_args=())
 def _mx_cast(x: torch.Tensor, elem: str, block: int, rounding: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return implementation("mx_cast", resolve(backend, x.device))(x, elem, block, Rounding(rounding))
+    return select("mx_cast", backend, x.device)(x, elem, block, Rounding(rounding))
 
 
 @_mx_cast.register_fake
@@ -271,8 +259,9 @@ def _(x, elem, block, rounding, backend):
 
 
 @torch.library.custom_op("quantlib::nvfp4_cast", mutates_args=())
-def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], block: int, block_amax: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return implementation("nvfp4_cast", resolve(backend, x.device))(x, global_amax, block, block_amax)
+def _nvfp4_cast(x: torch.Tensor, global_amax: Optional[torch.Tensor], block: int, block_amax: Optional[torch.Tensor],
+                backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return select("nvfp4_cast", backend, x.device)(x, global_amax, block, block_amax)
 
 
 @_nvfp4_cast.register_fake
@@ -280,5 +269,5 @@ def _(x, global_amax, block, block_amax, backend):
     return (
         x.new_empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8),
         x.new_empty(blocked_shape(x.shape, (block,)), dtype=torch.float8_e4m3fn),
-        x.new_empty((), dtype=torch.float32),
+        x.new_empty(() if global_amax is None or global_amax.numel() == 1 else global_amax.shape, dtype=torch.float32),
     )

@@ -24,7 +24,8 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "reference")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
+                       | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_blockwise_quantize(x, block, (4, 3), eps, pow2, amax)
 
 
@@ -34,7 +35,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "reference")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor
+               | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return nvfp4_quantize(x, global_amax, block, block_amax)
 
 

@@ -5,4 +5,5 @@ from .containers import GroupedQuantizer, QuantizerContainer, SequentialQuantize
 from .quant_module import QuantModule, QuantModuleRegistry
 from .tensor_quantizer import CalibrationError, TensorQuantizer
 
-__all__ = ["CalibrationError", "GroupedQuantizer", "QuantModule", "QuantModuleRegistry", "QuantizerContainer", "SequentialQuantizer", "TensorQuantizer", "build_quantizer"]
+__all__ = ["CalibrationError", "GroupedQuantizer", "QuantModule", "QuantModuleRegistry", "QuantizerContainer", "SequentialQuantizer",
+           "TensorQuantizer", "build_quantizer"]

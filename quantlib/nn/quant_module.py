@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -14,7 +14,6 @@ from ..config import QuantizerAttributeConfig
 from .containers import GroupedQuantizer
 from .rebind import rebind_hooks
 from .tensor_quantizer import TensorQuantizer
-
 
 #: the weight axis that tensor parallelism splits, by ``QuantModule.parallel_role``
 _TP_WEIGHT_AXIS = {"column": 0, "row": 1}
@@ -35,11 +34,15 @@ class QuantModule(nn.Module):
     parallel_role: str = "replicated"
     #: True for the linears of MoE experts (their input amax syncs across the expert group).
     is_expert: bool = False
-    #: quantizers that may take a ``bias`` (affine quantization, see quantlib.calib.bias); none by default
+    #: quantizers that may take a ``bias`` (affine quantization, see quantlib.nn.bias_collector); none by default
     affine_quantizer_names: tuple[str, ...] = ()
     #: True where the GEMM reads a transform of the forward's input (TE LayerNormLinear: the normalized
     #: input): calibration that replays inputs records what ``input_quantizer`` is called on instead.
     gemm_input_at_input_quantizer: bool = False
+    #: the parsed QuantizeConfig last applied to this module (``set_quantizer_by_cfg``, a checkpoint
+    #: restore): the model-level settings (expert_input_policy, sync_expert_weight_amax) that later
+    #: calls read live on the converted modules, never as an attribute of the user's model
+    applied_config: Any = None
 
     def _setup(self) -> None:
         """Create the quantizers (called once, right after conversion)."""
@@ -52,7 +55,7 @@ class QuantModule(nn.Module):
         """``quantizer(tensor)``, reused while neither the tensor nor the quantizer changed.
 
         The key holds the tensor's version counter (bumped by optimizer steps, ``load_state_dict`` and
-        any in-place write) and the quantizer's state (config, switches, amax and its version). Nothing
+        any in-place write) and the quantizer's state (its generation and its buffers' versions). Nothing
         is cached where autograd needs the graph (QAT), while calibrating, or under torch.compile.
         """
         q = getattr(self, name)
@@ -73,9 +76,9 @@ class QuantModule(nn.Module):
         if hit is not None and hit[0] == key:
             return hit[1]
         out = q(tensor)
-        # the entry keeps alive every object whose id() is in its key: no new tensor, config,
-        # quantizer or state buffer can get one of those ids (and hit a stale entry) while it exists
-        cache[(name, member)] = (key, out, (tensor, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
+        # the entry keeps the tensor alive, whose id() is in its key: no new tensor can get that id (and hit
+        # a stale entry) while it exists (the quantizers' generations are never reused)
+        cache[(name, member)] = (key, out, tensor)
         return out
 
     def quantizers_off(self) -> bool:
@@ -171,11 +174,10 @@ def all_disabled(quantizers: Iterable[nn.Module]) -> bool:
 def _rebuild(original: type) -> nn.Module:
     """An empty instance of ``original``'s quantized class (pickle then sets its state)."""
     if not QuantModuleRegistry.is_registered(original):
-        from .. import plugins  # the original's framework is imported by now (unpickling found the class)
-
-        plugins.register_available()
+        QuantModuleRegistry.find()  # the original's framework is imported by now (unpickling found the class)
     if not QuantModuleRegistry.is_registered(original):
-        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for it in this process")
+        raise TypeError(f"cannot unpickle a quantized {original.__module__}.{original.__qualname__}: no quantized class is registered for "
+                        "it in this process")
     qcls = QuantModuleRegistry.quantized_class(original)
     return qcls.__new__(qcls)
 
@@ -185,20 +187,23 @@ def _leaves(q: nn.Module) -> list[TensorQuantizer]:
 
 
 def _quantizer_token(leaves) -> Optional[tuple]:
-    """Everything the output of a quantizer with these leaves depends on besides its input: switches,
-    config and every buffer (amax, static block amax, pre-quant scale, bias) with its version; None
-    while one calibrates or where a buffer has no version counter (an inference tensor). Built on every
-    forward of a quantized module, hence the direct reads of ``_buffers``."""
-    token = []
+    """Everything the output of a quantizer with these leaves depends on besides its input: each leaf's
+    :attr:`~TensorQuantizer.generation` (config, switches, which buffers; never reused) and the sum of its
+    buffers' version counters (in-place writes: with the generations equal no buffer was replaced, so
+    the sum only grows); None while one calibrates or where a buffer has no version counter (an
+    inference tensor). Built on every forward of a quantized module: a few attribute reads per leaf."""
+    gens, versions = [], 0
     for leaf in leaves:
         if leaf._if_calib and not leaf._disabled:
             return None
+        gens.append(leaf._gen)
         try:
-            state = [(k, id(t), t._version) for k, t in leaf._buffers.items() if t is not None]
+            for t in leaf._buffers.values():
+                if t is not None:
+                    versions += t._version
         except RuntimeError:  # "Inference tensors do not track version counter"
             return None
-        token.append((id(leaf), leaf._disabled, leaf._if_quant, id(leaf._attrs), *state))
-    return tuple(token)
+    return tuple(gens), versions
 
 
 class QuantModuleRegistry:
@@ -206,6 +211,21 @@ class QuantModuleRegistry:
 
     _mixins: "OrderedDict[type, type]" = OrderedDict()
     _classes: dict[type, type] = {}
+    #: callables that register the quantized classes of the frameworks the process has imported; filled
+    #: from above (``quantlib.plugins`` adds its loader when imported), so this layer never imports them
+    _finders: ClassVar[list[Callable[[], object]]] = []
+
+    @classmethod
+    def add_finder(cls, finder: Callable[[], object]) -> None:
+        """Have :meth:`find` call ``finder`` (once registered; adding it again is a no-op)."""
+        if finder not in cls._finders:
+            cls._finders.append(finder)
+
+    @classmethod
+    def find(cls) -> None:
+        """Run every finder: register the quantized classes of the frameworks imported so far."""
+        for finder in cls._finders:
+            finder()
 
     @classmethod
     def register(cls, original: type, name: Optional[str] = None) -> Callable[[type], type]:

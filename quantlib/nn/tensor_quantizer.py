@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NoReturn, Optional, Union
 
 import torch
 from torch import nn
 
-from ..calib.bias import BiasCalibrator
-from ..calib.max import MaxCalibrator, static_amax, static_amax_shape
-from ..kernels import block_amax as blocks_amax
 from ..config import QuantizerAttributeConfig, make_attribute_config
-from ..formats import FormatSpec, Kind
-from ..kernels import ops
+from ..formats import FormatSpec
+from ..kernels import block_amax as blocks_amax, ops
+from .bias_collector import BiasCalibrator
+from .max_collector import MaxCalibrator, static_amax, static_amax_shape
 
 
 class CalibrationError(ValueError):
@@ -36,6 +36,10 @@ def _raise_named(exc: Exception, qname: str) -> NoReturn:
 #: buffers whose values survive a round trip through the meta device (TensorQuantizer._apply)
 _KEPT_ON_META = ("_amax", "_pre_quant_scale", "_bias_value", "_block_amax")
 
+#: the source of TensorQuantizer.generation: one counter for all quantizers, so that a generation is never
+#: reused (not by another quantizer, not by a copy: __setstate__ takes a new one)
+_GENERATIONS = itertools.count(1)
+
 
 class TensorQuantizer(nn.Module):
     """Fake-quantizes one tensor as its :class:`QuantizerAttributeConfig` says.
@@ -44,7 +48,8 @@ class TensorQuantizer(nn.Module):
     static format without a calibrated amax uses the amax of the tensor it is given.
     """
 
-    def __init__(self, quant_attribute_cfg: Optional[Union[QuantizerAttributeConfig, dict]] = None, if_quant: bool = True, if_calib: bool = False, amax: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, quant_attribute_cfg: Optional[Union[QuantizerAttributeConfig, dict]] = None, if_quant: bool = True,
+                 if_calib: bool = False, amax: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self._attrs = make_attribute_config(quant_attribute_cfg or QuantizerAttributeConfig())
         self._disabled = not self._attrs.enable
@@ -56,6 +61,32 @@ class TensorQuantizer(nn.Module):
         self._qname = "TensorQuantizer"  # full name in the model, set when a model is configured
         if amax is not None:
             self.amax = amax
+        self._bump()
+
+    # ------------------------------------------------------------------ state generation
+    @property
+    def generation(self) -> int:
+        """A number that changes with every change of this quantizer's state except the in-place writes
+        into its buffers (their version counters say those): any attribute set (config, switches, amax,
+        block amax, pre-quant scale, bias), buffer added / dropped / moved, state dict loaded, copy made.
+        Never the same for two states, of this quantizer or any other, so one int compare per
+        quantizer validates a cache of what it computed (:func:`quantlib.nn.quant_module._quantizer_token`)."""
+        return self.__dict__["_gen"]
+
+    def _bump(self) -> None:
+        self.__dict__["_gen"] = next(_GENERATIONS)  # not nn.Module.__setattr__ (which would bump again)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)  # property setters (amax, ...) run inside
+        self._bump()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._bump()
+
+    def register_buffer(self, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        self._bump()
 
     # ------------------------------------------------------------------ config
     @property
@@ -87,7 +118,7 @@ class TensorQuantizer(nn.Module):
     def static_blocks(self) -> bool:
         """True for NVFP4 with static blocks (ModelOpt's ``"type": "static"``): a stored block amax
         (:attr:`block_amax`) next to the global amax (:attr:`amax`)."""
-        return self.spec.kind == Kind.NVFP4 and not self.spec.dynamic and self.needs_calibration
+        return self.spec.static_blocks and self.needs_calibration
 
     def set_from_attribute_config(self, attrs: Union[QuantizerAttributeConfig, dict]) -> None:
         """Replace the config; a dict holding only ``enable`` just toggles. A new format drops the amax."""
@@ -96,7 +127,8 @@ class TensorQuantizer(nn.Module):
                 self.enable() if attrs["enable"] else self.disable()
             return
         new = make_attribute_config(attrs)
-        if new.format_spec() != self.spec or new.axis != self._attrs.axis or new.is_dynamic != self._attrs.is_dynamic or new.bias != self._attrs.bias:
+        old = self._attrs
+        if new.format_spec() != self.spec or new.axis != old.axis or new.is_dynamic != old.is_dynamic or new.bias != old.bias:
             self.reset_amax()
         self._attrs = new
         self._bias_calibrator = BiasCalibrator(new.bias_axes) if new.bias is not None else None
@@ -149,7 +181,8 @@ class TensorQuantizer(nn.Module):
             self._drop_kept_buffer("_block_amax")
             return
         if not self.static_blocks:
-            raise ValueError(f"{self._qname}: a block amax is for NVFP4 with static blocks (block_sizes 'type': 'static'), this quantizer is {self.spec.kind.value} with block_sizes={self.block_sizes}")
+            raise ValueError(f"{self._qname}: a block amax is for NVFP4 with static blocks (block_sizes 'type': 'static'), this quantizer "
+                             f"is {self.spec.kind.value} with block_sizes={self.block_sizes}")
         value = torch.as_tensor(value, dtype=torch.float32).detach().clone()
         if not value.is_meta and not bool(torch.isfinite(value).all() and (value >= 0).all()):
             raise ValueError(f"{self._qname}: block amax must be finite and >= 0, got {value.flatten()[:4].tolist()}...")
@@ -171,10 +204,12 @@ class TensorQuantizer(nn.Module):
         if current.is_meta and not value.is_meta:
             kept[name] = value  # the values come back when to_empty materialises the buffer
         self._buffers[name] = value.to(current.device)
+        self._bump()
 
     def _drop_kept_buffer(self, name: str) -> None:
         self._buffers.pop(name, None)
         self.__dict__.get("_meta_values", {}).pop(name, None)
+        self._bump()
 
     # ------------------------------------------------------------------ pre_quant_scale
     @property
@@ -193,7 +228,8 @@ class TensorQuantizer(nn.Module):
             return
         value = torch.as_tensor(value).detach().clone()
         if value.dim() not in (1, 2) or not value.is_floating_point():
-            raise ValueError(f"{self._qname}: pre_quant_scale must be a 1-D float tensor (one factor per input channel; 2-D: one row per fused expert), got {value.dtype} of shape {tuple(value.shape)}")
+            raise ValueError(f"{self._qname}: pre_quant_scale must be a 1-D float tensor (one factor per input channel; 2-D: one row per "
+                             f"fused expert), got {value.dtype} of shape {tuple(value.shape)}")
         if not value.is_meta and not bool(torch.isfinite(value).all() and (value > 0).all()):
             raise ValueError(f"{self._qname}: pre_quant_scale must be finite and positive, got {value[:4].tolist()}...")
         self._set_kept_buffer("_pre_quant_scale", value)
@@ -207,7 +243,8 @@ class TensorQuantizer(nn.Module):
             return x
         if pqs.dim() == 2:
             if row is None:
-                raise ValueError(f"{self._qname}: pre_quant_scale holds one row per expert {tuple(pqs.shape)}; quantize each expert's tokens with its row (row=e)")
+                raise ValueError(f"{self._qname}: pre_quant_scale holds one row per expert {tuple(pqs.shape)}; quantize each expert's "
+                                 "tokens with its row (row=e)")
             pqs = pqs[row]
         if x.shape[-1] != pqs.shape[-1]:
             raise ValueError(f"{self._qname}: pre_quant_scale has {pqs.shape[-1]} channels, the input's last dim is {x.shape[-1]}")
@@ -227,7 +264,7 @@ class TensorQuantizer(nn.Module):
     @property
     def bias_value(self) -> Optional[torch.Tensor]:
         """The calibrated static bias (fp32, the input's shape with the averaged axes of size 1), or None.
-        ``bias`` in the config says which axes; see :mod:`quantlib.calib.bias`."""
+        ``bias`` in the config says which axes; see :mod:`quantlib.nn.bias_collector`."""
         return self._buffers.get("_bias_value")
 
     @bias_value.setter
@@ -252,11 +289,13 @@ class TensorQuantizer(nn.Module):
     def _bias_for(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias_value
         if bias is None:
-            raise RuntimeError(f"bias={self._attrs.bias}: the static bias is not calibrated; calibrate with a forward_loop (quantlib.quantize / quantlib.calibrate)")
+            raise RuntimeError(f"bias={self._attrs.bias}: the static bias is not calibrated; calibrate with a forward_loop "
+                               "(quantlib.quantize / quantlib.calibrate)")
         try:
             torch.broadcast_shapes(bias.shape, x.shape)
         except RuntimeError:
-            raise ValueError(f"bias={self._attrs.bias}: the calibrated bias of shape {tuple(bias.shape)} does not fit an input of shape {tuple(x.shape)}") from None
+            raise ValueError(f"bias={self._attrs.bias}: the calibrated bias of shape {tuple(bias.shape)} does not fit an input of shape "
+                             f"{tuple(x.shape)}") from None
         return bias
 
     def _apply(self, fn, recurse: bool = True):
@@ -282,6 +321,7 @@ class TensorQuantizer(nn.Module):
             else:
                 with torch.no_grad():
                     new.copy_(held)
+        self._bump()  # the buffers are new tensors (another device or dtype), their versions start again
         return self
 
     @property
@@ -334,7 +374,8 @@ class TensorQuantizer(nn.Module):
             return
         if not amax.is_meta and not bool(torch.isfinite(amax).all()):  # meta: shapes only, no values
             bad = "NaN" if bool(torch.isnan(amax).any()) else "Inf"
-            raise CalibrationError(f"{self._qname}: calibration saw {bad} values (amax {amax.flatten()[:4].tolist()}...); check the model's activations or disable this quantizer")
+            raise CalibrationError(f"{self._qname}: calibration saw {bad} values (amax {amax.flatten()[:4].tolist()}...); check the "
+                                   "model's activations or disable this quantizer")
         self.amax = amax
         self._calibrator.reset()
         if self.static_blocks and self._block_calibrator.compute_amax() is not None:
@@ -362,10 +403,10 @@ class TensorQuantizer(nn.Module):
         """The amax the op uses: static (calibrated, or from ``x`` if never calibrated or ``type`` is
         "dynamic") or None where the op computes it (per block, per row, NVFP4's global amax)."""
         spec = self.spec
-        if spec.kind == Kind.MX or (spec.dynamic and spec.kind != Kind.NVFP4):
+        if not spec.calibrated_amax:
             return None
         amax = self.amax if self.needs_calibration else None
-        if amax is None and spec.kind != Kind.NVFP4:
+        if amax is None and not spec.two_level:
             return static_amax(x, spec, self._attrs.axis, self._attrs.backend)
         return amax
 
@@ -408,7 +449,7 @@ class TensorQuantizer(nn.Module):
             _raise_named(exc, self._qname)
 
     def _affine_fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.calib.bias`)."""
+        """``fq(x - b) + b`` in fp32, cast to ``x``'s dtype (see :mod:`quantlib.nn.bias_collector`)."""
         bias = self._bias_for(x).to(x.device)
         shifted = x.float() - bias
         return (self._fake_quant(shifted, self._amax_for(shifted), self._block_amax_for()) + bias).to(x.dtype)
@@ -424,6 +465,7 @@ class TensorQuantizer(nn.Module):
                 fp32 = name in ("_amax", "_bias_value", "_block_amax")
                 self.register_buffer(name, torch.empty_like(state_dict[key], dtype=torch.float32 if fp32 else state_dict[key].dtype))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._bump()
 
     def extra_repr(self) -> str:
         if self._disabled:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from ..export.fold import Folds, plan_folds, times_rows
 from ..nn.quant_module import QuantModule
 from ..plugins import hf_experts
 from .options import PipelineError
@@ -21,7 +22,10 @@ from .options import PipelineError
 #: format -> how the consumer's weight must compare with quantlib's: "exact"; "bf16ulp1" (compressed-tensors
 #: multiplies NVFP4 values by their scales in bf16, which can round a tie the other way: at most 1 bf16 ulp
 #: from quantlib's fp32 weight rounded to bf16); "ulp1" (INT: consumers multiply codes by a stored scale)
-RULES = {"ct_nvfp4": "bf16ulp1", "ct_int8": "ulp1", "ct_int_pack": "ulp1"}
+RULES = {"ct_nvfp4": "bf16ulp1", "ct_int8": "ulp1", "ct_int_pack": "ulp1", "modelopt_int4_awq": "ulp1"}
+#: the rule of a weight whose rows (a folded pre_quant_scale) or columns (a carried one) the export scaled by p:
+#: both sides multiply by p in fp32, and an INT fold stores s / p, then 1 / (s / p): each a rounding more
+SCALED_RULES = {"exact": "exact", "ulp1": "ulp3", "bf16ulp1": "bf16ulp2"}
 
 
 @dataclass
@@ -34,6 +38,7 @@ class CheckResult:
     compared: int = 0
     max_ulp: int = 0
     mismatched: list[str] = field(default_factory=list)
+    scaled: int = 0  # weights compared with a folded or carried pre_quant_scale applied (rule SCALED_RULES[rule])
 
     @property
     def passed(self) -> bool:
@@ -83,8 +88,9 @@ def _ulp(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return int(d.max()) if d.numel() else 0
 
 
-def check_weight(res: CheckResult, name: str, ref: torch.Tensor, loaded: nn.Module, fmt: str) -> None:
-    """Compare ``loaded``'s weight ``name`` with ``ref`` (fake-quantized) under ``fmt``'s rule; record it in ``res``."""
+def check_weight(res: CheckResult, name: str, ref: torch.Tensor, loaded: nn.Module, scaled: bool = False) -> None:
+    """Compare ``loaded``'s weight ``name`` with ``ref`` (fake-quantized; ``scaled``: times a pre_quant_scale)
+    under the format's rule; record it in ``res``."""
     try:
         got = loaded_weight(loaded, name).detach()
     except AttributeError:
@@ -98,9 +104,11 @@ def check_weight(res: CheckResult, name: str, ref: torch.Tensor, loaded: nn.Modu
     got = got.cpu().to(ref.dtype)
     ulp = _ulp(got, ref)
     res.max_ulp = max(res.max_ulp, ulp)
-    ok = {"exact": ulp == 0, "ulp1": ulp <= 1, "bf16ulp1": _ulp(got, ref, torch.bfloat16) <= 1}[res.rule]
-    if not ok:
-        res.mismatched.append(f"{name} ({ulp} ulp)")
+    res.scaled += scaled
+    rule = SCALED_RULES[res.rule] if scaled else res.rule
+    bound = 0 if rule == "exact" else int(rule.rpartition("ulp")[2])
+    if (_ulp(got, ref, torch.bfloat16) if rule.startswith("bf16") else ulp) > bound:
+        res.mismatched.append(f"{name} ({ulp} ulp, rule {rule})")
 
 
 def _read_modules(export_dir: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -140,6 +148,11 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
         warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
         from modelopt.torch.quantization import qtensor
 
+    if fmt == "modelopt_int4_awq":  # ModelOpt has no dequantizer for its pack_int4_in_uint8 layout: its two rows per byte
+        packed = t["weight"]
+        codes = torch.stack([packed & 0x0F, packed >> 4], 1).reshape(shape).to(torch.int8)
+        codes = torch.where(codes > 7, codes - 16, codes)
+        return codes.float() * t["weight_scale"].repeat_interleave(shape[1] // t["weight_scale"].shape[1], dim=1)
     if fmt == "modelopt_nvfp4":
         q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
         return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
@@ -162,7 +175,9 @@ def _dense_copy(
     dense = {}
     for mod, t in _read_modules(export_dir).items():
         if mod in shapes:
-            dense[f"{mod}.weight"] = dequantize(t, shapes[mod])
+            w = dequantize(t, shapes[mod])
+            # a carried pre_quant_scale multiplies the input: x * p @ W^T == x @ (W * p)^T, as the consumer computes
+            dense[f"{mod}.weight"] = w * t["pre_quant_scale"].float() if "pre_quant_scale" in t else w
             if "bias" in t:
                 dense[f"{mod}.bias"] = t["bias"]
         else:
@@ -196,6 +211,8 @@ def reload_export(
             import modelopt.torch.quantization.qtensor  # noqa: F401  (fail here, not per module)
 
             dequantize, consumer = functools.partial(modelopt_dequantize, fmt), "ModelOpt qtensor dequantize"
+            if fmt == "modelopt_int4_awq":
+                consumer = "ModelOpt pack_int4_in_uint8 layout unpacked"
     except ImportError as exc:
         return None, fmt, f"its consumer is not installed ({exc.name}; pip install quantlib[export])"
     tmp = tempfile.mkdtemp(prefix=".reload-", dir=os.path.dirname(os.path.abspath(export_dir)))
@@ -212,6 +229,45 @@ def require_passed(res: CheckResult, fmt: str) -> None:
         raise PipelineError(f"check: the {fmt} export holds no quantized weight the reloaded model could be compared on")
     if res.mismatched:
         raise PipelineError(
-            f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the fake-quantized model "
+            f"check: {res.consumer} loaded {len(res.mismatched)} of {res.compared} weights of the {fmt} export differently from the "
+            "fake-quantized model "
             f"(rule {res.rule}): {', '.join(res.mismatched[:3])}"
         )
+
+
+def export_folds(model: nn.Module, fmt: str) -> Folds:
+    """Where the export put each ``pre_quant_scale`` of ``model``: the plan :func:`export_checkpoint` follows
+    (the model itself is unchanged by the export)."""
+    from ..export.modules import named_modules
+    from ..export.writers import packer
+
+    return plan_folds(model, named_modules(model), packer(fmt).carries_pre_quant_scale, fmt)
+
+
+def expected_weight(name: str, w: torch.Tensor, folds: Folds) -> tuple[torch.Tensor, bool]:
+    """(the weight the consumer's model holds for checkpoint module ``name``, whether a scale changed it): a folded
+    scale multiplies the rows (output channels), a carried one the columns (the consumer's ``x * p @ W^T``)."""
+    if name not in folds.out and name not in folds.carried:
+        return w, False
+    w = w.float()
+    if name in folds.out:
+        w = w * folds.out[name].float().to(w.device)[:, None]
+    if name in folds.carried:
+        w = w * folds.carried[name].float().to(w.device)[None, :]
+    return w, True
+
+
+@torch.no_grad()
+def check_folded_ops(res: CheckResult, model: nn.Module, folds: Folds, loaded: nn.Module, quantized: set[str]) -> None:
+    """The ops that took a folded scale and hold no quantized weight (norms, unquantized linears): the consumer's
+    tensors must be the export's own ``tensor * p`` per output channel, bit for bit."""
+    for name, p in folds.out.items():
+        if name in quantized:
+            continue
+        mine, theirs = model.get_submodule(name), loaded.get_submodule(name)
+        for k in ("weight", "bias"):
+            t = getattr(mine, k, None)
+            if isinstance(t, torch.Tensor):
+                res.compared += 1
+                if not torch.equal(getattr(theirs, k).detach().cpu().float(), times_rows(lambda t=t: t.detach(), p)().cpu().float()):
+                    res.mismatched.append(f"{name}.{k} (a folded pre_quant_scale)")

@@ -90,7 +90,8 @@ def _dataset_texts(name: str, text_field: str) -> Iterator[str]:
         ds = datasets.load_dataset(ds_name, config, split=split, download_mode="reuse_cache_if_exists")
     except Exception as exc:
         raise PipelineError(
-            f"--data {name}: not a file, and not a Hugging Face dataset in the local cache ({type(exc).__name__}); download it first or pass a file"
+            f"--data {name}: not a file, and not a Hugging Face dataset in the local cache ({type(exc).__name__}); download it first or "
+            "pass a file"
         ) from None
     finally:
         for f, v in saved.items():
@@ -139,7 +140,8 @@ def pack(tokenizer: Any, texts: Iterator[str], source: str, num_samples: int, ev
             break
     if len(ids) < need:
         raise PipelineError(
-            f"--data {source}: {len(ids)} tokens, fewer than the {need} the run needs ((--num-samples {num_samples} + --eval-samples {eval_samples}) x --seq-len {seq_len}); "
+            f"--data {source}: {len(ids)} tokens, fewer than the {need} the run needs ((--num-samples {num_samples} + --eval-samples "
+            f"{eval_samples}) x --seq-len {seq_len}); "
             "pass more text or lower those options"
         )
     t = torch.tensor(ids[:need], dtype=torch.long).view(num_samples + eval_samples, seq_len)
@@ -153,7 +155,8 @@ def load_windows(
     if source is None:
         if builtin is None:
             raise PipelineError(
-                "--data is required for a model without built-in text: pass a text / JSONL / Parquet file, a directory, or a cached dataset name"
+                "--data is required for a model without built-in text: pass a text / JSONL / Parquet file, a directory, or a cached "
+                "dataset name"
             )
         source = builtin
     return pack(tokenizer, iter_texts(source, text_field), source, num_samples, eval_samples, seq_len)

@@ -41,9 +41,15 @@ def check_model_dir(path: str) -> None:
     """Refuse, in one line, a path that is not a Hugging Face model directory."""
     if not os.path.isdir(path):
         raise PipelineError(f"--model {path}: no such directory; pass a Hugging Face model directory (config.json and weights)")
-    if any(os.path.exists(os.path.join(path, m)) for m in _MEGATRON_MARKERS) or glob.glob(os.path.join(path, "iter_*")):
+    if (
+        any(os.path.exists(os.path.join(path, m)) for m in _MEGATRON_MARKERS)
+        or glob.glob(os.path.join(path, "iter_*"))
+        or glob.glob(os.path.join(path, "*.distcp"))
+    ):
         raise PipelineError(
-            f"--model {path}: a Megatron-Core checkpoint; quantlib quantize reads Hugging Face model directories (quantize Megatron models in Python: see the README's Megatron-Core section)"
+            f"--model {path}: a Megatron-Core checkpoint, which quantlib quantize does not read; it reads Hugging Face model "
+            "directories (config.json and *.safetensors): convert the checkpoint to Hugging Face format first, or quantize the "
+            "Megatron-Core model in Python (quantlib.quantize, then quantlib.export.megatron_export.export_megatron_checkpoint)"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise PipelineError(
@@ -61,7 +67,8 @@ def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise PipelineError(
-            f"--model {path}: no tokenizer that loads offline ({type(exc).__name__}); save it beside the weights (tokenizer.save_pretrained(dir))"
+            f"--model {path}: no tokenizer that loads offline ({type(exc).__name__}); save it beside the weights "
+            "(tokenizer.save_pretrained(dir))"
         ) from None
     if not callable(tok):
         raise PipelineError(f"--model {path}: no tokenizer (AutoTokenizer gave {type(tok).__name__}); save it beside the weights")

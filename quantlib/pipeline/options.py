@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import ConfigError, QuantizeConfig
-from ..kv_cache import KV_PRESETS, merge_kv_config
+from ..config import ConfigError, QuantizeConfig, turns_on
+from ..formats import Kind
+from ..kv.presets import ATTENTION_QUANTIZER_NAMES, KV_PRESETS, merge_kv_config
 from ..presets import PRESETS
 
 
@@ -20,11 +21,16 @@ class PipelineError(RuntimeError):
 #: --kv-cache choices -> quantlib's KV presets
 KV_CHOICES = {"fp8": "FP8_KV_CFG", "fp8_affine": "FP8_AFFINE_KV_CFG", "nvfp4": "NVFP4_KV_CFG"}
 
-#: the export format a preset is written in when --export-format is not given (presets absent: no format carries them)
+#: the export format a preset is written in when --export-format is not given (presets absent: no format carries them);
+#: NVFP4 AWQ: o_proj / down_proj scales fold into no NVFP4 producer, so ModelOpt's NVFP4_AWQ carries them
 DEFAULT_FORMATS = {
     "INT8_DEFAULT_CFG": "ct_int8",
     "INT8_WEIGHT_ONLY_CFG": "ct_int8",
     "INT8_SMOOTHQUANT_CFG": "ct_int8",
+    "INT4_AWQ_CFG": "ct_int_pack",
+    "NVFP4_AWQ_LITE_CFG": "modelopt_nvfp4",
+    "NVFP4_AWQ_FULL_CFG": "modelopt_nvfp4",
+    "NVFP4_AWQ_CLIP_CFG": "ct_nvfp4",
     "FP8_DEFAULT_CFG": "modelopt_fp8",
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG": "hf_fp8_block",
     "FP8_BLOCKWISE_CFG": "hf_fp8_block",
@@ -87,7 +93,8 @@ class OneshotOptions:
             raise PipelineError(f"--kv-cache {self.kv_cache!r}: one of {sorted(KV_CHOICES)}")
         if self.lm_eval_tasks:
             raise PipelineError(
-                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args pretrained=OUT` on the export"
+                "--lm-eval-tasks: lm-eval-harness tasks are not run by quantlib quantize; run `lm_eval --model hf --model_args "
+                "pretrained=OUT` on the export"
             )
 
 
@@ -156,34 +163,102 @@ def resolve_recipe(opts: OneshotOptions) -> tuple[str, dict]:
     return name, cfg
 
 
-#: algorithms that leave a pre_quant_scale (a per-channel input scale), which the pipeline does not fold yet
+#: algorithms that leave a pre_quant_scale (a per-channel input scale), folded into the export or carried by it
 PRE_QUANT_SCALE_ALGORITHMS = ("smoothquant", "awq_lite", "awq_full")
 #: --export-format none: quantize and evaluate only
 NO_EXPORT = "none"
+#: (producer, consumer) below a decoder layer: the consumer's pre_quant_scale folds only into the producer's output rows
+ROW_FOLDS = (("self_attn.v_proj", "self_attn.o_proj"), ("mlp.up_proj", "mlp.down_proj"))
 
 
 def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
     """The export format: --export-format, else the recipe's default; a recipe no format can carry is refused
     up front (before any model loads), unless --export-format none skips the export."""
     from ..export import ExportError
-    from ..export.formats import as_format
+    from ..export.writers import as_format
 
     if opts.export_format == NO_EXPORT:
         return NO_EXPORT
-    method = QuantizeConfig.from_any(copy.deepcopy(cfg)).algorithm_name
-    if method in PRE_QUANT_SCALE_ALGORITHMS:
-        raise PipelineError(
-            f"recipe {recipe}: its algorithm {method} sets pre_quant_scale, which this command does not fold into the export yet; "
-            "pass --export-format none to quantize and evaluate only, --algorithm max / mse / gptq, or export from Python "
-            "after quantlib.export.share_pre_quant_scale (see the README's export section)"
-        )
     if opts.export_format:
         try:
-            return as_format(opts.export_format).value
+            fmt = as_format(opts.export_format).value
         except ExportError as exc:
             raise PipelineError(f"--export-format: {exc}") from None
-    if recipe in DEFAULT_FORMATS:
-        return DEFAULT_FORMATS[recipe]
-    raise PipelineError(
-        f"recipe {recipe}: no export format carries it by default; pass --export-format FORMAT (or none to skip the export)"
-    )
+    elif recipe in DEFAULT_FORMATS:
+        fmt = DEFAULT_FORMATS[recipe]
+    else:
+        raise PipelineError(
+            f"recipe {recipe}: no export format carries it by default; pass --export-format FORMAT (or none to skip the export)"
+        )
+    refuse_pre_quant_scale_pair(recipe, cfg, fmt)
+    return fmt
+
+
+def _enabled(qcfg: QuantizeConfig, name: str) -> Any:
+    """The attribute config a decoder-layer quantizer ``name`` gets (None: off)."""
+    attrs, enable = qcfg.resolve(f"model.layers.0.{name}")
+    return attrs if turns_on(attrs, enable) else None
+
+
+def _per_row_int(attrs: Any) -> bool:
+    """INT weights with a scale per output row (per channel, or blocks along the input dim), which can take a scale."""
+    if isinstance(attrs, list):
+        return False
+    spec = attrs.format_spec()
+    return spec.kind == Kind.INT and (spec.block is not None and len(spec.block) == 1 or spec.block is None and attrs.axis == (0,))
+
+
+def refuse_pre_quant_scale_pair(recipe: str, cfg: dict, fmt: str) -> None:
+    """Refuse, before any model loads, a SmoothQuant / AWQ recipe whose o_proj / down_proj scales the format can
+    neither fold (into v_proj / up_proj rows, which need per-row INT scales) nor carry. The export checks every
+    module again after calibration; this catches the pairs the recipe alone decides."""
+    from ..export.writers import packer
+
+    qcfg = QuantizeConfig.from_any(copy.deepcopy(cfg))
+    method = qcfg.algorithm_name
+    if method not in PRE_QUANT_SCALE_ALGORITHMS:
+        return
+    carries = packer(fmt).carries_pre_quant_scale
+    kv = [n for n in ATTENTION_QUANTIZER_NAMES if _enabled(qcfg, f"self_attn.{n}") is not None]
+    for producer, consumer in ROW_FOLDS:
+        weights = _enabled(qcfg, f"{consumer}.weight_quantizer")
+        made = _enabled(qcfg, f"{producer}.weight_quantizer")
+        if kv and producer == "self_attn.v_proj" and weights is not None and not carries:
+            raise PipelineError(
+                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that {fmt} can hold only folded into "
+                f"{producer}'s output rows, and the KV cache is quantized ({', '.join(kv)}: a per-channel scale on v would "
+                "not match its amax); drop --kv-cache, pass --exclude '*o_proj*', or use --algorithm max"
+            )
+        if weights is None or made is None or _per_row_int(made):
+            continue  # no scale on the consumer, or a producer that takes it
+        if not carries:
+            raise PipelineError(
+                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that {fmt} can hold only folded into "
+                f"{producer}'s output rows, whose {made.format_spec().kind.value} weights have no scale per row; pass a format "
+                "that carries pre_quant_scale (--export-format modelopt_nvfp4 for NVFP4 W4A4, modelopt_int4_awq for INT4 "
+                f"weight-only), --exclude '*{consumer}*', or --algorithm max"
+            )
+        if fmt == "modelopt_nvfp4" and _enabled(qcfg, f"{consumer}.input_quantizer") is None:
+            raise PipelineError(
+                f"recipe {recipe}: {method} gives {consumer} a pre_quant_scale that only ModelOpt's NVFP4_AWQ carries, and "
+                "NVFP4_AWQ quantizes activations (this recipe leaves them unquantized: W4A16_NVFP4 has no pre_quant_scale); "
+                "enable the input quantizers or use --algorithm max"
+            )
+
+
+def refuse_expert_scales(model: Any, recipe: str, cfg: dict, fmt: str) -> None:
+    """Refuse, once the model is loaded and before it calibrates, SmoothQuant / AWQ on fused experts (one scale
+    per expert, which no export folds or carries), unless the recipe leaves the experts unquantized."""
+    qcfg = QuantizeConfig.from_any(copy.deepcopy(cfg))
+    method = qcfg.algorithm_name
+    if fmt == NO_EXPORT or method not in PRE_QUANT_SCALE_ALGORITHMS:
+        return
+    for name, m in model.named_modules():
+        w = getattr(m, "down_proj", None)
+        if getattr(w, "dim", lambda: 0)() == 3:  # transformers' fused experts: [experts, out, in]
+            attrs, enable = qcfg.resolve(f"{name}.down_proj_weight_quantizer", (type(m).__name__,))
+            if turns_on(attrs, enable):
+                raise PipelineError(
+                    f"recipe {recipe}: {method} gives the fused experts {name} one pre_quant_scale per expert, which format "
+                    f"{fmt} can neither fold nor carry; pass --exclude '*experts*', --algorithm max, or --export-format none"
+                )

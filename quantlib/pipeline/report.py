@@ -128,7 +128,8 @@ def _svg(errors: list[dict]) -> str:
     top = max(e["rel_error"] for e in errors) or 1.0
     height = bar_h * len(errors) + 30
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 90}" height="{height}" font-family="monospace" font-size="11">'
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 90}" height="{height}" font-family="monospace" '
+        'font-size="11">'
     ]
     for i, e in enumerate(errors):
         y = i * bar_h + 4
@@ -150,7 +151,8 @@ def write_reports(report: dict, out_dir: str) -> list[str]:
     rows = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary_rows(report))
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>quantlib quantize: {html.escape(report["recipe"])}</title>
-<style>body{{font-family:sans-serif;margin:2em}} th{{text-align:left;padding-right:1em;vertical-align:top}} td{{font-family:monospace}}</style></head>
+<style>body{{font-family:sans-serif;margin:2em}} th{{text-align:left;padding-right:1em;vertical-align:top}}
+td{{font-family:monospace}}</style></head>
 <body><h1>quantlib quantize</h1>
 <table>{rows}</table>
 <h2>Quantization error per module</h2>

@@ -23,7 +23,8 @@ from torch import nn
 from ..checkpoint import restore, save
 from ..config import QuantizeConfig
 from ..coverage import weight_coverage
-from ..export import ExportError, export_checkpoint, share_sibling_amax
+from ..export import ExportError, export_checkpoint, share_pre_quant_scale, share_sibling_amax
+from ..export.fold import Folds, holds_pre_quant_scale
 from ..model_quant import quantize
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
@@ -41,7 +42,7 @@ from .model import (
     quiet_transformers,
     resolve_device,
 )
-from .options import NO_EXPORT, OneshotOptions, PipelineError, export_format, resolve_recipe
+from .options import NO_EXPORT, OneshotOptions, PipelineError, export_format, refuse_expert_scales, resolve_recipe
 from .report import format_table, stored_weight_bytes, summary_rows, versions, weight_error, write_reports
 from .stages import Stages
 
@@ -93,7 +94,8 @@ def _prepare_dirs(opts: OneshotOptions, out: str) -> str:
         diff = [k for k in _RESUME_KEYS if saved.get(k) != wanted[k]]
         if diff:
             raise PipelineError(
-                f"--resume: the unfinished run at {staging} was started with other options ({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); pass the same options or drop --resume"
+                f"--resume: the unfinished run at {staging} was started with other options "
+                f"({', '.join(f'{k}={saved.get(k)!r}' for k in diff)}); pass the same options or drop --resume"
             )
         return staging
     shutil.rmtree(staging, ignore_errors=True)  # an old unfinished run, not resumed: start over
@@ -166,6 +168,13 @@ def _calibrate(
     else:
         stage = stages.begin("calibrate", total=len(batches))
         quantize(model, cfg, _forward_loop(batches, device, lambda i: None, stage.advance))
+    if any(isinstance(m, QuantModule) and holds_pre_quant_scale(m) for m in model.modules()):
+        # SmoothQuant / AWQ: the linears one op feeds take one scale, so the export folds what was evaluated; static
+        # input amax are recalibrated on the whole model, on the CPU after layer-by-layer calibration (it may not fit the device)
+        where = torch.device("cpu") if sequential else device
+        model.to(where)
+        stage = stages.begin("share pre_quant_scale", total=None)  # a pass over the data only where static input amax need it
+        share_pre_quant_scale(model, _forward_loop(batches, where, lambda i: None, stage.advance))
     share_sibling_amax(model)  # q/k/v and gate/up: one per-tensor / global amax, as the formats' consumers fuse them
     save(model, state_file)
 
@@ -242,7 +251,8 @@ def run(opts: OneshotOptions) -> dict[str, Any]:
         disk_error = exc if isinstance(exc, OSError) else exc.__cause__
         if isinstance(disk_error, OSError) and disk_error.errno == errno.ENOSPC:
             raise PipelineError(
-                f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and rerun with --resume"
+                f"no space left on the device writing {disk_error.filename or staging}; free space (or pass --out on another disk) and "
+                "rerun with --resume"
             ) from None
         if isinstance(exc, ExportError):
             raise PipelineError(f"export {fmt}: {exc}; pass another --export-format or recipe") from None
@@ -258,6 +268,7 @@ def _stages(
     tok = load_tokenizer(model_dir, opts.trust_remote_code)
     stage.advance()
     model = load_model(model_dir, opts.dtype, opts.trust_remote_code)
+    refuse_expert_scales(model, recipe, cfg, fmt)
     stage.advance()
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and opts.seq_len > max_pos:
@@ -304,7 +315,10 @@ def _stages(
         stage = stages.begin("weight errors", total=1)
         os.makedirs(export_dir, exist_ok=True)
     result = check_mod.CheckResult(consumer, check_mod.RULES.get(fmt, "exact")) if loaded is not None else None
-    weights = _weight_pass(model, loaded, result, fmt)
+    folds = check_mod.export_folds(model, fmt) if loaded is not None else None
+    weights = _weight_pass(model, loaded, result, folds)
+    if loaded is not None:
+        check_mod.check_folded_ops(result, model, folds, loaded, {w["module"] for w in weights})
     stage.advance()
     if loaded is not None:
         ppl["reloaded"] = perplexity(loaded, held_out, torch.device("cpu"), stage)
@@ -338,13 +352,17 @@ def _stages(
     return report
 
 
-def _weight_pass(model: nn.Module, loaded: Optional[nn.Module], result: Optional[check_mod.CheckResult], fmt: str) -> list[dict]:
-    """One quantized weight at a time: its relative error, its size, and (with a reloaded export) the check."""
+def _weight_pass(
+    model: nn.Module, loaded: Optional[nn.Module], result: Optional[check_mod.CheckResult], folds: Optional[Folds]
+) -> list[dict]:
+    """One quantized weight at a time: its relative error, its size, and (with a reloaded export) the check,
+    against the weight scaled as the export scaled it where a pre_quant_scale was folded or carried."""
     out = []
     for name, raw, w in check_mod.iter_weights(model):
         out.append({"module": name, "rel_error": weight_error(raw, w), "numel": w.numel()})
         if result is not None:
-            check_mod.check_weight(result, name, w, loaded, fmt)
+            ref, scaled = check_mod.expected_weight(name, w, folds)
+            check_mod.check_weight(result, name, ref, loaded, scaled)
     return out
 
 
@@ -363,7 +381,11 @@ def _report(
     if result is None:
         summary = f"skipped: {why}"
     else:
-        summary = f"{consumer}: {result.compared} weights {'identical' if result.rule == 'exact' else 'within rule ' + result.rule} (max {result.max_ulp} ulp)"
+        summary = (f"{consumer}: {result.compared} weights {'identical' if result.rule == 'exact' else 'within rule ' + result.rule} (max "
+                   f"{result.max_ulp} ulp)")
+        if result.scaled:
+            scaled_rule = "identical" if result.rule == "exact" else "rule " + check_mod.SCALED_RULES[result.rule]
+            summary += f"; {result.scaled} scaled by a pre_quant_scale ({scaled_rule})"
     return {
         "model": "embedded (quantlib/embedded)" if model_dir == EMBEDDED_DIR else model_dir,
         "recipe": recipe,

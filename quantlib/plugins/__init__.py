@@ -1,4 +1,7 @@
-"""Plugins for other frameworks: each registers its quantized modules only when its framework imports."""
+"""Plugins for other frameworks: each registers its quantized modules only when its framework imports.
+
+Importing this package (``quantlib/__init__`` does, last) adds :func:`register_available` to the module
+registry's finders, so a conversion loads the plugins without any core module importing this one."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import importlib
 import importlib.util
 import logging
 import sys
+
+from ..nn.quant_module import QuantModuleRegistry
 
 _log = logging.getLogger("quantlib")
 
@@ -49,3 +54,6 @@ def register_available() -> list[str]:
             module.refresh()
         _loaded.add(plugin)
     return sorted(_loaded)
+
+
+QuantModuleRegistry.add_finder(register_available)

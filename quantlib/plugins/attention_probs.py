@@ -74,7 +74,8 @@ def _run_quantized(module: nn.Module, fn: Callable, *args, **kwargs) -> Any:
     with mode:
         out = fn(module, *args, **kwargs)
     if mode.calls == 0:
-        raise ProbsQuantizationError(f"{_where(module)}: the eager attention function {getattr(fn, '__qualname__', fn)!r} called no softmax, so P was never quantized")
+        raise ProbsQuantizationError(f"{_where(module)}: the eager attention function {getattr(fn, '__qualname__', fn)!r} called no "
+                                     "softmax, so P was never quantized")
     return out
 
 
@@ -106,7 +107,8 @@ def _sdpa_as_eager(
     return _run_quantized(module, eager, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def attend_with_probs(module: nn.Module, impl: str, fn: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs) -> Any:
+def attend_with_probs(module: nn.Module, impl: str, fn: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
+                      **kwargs) -> Any:
     """Attention function ``fn`` (implementation ``impl``) of ``module`` with its P quantized by
     ``module.p_bmm_quantizer``; raises :class:`ProbsQuantizationError` where P cannot be reached."""
     if impl == "eager":
@@ -119,7 +121,8 @@ def attend_with_probs(module: nn.Module, impl: str, fn: Callable, query: torch.T
         )
     eager = _eager_attention(module)
     if eager is None:
-        raise ProbsQuantizationError(f"{_where(module)}: 'sdpa' attention with p_bmm_quantizer runs the model's eager attention, but its modeling module has no eager_attention_forward")
+        raise ProbsQuantizationError(f"{_where(module)}: 'sdpa' attention with p_bmm_quantizer runs the model's eager attention, but its "
+                                     "modeling module has no eager_attention_forward")
     return _sdpa_as_eager(module, eager, query, key, value, *args, **kwargs)
 
 
@@ -139,7 +142,8 @@ def quantize_output(softmax: nn.Module, quantizer: TensorQuantizer, where: str) 
     finally:
         handle.remove()
     if calls[0] == 0:
-        raise ProbsQuantizationError(f"{where}: the attention never called its softmax module {type(softmax).__name__}, so P was never quantized")
+        raise ProbsQuantizationError(f"{where}: the attention never called its softmax module {type(softmax).__name__}, so P was never "
+                                     "quantized")
 
 
 __all__ = ["PROBS_IMPLEMENTATIONS", "ProbsQuantizationError", "SoftmaxQuantizer", "attend_with_probs", "quantize_output"]

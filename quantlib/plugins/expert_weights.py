@@ -2,10 +2,11 @@
 own member of a :class:`~quantlib.nn.GroupedQuantizer`.
 
 Where the members agree on everything but their amax (same config and switches, a static amax each or a
-dynamic format, no affine bias, not NVFP4: its global scale is one scalar per kernel call), one kernel
-call quantizes the whole stack with the members' amax stacked along a leading expert axis ((E, 1, 1) per
-tensor, (E, out, 1) per channel, (E, out, blocks) per block). Every format's scale is a function of its
-group's amax alone, so this is bit for bit the per-expert call. Otherwise each member quantizes its own
+dynamic format, no affine bias), one kernel call quantizes the whole stack with the members' amax stacked
+along a leading expert axis ((E, 1, 1) per tensor, (E, out, 1) per channel, (E, out, blocks) per block;
+NVFP4: its global amax (E, 1, 1), which the kernels take one per row, and its static block amax
+(E, out, blocks)). Every format's scale is a function of its group's amax alone, so this is bit for bit
+the per-expert call. Otherwise each member quantizes its own
 slice and the results are stacked. Neither reads anything back to the host. Outside autograd and
 torch.compile the result is cached until the parameter or a member's state changes.
 """
@@ -28,7 +29,9 @@ def quantize_stacked(module: nn.Module, name: str, param: torch.Tensor, transpos
     weights = param.transpose(1, 2) if transposed else param
     group = module._modules[name]
     members = list(group._modules.values())
-    leaves = [leaf for m in members for leaf in (m.leaves() if hasattr(m, "leaves") else (m,))]
+    leaves = members  # hasattr(m, "leaves") on a TensorQuantizer costs a formatted AttributeError: only for containers
+    if any(type(m) is not TensorQuantizer for m in members):
+        leaves = [leaf for m in members for leaf in (m.leaves() if hasattr(m, "leaves") else (m,))]
     if all(leaf._disabled for leaf in leaves):
         return weights
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and param.requires_grad):
@@ -43,8 +46,8 @@ def quantize_stacked(module: nn.Module, name: str, param: torch.Tensor, transpos
     if hit is not None and hit[0] == key:
         return hit[1]
     out = _quantize(module, name, members, weights)
-    # the entry keeps alive every object whose id() is in its key (see QuantModule.quantize_weight)
-    cache[("stacked", name)] = (key, out, (param, [(leaf, leaf._attrs, dict(leaf._buffers)) for leaf in leaves]))
+    # the entry keeps the parameter alive, whose id() is in its key (see QuantModule.quantize_weight)
+    cache[("stacked", name)] = (key, out, param)
     return out
 
 
@@ -62,11 +65,9 @@ def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
     if type(first) is not TensorQuantizer or first._disabled or first._if_calib or first._attrs.bias is not None:
         return None
     spec = first.spec
-    if spec.kind == Kind.NVFP4:
-        return None
     static = first.needs_calibration
-    if not static and not (spec.kind == Kind.MX or spec.dynamic):
-        return None  # type "dynamic" on a per-tensor / per-channel format: an amax from each expert's slice
+    if not static and (spec.kind == Kind.NVFP4 or not (spec.kind == Kind.MX or spec.dynamic)):
+        return None  # type "dynamic" on a per-tensor / per-channel format or NVFP4: an amax from each expert's slice
     scales = first.pre_quant_scale is not None
     for m in members:
         if type(m) is not TensorQuantizer or m._disabled != first._disabled or m._if_calib or m._if_quant != first._if_quant:
@@ -91,8 +92,15 @@ def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
         except RuntimeError:  # an amax of another size (an error the per-expert path reports by name)
             return None
         amax = amax.reshape(amax.shape + (1,) * (weights.dim() - amax.dim()))
+    blocks = [m._block_amax_for() for m in members]
+    if any((b is None) != (blocks[0] is None) for b in blocks):
+        return None  # static NVFP4 blocks stored for some members only
     try:
-        return first._fake_quant(x, amax, None)
+        block_amax = None if blocks[0] is None else torch.stack(blocks)
+    except RuntimeError:  # block amax of other sizes (an error the per-expert path reports by name)
+        return None
+    try:
+        return first._fake_quant(x, amax, block_amax)
     except Exception as exc:
         _raise_named(exc, first._qname)
 

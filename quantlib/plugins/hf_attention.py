@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..kv_cache import QKV_QUANTIZER_NAMES
+from ..kv.attention import AttentionQuantizers
+from ..kv.presets import QKV_QUANTIZER_NAMES
 from ..nn.quant_module import QuantModuleRegistry
 from .attention_probs import attend_with_probs
-from .attention_quantizers import AttentionQuantizers
 
 _scanned: set[str] = set()
 
@@ -110,7 +110,8 @@ def calls_attention_interface(cls: type) -> bool:
 def register_attention(cls: type) -> None:
     """Quantize the q/k/v of modules of ``cls`` (an attention class that calls the attention interface)."""
     if not calls_attention_interface(cls):
-        raise TypeError(f"{cls.__module__}.{cls.__qualname__}: its forward does not call transformers' attention interface (ALL_ATTENTION_FUNCTIONS)")
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__}: its forward does not call transformers' attention interface "
+                        "(ALL_ATTENTION_FUNCTIONS)")
     forward_globals = inspect.unwrap(cls.forward).__globals__
     eager = forward_globals.get("eager_attention_forward")
     if eager is not None:
@@ -126,7 +127,8 @@ def refresh() -> list[str]:
     _wrap_interface()
     done = []
     for module_name, module in list(sys.modules.items()):
-        if module is None or module_name in _scanned or not module_name.startswith("transformers.models.") or ".modeling_" not in module_name:
+        modeling = module_name.startswith("transformers.models.") and ".modeling_" in module_name
+        if module is None or module_name in _scanned or not modeling:
             continue
         _scanned.add(module_name)
         for obj in list(vars(module).values()):

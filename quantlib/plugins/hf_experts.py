@@ -36,11 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import QuantizerAttributeConfig
+from ..kernels.grouped_mm import grouped_mm
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from ..formats import Kind
-from ..kernels.grouped_mm import grouped_mm
 from .expert_dispatch import combine, dispatch
 from .expert_tokens import count_tokens
 from .expert_weights import quantize_stacked
@@ -76,11 +75,13 @@ def layout_error(module: nn.Module) -> str:
     params = {p: getattr(module, p, None) for p in (up, down)}
     bad = [p for p, t in params.items() if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] != num]
     if bad:
-        return f"{name}: {bad} must be 3-D parameters with num_experts={num} slices, got {[tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in params.values()]}"
+        return (f"{name}: {bad} must be 3-D parameters with num_experts={num} slices, got "
+                f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in params.values()]}")
     (up_out, up_in), (down_out, down_in) = expert_weight(module, up, 0).shape, expert_weight(module, down, 0).shape
     factor = 2 if flag(module, "has_gate") else 1
     if up_in != down_out or up_out != factor * down_in:
-        return f"{name}: {up} slice (out, in)=({up_out}, {up_in}) and {down} slice ({down_out}, {down_in}) do not chain (is_transposed={flag(module, 'is_transposed')}, has_gate={flag(module, 'has_gate')})"
+        return (f"{name}: {up} slice (out, in)=({up_out}, {up_in}) and {down} slice ({down_out}, {down_in}) do not chain "
+                f"(is_transposed={flag(module, 'is_transposed')}, has_gate={flag(module, 'has_gate')})")
     for proj, out in ((up, up_out), (down, down_out)):
         bias = getattr(module, f"{proj}_bias", None)
         if flag(module, "has_bias") and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num, out)):
@@ -95,7 +96,8 @@ class QuantFusedExperts(QuantModule):
     projection, second: the down projection) and the quantizer names that follow from them."""
 
     projections: ClassVar[tuple[str, str]] = ("gate_up_proj", "down_proj")
-    quantizer_names: ClassVar[tuple[str, ...]] = ("gate_up_proj_input_quantizer", "gate_up_proj_weight_quantizer", "down_proj_input_quantizer", "down_proj_weight_quantizer")
+    quantizer_names: ClassVar[tuple[str, ...]] = ("gate_up_proj_input_quantizer", "gate_up_proj_weight_quantizer",
+                                                  "down_proj_input_quantizer", "down_proj_weight_quantizer")
     weight_quantizer_names: ClassVar[tuple[str, ...]] = ("gate_up_proj_weight_quantizer", "down_proj_weight_quantizer")
     grouped_quantizer_names: ClassVar[tuple[str, ...]] = weight_quantizer_names
     is_expert = True
@@ -109,7 +111,8 @@ class QuantFusedExperts(QuantModule):
         for proj in self.projections:
             num = getattr(self, proj).shape[0]
             setattr(self, f"{proj}_input_quantizer", TensorQuantizer(QuantizerAttributeConfig()))
-            setattr(self, f"{proj}_weight_quantizer", GroupedQuantizer([TensorQuantizer(QuantizerAttributeConfig(axis=0)) for _ in range(num)]))
+            setattr(self, f"{proj}_weight_quantizer", GroupedQuantizer([TensorQuantizer(QuantizerAttributeConfig(axis=0))
+                                                                        for _ in range(num)]))
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
         self._was_calibrating = False
 
@@ -262,7 +265,7 @@ def rowwise(q: nn.Module) -> bool:
     if not q._if_quant:
         return True
     spec = q.spec
-    if spec.kind == Kind.MX or (spec.dynamic and spec.kind != Kind.NVFP4):
+    if not spec.calibrated_amax:
         return True
     return q.needs_calibration and q.amax is not None and not q.static_blocks
 

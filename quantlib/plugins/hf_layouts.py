@@ -57,7 +57,8 @@ class QuantLlama4TextExperts(QuantModule):
     """Mixin for Llama-4's experts: ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H), inputs
     (E * tokens, H) already routed (every expert sees every token, scaled by its router score)."""
 
-    quantizer_names = ("gate_up_proj_input_quantizer", "gate_up_proj_weight_quantizer", "down_proj_input_quantizer", "down_proj_weight_quantizer")
+    quantizer_names = ("gate_up_proj_input_quantizer", "gate_up_proj_weight_quantizer", "down_proj_input_quantizer",
+                       "down_proj_weight_quantizer")
     weight_quantizer_names = ("gate_up_proj_weight_quantizer", "down_proj_weight_quantizer")
     grouped_quantizer_names = weight_quantizer_names
     is_expert = True
@@ -66,9 +67,11 @@ class QuantLlama4TextExperts(QuantModule):
         for proj in ("gate_up_proj", "down_proj"):
             param = getattr(self, proj)
             if param.dim() != 3 or param.shape[0] != self.num_experts:
-                raise ValueError(f"{type(self).__name__}.{proj}: expected (num_experts={self.num_experts}, in, out), got {tuple(param.shape)}")
+                raise ValueError(f"{type(self).__name__}.{proj}: expected (num_experts={self.num_experts}, in, out), got "
+                                 f"{tuple(param.shape)}")
             setattr(self, f"{proj}_input_quantizer", TensorQuantizer(QuantizerAttributeConfig()))
-            setattr(self, f"{proj}_weight_quantizer", GroupedQuantizer([TensorQuantizer(QuantizerAttributeConfig(axis=0)) for _ in range(param.shape[0])]))
+            setattr(self, f"{proj}_weight_quantizer", GroupedQuantizer([TensorQuantizer(QuantizerAttributeConfig(axis=0))
+                                                                        for _ in range(param.shape[0])]))
 
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         # also called unbound on the unconverted module (checkpoint validation): module attributes only

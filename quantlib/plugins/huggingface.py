@@ -81,4 +81,5 @@ def refresh() -> list[str]:
 
 refresh()
 
-__all__ = ["QuantConv1D", "QuantFusedExperts", "QuantLlama4TextExperts", "expert_weight", "layout_error", "refresh", "register_fused_experts", "tokens_per_expert_report"]
+__all__ = ["QuantConv1D", "QuantFusedExperts", "QuantLlama4TextExperts", "expert_weight", "layout_error", "refresh",
+           "register_fused_experts", "tokens_per_expert_report"]

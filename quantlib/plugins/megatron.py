@@ -20,8 +20,8 @@ imports. What it registers:
   each (member i = GEMM i = global expert ``ep_rank * num_gemms + i``), tokens counted from ``m_splits``;
   the container itself needs no quantized class.
 
-Dist checkpointing (docs/design.md §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`). ``sharded_state_dict`` saves every amax in a layout-independent global
-form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
+Dist checkpointing (docs/design.md §7; the quantizer state itself is :mod:`quantlib.plugins.megatron_state`).
+``sharded_state_dict`` saves every amax in a layout-independent global form, as a ``ShardedTensor`` whose key does not depend on TP or EP:
 
 - a per-tensor amax (and the NVFP4 global amax) is replicated (the sync made it equal on all ranks);
 - a per-channel or per-block amax over a TP-split axis is sharded over TP along that axis (column-
@@ -158,7 +158,7 @@ class _MegatronQuantMixin(QuantModule):
             where = f"{prefix}{name}"
             axis, extent = self.tp_split(qname)
             if buffer == "_amax":
-                dim = tp_shard_dim(leaf, value.dim(), axis, extent, tp_size, where)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, value.dim(), axis, extent, tp_size, where)
             else:
                 dim = pre_quant_scale_shard_dim(self.weight_quantizer_names, qname, axis)
             offsets, ckpt_prefix = (
@@ -168,7 +168,8 @@ class _MegatronQuantMixin(QuantModule):
             if dim is None:
                 sh = make_sharded_tensor_for_checkpoint(value, key, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
             else:
-                sh = make_tp_sharded_tensor_for_checkpoint(value, key, dim, prepend_offsets=offsets, tp_group=tp_group, dp_cp_group=dp_group)
+                sh = make_tp_sharded_tensor_for_checkpoint(value, key, dim, prepend_offsets=offsets, tp_group=tp_group,
+                                                           dp_cp_group=dp_group)
                 if glu:
                     sh = _glu_halves(sh, dim, qname in self.weight_quantizer_names, offsets, metadata, where, tp_group)
             out[f"{prefix}{name}.{buffer}"] = sh
@@ -318,10 +319,10 @@ class _QuantSequentialMLP(QuantModule):
         if calibrating:
             # fresh: judged over all its experts' quantizers, since one expert may see no tokens for batches
             counts = accumulate(self, tokens_per_expert, fresh or not self._was_calibrating)
-            first = self.expert_offset
-            _log.debug(
-                "quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1, counts.tolist()
-            )
+            if _log.isEnabledFor(logging.DEBUG):  # the counts live on the device: read back only to be logged
+                first = self.expert_offset
+                _log.debug("quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1,
+                           counts.tolist())
         self._was_calibrating = calibrating
         return super().forward(permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
 

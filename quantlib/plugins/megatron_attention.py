@@ -15,7 +15,7 @@ Megatron dist checkpoints carry these amax and their config like those of the pa
 class shares the linears' ``sharded_state_dict`` and ``_quantizer_extra_state``, so
 :func:`quantlib.plugins.megatron.restore_quantizer_config` restores them at any TP).
 Transformer Engine's ``TEDotProductAttention`` runs a fused kernel quantlib cannot reach: a KV rule on
-a model built with it is refused by :func:`quantlib.kv_cache.check_kv_reach`, naming the module.
+a model built with it is refused by :func:`quantlib.kv.presets.check_kv_reach`, naming the module.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Iterator, Optional
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from ..kv.attention import AttentionQuantizers
 from ..nn.quant_module import QuantModuleRegistry
 from .attention_probs import quantize_output
-from .attention_quantizers import AttentionQuantizers
 from .megatron import _MegatronQuantMixin
 
 #: the axis of [s, b, heads, head dim] that tensor parallelism splits

@@ -82,16 +82,18 @@ def quantizer_extra_state(module: QuantModule) -> dict:
         for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(state)):
             amax = leaf_state.pop("_amax")
             if leaf_state.get("_block_amax") is not None and tp_size > 1:  # ModelOpt refuses it as well
-                raise CheckpointError(f"{name}: NVFP4 static block amax at tensor parallel {tp_size}: a dist checkpoint keeps it only without tensor parallelism")
+                raise CheckpointError(f"{name}: NVFP4 static block amax at tensor parallel {tp_size}: a dist checkpoint keeps it only "
+                                      "without tensor parallelism")
             shape = None
             if amax is not None:
-                dim = tp_shard_dim(leaf, amax.dim(), axis, extent, tp_size, name)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, amax.dim(), axis, extent, tp_size, name)
                 shape = list(_global_shape(tuple(amax.shape), dim, tp_size))
             leaf_state["amax_shape"] = shape
             pqs = leaf_state.pop("_pre_quant_scale")
             if pqs is not None:  # its values travel as a sharded tensor, like the amax
                 dim = pre_quant_scale_shard_dim(module.weight_quantizer_names, qname, axis)
-                leaf_state["pre_quant_scale"] = {"shape": list(_global_shape(tuple(pqs.shape), dim, tp_size)), "dtype": str(pqs.dtype).removeprefix("torch.")}
+                leaf_state["pre_quant_scale"] = {"shape": list(_global_shape(tuple(pqs.shape), dim, tp_size)),
+                                                 "dtype": str(pqs.dtype).removeprefix("torch.")}
         quantizers[qname] = state
     return {"quantlib_schema": EXTRA_STATE_SCHEMA, "quantizers": quantizers}
 
@@ -106,7 +108,8 @@ def pre_quant_scale_shard_dim(weight_quantizer_names: tuple, qname: str, split_a
 def _pre_quant_scale_placeholder(spec: Any, local: tuple[int, ...], where: str) -> torch.Tensor:
     dtype = getattr(torch, str(spec.get("dtype")) if isinstance(spec, dict) else "", None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise CheckpointError(f"{where}: malformed pre_quant_scale entry {str(spec)[:80]!r} (expected {{'shape': [...], 'dtype': 'float32'}})")
+        raise CheckpointError(f"{where}: malformed pre_quant_scale entry {str(spec)[:80]!r} (expected {{'shape': [...], 'dtype': "
+                              "'float32'})")
     return torch.full(local, float("nan"), dtype=dtype)
 
 
@@ -174,7 +177,8 @@ def apply_quantizer_extra_state(module: QuantModule, state: Any) -> None:
         for (name, leaf), leaf_state in zip(leaves_of(qname, q), _leaf_states(qstate)):
             shape = leaf_state.get("amax_shape")
             if shape is not None:
-                local = _local_shape(tuple(shape), tp_shard_dim(leaf, len(shape), axis, extent, tp_size, name), tp_size, name)
+                dim = tp_shard_dim(leaf.spec, leaf.axis, len(shape), axis, extent, tp_size, name)
+                local = _local_shape(tuple(shape), dim, tp_size, name)
                 if tensors:
                     weight = tensors[int(name.split(".")[1]) if isinstance(q, GroupedQuantizer) else 0]
                     expected = tuple(leaf.amax_shape(tuple(weight.shape)))
@@ -241,7 +245,8 @@ def restore_quantizer_config(model: nn.Module, checkpoint_dir: str) -> nn.Module
     from ..model_quant import convert  # quantize() -> plugins -> this module: imported when called
 
     if not callable(getattr(unwrap_megatron(model), "sharded_state_dict", None)):
-        raise CheckpointError(f"restore_quantizer_config: {type(model).__name__} has no sharded_state_dict(); pass the Megatron model (or its Megatron wrapper)")
+        raise CheckpointError(f"restore_quantizer_config: {type(model).__name__} has no sharded_state_dict(); pass the Megatron model (or "
+                              "its Megatron wrapper)")
     model = convert(model)
     emitted: dict[int, tuple[nn.Module, int]] = {}
     token = _EMITTED.set(emitted)

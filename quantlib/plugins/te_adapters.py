@@ -102,7 +102,8 @@ class GroupedLinearAdapter:
     def locate(self, args: Sequence[Any]) -> GroupedCall:
         """Where the input and the weights are in ``args`` (the call's args after ``ctx``)."""
         if len(args) < len(self.params):
-            raise AdapterError(f"TE {self.generation} _GroupedLinear takes at least {len(self.params)} args before the weights, got {len(args)}")
+            raise AdapterError(f"TE {self.generation} _GroupedLinear takes at least {len(self.params)} args before the weights, got "
+                               f"{len(args)}")
         num_gemms = len(self.m_splits(args))
         start = len(self.params)
         if len(args) < start + num_gemms:
@@ -131,7 +132,8 @@ _TE1_PARAMS = ("inp", "m_splits", "use_bias", "is_first_microbatch", "fp8", "fp8
                "cpu_offloading", "sequence_parallel", "activation_dtype", "fp8_meta_offsets", "is_grad_enabled", "weights_fp8")  # fmt: skip
 _TE2_8_PARAMS = ("inp", "m_splits", "use_bias", "is_first_microbatch", "fp8", "fp8_calibration", "wgrad_store", "input_quantizers",
                  "weight_quantizers", "output_quantizers", "grad_output_quantizers", "fuse_wgrad_accumulation", "cpu_offloading",
-                 "sequence_parallel", "activation_dtype", "is_grad_enabled", "module", "skip_fp8_weight_update", "save_original_input")  # fmt: skip
+                 "sequence_parallel", "activation_dtype", "is_grad_enabled", "module", "skip_fp8_weight_update",
+                 "save_original_input")  # fmt: skip
 
 #: 1.12–1.13: 14 positional args, m_splits a list.
 TE_1_13 = GroupedLinearAdapter("1.13", (1, 12), _TE1_PARAMS)

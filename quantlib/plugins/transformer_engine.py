@@ -14,9 +14,11 @@ import logging
 from importlib import metadata
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch.module import grouped_linear as _te_grouped_linear
-from transformer_engine.pytorch.module import layernorm_linear as _te_layernorm_linear
-from transformer_engine.pytorch.module import linear as _te_linear
+from transformer_engine.pytorch.module import (
+    grouped_linear as _te_grouped_linear,
+    layernorm_linear as _te_layernorm_linear,
+    linear as _te_linear,
+)
 
 from ..nn.quant_module import QuantModuleRegistry
 from .te_adapters import (

@@ -33,8 +33,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def attrs(enable: bool = True, num_bits=8, axis=None) -> dict:
     """The schema-1 attribute dict (every field of quantlib 0.1.0's QuantizerAttributeConfig)."""
-    return {"enable": enable, "num_bits": num_bits, "axis": axis, "block_sizes": None, "unsigned": False, "narrow_range": True, "fake_quant": True,
-            "calibrator": "max", "learn_amax": False, "eps": 1e-10, "pow2_scale": False, "rounding": "rceil", "backend": "auto"}  # fmt: skip
+    return {"enable": enable, "num_bits": num_bits, "axis": axis, "block_sizes": None, "unsigned": False, "narrow_range": True,
+            "fake_quant": True,
+            "calibrator": "max", "learn_amax": False, "eps": 1e-10, "pow2_scale": False, "rounding": "rceil",
+            "backend": "auto"}  # fmt: skip
 
 
 def tensor(a: dict, amax) -> dict:

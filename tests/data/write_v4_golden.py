@@ -31,7 +31,8 @@ def build(weights: bool = True) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32
+        vocab_size=32, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=32
     )
     cfg._attn_implementation = "eager"
     model = LlamaForCausalLM(cfg).eval()

@@ -11,7 +11,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.calib.awq_clip import clip_ratios
-from quantlib.calib.registry import AwqClipConfig
+from quantlib.calib_config import AwqClipConfig
 
 from ._models import loop, mlp, outlier_data
 
@@ -92,7 +92,8 @@ def test_same_amax_scales_and_alpha_as_modelopt(algo):
         torch.testing.assert_close(a, theirs[i].weight_quantizer.amax.reshape(a.shape).float(), rtol=1e-6, atol=0)
         if algo == "awq_full":
             assert ours[i].awq_lite_alpha == pytest.approx(theirs[i].awq_lite.best_alpha, abs=1e-7)
-            torch.testing.assert_close(ours[i].input_quantizer.pre_quant_scale, theirs[i].input_quantizer.pre_quant_scale, rtol=1e-6, atol=0)
+            torch.testing.assert_close(ours[i].input_quantizer.pre_quant_scale, theirs[i].input_quantizer.pre_quant_scale, rtol=1e-6,
+                                       atol=0)
     with torch.no_grad():
         torch.testing.assert_close(ours(data[0]), theirs(data[0]), rtol=1e-5, atol=1e-5)
 
@@ -135,7 +136,8 @@ def _per_ratio_losses(q, w, xs, w_amax, ratios, cfg, block):
     from quantlib.calib.awq_clip import _blocked, _quantize
 
     def outputs(xb, wb):
-        return [torch.bmm(xb, wb[:, :, s : s + cfg.max_co_batch_size]).permute(2, 1, 0) for s in range(0, wb.shape[-1], cfg.max_co_batch_size)]
+        return [torch.bmm(xb, wb[:, :, s : s + cfg.max_co_batch_size]).permute(2, 1, 0)
+                for s in range(0, wb.shape[-1], cfg.max_co_batch_size)]
 
     losses = torch.zeros((len(ratios),) + tuple(w_amax.shape))
     for x in xs:

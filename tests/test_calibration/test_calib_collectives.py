@@ -1,4 +1,4 @@
-"""The searches' sync routine (quantlib/calib/collectives.py) on gloo ranks: an expert's statistics meet
+"""The searches' sync routine (quantlib/collectives.py) on gloo ranks: an expert's statistics meet
 only its replicas' and min/max/sum reduce as named; and its fail-fast rules: an error on one rank, or
 ranks that search different linears, raise on every rank instead of leaving one waiting in a
 collective. (Megatron TP / EP results against one process: tests/test_plugins/test_megatron_scaling.py.)"""
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import quantlib as ql
-from quantlib.calib.collectives import StatSync
+from quantlib.collectives import StatSync
 
 from ._models import loop, mlp, outlier_data
 
@@ -88,7 +88,8 @@ def test_a_nan_on_one_shard_raises_on_every_rank(algorithm):
 
     outs = run_on_ranks(_nan_shard_rank, 2, algorithm, timeout=60)  # a rank left waiting: RankTimeout
     # every rank raises the amax sync's report: rank 1's NaN, named, and rank 0 failing because of it
-    assert all("rank 1: 0.input_quantizer: calibration saw NaN" in o and "rank 0: " + algorithm + ": calibration failed on another rank" in o for o in outs), outs
+    assert all("rank 1: 0.input_quantizer: calibration saw NaN" in o and "rank 0: " + algorithm
+               + ": calibration failed on another rank" in o for o in outs), outs
 
 
 def _different_rank(rank: int, world: int) -> str:
@@ -114,7 +115,8 @@ def _replicated_rank(rank: int, world: int, algorithm: str) -> dict:
     if algorithm == "smoothquant":
         cfg["quant_cfg"]["*weight_quantizer"] = {"num_bits": 8, "axis": 0}
     model = ql.quantize(mlp(), cfg, loop(data), parallel_state=ql.ParallelState(tensor_group=dist.group.WORLD))
-    return {f"{i}.{q}.{attr}": getattr(getattr(model[i], q), attr) for i in (0, 2) for q in ("input_quantizer", "weight_quantizer") for attr in ("pre_quant_scale", "amax")}
+    return {f"{i}.{q}.{attr}": getattr(getattr(model[i], q), attr) for i in (0, 2) for q in ("input_quantizer", "weight_quantizer")
+            for attr in ("pre_quant_scale", "amax")}
 
 
 @pytest.mark.parametrize("algorithm", ["smoothquant", "awq_full"])

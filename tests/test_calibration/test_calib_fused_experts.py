@@ -58,7 +58,8 @@ def build(seed: int = 0, layers: int = 1, family: str = "qwen3_moe") -> nn.Modul
     interleaved SwiGLU); expert IDLE of layer 0 gets no tokens."""
     hf.refresh()
     torch.manual_seed(seed)
-    common = dict(vocab_size=64, hidden_size=H, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
+    common = dict(vocab_size=64, hidden_size=H, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
     if family == "gpt_oss":
         model = GptOssForCausalLM(GptOssConfig(intermediate_size=INTER, num_local_experts=E, **common)).eval()
         with torch.no_grad():
@@ -257,7 +258,9 @@ def test_restore_refuses_a_per_expert_scale_that_does_not_fit(where, data):
     key = "model.layers.0.mlp.experts.gate_up_proj_input_quantizer"
     if where == "wrong_rows":
         state["quantizers"][key]["_pre_quant_scale"] = state["quantizers"][key]["_pre_quant_scale"][:2]
-        match = r"gate_up_proj_input_quantizer: _pre_quant_scale of shape \(2, 64\) does not fit gate_up_proj \(expected \(experts, in\) = \(4, 64\)\)"
+        match = (r"gate_up_proj_input_quantizer: _pre_quant_scale of shape \(2, 64\) does not fit gate_up_proj \(expected \(experts, in\) "
+                 r"= "
+                 r"\(4, 64\)\)")
     else:  # a table moved onto a plain linear's input quantizer
         cfg = _cfg("max", INT4, FP8, pattern="*")
         linear = ql.quantize(build(), cfg, loop(data))

@@ -12,7 +12,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.calib.gptq import gptq_quantize
-from quantlib.calib.registry import GptqConfig, parse_algorithm
+from quantlib.calib_config import GptqConfig, parse_algorithm
 from quantlib.nn.tensor_quantizer import CalibrationError
 
 from ._models import loop
@@ -166,7 +166,7 @@ def test_layer_by_layer_equals_in_memory():
     changed = 0
     for (name, p), (_, q) in zip(mem.named_parameters(), seq.named_parameters()):
         assert torch.equal(p, q), name
-        changed += not torch.equal(p, getattr(Blocks(), "get_parameter")(name))
+        changed += not torch.equal(p, Blocks().get_parameter(name))
     assert changed == 4  # the four weights (biases are not quantized)
 
 
@@ -266,7 +266,7 @@ def test_gptq_quantize_does_not_modify_its_inputs():
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_each_expert_equals_a_linear_gptqd_on_its_routed_tokens(family):
     pytest.importorskip("transformers")
-    from .test_calib_fused_experts import E, IDLE, batches, build, reference, routed_inputs
+    from .test_calib_fused_experts import IDLE, E, batches, build, reference, routed_inputs
 
     data = batches()
     model = build(family=family)
@@ -372,3 +372,14 @@ def test_column_steps_equal_the_fake_quant_op_on_each_column(weight):
         got, stored = fn(col, j)
         assert torch.equal(got, want.squeeze(1)), j
         assert torch.equal(stored, stored_want.squeeze(1)), j
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_shared_expert_weight_amax_is_refused_by_name(sequential):
+    # the closing amax sync would give every expert its layer's max amax: GPTQ's rounded weights off their grid
+    pytest.importorskip("transformers")
+    from .test_calib_fused_experts import batches, build
+
+    model = build(family="qwen3_moe")
+    with pytest.raises(ql.ConfigError, match="'gptq' rounds each expert's weight .* sync_expert_weight_amax=True"):
+        ql.quantize(model, {**_cfg("gptq", INT4, "*experts*"), "sync_expert_weight_amax": True}, loop(batches()), sequential=sequential)

@@ -11,10 +11,10 @@ from torch import nn
 
 import quantlib as ql
 from quantlib import formats
-from quantlib.formats.blocks import to_blocks
 from quantlib.calib.mse import multipliers, search_amax
-from quantlib.calib.registry import MseConfig
+from quantlib.calib_config import MseConfig
 from quantlib.config import QuantizerAttributeConfig
+from quantlib.formats.blocks import to_blocks
 
 FORMATS = {
     "int4_block128": {"num_bits": 4, "block_sizes": {-1: 128}},
@@ -145,7 +145,8 @@ def _data():
 
 
 def test_quantize_with_mse_lowers_the_weight_error_and_keeps_activation_max():
-    cfg = {"quant_cfg": {"default": {"enable": False}, "*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 128}}, "*input_quantizer": {"num_bits": 8}}}
+    cfg = {"quant_cfg": {"default": {"enable": False}, "*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 128}},
+                         "*input_quantizer": {"num_bits": 8}}}
     data = _data()
     loop = lambda m: [m(x) for x in data]  # noqa: E731
     by_max = ql.quantize(_mlp(), dict(cfg, algorithm="max"), loop)
@@ -174,7 +175,9 @@ def test_same_amax_as_modelopt_int4_blocks():
     mo_cfg["algorithm"] = {"method": "mse", "step_size": 0.1}
     theirs = mtq.quantize(_mlp(), mo_cfg, loop)
     # ModelOpt's integers are full range ([-8, 7]): narrow_range=False for the same numerics
-    ours = ql.quantize(_mlp(), {"quant_cfg": {"default": {"enable": False}, "*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 128}, "narrow_range": False}}, "algorithm": "mse"}, loop)
+    ours = ql.quantize(_mlp(), {"quant_cfg": {"default": {"enable": False}, "*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 128},
+                                                                                                  "narrow_range": False}},
+                                                                                                  "algorithm": "mse"}, loop)
     for i in (0, 2):
         a, b = theirs[i].weight_quantizer.amax, ours[i].weight_quantizer.amax
         assert torch.equal(a.reshape(b.shape).float(), b)
@@ -190,4 +193,5 @@ def test_grouped_members_are_searched_each_on_its_own_weight(two_experts):
         want, _ = search_amax(w, attrs.format_spec(), w.abs().amax(1, keepdim=True), cands)
         assert torch.equal(member.amax, want)
     assert not torch.equal(model.weight_quantizer[0].amax, model.weight_quantizer[1].amax)
-    assert any(not torch.equal(m.amax, w.detach().abs().amax(1, keepdim=True)) for m, w in zip(model.weight_quantizer, (model.w0, model.w1)))
+    assert any(not torch.equal(m.amax, w.detach().abs().amax(1, keepdim=True)) for m, w in zip(model.weight_quantizer,
+                                                                                               (model.w0, model.w1)))

@@ -258,7 +258,8 @@ def test_max_calibration_of_static_blocks_shares_sibling_global_amax_too():
 def test_sweep_under_tensor_parallelism_is_refused_by_name():
     from quantlib.calib.activations import max_calibrate
     from quantlib.calib.mse import run_mse
-    from quantlib.calib.registry import CalibContext, MseConfig
+    from quantlib.calib.registry import CalibContext
+    from quantlib.calib_config import MseConfig
 
     model = ql.convert(mlp())
     ql.set_quantizer_by_cfg(model, ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG)

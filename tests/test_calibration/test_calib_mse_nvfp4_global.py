@@ -14,7 +14,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.calib.mse import multipliers, search_global_amax
-from quantlib.calib.registry import MseConfig
+from quantlib.calib_config import MseConfig
 from quantlib.config import QuantizerAttributeConfig
 from quantlib.export.iterate import iter_packed
 from quantlib.export.quantize import real_quantize

@@ -13,7 +13,6 @@ import quantlib as ql
 from quantlib import checkpoint as ckpt
 from quantlib.kernels import fake_quant
 from quantlib.nn import TensorQuantizer
-
 from tests._scripts import load_golden_writer
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")

@@ -29,12 +29,17 @@ MEANINGS = {
 # name: (quantized quantizer names, names left disabled)
 MOE = "model.layers.0.mlp.experts.gate_up_proj_weight_quantizer"
 SCOPES = {
-    "NVFP4_EXPERTS_ONLY_CFG": ([MOE, "model.layers.0.block_sparse_moe.experts.0.w1.input_quantizer"], ["model.layers.0.mlp.down_proj.weight_quantizer", "model.layers.0.self_attn.o_proj.weight_quantizer"]),
-    "NVFP4_MLP_ONLY_CFG": ([MOE, "model.layers.0.mlp.down_proj.weight_quantizer"], ["model.layers.0.self_attn.o_proj.weight_quantizer", "model.layers.0.mlp.gate.weight_quantizer"]),
-    "NVFP4_OMLP_ONLY_CFG": (["model.layers.0.self_attn.o_proj.weight_quantizer", "model.layers.0.mlp.up_proj.input_quantizer"], ["model.layers.0.self_attn.q_proj.weight_quantizer"]),
+    "NVFP4_EXPERTS_ONLY_CFG": ([MOE, "model.layers.0.block_sparse_moe.experts.0.w1.input_quantizer"],
+                               ["model.layers.0.mlp.down_proj.weight_quantizer", "model.layers.0.self_attn.o_proj.weight_quantizer"]),
+    "NVFP4_MLP_ONLY_CFG": ([MOE, "model.layers.0.mlp.down_proj.weight_quantizer"], ["model.layers.0.self_attn.o_proj.weight_quantizer",
+                                                                                    "model.layers.0.mlp.gate.weight_quantizer"]),
+    "NVFP4_OMLP_ONLY_CFG": (["model.layers.0.self_attn.o_proj.weight_quantizer", "model.layers.0.mlp.up_proj.input_quantizer"],
+                            ["model.layers.0.self_attn.q_proj.weight_quantizer"]),
     "MXFP8_EXPERTS_ONLY_CFG": ([MOE], ["model.layers.0.mlp.down_proj.weight_quantizer", "lm_head.weight_quantizer"]),
     "MXFP8_MLP_ONLY_CFG": ([MOE, "model.layers.0.mlp.up_proj.input_quantizer"], ["model.layers.0.self_attn.k_proj.input_quantizer"]),
-    "NVFP4_MLP_WEIGHT_ONLY_CFG": (["model.layers.0.mlp.down_proj.weight_quantizer", "model.layers.0.block_sparse_moe.experts.0.w1.weight_quantizer"], ["model.layers.0.mlp.up_proj.input_quantizer", "model.layers.0.self_attn.o_proj.weight_quantizer"]),
+    "NVFP4_MLP_WEIGHT_ONLY_CFG": (["model.layers.0.mlp.down_proj.weight_quantizer",
+                                   "model.layers.0.block_sparse_moe.experts.0.w1.weight_quantizer"],
+                                   ["model.layers.0.mlp.up_proj.input_quantizer", "model.layers.0.self_attn.o_proj.weight_quantizer"]),
     "MXFP4_MLP_WEIGHT_ONLY_CFG": (["model.layers.0.mlp.down_proj.weight_quantizer"], ["model.layers.0.mlp.down_proj.input_quantizer"]),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import quantlib as ql
+from quantlib import calib_config
 from quantlib.calib import registry
 from quantlib.config import ConfigError, QuantizeConfig
 
@@ -15,16 +16,16 @@ def _cfg(algorithm) -> QuantizeConfig:
 
 def test_max_is_the_default():
     cfg = QuantizeConfig.from_any({"quant_cfg": {}})
-    assert cfg.algorithm_name == "max" and isinstance(cfg.algorithm_config, registry.MaxConfig)
+    assert cfg.algorithm_name == "max" and isinstance(cfg.algorithm_config, calib_config.MaxConfig)
 
 
-@pytest.mark.parametrize("method", sorted(registry.ALGORITHMS))
+@pytest.mark.parametrize("method", sorted(calib_config.ALGORITHMS))
 def test_name_and_dict_forms_give_the_same_config(method):
     assert _cfg(method).algorithm_config == _cfg({"method": method}).algorithm_config
     assert _cfg(method).algorithm_name == method
 
 
-@pytest.mark.parametrize("method", sorted(registry.ALGORITHMS))
+@pytest.mark.parametrize("method", sorted(calib_config.ALGORITHMS))
 def test_every_declared_method_has_a_runner(method):
     assert callable(registry.runner(method))
 
@@ -35,9 +36,9 @@ def test_none_and_method_none_mean_no_calibration():
 
 
 def test_to_dict_round_trips_a_typed_config():
-    cfg = QuantizeConfig([], registry.MaxConfig(distributed_sync=False))
+    cfg = QuantizeConfig([], calib_config.MaxConfig(distributed_sync=False))
     back = QuantizeConfig.from_any(cfg.to_dict())
-    assert back.algorithm_config == registry.MaxConfig(distributed_sync=False)
+    assert back.algorithm_config == calib_config.MaxConfig(distributed_sync=False)
 
 
 BAD = {
@@ -73,7 +74,8 @@ def test_distributed_sync_false_is_accepted():
     assert _cfg({"method": "max", "distributed_sync": False}).algorithm_config.distributed_sync is False
 
 
-@pytest.mark.parametrize("built", [registry.AwqLiteConfig(alpha_step=5.0), registry.MseConfig(start_multiplier=2.0, stop_multiplier=1.0)])
+@pytest.mark.parametrize("built", [calib_config.AwqLiteConfig(alpha_step=5.0),
+                                   calib_config.MseConfig(start_multiplier=2.0, stop_multiplier=1.0)])  # fmt: skip
 def test_a_directly_built_config_is_range_checked_too(built):
     with pytest.raises(ConfigError, match=built.method):
         QuantizeConfig([], built)

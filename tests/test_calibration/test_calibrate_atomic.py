@@ -61,7 +61,8 @@ def failing_after(batches: list, error: BaseException, good: int = 1):
 
 def tiny_neox() -> nn.Module:
     torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=64)
     return GPTNeoXForCausalLM(cfg).eval()
 
 

@@ -221,7 +221,6 @@ def build(
     model = ql.convert(Net(layout, rank, n_layers).to(device))
     set_roles(model)
     ql.set_quantizer_by_cfg(model, cfg)
-    model._quantlib_config = ql.QuantizeConfig.from_any(cfg)
     return model, forward_loop(layout, rank, tokens, poison, device)
 
 

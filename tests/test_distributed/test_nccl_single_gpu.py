@@ -41,9 +41,9 @@ def _sync_on_one_gpu(rank: int, world: int, preset: str, poison: bool) -> dict:
     finally:
         dist.all_reduce = real
     amax = {n: q.amax for n, q in ql.model_quant.iter_leaf_quantizers(model) if q.amax is not None}
-    from quantlib.distributed import _device_for
+    from quantlib.collectives import device_for
 
-    payload_device = _device_for(dist.group.WORLD, torch.device("cpu")).type
+    payload_device = device_for(dist.group.WORLD, torch.device("cpu")).type
     expected_in0 = torch.stack([d.abs().amax() for d in data]).amax()
     return {
         "devices": sorted({a.device.type for a in amax.values()}),

@@ -25,7 +25,8 @@ def llama(seed: int = 0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -33,8 +34,10 @@ def qwen3_moe(seed: int = 0) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False, experts_implementation="eager")  # fmt: skip
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+                         experts_implementation="eager")  # fmt: skip
     return scale_experts(Qwen3MoeForCausalLM(cfg).eval())
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-H, I, V, E = 64, 64, 128, 4
-_COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+H, I, V, E = 64, 64, 128, 4  # noqa: E741  (I: the intermediate size, as in the model configs)
+_COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=32, max_position_embeddings=64)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=I)
 #: family -> (config class, model class, config kwargs); names as in ``transformers``
 FAMILIES = {
@@ -20,8 +21,10 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2, layer_types=["full_attention"])),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
-                                                                      head_dim=16, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0,
+                                                                      n_group=1, topk_group=1,
+                                                                      head_dim=16, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                                                                      qk_nope_head_dim=16, v_head_dim=32)),
 }  # fmt: skip
 
 

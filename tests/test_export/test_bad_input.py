@@ -11,7 +11,8 @@ from torch import nn
 import quantlib as ql
 from quantlib.export import ExportError, ModelLayout, export_checkpoint
 
-FP8_BLOCK_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, "default": {"enable": False}}, "algorithm": "max"}
+FP8_BLOCK_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, "default": {"enable": False}},
+               "algorithm": "max"}
 
 
 def mlp(d_out: int = 256, cfg: dict = FP8_BLOCK_W) -> nn.Module:
@@ -30,7 +31,8 @@ def test_sibling_amax_differ_refused_then_unified(tmp_path):
     from tests.test_export._export_models import llama, quantized, weight_only
 
     model = quantized(llama(), weight_only(ql.NVFP4_DEFAULT_CFG), share_siblings=False)
-    refused(tmp_path, model, "ct_nvfp4", r"siblings \('model.layers.0.self_attn.q_proj', .*k_proj', .*v_proj'\) .* differ: model.layers.0.self_attn.q_proj.weight_quantizer = ")
+    refused(tmp_path, model, "ct_nvfp4", r"siblings \('model.layers.0.self_attn.q_proj', .*k_proj', .*v_proj'\) .* differ: "
+                                         r"model.layers.0.self_attn.q_proj.weight_quantizer = ")
     man = export_checkpoint(model, tmp_path / "out", "ct_nvfp4", unify_siblings=True)
     group = ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")
     amax = [float(model.get_submodule(n).weight_quantizer.amax) for n in group]
@@ -45,11 +47,12 @@ def test_sibling_amax_differ_refused_then_unified(tmp_path):
 
 def test_expert_without_amax(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_export._export_models import qwen3_moe, quantized, weight_only
+    from tests.test_export._export_models import quantized, qwen3_moe, weight_only
 
     model = quantized(qwen3_moe(), weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG))
     model.model.layers[1].mlp.experts.gate_up_proj_weight_quantizer[2].reset_amax()
-    refused(tmp_path, model, "hf_fp8_block", r"model.layers.1.mlp.experts.gate_up_proj_weight_quantizer\[2\]: expert 2 weight quantizer has no amax")
+    refused(tmp_path, model, "hf_fp8_block", r"model.layers.1.mlp.experts.gate_up_proj_weight_quantizer\[2\]: expert 2 weight quantizer "
+                                             r"has no amax")
 
 
 def test_nan_amax(tmp_path):
@@ -69,12 +72,14 @@ def test_block_does_not_divide_tp_shard(tmp_path):
     layout = ModelLayout("two-linears", column=frozenset({"2"}))
     export_checkpoint(model, tmp_path / "tp1", "ct_fp8_block", layout=layout)  # whole: 3 blocks of 128 rows
     os.rename(tmp_path / "tp1", tmp_path.parent / f"{tmp_path.name}-tp1")
-    refused(tmp_path, model, "ct_fp8_block", r"^2.weight_quantizer: at tensor parallel 2 the rows \(384\) split into shards of 192, not a whole number of blocks of 128", layout=layout, tp=2)
+    refused(tmp_path, model, "ct_fp8_block", r"^2.weight_quantizer: at tensor parallel 2 the rows \(384\) split into shards of 192, not a "
+                                             r"whole number of blocks of 128", layout=layout, tp=2)
 
 
 def test_format_cannot_carry_weight_quantizer(tmp_path):
     model = mlp(cfg=ql.INT8_WEIGHT_ONLY_CFG)
-    refused(tmp_path, model, "hf_fp8_block", r"^0.weight_quantizer = int num_bits=8: format hf_fp8_block cannot carry it \(needs FP8 E4M3 weights in 2-D blocks")
+    refused(tmp_path, model, "hf_fp8_block", r"^0.weight_quantizer = int num_bits=8: format hf_fp8_block cannot carry it \(needs FP8 E4M3 "
+                                             r"weights in 2-D blocks")
 
 
 def test_format_cannot_carry_input_quantizer(tmp_path):
@@ -83,8 +88,10 @@ def test_format_cannot_carry_input_quantizer(tmp_path):
     refused(tmp_path, model, "hf_fp8_block", r"^0.input_quantizer = fp8 element=\(4, 3\): format hf_fp8_block cannot carry it")
 
 
-@pytest.mark.parametrize("preset,what", [("MXFP6_DEFAULT_CFG", r"mx element=\(3, 2\) block=\(32,\) dynamic"), ("MXINT8_DEFAULT_CFG", r"mx num_bits=8 block=\(32,\) dynamic")])
-@pytest.mark.parametrize("fmt", ["ct_mxfp8", "ct_mxfp4", "hf_mxfp8", "modelopt_mxfp8", "ct_int8", "ct_int_pack", "ct_fp8_block", "modelopt_fp8"])
+@pytest.mark.parametrize("preset,what", [("MXFP6_DEFAULT_CFG", r"mx element=\(3, 2\) block=\(32,\) dynamic"),
+                                         ("MXINT8_DEFAULT_CFG", r"mx num_bits=8 block=\(32,\) dynamic")])
+@pytest.mark.parametrize("fmt", ["ct_mxfp8", "ct_mxfp4", "hf_mxfp8", "modelopt_mxfp8", "ct_int8", "ct_int_pack", "ct_fp8_block",
+                                 "modelopt_fp8"])
 def test_no_format_carries_mxfp6_or_mxint8(tmp_path, preset, what, fmt):
     # no consumer format (compressed-tensors 0.20, HF, ModelOpt's checkpoints) has MXFP6 or MXINT8 weights
     model = mlp(cfg=ql.PRESETS[preset])
@@ -110,11 +117,12 @@ def test_unknown_format():
 
 def test_format_cannot_carry_expert_quantizer_names_the_member(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_export._export_models import qwen3_moe, quantized
+    from tests.test_export._export_models import quantized, qwen3_moe
 
     cfg = {"quant_cfg": {"*experts*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"}
     model = quantized(qwen3_moe(), cfg)
-    refused(tmp_path, model, "ct_mxfp8", r"^model.layers.0.mlp.experts.gate_up_proj_weight_quantizer\[0\] = int num_bits=8: format ct_mxfp8 cannot carry it")
+    refused(tmp_path, model, "ct_mxfp8", r"^model.layers.0.mlp.experts.gate_up_proj_weight_quantizer\[0\] = int num_bits=8: format "
+                                         r"ct_mxfp8 cannot carry it")
 
 
 def test_pre_quant_scale_refused(tmp_path):

@@ -10,7 +10,6 @@ pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import Bucket, ExportError, bucket_by_dtype, chunk_by_bytes, sync_pairs  # noqa: E402
-
 from tests.test_export._export_models import bit_equal, quantized, qwen3_moe, weight_only  # noqa: E402
 
 
@@ -30,7 +29,8 @@ def test_chunk_by_bytes_keeps_one_dtype_per_chunk():
     """A chunk mixed fp8 codes with fp32 scales: a CUDA-IPC sender shares one typed buffer per chunk."""
     chunks = list(chunk_by_bytes(_pairs(), 300))
     assert all(len({t.dtype for _, t in c}) == 1 for c in chunks)
-    assert [[k for k, _ in c] for c in chunks] == [["a.weight", "b.weight"], ["c.weight"], ["a.weight_scale_inv", "b.weight_scale_inv"], ["c.bias"]]
+    assert [[k for k, _ in c] for c in chunks] == [["a.weight", "b.weight"], ["c.weight"], ["a.weight_scale_inv", "b.weight_scale_inv"],
+                                                   ["c.bias"]]
     assert all(sum(t.numel() * t.element_size() for _, t in c) <= 300 or len(c) == 1 for c in chunks)
 
 

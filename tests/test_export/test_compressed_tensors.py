@@ -19,7 +19,6 @@ from safetensors.torch import load_file  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import export_checkpoint  # noqa: E402
-
 from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, reference_codes, tokens, weight_only  # noqa: E402
 
 INT8_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"}
@@ -98,7 +97,8 @@ def test_transformers_ct_path_dense_logits_bit_exact(bases, tmp_path):
 
     model = quantized(bases["llama"], weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG))
     export_checkpoint(model, tmp_path / "c", "ct_fp8_block")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False, dequantize=True))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(run_compressed=False, dequantize=True))
     for name, ref in fake_quant_weights(model).items():
         assert torch.equal(loaded.get_submodule(name).weight.float(), ref), name
     ids = tokens()

@@ -13,7 +13,8 @@ from torch import nn
 import quantlib as ql
 from quantlib.export import ExportError, export_checkpoint, iter_packed
 
-FP8_BLOCK_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, "default": {"enable": False}}, "algorithm": "max"}
+FP8_BLOCK_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, "default": {"enable": False}},
+               "algorithm": "max"}
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -42,7 +43,8 @@ def test_shards_and_index(tmp_path):
     index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())
     keys = {k for f in shards for k in load_file(tmp_path / "c" / f)}
     assert set(index["weight_map"]) == keys and {"0.weight", "0.weight_scale", "0.bias", "3.weight"} <= keys
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for f in shards for t in load_file(tmp_path / "c" / f).values())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for f in shards
+                                                  for t in load_file(tmp_path / "c" / f).values())
 
 
 def test_hf_config_is_the_base_of_config_json(tmp_path):
@@ -92,7 +94,7 @@ def test_iter_packed_module_by_module_and_chunks():
 
 def test_shard_and_expert_ids_of_qwen3_moe():
     pytest.importorskip("transformers")
-    from tests.test_export._export_models import qwen3_moe, quantized, weight_only
+    from tests.test_export._export_models import quantized, qwen3_moe, weight_only
 
     model = quantized(qwen3_moe(), weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG))
     ids = {p.name: (p.role, p.expert, p.shard) for p in iter_packed(model, "hf_fp8_block")}
@@ -104,20 +106,24 @@ def test_shard_and_expert_ids_of_qwen3_moe():
     assert not any(n.endswith("experts") for n in ids)  # never a fused 3-D expert tensor
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8, torch.int8, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8, torch.int8, torch.int32,
+                                   torch.int64])
 def test_safetensors_writer_read_by_safetensors(tmp_path, dtype):
     from safetensors import safe_open
 
     from quantlib.export import safetensors_io
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": (torch.randn(3, 5, generator=g) * 100).to(dtype), "scalar": torch.tensor(7).to(dtype), "empty": torch.zeros(0, 4, dtype=dtype), "col": torch.arange(6).reshape(2, 3).t().to(dtype)}
+    tensors = {"a": (torch.randn(3, 5, generator=g) * 100).to(dtype), "scalar": torch.tensor(7).to(dtype),
+               "empty": torch.zeros(0, 4, dtype=dtype), "col": torch.arange(6).reshape(2, 3).t().to(dtype)}
     safetensors_io.save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
     with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(tensors)
         for k, t in tensors.items():
             got = f.get_tensor(k)
-            assert got.dtype == dtype and got.shape == t.shape and torch.equal(got.view(torch.uint8) if dtype == torch.float8_e4m3fn else got, t.contiguous().view(torch.uint8) if dtype == torch.float8_e4m3fn else t)
+            assert got.dtype == dtype and got.shape == t.shape and torch.equal(got.view(torch.uint8) if dtype == torch.float8_e4m3fn
+                                                                               else got, t.contiguous().view(torch.uint8)
+                                                                               if dtype == torch.float8_e4m3fn else t)
 
 
 def test_fp8_block_packs_with_the_stored_amax_when_the_weight_changed():
@@ -155,7 +161,8 @@ def test_static_scales_in_one_pass_equal_each_scale():
     g = torch.Generator().manual_seed(0)
     fp8 = FormatSpec(Kind.FP8, element=(4, 3))
     blk = FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), pow2=True)
-    pairs = [(fp8, torch.rand((), generator=g)), (blk, torch.rand(2, 3, generator=g)), (fp8, torch.rand(5, 1, generator=g)), (blk, torch.zeros(1, 1)), (FormatSpec(Kind.INT, 8), torch.rand(()))]
+    pairs = [(fp8, torch.rand((), generator=g)), (blk, torch.rand(2, 3, generator=g)), (fp8, torch.rand(5, 1, generator=g)),
+             (blk, torch.zeros(1, 1)), (FormatSpec(Kind.INT, 8), torch.rand(()))]
     got = static_scales(pairs)
     assert got[-1] is None
     for (spec, amax), sc in zip(pairs[:-1], got[:-1]):

@@ -14,7 +14,8 @@ from torch import nn
 import quantlib as ql
 from quantlib.export import ExportError, export_checkpoint
 
-FP8_BLOCK_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, "default": {"enable": False}}, "algorithm": "max"}
+FP8_BLOCK_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}, "default": {"enable": False}},
+               "algorithm": "max"}
 
 
 def mlp() -> nn.Module:
@@ -111,7 +112,8 @@ def test_offloaded_model_exports_layer_by_layer(tmp_path):
     offload_to_disk(model, str(tmp_path / "layers"))
     ql.quantize(model, cfg, lambda m: m(ids), sequential=SequentialOptions(offload_folder=str(tmp_path / "layers")))
     assert model.model.layers[0].self_attn.q_proj.weight.is_meta
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj \(and \d+ more module\(s\)\) hold tensors on the meta device; pass offload_folder="):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj \(and \d+ more module\(s\)\) hold tensors on the meta "
+                                          r"device; pass offload_folder="):
         export_checkpoint(model, tmp_path / "out", "hf_fp8_block")
     assert not (tmp_path / "out").exists()
     loads = []
@@ -131,7 +133,8 @@ def test_offloaded_model_with_a_missing_layer_file(tmp_path):
     model = _llama()
     ids = tokens(5)
     offload_to_disk(model, str(tmp_path / "layers"))
-    ql.quantize(model, ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG, lambda m: m(ids), sequential=SequentialOptions(offload_folder=str(tmp_path / "layers")))
+    ql.quantize(model, ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG, lambda m: m(ids),
+                sequential=SequentialOptions(offload_folder=str(tmp_path / "layers")))
     ql.disable_quantizer(model, "*lm_head*")
     os.remove(tmp_path / "layers" / "model.layers.1.pt")
     with pytest.raises(ExportError, match=r"^model\.layers\.1: cannot read it from the offload folder .*layers"):

@@ -20,7 +20,6 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-
 from tests.test_export._export_models import weight_only  # noqa: E402
 from tests.test_export._families import FAMILIES, build, gpt2, tokens  # noqa: E402
 
@@ -75,7 +74,8 @@ def test_names_are_save_pretrained_and_transformers_loads_them(tmp_path, family,
     export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
     got = load_file(tmp_path / "q" / "model.safetensors")
     assert {k for k in got if not k.endswith("weight_scale_inv")} == ref
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, output_loading_info=True, experts_implementation="eager")
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, output_loading_info=True,
+                                                        experts_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     pairs = _fake_and_loaded(model, loaded)
     assert len(pairs) >= 4
@@ -102,7 +102,8 @@ def test_mixtral_stacked_experts_carry_the_checkpoint_module_name():
     from quantlib.export import iter_packed
 
     experts = [pw for pw in iter_packed(quantized(build("mixtral"), MXFP8), "hf_mxfp8", experts="stacked") if pw.role == "expert"]
-    assert {(pw.name, pw.shard) for pw in experts} == {("model.layers.0.block_sparse_moe.experts", "w1"), ("model.layers.0.block_sparse_moe.experts", "w3"),
+    assert {(pw.name, pw.shard) for pw in experts} == {("model.layers.0.block_sparse_moe.experts", "w1"),
+                                                       ("model.layers.0.block_sparse_moe.experts", "w3"),
                                                      ("model.layers.0.block_sparse_moe.experts", "w2")}  # fmt: skip
     assert tuple(next(pw for pw in experts if pw.shard == "w1").tensors["w13_weight"].shape) == (4, 64, 64)
 
@@ -122,7 +123,8 @@ FAMILY_GROUPS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt,cfg,key", [("modelopt_fp8", ql.FP8_DEFAULT_CFG, "weight_scale"), ("modelopt_nvfp4", ql.W4A16_NVFP4_CFG, "weight_scale_2")])
+@pytest.mark.parametrize("fmt,cfg,key", [("modelopt_fp8", ql.FP8_DEFAULT_CFG, "weight_scale"), ("modelopt_nvfp4", ql.W4A16_NVFP4_CFG,
+                                                                                                "weight_scale_2")])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fused_siblings_carry_one_scale(tmp_path, family, fmt, cfg, key):
     model = quantized(build(family), cfg, off=_off(family))
@@ -140,10 +142,12 @@ def test_fused_siblings_carry_one_scale(tmp_path, family, fmt, cfg, key):
 
 
 @pytest.mark.parametrize("family,member", [("llama", "model.layers.0.self_attn.v_proj"), ("mixtral", "model.layers.0.self_attn.k_proj"),
-                                           ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa"), ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj")])  # fmt: skip
+                                           ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa"),
+                                           ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj")])  # fmt: skip
 def test_partly_quantized_fused_group_is_refused(tmp_path, family, member):
     model = quantized(build(family), MXFP8, off=(f"{member}.*",))
-    with pytest.raises(ExportError, match=rf"{member}: not quantized \(its weight quantizer is off, or it has none\) but its fused siblings"):
+    with pytest.raises(ExportError,
+                       match=rf"{member}: not quantized \(its weight quantizer is off, or it has none\) but its fused siblings"):
         export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
 
 
@@ -164,7 +168,8 @@ def test_gpt2_conv1d_and_its_tied_head(tmp_path):
 
 def test_gpt_oss_quantized_experts_are_refused(tmp_path):
     # transformers keeps GPT-OSS's gate_up_proj fused with gate / up interleaved: halves would be wrong rows
-    with pytest.raises(ExportError, match=r"model.layers.0.mlp.experts.gate_up_proj_weight_quantizer: .* keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D"):
+    with pytest.raises(ExportError, match=r"model.layers.0.mlp.experts.gate_up_proj_weight_quantizer: .* keeps "
+                                          r"model.layers.0.mlp.experts.gate_up_proj as one 3-D"):
         export_checkpoint(quantized(build("gpt_oss"), MXFP8), tmp_path / "q", "hf_mxfp8")
 
 
@@ -180,12 +185,14 @@ def test_unknown_family_is_refused_and_register_layout_names_it(tmp_path, monkey
     from quantlib.export import LAYOUTS, ModelLayout, register_layout
 
     torch.manual_seed(0)
-    bert = BertModel(BertConfig(vocab_size=V_BERT, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_position_embeddings=16)).eval()
+    bert = BertModel(BertConfig(vocab_size=V_BERT, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                max_position_embeddings=16)).eval()
     ids = torch.randint(0, V_BERT, (2, 8), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ql.quantize(bert, ql.FP8_DEFAULT_CFG, lambda m: m(ids))
-    with pytest.raises(ExportError, match=r"cannot tell whether consumers fuse \['encoder.layer.0.attention.self.query', 'encoder.layer.0.attention.self.key', "
+    with pytest.raises(ExportError, match=r"cannot tell whether consumers fuse \['encoder.layer.0.attention.self.query', "
+                                          r"'encoder.layer.0.attention.self.key', "
                                           r"'encoder.layer.0.attention.self.value'\].*register_layout"):
         export_checkpoint(bert, tmp_path / "refused", "modelopt_fp8", unify_siblings=True)
     monkeypatch.setitem(LAYOUTS, "bert", LAYOUTS.get("bert"))  # restored after the test

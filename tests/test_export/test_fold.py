@@ -26,7 +26,8 @@ def _llama(kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv_heads,
                       max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
     return LlamaForCausalLM(cfg).eval()
 
@@ -35,7 +36,8 @@ def _qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(1)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32,
                       max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
     return Qwen3ForCausalLM(cfg).eval()
 
@@ -44,7 +46,8 @@ def _opt():
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(2)
-    cfg = OPTConfig(vocab_size=256, hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=128)
+    cfg = OPTConfig(vocab_size=256, hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                    word_embed_proj_dim=128)
     return OPTForCausalLM(cfg).eval()
 
 
@@ -68,7 +71,8 @@ def _calibrated(family: str, cfg: dict, share: bool = True):
 def _ct_logits(out_dir) -> torch.Tensor:
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
     with torch.no_grad():
         return loaded(tokens()).logits
 
@@ -137,7 +141,8 @@ def test_quantized_v_proj_rows_take_o_proj_scale(tmp_path):
 
 def test_siblings_with_different_scales_refused_by_name(tmp_path):
     model = _calibrated("llama", ql.INT4_AWQ_CFG, share=False)  # quantlib's AWQ searches q, k and v each on its own
-    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.q_proj.input_quantizer: .*model.layers.0.input_layernorm feeds .*q_proj and .*k_proj, whose pre_quant_scales differ"):
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.q_proj.input_quantizer: .*model.layers.0.input_layernorm feeds "
+                                          r".*q_proj and .*k_proj, whose pre_quant_scales differ"):
         export_checkpoint(model, tmp_path / "c", "ct_int_pack")
     assert not (tmp_path / "c").exists()
 
@@ -146,7 +151,8 @@ def test_gqa_heads_with_different_scales_refused_then_shared(tmp_path):
     model = _calibrated("llama", ql.INT4_AWQ_CFG, share=False)
     changed = share_pre_quant_scale(model, _loop)
     o = "model.layers.0.self_attn.o_proj"
-    assert (o,) in changed and ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj") in changed
+    assert (o,) in changed and ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                                "model.layers.0.self_attn.v_proj") in changed
     grouped = _pqs(model, o).reshape(2, 2, 32)
     assert torch.equal(grouped[:, 0], grouped[:, 1])
     grouped[:, 1] *= 2  # the two query heads of a kv head now disagree
@@ -158,7 +164,8 @@ def test_static_input_amax_needs_forward_loop():
     model = _calibrated("llama", ql.INT8_SMOOTHQUANT_CFG, share=False)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.input_quantizer.pre_quant_scale *= 2
-    with pytest.raises(ExportError, match=r"self_attn.q_proj.input_quantizer: a static input amax depends on pre_quant_scale; pass forward_loop"):
+    with pytest.raises(ExportError, match=r"self_attn.q_proj.input_quantizer: a static input amax depends on pre_quant_scale; pass "
+                                          r"forward_loop"):
         share_pre_quant_scale(model)
 
 
@@ -167,7 +174,8 @@ def test_fp8_block_with_awq_norm_folds_to_hf_fp8(tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
-    cfg["quant_cfg"] = {"*weight_quantizer": cfg["quant_cfg"]["*weight_quantizer"], "*o_proj*": {"enable": False}, "*down_proj*": {"enable": False}, "default": {"enable": False}}
+    cfg["quant_cfg"] = {"*weight_quantizer": cfg["quant_cfg"]["*weight_quantizer"], "*o_proj*": {"enable": False},
+                        "*down_proj*": {"enable": False}, "default": {"enable": False}}
     cfg["algorithm"] = "awq_lite"
     model = _calibrated("llama_mha", cfg)  # k/v of 128 rows: whole 128x128 blocks
     assert _pqs(model, "model.layers.0.mlp.up_proj") is not None
@@ -182,13 +190,15 @@ def test_nvfp4_awq_refused_by_ct_carried_by_modelopt(tmp_path):
     cannot hold and ModelOpt's NVFP4_AWQ writes as pre_quant_scale; q/k/v and gate/up fold into the norms."""
     qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
     model = _calibrated("llama", ql.NVFP4_AWQ_LITE_CFG)
-    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.o_proj.input_quantizer: .*v_proj.weight_quantizer \(nvfp4\) has no scale per output row"):
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.o_proj.input_quantizer: .*v_proj.weight_quantizer \(nvfp4\) has no "
+                                          r"scale per output row"):
         export_checkpoint(model, tmp_path / "ct", "ct_nvfp4")
     export_checkpoint(model, tmp_path / "mo", "modelopt_nvfp4")
     hf_quant = json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())["quantization"]
     assert (hf_quant["quant_algo"], hf_quant["pre_quant_scale"], hf_quant["has_zero_point"]) == ("NVFP4_AWQ", True, False)
     sd = load_file(tmp_path / "mo" / "model.safetensors")
-    assert sorted(k for k in sd if k.endswith("pre_quant_scale")) == [f"model.layers.{i}.{m}.pre_quant_scale" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.o_proj")]
+    assert sorted(k for k in sd if k.endswith("pre_quant_scale")) == [f"model.layers.{i}.{m}.pre_quant_scale" for i in (0, 1)
+                                                                      for m in ("mlp.down_proj", "self_attn.o_proj")]
     # the consumer: ModelOpt's dequantize, pre_quant_scale on the input, the folded norms
     ref = copy.deepcopy(model)
     ql.disable_quantizer(ref, "*input_quantizer")
@@ -197,7 +207,8 @@ def test_nvfp4_awq_refused_by_ct_carried_by_modelopt(tmp_path):
         for name, m in plain.named_modules():
             if f"{name}.weight_scale" in sd:
                 w = qtensor.NVFP4QTensor(m.weight.shape, torch.float32, sd[f"{name}.weight"])
-                m.weight.copy_(w.dequantize(dtype=torch.float32, scale=sd[f"{name}.weight_scale"], double_scale=sd[f"{name}.weight_scale_2"], block_sizes={-1: 16}))
+                m.weight.copy_(w.dequantize(dtype=torch.float32, scale=sd[f"{name}.weight_scale"],
+                                            double_scale=sd[f"{name}.weight_scale_2"], block_sizes={-1: 16}))
                 if f"{name}.pre_quant_scale" in sd:
                     m.register_forward_pre_hook(lambda _m, a, p=sd[f"{name}.pre_quant_scale"]: (a[0] * p,))
             elif f"{name}.weight" in sd and hasattr(m, "weight"):
@@ -209,7 +220,8 @@ def test_modelopt_nvfp4_w4a16_cannot_carry(tmp_path):
     cfg = copy.deepcopy(ql.NVFP4_AWQ_LITE_CFG)
     cfg["quant_cfg"]["*input_quantizer"] = {"enable": False}
     model = _calibrated("llama", cfg)
-    with pytest.raises(ExportError, match=r"o_proj.input_quantizer: pre_quant_scale folds nowhere and format modelopt_nvfp4 cannot carry it \(NVFP4_AWQ quantizes"):
+    with pytest.raises(ExportError, match=r"o_proj.input_quantizer: pre_quant_scale folds nowhere and format modelopt_nvfp4 cannot carry "
+                                          r"it \(NVFP4_AWQ quantizes"):
         export_checkpoint(model, tmp_path / "c", "modelopt_nvfp4")
 
 
@@ -218,30 +230,46 @@ def test_modelopt_int4_awq(tmp_path):
     pytest.importorskip("modelopt")
     from modelopt.torch.export.quant_utils import pack_int4_in_uint8
 
-    model = _calibrated("llama", ql.INT4_AWQ_CFG, share=False)  # siblings keep their own scales: all carried
+    model = _calibrated("llama", ql.INT4_AWQ_CFG)  # siblings share their scales (they fold into the norms)
+    o = "model.layers.0.self_attn.o_proj"
+    with torch.no_grad():
+        _pqs(model, o).reshape(2, 2, 32)[:, 1] *= 2  # its query heads disagree (GQA): it folds nowhere, so it is carried
     export_checkpoint(model, tmp_path / "c", "modelopt_int4_awq")
     hf_quant = json.loads((tmp_path / "c" / "hf_quant_config.json").read_text())["quantization"]
     assert (hf_quant["quant_algo"], hf_quant["group_size"], hf_quant["pre_quant_scale"]) == ("W4A16_AWQ", 128, True)
     sd = load_file(tmp_path / "c" / "model.safetensors")
-    q = "model.layers.0.self_attn.q_proj"
-    assert torch.equal(sd[f"{q}.pre_quant_scale"], _pqs(model, q))
+    assert torch.equal(sd[f"{o}.pre_quant_scale"], _pqs(model, o))
     assert "model.layers.0.mlp.down_proj.pre_quant_scale" not in sd  # folded into up_proj's rows
-    assert "model.layers.0.self_attn.o_proj.pre_quant_scale" in sd  # its query heads disagree (GQA): carried
-    m = model.get_submodule(q)
+    assert "model.layers.0.self_attn.q_proj.pre_quant_scale" not in sd  # folded into input_layernorm
+    m = model.get_submodule(o)
     fq = m.quantize_weight(m.weight).detach()
-    assert torch.equal(pack_int4_in_uint8(fq, sd[f"{q}.weight_scale"], 128), sd[f"{q}.weight"])  # ModelOpt's packing of our weights
-    packed = sd[f"{q}.weight"]
+    assert torch.equal(pack_int4_in_uint8(fq, sd[f"{o}.weight_scale"], 128), sd[f"{o}.weight"])  # ModelOpt's packing of our weights
+    packed = sd[f"{o}.weight"]
     codes = torch.stack([(packed & 0xF).to(torch.int8), (packed >> 4).to(torch.int8)], 1).reshape(-1, packed.shape[1])
     codes = torch.where(codes > 7, codes - 16, codes)
-    got = codes.float() * sd[f"{q}.weight_scale"].repeat_interleave(128, dim=1)
+    got = codes.float() * sd[f"{o}.weight_scale"].repeat_interleave(128, dim=1)
     assert (got - fq).abs().max() <= 1e-6 * fq.abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_modelopt_int4_awq_siblings_with_their_own_scales_refused(tmp_path, family):
+    """ModelOpt's exporter resmooths q/k/v and gate/up to one pre_quant_scale (TensorRT-LLM runs each group as one GEMM on one
+    scaled input); quantlib's AWQ searches each linear on its own, so unshared siblings are refused, naming both."""
+    model = _calibrated(family, ql.INT4_AWQ_CFG, share=False)
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.k_proj.input_quantizer and "
+                                          r"model.layers.0.self_attn.q_proj.input_quantizer: "
+                                          r"siblings fused by consumers into one GEMM need one pre_quant_scale, but differ; call "
+                                          r"quantlib.export.share_pre_quant_scale"):
+        export_checkpoint(model, tmp_path / "c", "modelopt_int4_awq")
+    assert not (tmp_path / "c").exists()
 
 
 def test_model_without_fold_rules_refused(tmp_path):
     from torch import nn
 
     model = ql.quantize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), ql.INT4_AWQ_CFG, lambda m: m(torch.randn(4, 64)))
-    with pytest.raises(ExportError, match=r"^0.input_quantizer: pre_quant_scale is set .*no fold rule for this module.*format ct_int_pack has no pre_quant_scale tensor"):
+    with pytest.raises(ExportError, match=r"^0.input_quantizer: pre_quant_scale is set .*no fold rule for this module.*format ct_int_pack "
+                                          r"has no pre_quant_scale tensor"):
         export_checkpoint(model, tmp_path / "c", "ct_int_pack")
 
 
@@ -251,10 +279,12 @@ def test_gpt_neox_layernorm_folds(tmp_path):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(3)
-    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                             num_attention_heads=4,
                                              max_position_embeddings=64, tie_word_embeddings=False)).eval()  # fmt: skip
     cfg = copy.deepcopy(ql.INT4_AWQ_CFG)
-    cfg["quant_cfg"].update({"*attention.dense*": {"enable": False}, "*dense_4h_to_h*": {"enable": False}, "*embed_out*": {"enable": False}})
+    cfg["quant_cfg"].update({"*attention.dense*": {"enable": False}, "*dense_4h_to_h*": {"enable": False},
+                             "*embed_out*": {"enable": False}})
     ql.quantize(model, cfg, _loop)
     assert _pqs(model, "gpt_neox.layers.0.attention.query_key_value") is not None
     export_checkpoint(model, tmp_path / "c", "ct_int_pack")
@@ -271,7 +301,8 @@ def test_fused_experts_scale_refused_by_name(tmp_path):
     cfg["quant_cfg"]["*self_attn*"] = {"enable": False}
     model = qwen3_moe()
     ql.quantize(model, cfg, _loop)
-    with pytest.raises(ExportError, match=r"^model.layers.0.mlp.experts.gate_up_proj_input_quantizer: pre_quant_scale is set on a QuantQwen3MoeExperts, which export can fold only for plain linears"):
+    with pytest.raises(ExportError, match=r"^model.layers.0.mlp.experts.gate_up_proj_input_quantizer: pre_quant_scale is set on a "
+                                          r"QuantQwen3MoeExperts, which export can fold only for plain linears"):
         export_checkpoint(model, tmp_path / "c", "ct_int_pack")
 
 
@@ -279,5 +310,6 @@ def test_carried_scale_of_an_unquantized_module_refused(tmp_path):
     """A module left unquantized is an excluded module to ModelOpt: a pre_quant_scale there would be ignored."""
     model = _calibrated("llama", ql.NVFP4_AWQ_LITE_CFG)
     model.model.layers[0].self_attn.o_proj.weight_quantizer.disable()
-    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.o_proj.input_quantizer: pre_quant_scale is set and folds nowhere .* left unquantized"):
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.o_proj.input_quantizer: pre_quant_scale is set and folds nowhere .* "
+                                          r"left unquantized"):
         export_checkpoint(model, tmp_path / "c", "modelopt_nvfp4")

@@ -19,8 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint, iter_packed  # noqa: E402
 from quantlib.formats.fp8 import cast_fp8  # noqa: E402
-from quantlib.kv_cache import FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config  # noqa: E402
-
+from quantlib.kv.presets import FP8_KV_CFG, NVFP4_KV_CFG, merge_kv_config  # noqa: E402
 from tests.test_export._export_models import llama, quantized, weight_only  # noqa: E402
 
 LAYERS = 2
@@ -69,7 +68,8 @@ def test_ct_fp8_kv_scheme_parsed_and_scales_exact(base, tmp_path, fmt):
     assert kv is not None and kv.num_bits == 8 and kv.type == QuantizationType.FLOAT
     assert kv.strategy == QuantizationStrategy.TENSOR and kv.symmetric and kv.dynamic is False
     sd = load_file(tmp_path / "c" / "model.safetensors")
-    assert sorted(k for k in sd if k.endswith(("k_scale", "v_scale"))) == sorted(f"model.layers.{i}.self_attn.{n}_scale" for i in range(LAYERS) for n in "kv")
+    assert sorted(k for k in sd if k.endswith(("k_scale", "v_scale"))) == sorted(f"model.layers.{i}.self_attn.{n}_scale"
+                                                                                 for i in range(LAYERS) for n in "kv")
     for i in range(LAYERS):
         for n in "kv":
             t = sd[f"model.layers.{i}.self_attn.{n}_scale"]
@@ -134,11 +134,14 @@ def test_no_kv_quantizer_writes_no_kv_scheme(base, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["hf_fp8_block", "hf_fp8_block_ue8m0", "hf_mxfp8"])
 def test_hf_formats_refuse_kv_quantizers(base, tmp_path, fmt):
-    weights = {"hf_fp8_block_ue8m0": ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG, "hf_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG)}.get(fmt, WEIGHTS["hf_fp8_block"])
+    weights = {"hf_fp8_block_ue8m0": ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG,
+               "hf_mxfp8": weight_only(ql.MXFP8_DEFAULT_CFG)}.get(fmt, WEIGHTS["hf_fp8_block"])
     if fmt == "hf_fp8_block_ue8m0":
-        weights = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "pow2_scale": True}, "default": {"enable": False}}, "algorithm": "max"}
+        weights = {"quant_cfg": {"*weight_quantizer": {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}, "pow2_scale": True},
+                                 "default": {"enable": False}}, "algorithm": "max"}
     model = quantized(base, merge_kv_config(weights, FP8_KV_CFG))
-    with pytest.raises(ExportError, match=rf"model\.layers\.0\.self_attn\.k_bmm_quantizer = fp8 .*format {fmt} cannot carry .*no place for KV-cache scales"):
+    with pytest.raises(ExportError, match=rf"model\.layers\.0\.self_attn\.k_bmm_quantizer = fp8 .*format {fmt} cannot carry .*no place for "
+                                          r"KV-cache scales"):
         export_checkpoint(model, tmp_path / "c", fmt)
     assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
     ql.disable_quantizer(model, "*_bmm_quantizer")
@@ -147,7 +150,8 @@ def test_hf_formats_refuse_kv_quantizers(base, tmp_path, fmt):
 
 def test_ct_refuses_nvfp4_kv(base, tmp_path):
     model = _kv_model(base, "ct_nvfp4", NVFP4_KV_CFG)
-    with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.k_bmm_quantizer = nvfp4 .*block=\(16,\).*format ct_nvfp4 cannot carry"):
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.k_bmm_quantizer = nvfp4 .*block=\(16,\).*format ct_nvfp4 cannot "
+                                          r"carry"):
         export_checkpoint(model, tmp_path / "c", "ct_nvfp4")
     assert not list(tmp_path.iterdir())
 
@@ -185,7 +189,7 @@ def test_query_quantizer_refused(base, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["ct_nvfp4", "modelopt_fp8"])
 def test_fp8_kv_scale_is_reciprocal_not_amax_over_448(base, tmp_path, fmt):
-    # amaxes where amax / 448 and 1 / (448 / amax) round to different fp32 values (EXPORT.md §1e)
+    # amaxes where amax / 448 and 1 / (448 / amax) round to different fp32 values (docs/numerics.md, "Export")
     amaxes = torch.linspace(0.5, 3.0, 2001)
     differ = amaxes[(amaxes / 448.0) != torch.reciprocal(torch.tensor(448.0) / amaxes)]
     assert differ.numel() > 100

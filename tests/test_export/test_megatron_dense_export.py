@@ -9,15 +9,15 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
+import quantlib as ql  # noqa: E402
 from tests.test_export.test_megatron_export import export_layouts, nvfp4_weights  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
-import quantlib as ql  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 #: weight-only: the activation amax of a TP2 forward differ in last bits from TP1's (reduction order)
-NVFP4_W = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "default": {"enable": False}}, "algorithm": "max"}
+NVFP4_W = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "default": {"enable": False}},
+           "algorithm": "max"}
 CASES = {"modelopt_nvfp4": NVFP4_W, "ct_mxfp8": ql.MXFP8_DEFAULT_CFG}
 
 
@@ -26,7 +26,8 @@ def _build_dense(tp: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = shims.gpt_config(tp, 1, num_moe_experts=None, moe_ffn_hidden_size=None, gated_linear_unit=True)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=shims.VOCAB, max_sequence_length=shims.SEQ).eval()
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=shims.VOCAB,
+                     max_sequence_length=shims.SEQ).eval()
     shims.init_global_weights(model, 0)
     return model
 
@@ -56,7 +57,8 @@ def _check_tp1(model, path: str, qkv) -> list[str]:
         check(f"model.layers.{i}.mlp.up_proj", fq[half:])
         fc2 = layer.mlp.linear_fc2
         check(f"model.layers.{i}.mlp.down_proj", fc2.weight_quantizer(fc2.weight))
-    for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"):
+    for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight",
+                "model.layers.1.post_attention_layernorm.weight"):
         if key not in deq.keys:
             bad.append(f"missing {key}")
     return bad

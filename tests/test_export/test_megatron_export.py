@@ -13,15 +13,15 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 #: weight-only: activation amax come from forward passes whose TP reductions round differently at each
 #: layout (last bits), so they are the same model's only up to calibration; weights and their amax are exact
-NVFP4_W = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+NVFP4_W = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False},
+                         "default": {"enable": False}}, "algorithm": "max"}
 CASES = {"modelopt_nvfp4": NVFP4_W, "ct_int8": ql.INT8_WEIGHT_ONLY_CFG}
 
 
@@ -35,7 +35,8 @@ def export_layouts(tmp: str, layouts: tuple, cases: dict, build, check) -> dict:
     "check", ``check(model, path, qkv rows)`` of the TP1 ModelOpt NVFP4 export."""
     from megatron.core import parallel_state as mpu
 
-    from quantlib.export.megatron import _qkv_rows, export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
+    from quantlib.export.megatron_names import qkv_rows
 
     out: dict = {}
     for layout in layouts:
@@ -47,11 +48,11 @@ def export_layouts(tmp: str, layouts: tuple, cases: dict, build, check) -> dict:
             data = shims.token_batches(4, 1)[dp_rank::dp]
             ql.quantize(model, cfg, shims.forward_loop(data), parallel_state=ql.ParallelState.from_megatron())
             path = os.path.join(tmp, f"{layout}-{fmt}")
-            export_megatron_checkpoint(model, path, fmt)
+            export_megatron_checkpoint(model, path, fmt, hf_config={})
             if torch.distributed.get_rank() == 0:
                 out[(layout, fmt)] = _digest(path)
                 if layout == "tp1" and fmt == "modelopt_nvfp4":
-                    out["check"] = check(model, path, _qkv_rows(model.config))
+                    out["check"] = check(model, path, qkv_rows(model.config))
     return out
 
 
@@ -64,7 +65,8 @@ def nvfp4_weights(path: str):
     sd = load_file(os.path.join(path, "model.safetensors"))
 
     def deq(name: str) -> torch.Tensor:
-        return nvfp4_dequantize(sd[f"{name}.weight"], sd[f"{name}.weight_scale"], sd[f"{name}.weight_scale_2"], sd[f"{name}.weight"].shape[1] * 2)
+        return nvfp4_dequantize(sd[f"{name}.weight"], sd[f"{name}.weight_scale"], sd[f"{name}.weight_scale_2"],
+                                sd[f"{name}.weight"].shape[1] * 2)
 
     deq.keys = sd.keys()
     return deq

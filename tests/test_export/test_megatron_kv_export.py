@@ -14,27 +14,29 @@ import torch
 
 pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError  # noqa: E402
-from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
+from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
 LAYERS = 2
-WEIGHTS = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+WEIGHTS = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False},
+                         "default": {"enable": False}}, "algorithm": "max"}
 FORMATS = ("ct_nvfp4", "modelopt_nvfp4")
 
 
 def _kv_quantizers(model) -> dict[tuple[int, str], object]:
-    return {(i, n): getattr(layer.self_attention.core_attention, f"{n}_bmm_quantizer") for i, layer in enumerate(model.decoder.layers) for n in "kv"}
+    return {(i, n): getattr(layer.self_attention.core_attention, f"{n}_bmm_quantizer") for i, layer in enumerate(model.decoder.layers)
+            for n in "kv"}
 
 
 def _quantized(tp: int):
     shims.set_layout(tp, 1)
     model = shims.build_gpt(tp, 1, 0)
-    ql.quantize(model, merge_kv_config(WEIGHTS, FP8_KV_CFG), shims.forward_loop(shims.token_batches(2, 1)), parallel_state=ql.ParallelState.from_megatron())
+    ql.quantize(model, merge_kv_config(WEIGHTS, FP8_KV_CFG), shims.forward_loop(shims.token_batches(2, 1)),
+                parallel_state=ql.ParallelState.from_megatron())
     return model
 
 
@@ -42,30 +44,31 @@ def _read(path: str) -> dict:
     from safetensors.torch import load_file
 
     sd = load_file(os.path.join(path, "model.safetensors"))
-    out = {"kv": {k: v for k, v in sd.items() if k.endswith(("k_scale", "v_scale"))}, "config": json.load(open(os.path.join(path, "config.json")))["quantization_config"]}
+    out = {"kv": {k: v for k, v in sd.items() if k.endswith(("k_scale", "v_scale"))},
+           "config": json.load(open(os.path.join(path, "config.json")))["quantization_config"]}
     if os.path.exists(os.path.join(path, "hf_quant_config.json")):
         out["hf_quant"] = json.load(open(os.path.join(path, "hf_quant_config.json")))["quantization"]
     return out
 
 
 def _export(rank: int, world: int, tmp: str) -> dict:
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
 
     out: dict = {}
     model = _quantized(2)
     amax = {key: q.amax.detach().clone() for key, q in _kv_quantizers(model).items()}
     out["amax"] = amax
     for fmt in FORMATS:
-        export_megatron_checkpoint(model, f"{tmp}/tp2-{fmt}", fmt)
+        export_megatron_checkpoint(model, f"{tmp}/tp2-{fmt}", fmt, hf_config={})
     try:
-        export_megatron_checkpoint(model, f"{tmp}/refused", "hf_fp8_block")
+        export_megatron_checkpoint(model, f"{tmp}/refused", "hf_fp8_block", hf_config={})
     except ExportError as exc:
         out["refused"] = str(exc)
     model = _quantized(1)
     for key, q in _kv_quantizers(model).items():
         q.amax = amax[key].clone()  # the same calibrated model: TP changes an activation amax's last bits
     for fmt in FORMATS:
-        export_megatron_checkpoint(model, f"{tmp}/tp1-{fmt}", fmt)
+        export_megatron_checkpoint(model, f"{tmp}/tp1-{fmt}", fmt, hf_config={})
     if rank == 0:
         out.update({(tp, fmt): _read(f"{tmp}/{tp}-{fmt}") for tp in ("tp1", "tp2") for fmt in FORMATS})
     return out

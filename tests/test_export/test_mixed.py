@@ -65,7 +65,8 @@ def _check(model, out_dir, formats: set[str], int_rows: str) -> dict:
 
 def test_w4a16_mlp_fp8_attention(tmp_path):
     model = quantized(llama(), _cfg(mlp=INT4, self_attn=FP8_BLOCK))
-    with pytest.raises(ExportError, match=r"gate_proj.weight_quantizer = int num_bits=4 block=\(128,\): format ct_fp8_block cannot carry it"):
+    with pytest.raises(ExportError,
+                       match=r"gate_proj.weight_quantizer = int num_bits=4 block=\(128,\): format ct_fp8_block cannot carry it"):
         export_checkpoint(model, tmp_path / "one", "ct_fp8_block")
     export_checkpoint(model, tmp_path / "c", "ct_mixed")
     qc = _check(model, tmp_path / "c", {"pack-quantized", "float-quantized"}, "mlp")
@@ -86,7 +87,8 @@ def test_transformers_loads_fp8_attention_int4_experts(tmp_path):
 
     model = quantized(qwen3_moe(), _cfg(experts=INT4, self_attn=FP8_BLOCK))
     export_checkpoint(model, tmp_path / "c", "ct_mixed")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
     with torch.no_grad():
         got, ref = loaded(tokens()).logits, model(tokens()).logits
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -94,7 +96,8 @@ def test_transformers_loads_fp8_attention_int4_experts(tmp_path):
 
 def test_scheme_no_member_carries_refused(tmp_path):
     model = quantized(llama(), _cfg(mlp=INT4, self_attn={"num_bits": (4, 3), "axis": None}))
-    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.q_proj.weight_quantizer = fp8 element=\(4, 3\) / .*: no member of format ct_mixed carries it"):
+    with pytest.raises(ExportError, match=r"^model.layers.0.self_attn.q_proj.weight_quantizer = fp8 element=\(4, 3\) / .*: no member of "
+                                          r"format ct_mixed carries it"):
         export_checkpoint(model, tmp_path / "c", "ct_mixed")
 
 

@@ -21,7 +21,6 @@ from safetensors.torch import load_file  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
 from quantlib.pipeline.check import modelopt_dequantize  # noqa: E402
-
 from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
 CASES = {
@@ -51,12 +50,14 @@ def test_modelopt_dequantize_value_equal(bases, tmp_path, fmt, family):
     model = quantized(bases[family], CASES[fmt])
     if fmt == "modelopt_fp8_pb" and family == "qwen3_moe":
         # vLLM's ModelOpt FP8 MoE loader fails on block-scaled experts ("shape '[]' is invalid for input of size 2")
-        with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[0\]: expert 0: format modelopt_fp8_pb cannot carry MoE experts"):
+        with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[0\]: expert 0: format "
+                                              r"modelopt_fp8_pb cannot carry MoE experts"):
             export_checkpoint(model, tmp_path / "c", fmt)
         assert not list(tmp_path.iterdir())
         ql.disable_quantizer(model, "*experts*")  # the dense layers still export
         fmt_ok = export_checkpoint(model, tmp_path / "c", fmt)
-        assert "model.layers.0.self_attn.q_proj" in fmt_ok.quantized_modules and not [n for n in fmt_ok.quantized_modules if ".experts." in n]
+        assert "model.layers.0.self_attn.q_proj" in fmt_ok.quantized_modules and not [n for n in fmt_ok.quantized_modules
+                                                                                      if ".experts." in n]
         return
     export_checkpoint(model, tmp_path / "c", fmt)
     hf_quant = json.loads((tmp_path / "c" / "hf_quant_config.json").read_text())

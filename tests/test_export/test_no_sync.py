@@ -21,8 +21,7 @@ pytest.importorskip("transformers")
 import quantlib as ql  # noqa: E402
 from quantlib import kernels  # noqa: E402
 from quantlib.export import iter_packed  # noqa: E402
-from quantlib.kv_cache import FP8_KV_CFG, merge_kv_config  # noqa: E402
-
+from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
 from tests.test_export._export_models import quantized, weight_only  # noqa: E402
 
 _METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "__repr__", "__format__")
@@ -68,7 +67,8 @@ def llama(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -141,7 +141,6 @@ def test_plan_traversal_is_named_modules_without_the_quantizers():
     from quantlib.export.plan import named_modules
     from quantlib.nn.containers import QuantizerContainer
     from quantlib.nn.tensor_quantizer import TensorQuantizer
-
     from tests.test_export._export_models import llama, qwen3_moe
 
     for model in (quantized(llama(), CASES["modelopt_fp8"]), quantized(qwen3_moe(), CASES["hf_mxfp8"])):

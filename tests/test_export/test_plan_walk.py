@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import iter_packed, modules  # noqa: E402
-from quantlib.kv_cache import ATTENTION_QUANTIZER_NAMES, FP8_KV_CFG, merge_kv_config  # noqa: E402
+from quantlib.kv.presets import ATTENTION_QUANTIZER_NAMES, FP8_KV_CFG, merge_kv_config  # noqa: E402
 from quantlib.nn.quant_module import QuantModule  # noqa: E402
 from tests.test_export import _families as fam  # noqa: E402
 

@@ -11,13 +11,12 @@ pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib import kernels  # noqa: E402
-from quantlib.calib.max import abs_max  # noqa: E402
 from quantlib.export import ExportError, iter_packed, serialize_weight, sync_pairs  # noqa: E402
 from quantlib.formats.fp8_blockwise import fp8_blockwise_fake_quant  # noqa: E402
 from quantlib.formats.nvfp4 import nvfp4_fake_quant  # noqa: E402
 from quantlib.formats.reference import fake_quant  # noqa: E402
+from quantlib.nn.max_collector import abs_max  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-
 from tests.test_export._export_models import llama, quantized, qwen3_moe, tokens, weight_only  # noqa: E402
 
 RECIPES = {  # format: (preset, synced format)
@@ -111,7 +110,8 @@ def synced_weights(pairs: dict[str, torch.Tensor], recipe: str, weights: dict[st
                 t = {k: (v.chunk(2, 0)[i].reshape(()) if v.dim() == 1 else v.chunk(2, 0)[i]) for k, v in t.items()}
             out[name] = decode(t, recipe, weights[name].shape[-1])
         else:
-            out[name] = decode({k[len(name) + 1:]: v for k, v in pairs.items() if k.rpartition(".")[0] == name}, recipe, weights[name].shape[-1])
+            out[name] = decode({k[len(name) + 1:]: v for k, v in pairs.items() if k.rpartition(".")[0] == name}, recipe,
+                               weights[name].shape[-1])
     return out
 
 
@@ -136,7 +136,8 @@ def test_serialize_weight_packs_the_current_weight():
     model = trained("llama", "fp8_block")
     q = model.model.layers[1].self_attn.q_proj
     pairs = dict(serialize_weight("model.layers.1.self_attn.q_proj.weight", q.weight, q.weight_quantizer, "hf_fp8_block"))
-    got = kernels.dequantize(pairs["model.layers.1.self_attn.q_proj.weight"], pairs["model.layers.1.self_attn.q_proj.weight_scale_inv"], "fp8_blockwise", block=(128, 128))
+    got = kernels.dequantize(pairs["model.layers.1.self_attn.q_proj.weight"], pairs["model.layers.1.self_attn.q_proj.weight_scale_inv"],
+                             "fp8_blockwise", block=(128, 128))
     assert torch.equal(got, fp8_blockwise_fake_quant(q.weight.detach(), (128, 128), eps=1e-10))
     assert float(got.abs().max()) > 0.9 * float(q.weight.detach().abs().max())  # not clipped at the calibrated amax
 
@@ -144,7 +145,8 @@ def test_serialize_weight_packs_the_current_weight():
 def test_serialize_weight_batched_experts_after_training():
     model = trained("qwen3_moe", "nvfp4")
     experts = model.model.layers[1].mlp.experts
-    pairs = dict(serialize_weight("model.layers.1.mlp.experts.down_proj", experts.down_proj, experts, "modelopt_nvfp4", batched_experts=True))
+    pairs = dict(serialize_weight("model.layers.1.mlp.experts.down_proj", experts.down_proj, experts, "modelopt_nvfp4",
+                                  batched_experts=True))
     for e in range(4):
         w = experts.down_proj[e].detach()
         t = {k.rpartition(".")[2]: v[e] for k, v in pairs.items()}
@@ -155,10 +157,13 @@ def test_serialize_weight_batched_experts_after_training():
 def test_static_scales_refuse_a_weight_beyond_its_amax(recipe):
     model = trained("qwen3_moe", recipe)
     fmt = RECIPES[recipe][1]
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: the weight model\.layers\.0\.self_attn\.q_proj has outgrown its calibrated scale .*weight amax [0-9.e+-]+ > stored amax [0-9.e+-]+"):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight_quantizer: the weight "
+                                          r"model\.layers\.0\.self_attn\.q_proj has outgrown its calibrated scale .*weight amax [0-9.e+-]+ "
+                                          r"> stored amax [0-9.e+-]+"):
         list(iter_packed(model, fmt, scales="static"))
     q = model.model.layers[0].mlp.experts
-    with pytest.raises(ExportError, match=r"^model\.layers\.0\.mlp\.experts\.down_proj_weight_quantizer\[0\]: the weight model\.layers\.0\.mlp\.experts\.down_proj has outgrown"):
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.mlp\.experts\.down_proj_weight_quantizer\[0\]: the weight "
+                                          r"model\.layers\.0\.mlp\.experts\.down_proj has outgrown"):
         list(serialize_weight("model.layers.0.mlp.experts.down_proj", q.down_proj, q, fmt, batched_experts=True, scales="static"))
 
 
@@ -169,7 +174,8 @@ def test_static_scales_pass_an_untrained_model_unchanged():
     assert static.keys() == calibrated.keys()
     for name, tensors in calibrated.items():
         for k, t in tensors.items():
-            assert torch.equal(static[name][k].view(torch.uint8) if t.element_size() == 1 else static[name][k], t.view(torch.uint8) if t.element_size() == 1 else t), (name, k)
+            assert torch.equal(static[name][k].view(torch.uint8) if t.element_size() == 1 else static[name][k], t.view(torch.uint8)
+                               if t.element_size() == 1 else t), (name, k)
 
 
 def test_unknown_scales_refused():

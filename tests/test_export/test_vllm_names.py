@@ -13,7 +13,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, check_receiver, iter_packed, sync_pairs  # noqa: E402
 from quantlib.export.vllm_names import candidates  # noqa: E402
 from quantlib.formats.nvfp4 import nvfp4_global_scale  # noqa: E402
-
 from tests.test_export._export_models import quantized, qwen3_moe, weight_only  # noqa: E402
 
 
@@ -27,12 +26,14 @@ def test_flat_and_nested_names(moe):
     nested = dict(sync_pairs(moe, "modelopt_nvfp4", expert_names="nested"))
     experts = sorted(k for k in flat if ".experts." in k and k.startswith("model.layers.0."))
     assert experts == [f"model.layers.0.mlp.experts.{p}_{s}" for p in ("w13", "w2") for s in ("weight", "weight_scale", "weight_scale_2")]
-    assert sorted(k for k in nested if ".experts." in k and k.startswith("model.layers.0.")) == [k.replace("experts.", "experts.routed_experts.") for k in experts]
+    assert sorted(k for k in nested if ".experts." in k
+                  and k.startswith("model.layers.0.")) == [k.replace("experts.", "experts.routed_experts.") for k in experts]
     assert {k for k in flat if ".experts." not in k} == {k for k in nested if ".experts." not in k}
     # vLLM's w13 parameters: [E, 2I, H/2] codes, gate rows then up rows; [E, 2] global scales
     w13, s2 = flat["model.layers.0.mlp.experts.w13_weight"], flat["model.layers.0.mlp.experts.w13_weight_scale_2"]
     assert w13.shape == (4, 256, 128) and s2.shape == (4, 2)
-    shards = {p.shard: p.tensors for p in iter_packed(moe, "modelopt_nvfp4", experts="stacked", scales="dynamic") if p.name == "model.layers.0.mlp.experts"}
+    shards = {p.shard: p.tensors for p in iter_packed(moe, "modelopt_nvfp4", experts="stacked", scales="dynamic")
+              if p.name == "model.layers.0.mlp.experts"}
     assert torch.equal(w13, torch.cat([shards["w1"]["w13_weight"], shards["w3"]["w13_weight"]], 1))
     assert torch.equal(s2, torch.stack([shards["w1"]["w13_weight_scale_2"], shards["w3"]["w13_weight_scale_2"]], 1))
     assert torch.equal(s2[:, 0], s2[:, 1])  # gate and up of an expert share one global scale (vLLM uses gate's)
@@ -43,8 +44,10 @@ def test_receiver_check_names_both_candidates(moe):
     nested_keys = [k for k, _ in sync_pairs(moe, "modelopt_nvfp4", expert_names="nested")]
     check_receiver(flat_keys, set(flat_keys))
     check_receiver(nested_keys, set(nested_keys))
-    with pytest.raises(ExportError, match=r"12 synced parameter\(s\) missing on the receiver: model\.layers\.0\.mlp\.experts\.w13_weight \(candidates: flat 'model\.layers\.0\.mlp\.experts\.w13_weight', "
-                       r"nested 'model\.layers\.0\.mlp\.experts\.routed_experts\.w13_weight'; the receiver has 'model\.layers\.0\.mlp\.experts\.routed_experts\.w13_weight': use expert_names='nested'\)"):
+    with pytest.raises(ExportError, match=r"12 synced parameter\(s\) missing on the receiver: model\.layers\.0\.mlp\.experts\.w13_weight "
+                                          r"\(candidates: flat 'model\.layers\.0\.mlp\.experts\.w13_weight', "
+                       r"nested 'model\.layers\.0\.mlp\.experts\.routed_experts\.w13_weight'; the receiver has "
+                       r"'model\.layers\.0\.mlp\.experts\.routed_experts\.w13_weight': use expert_names='nested'\)"):
         check_receiver(flat_keys, set(nested_keys))
     with pytest.raises(ExportError, match=r"use expert_names='flat'"):
         check_receiver(nested_keys, set(flat_keys))
@@ -68,6 +71,8 @@ def test_w4a4_activation_scales_travel_with_the_experts():
     experts = model.model.layers[1].mlp.experts
     # one input scale per expert (the layer's input quantizer), once for w13 (gate and up read one input)
     assert pairs["model.layers.1.mlp.experts.w13_input_scale"].shape == (4,)
-    assert torch.equal(pairs["model.layers.1.mlp.experts.w13_input_scale"], nvfp4_global_scale(experts.gate_up_proj_input_quantizer.amax).reshape(1).expand(4))
-    assert torch.equal(pairs["model.layers.1.mlp.experts.w2_input_scale"], nvfp4_global_scale(experts.down_proj_input_quantizer.amax).reshape(1).expand(4))
+    assert torch.equal(pairs["model.layers.1.mlp.experts.w13_input_scale"],
+                       nvfp4_global_scale(experts.gate_up_proj_input_quantizer.amax).reshape(1).expand(4))
+    assert torch.equal(pairs["model.layers.1.mlp.experts.w2_input_scale"],
+                       nvfp4_global_scale(experts.down_proj_input_quantizer.amax).reshape(1).expand(4))
     assert "model.layers.1.self_attn.q_proj.input_scale" in pairs

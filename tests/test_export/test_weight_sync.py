@@ -13,7 +13,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, chunk_by_bytes, iter_packed, serialize_weight  # noqa: E402
 from quantlib.formats.fp8_blockwise import fp8_blockwise_dequantize  # noqa: E402
 from quantlib.formats.reference import fake_quant  # noqa: E402
-
 from tests.test_export._export_models import bit_equal, fake_quant_weights, llama, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
@@ -37,7 +36,8 @@ def test_serialize_weight_equals_iter_packed():
 
 def test_serialize_weight_batched_experts(moe):
     experts = moe.model.layers[0].mlp.experts
-    pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts.gate_up_proj_weight_quantizer, "hf_fp8_block", batched_experts=True))
+    pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts.gate_up_proj_weight_quantizer,
+                                  "hf_fp8_block", batched_experts=True))
     codes = pairs["model.layers.0.mlp.experts.gate_up_proj.weight"]
     scales = pairs["model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv"]
     assert codes.shape == (4, 256, 256) and scales.shape == (4, 2, 2)
@@ -49,15 +49,20 @@ def test_serialize_weight_batched_experts(moe):
 
 def test_stacked_experts_in_vllm_layout(moe):
     stacked = [p for p in iter_packed(moe, "hf_fp8_block", experts="stacked") if p.role == "expert"]
-    assert [(p.name, p.shard) for p in stacked[:3]] == [("model.layers.0.mlp.experts", "w1"), ("model.layers.0.mlp.experts", "w3"), ("model.layers.0.mlp.experts", "w2")]
+    assert [(p.name, p.shard) for p in stacked[:3]] == [("model.layers.0.mlp.experts", "w1"), ("model.layers.0.mlp.experts", "w3"),
+                                                        ("model.layers.0.mlp.experts", "w2")]
     w1, w3, w2 = (p.tensors for p in stacked[:3])
-    assert sorted(w1) == ["w13_weight", "w13_weight_scale_inv"] and w1["w13_weight"].shape == (4, 128, 256) and w2["w2_weight"].shape == (4, 256, 128)
+    assert sorted(w1) == ["w13_weight", "w13_weight_scale_inv"] and w1["w13_weight"].shape == (4, 128,
+                                                                                               256) and w2["w2_weight"].shape == (4, 256,
+                                                                                                                                  128)
     fq = fake_quant_weights(moe)
     for e in range(4):
         # what vLLM's w13 holds after loading shard w1 into rows [0, I) and w3 into [I, 2I)
-        w13 = torch.cat([fp8_blockwise_dequantize(w1["w13_weight"][e], w1["w13_weight_scale_inv"][e], (128, 128)), fp8_blockwise_dequantize(w3["w13_weight"][e], w3["w13_weight_scale_inv"][e], (128, 128))])
+        w13 = torch.cat([fp8_blockwise_dequantize(w1["w13_weight"][e], w1["w13_weight_scale_inv"][e], (128, 128)),
+                         fp8_blockwise_dequantize(w3["w13_weight"][e], w3["w13_weight_scale_inv"][e], (128, 128))])
         assert torch.equal(w13, torch.cat([fq[f"model.layers.0.mlp.experts.{e}.gate_proj"], fq[f"model.layers.0.mlp.experts.{e}.up_proj"]]))
-        assert torch.equal(fp8_blockwise_dequantize(w2["w2_weight"][e], w2["w2_weight_scale_inv"][e], (128, 128)), fq[f"model.layers.0.mlp.experts.{e}.down_proj"])
+        assert torch.equal(fp8_blockwise_dequantize(w2["w2_weight"][e], w2["w2_weight_scale_inv"][e], (128, 128)),
+                           fq[f"model.layers.0.mlp.experts.{e}.down_proj"])
 
 
 def test_chunk_by_bytes():
@@ -94,12 +99,14 @@ def test_stacked_experts_tp_shards_tile_the_tp1_tensors(fmt):
                 half[:, dim - 1] //= 2
                 assert torch.equal(a, half) and torch.equal(b, half), (p0.name, p0.shard, k)
             elif t.dim() > dim and t.shape[dim] > 1:
-                assert a.shape[dim] * 2 == t.shape[dim] and torch.equal(torch.cat([a, b], dim).view(torch.uint8), t.view(torch.uint8)), (p0.name, p0.shard, k)
+                assert a.shape[dim] * 2 == t.shape[dim] and torch.equal(torch.cat([a, b], dim).view(torch.uint8),
+                                                                        t.view(torch.uint8)), (p0.name, p0.shard, k)
                 split.append((whole.shard, k))
             else:  # per-tensor scales: every rank holds them whole
                 assert torch.equal(a, t) and torch.equal(b, t), (p0.name, p0.shard, k)
     codes = {"w13_weight", "w2_weight", "w13_weight_packed", "w2_weight_packed"}
-    assert sorted(k for _, k in split if k in codes) == sorted(k for p in full for k in p.tensors if k in codes)  # every stacked code tensor split
+    assert sorted(k for _, k in split if k in codes) == sorted(k for p in full for k in p.tensors
+                                                               if k in codes)  # every stacked code tensor split
     assert any(k.startswith("w13_weight_scale") for _, k in split)  # and the rows' scales with them
     w1 = ranks[1][0].tensors
     assert w1[next(k for k in w1 if k in ("w13_weight", "w13_weight_packed"))].shape[:2] == (4, 64)
@@ -108,7 +115,8 @@ def test_stacked_experts_tp_shards_tile_the_tp1_tensors(fmt):
 def test_stacked_experts_tp_needs_rank_and_whole_blocks(moe):
     with pytest.raises(ExportError, match=r"tp_rank=None: experts='stacked' at tp=2 yields one rank's shard"):
         list(iter_packed(moe, "hf_fp8_block", experts="stacked", tp=2))
-    with pytest.raises(ExportError, match=r"at tensor parallel 2 the (rows|columns) \(128\) split into shards of 64, not a whole number of blocks of 128"):
+    with pytest.raises(ExportError, match=r"at tensor parallel 2 the (rows|columns) \(128\) split into shards of 64, not a whole number of "
+                                          r"blocks of 128"):
         list(iter_packed(moe, "hf_fp8_block", experts="stacked", tp=2, tp_rank=0))
 
 
@@ -121,18 +129,23 @@ def test_serialize_weight_w8a8_fp8_takes_the_module():
     o_proj = model.model.layers[0].self_attn.o_proj
     pairs = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj, "modelopt_fp8"))
     ref = next(p for p in iter_packed(model, "modelopt_fp8", scales="dynamic") if p.name == "model.layers.0.self_attn.o_proj").tensors
-    assert sorted(pairs) == [f"model.layers.0.self_attn.o_proj.{k}" for k in ("input_scale", "weight", "weight_scale")] == [f"model.layers.0.self_attn.o_proj.{k}" for k in sorted(ref)]
+    assert sorted(pairs) == [f"model.layers.0.self_attn.o_proj.{k}" for k in ("input_scale", "weight",
+                                                                              "weight_scale")] == [f"model.layers.0.self_attn.o_proj.{k}"
+                                                                                                   for k in sorted(ref)]
     assert all(bit_equal(pairs[f"model.layers.0.self_attn.o_proj.{k}"], t) for k, t in ref.items())
     w = o_proj.weight.detach()
-    assert torch.equal(pairs["model.layers.0.self_attn.o_proj.weight"].float() * pairs["model.layers.0.self_attn.o_proj.weight_scale"], fake_quant(w, o_proj.weight_quantizer.spec, w.abs().amax()))
+    assert torch.equal(pairs["model.layers.0.self_attn.o_proj.weight"].float() * pairs["model.layers.0.self_attn.o_proj.weight_scale"],
+                       fake_quant(w, o_proj.weight_quantizer.spec, w.abs().amax()))
     # the quantizer alone plus its input quantizer says the same
-    alone = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj.weight_quantizer, "modelopt_fp8", input_quantizer=o_proj.input_quantizer))
+    alone = dict(serialize_weight("model.layers.0.self_attn.o_proj.weight", o_proj.weight, o_proj.weight_quantizer, "modelopt_fp8",
+                                  input_quantizer=o_proj.input_quantizer))
     assert all(bit_equal(alone[k], v) for k, v in pairs.items())
 
 
 def test_serialize_weight_nvfp4_w4a4_carries_the_input_global_scale(moe_nvfp4_w4a4):
     experts = moe_nvfp4_w4a4.model.layers[0].mlp.experts
-    pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "ct_nvfp4", batched_experts=True))
+    pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "ct_nvfp4",
+                                  batched_experts=True))
     gs = pairs["model.layers.0.mlp.experts.gate_up_proj.input_global_scale"]
     assert gs.shape == (4, 1) and torch.equal(gs[0], 448 * 6 / experts.gate_up_proj_input_quantizer.amax.float().reshape(1))
 
@@ -173,9 +186,11 @@ def test_batched_expert_sync_reads_nothing_back(moe, monkeypatch):
     """Each expert's amax check was a host read: one per expert of a stack."""
     experts = moe.model.layers[0].mlp.experts
     reads = HostReads(monkeypatch)
-    list(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts.gate_up_proj_weight_quantizer, "hf_fp8_block", batched_experts=True))
+    list(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts.gate_up_proj_weight_quantizer,
+                          "hf_fp8_block", batched_experts=True))
     assert reads.count == 0
-    list(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "hf_fp8_block", batched_experts=True, scales="static"))
+    list(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "hf_fp8_block", batched_experts=True,
+                          scales="static"))
     assert reads.count == 2  # the finiteness of the stored amax, then the clipping check: one batched read each
 
 

@@ -1,8 +1,7 @@
 """E2M1 elements: RNE on {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturation at 6, nibble packing."""
 
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats.e2m1 import E2M1_VALUES, e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
 

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats.e8m0 import e8m0_encode, e8m0_exponent, e8m0_to_float
 from quantlib.formats.spec import Rounding

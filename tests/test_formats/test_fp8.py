@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats.fp8 import cast_fp8, fp8_dequantize, fp8_dtype, fp8_fake_quant, fp8_quantize, fp8_scale
 

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from quantlib.formats.fp8_blockwise import blockwise_scale, fp8_blockwise_dequantize, fp8_blockwise_fake_quant, fp8_blockwise_quantize, pow2_ceil
+from quantlib.formats.fp8_blockwise import (
+    blockwise_scale,
+    fp8_blockwise_dequantize,
+    fp8_blockwise_fake_quant,
+    fp8_blockwise_quantize,
+    pow2_ceil,
+)
 
 from ._helpers import INF, NAN, assert_bitwise, assert_same, f32, non_contiguous, t32
 

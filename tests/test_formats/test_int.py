@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats.int import code_dtype, int_codes, int_dequant, int_fake_quant, int_range
 
@@ -16,7 +15,9 @@ def test_ranges():
     assert int_range(8, True, True) == (0.0, 255.0)
     assert int_range(4, False, True) == (-7.0, 7.0)
     assert int_range(4, True, False) == (0.0, 15.0)
-    assert (code_dtype(8, False), code_dtype(8, True), code_dtype(4, False), code_dtype(16, False)) == (torch.int8, torch.uint8, torch.int8, torch.int32)
+    assert (code_dtype(8, False), code_dtype(8, True), code_dtype(4, False), code_dtype(16,
+                                                                                        False)) == (torch.int8, torch.uint8, torch.int8,
+                                                                                                    torch.int32)
 
 
 def test_narrow_range_round_half_even_and_clamp():

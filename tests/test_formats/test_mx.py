@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats.mx import mx_dequantize, mx_fake_quant, mx_quantize
 from quantlib.formats.spec import Rounding

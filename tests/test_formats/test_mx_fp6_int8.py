@@ -16,8 +16,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats.fp6 import fp6_decode, fp6_encode, fp6_round, fp6_values
 from quantlib.formats.mx import mx_dequantize, mx_fake_quant, mx_quantize

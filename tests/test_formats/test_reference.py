@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from quantlib.formats import FormatSpec, Kind, QuantizedTensor, Rounding, dequantize, dynamic_amax, fake_quant, quantize
 
@@ -27,7 +26,8 @@ MXFP4_FLOOR = FormatSpec(Kind.MX, element=(2, 1), block=(32,), rounding=Rounding
 NVFP4 = FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,))
 
 STATIC = {INT8, INT8_FULL, UINT4, FP8, FP8_E5M2}
-ALL = [INT8, INT8_FULL, UINT4, INT8_DYN_ROW, INT4_BLOCK, INT8_BLOCK_2D, FP8, FP8_E5M2, FP8_1x128, FP8_128x128_POW2, FP8_BLOCK_SMALL, MXFP8, MXFP8_FLOOR, MXFP4, MXFP4_FLOOR, NVFP4]
+ALL = [INT8, INT8_FULL, UINT4, INT8_DYN_ROW, INT4_BLOCK, INT8_BLOCK_2D, FP8, FP8_E5M2, FP8_1x128, FP8_128x128_POW2, FP8_BLOCK_SMALL, MXFP8,
+       MXFP8_FLOOR, MXFP4, MXFP4_FLOOR, NVFP4]
 
 
 def static_amax(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor | None:

@@ -27,7 +27,8 @@ def assert_same(got, ref, what: str = "") -> None:
         bad = (_bits(got) != _bits(ref)) & ~gn
     if bad.any():
         idx = bad.nonzero()[:4].tolist()
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: got {got[bad][:4].tolist()}, want {ref[bad][:4].tolist()}")
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: got {got[bad][:4].tolist()}, want "
+                             f"{ref[bad][:4].tolist()}")
 
 
 assert_same_all = assert_same

@@ -39,5 +39,6 @@ def run_in_subprocess(path: str, fresh: bool) -> None:
     if fresh:
         pytest.skip("the tests of this module run in this process")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""Cases of the straight-through gradient: (spec, input shape, amax shape or None); shared by the CPU,
-interpreter and GPU tests of :func:`quantlib.kernels.ops.ste_grad`."""
+"""Cases of the straight-through gradient: (spec, input shape, amax shape or None); shared by the CPU
+and GPU tests of :func:`quantlib.kernels.ops.ste_grad`."""
 
 from __future__ import annotations
 

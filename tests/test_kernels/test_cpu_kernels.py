@@ -15,14 +15,13 @@ import torch
 
 C = pytest.importorskip("quantlib._C", reason="the C++ extension quantlib._C is not built")
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ._compare import assert_same, assert_same_all  # noqa: E402,F401
 from quantlib import kernels  # noqa: E402
 from quantlib.formats import FormatSpec, Kind, Rounding  # noqa: E402
-from quantlib.kernels import cpu_impl as CPU  # noqa: E402
-from quantlib.kernels import reference_impl as REF  # noqa: E402
+from quantlib.kernels import cpu_impl as CPU, reference_impl as REF  # noqa: E402
+
+from ._compare import assert_same, assert_same_all  # noqa: E402,F401
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -374,7 +373,8 @@ def test_partial_last_block(shape, isa):
 
 def _non_contiguous(x: torch.Tensor) -> list[torch.Tensor]:
     """Views equal to ``x``: column-major, a strided last dim, rows with a gap after each."""
-    views = [x.transpose(-1, -2).contiguous().transpose(-1, -2), torch.stack([x, x], dim=-1)[..., 0], torch.cat([x, x], dim=-1)[..., : x.shape[-1]]]
+    views = [x.transpose(-1, -2).contiguous().transpose(-1, -2), torch.stack([x, x], dim=-1)[..., 0],
+             torch.cat([x, x], dim=-1)[..., : x.shape[-1]]]
     for v in views:
         assert not v.is_contiguous()
         assert_same(v, x)
@@ -430,7 +430,8 @@ def test_amax_broadcast_that_grows_the_output():
 def test_parallel_split_matches_reference(shape):
     # Large enough for the threaded path; long rows split into segments; single-element rows.
     x = sample(shape, seed=20)
-    for spec, amax in [(FormatSpec(INT, 8), amax_tensor(x)), (FormatSpec(INT, 8), amax_last(x)), (FormatSpec(FP8, element=E4M3), amax_rows(x)),
+    for spec, amax in [(FormatSpec(INT, 8), amax_tensor(x)), (FormatSpec(INT, 8), amax_last(x)), (FormatSpec(FP8, element=E4M3),
+                                                                                                  amax_rows(x)),
                        (FormatSpec(INT, 8, dynamic=True), None), (FormatSpec(NV, element=E2M1, block=(16,)), None)]:
         check_fake_quant(x, spec, amax, f"{spec} {shape}")
     assert_same(CPU.mx_cast(x, "e2m1", 32, Rounding.RCEIL), REF.mx_cast(x, "e2m1", 32, Rounding.RCEIL))
@@ -444,7 +445,8 @@ def test_thread_count_does_not_change_results():
     try:
         for n in (1, max(2, threads)):
             torch.set_num_threads(n)
-            outs.append([CPU.fake_quant(x, FormatSpec(INT, 8), amax_last(x)), CPU.nvfp4_cast(x, None), CPU.fake_quant(x, FormatSpec(MX, element=E2M1, block=(32,)), None)])
+            outs.append([CPU.fake_quant(x, FormatSpec(INT, 8), amax_last(x)), CPU.nvfp4_cast(x, None),
+                         CPU.fake_quant(x, FormatSpec(MX, element=E2M1, block=(32,)), None)])
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(*outs):
@@ -484,7 +486,8 @@ def test_dequantize_of_cast_equals_fake_quant():
 
 def test_static_amax_errors_like_reference():
     x = sample((4, 32), seed=23)
-    for spec in (FormatSpec(INT, 8), FormatSpec(FP8, element=E4M3), FormatSpec(FPB, element=E4M3, block=(16,)), FormatSpec(INT, 4, block=(16,))):
+    for spec in (FormatSpec(INT, 8), FormatSpec(FP8, element=E4M3), FormatSpec(FPB, element=E4M3, block=(16,)),
+                 FormatSpec(INT, 4, block=(16,))):
         with pytest.raises(ValueError, match="needs an amax"):
             REF.fake_quant(x, spec, None)
         with pytest.raises(ValueError, match="needs an amax"):
@@ -559,7 +562,8 @@ def test_fuzz_fake_quant(rows, cols, spec_i, dtype_i, exp, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 8), cols=st.integers(1, 150), exp=st.integers(-30, 30), seed=st.integers(0, 2**31 - 1), dtype_i=st.integers(0, 2))
+@given(rows=st.integers(1, 8), cols=st.integers(1, 150), exp=st.integers(-30, 30), seed=st.integers(0, 2**31 - 1),
+       dtype_i=st.integers(0, 2))
 def test_fuzz_casts(rows, cols, exp, seed, dtype_i):
     x = (sample((rows, cols), seed=seed) * 2.0**exp).to(DTYPES[dtype_i])
     assert_same(CPU.fp8_blockwise_cast(x, (1, 32), 1e-10, True), REF.fp8_blockwise_cast(x, (1, 32), 1e-10, True))

@@ -169,7 +169,8 @@ def test_corrections_without_the_special_select():
 
 def test_corrections_lose_the_sign_of_zero_and_break_on_specials():
     """Why CUDA puts the sign back and keeps Inf / NaN blocks off the fast path: without them -0 / b
-    is +0 (and Inf / b would be Inf - Inf = NaN in the first correction). INT codes want exactly that +0, so they skip the sign (SIGN = false)."""
+    is +0 (and Inf / b would be Inf - Inf = NaN in the first correction). INT codes want exactly that +0, so they skip the sign (SIGN =
+    false)."""
     assert _bits(div_corrected(-0.0, 3.0, sign=False)) == _bits(0.0)
     assert _bits(div_corrected(0.0, 3.0, sign=False)) == _bits(0.0)
     assert _bits(div_corrected(-0.0, 3.0, sign=True)) == _bits(-0.0)

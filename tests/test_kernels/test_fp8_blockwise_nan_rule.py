@@ -40,7 +40,8 @@ def assert_nan_rule(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 
 def _cases():
-    return [pytest.param(blk, dt, id=f"{'x'.join(map(str, blk))}-{str(dt)[6:]}") for blk in ((1, 128), (128, 128)) for dt in (torch.float32, torch.bfloat16)]
+    return [pytest.param(blk, dt, id=f"{'x'.join(map(str, blk))}-{str(dt)[6:]}") for blk in ((1, 128), (128, 128))
+            for dt in (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._compare import assert_same_all
 from quantlib.formats import Rounding
 from quantlib.kernels import reference_impl as R
+
+from ._compare import assert_same_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

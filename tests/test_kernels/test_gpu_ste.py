@@ -1,6 +1,6 @@
-"""The straight-through backward on CUDA tensors (the fused Triton kernel) against the torch expression
-on a CPU copy, bit for bit; and the whole eager QAT path (forward + backward through ``ops.fake_quant``)
-against the same path on the CPU."""
+"""The straight-through backward on CUDA tensors against the torch expression on a CPU copy, bit for
+bit; and the whole eager QAT path (forward + backward through ``ops.fake_quant``) against the same path
+on the CPU."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import torch
 from quantlib.formats import FormatSpec, Kind
 from quantlib.kernels import ops
 
-from ._ste_cases import CASES, amax_for, inputs
-from ._ste_cases import bits as _bits
+from ._ste_cases import CASES, amax_for, bits as _bits, inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,36 +26,20 @@ LARGE = [
 ]
 
 
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES + LARGE, ids=[c[0] for c in CASES + LARGE])
 def test_cuda_ste_grad_matches_the_cpu_expression(case, dtype):
     _, spec, shape, amax_shape = case
     amax = amax_for(spec, shape, amax_shape)
     x, grad = inputs(shape, amax, dtype)
-    from quantlib.kernels.triton.ste import ste_grad as fused
-
     expected = torch.where(ops.ste_mask(x, spec, amax), grad, 0.0)
-    out = fused(grad.cuda(), x.cuda(), spec, amax.cuda())  # the kernel itself (opt-in in ops.ste_grad)
-    if out is None:  # a layout the kernel does not take: ops.ste_grad's torch expression
-        out = ops.ste_grad(grad.cuda(), x.cuda(), spec, amax.cuda())
+    out = ops.ste_grad(grad.cuda(), x.cuda(), spec, amax.cuda())
     assert out.is_cuda and torch.equal(_bits(out), _bits(expected))
-
-
-def test_cuda_ste_grad_runs_the_fused_kernel():
-    from quantlib.kernels.triton.ste import ste_grad
-
-    spec = FormatSpec(kind=Kind.INT, num_bits=4, block=(128,))
-    amax = amax_for(spec, (64, 512), "blocks").cuda()
-    x, grad = (t.cuda() for t in inputs((64, 512), amax.cpu(), torch.bfloat16))
-    assert ste_grad(grad, x, spec, amax) is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", LARGE, ids=[c[0] for c in LARGE])
-@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
-def test_cuda_qat_gradient_equals_the_cpu_one(case, dtype, fused, monkeypatch):
-    monkeypatch.setattr(ops, "FUSED_STE", fused)
+def test_cuda_qat_gradient_equals_the_cpu_one(case, dtype):
     _, spec, shape, amax_shape = case
     amax = amax_for(spec, shape, amax_shape)
     x, grad = inputs(shape, amax, dtype)

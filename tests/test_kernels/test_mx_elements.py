@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._compare import assert_same
 from quantlib import kernels
 from quantlib.formats import FormatSpec, Kind, Rounding
-from quantlib.kernels import cuda_impl
-from quantlib.kernels import reference_impl as REF
+from quantlib.kernels import cuda_impl, reference_impl as REF
+
+from ._compare import assert_same
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

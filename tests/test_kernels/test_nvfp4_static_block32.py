@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._compare import assert_same, assert_same_all
 from quantlib import kernels
 from quantlib.formats import FormatSpec, Kind, block_amax
 from quantlib.kernels import ops
+
+from ._compare import assert_same, assert_same_all
 
 NAN = float("nan")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,7 +93,8 @@ def test_static_block_amax_of_the_blocks_max_is_dynamic_nvfp4(backend, block):
     x = _x((12, 200), torch.bfloat16, seed=4)
     g = x.float().abs().amax()
     dynamic = ops.fake_quant(x, _spec(block, True), g, "reference")
-    static = ops.fake_quant(_on(x, backend), _spec(block, False), _on(g, backend), backend, block_amax=_on(block_amax(x.float(), (block,)), backend))
+    static = ops.fake_quant(_on(x, backend), _spec(block, False), _on(g, backend), backend,
+                            block_amax=_on(block_amax(x.float(), (block,)), backend))
     assert_same(static.cpu(), dynamic)
 
 

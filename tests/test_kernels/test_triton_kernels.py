@@ -10,7 +10,6 @@ used). Shapes are small: every test runs in well under a second.
 from __future__ import annotations
 
 import pytest
-
 import torch  # noqa: E402
 
 from . import _interpreted  # noqa: E402
@@ -19,9 +18,10 @@ _FRESH = _interpreted.start()
 
 triton = pytest.importorskip("triton")
 
-from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 from quantlib.formats import FormatSpec, Kind, Rounding  # noqa: E402
 from quantlib.kernels import reference_impl as R  # noqa: E402
+
+from ._compare import assert_same, assert_same_all, e2m1_probe  # noqa: E402,F401
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +58,8 @@ def edge_input(shape, dtype, seed=0, scale=3.0) -> torch.Tensor:
     x = torch.randn(shape, generator=g) * scale
     flat = x.view(-1)
     n = flat.numel()
-    specials = torch.tensor([0.0, -0.0, 2.0**-130, -(2.0**-140), 2.0**-9, 448.0, -448.0, 124.0, 127.9, 1.5 * 2**-7, 6.0, 5.0, 0.25, 0.75, 2.0**-24])
+    specials = torch.tensor([0.0, -0.0, 2.0**-130, -(2.0**-140), 2.0**-9, 448.0, -448.0, 124.0, 127.9, 1.5 * 2**-7, 6.0, 5.0, 0.25, 0.75,
+                             2.0**-24])
     k = min(n, specials.numel())
     pos = torch.randperm(n, generator=g)[:k]
     flat[pos] = specials[:k] * (scale if dtype != torch.float16 else 1.0)
@@ -115,7 +116,9 @@ def test_fake_quant_dynamic_matches_reference(spec, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("spec", [FormatSpec(Kind.INT, num_bits=4, block=(128, 128), dynamic=True), FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), dynamic=True), FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), dynamic=True, pow2=True)], ids=_id)
+@pytest.mark.parametrize("spec", [FormatSpec(Kind.INT, num_bits=4, block=(128, 128), dynamic=True),
+                                  FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), dynamic=True),
+                                  FormatSpec(Kind.FP8_BLOCK, element=(4, 3), block=(128, 128), dynamic=True, pow2=True)], ids=_id)
 def test_fake_quant_2d_blocks_partial(spec, dtype):
     x = edge_input((130, 136), dtype, seed=1)
     x[128:, 128:] = 0.0  # an all-zero partial corner block
@@ -152,7 +155,8 @@ def test_fake_quant_static_matches_reference(case, dtype):
     assert_same(T().fake_quant(x, spec, amax), R.fake_quant(x, spec, amax), case[0])
 
 
-@pytest.mark.parametrize("spec", [FormatSpec(Kind.INT, num_bits=8), FormatSpec(Kind.FP8, element=(4, 3)), FormatSpec(Kind.INT, num_bits=4, block=(16,))], ids=_id)
+@pytest.mark.parametrize("spec", [FormatSpec(Kind.INT, num_bits=8), FormatSpec(Kind.FP8, element=(4, 3)),
+                                  FormatSpec(Kind.INT, num_bits=4, block=(16,))], ids=_id)
 @pytest.mark.parametrize("where", ["tensor", "row", "col"])
 def test_nan_group(spec, where):
     x = edge_input((6, 48), torch.float32, seed=3)
@@ -296,7 +300,8 @@ def test_fp8_blockwise_cast_static_amax(block, pow2, dtype):
         x = edge_input(shape, dtype, seed=12)
         own = R.block_amax(x, block)
         for amax in (own, own * 2.0 + 1e-3, own * 0.5, torch.zeros_like(own)):
-            assert_same_all(T().fp8_blockwise_cast(x, block, 1e-10, pow2, amax), R.fp8_blockwise_cast(x, block, 1e-10, pow2, amax), f"{block} {shape} {amax.flatten()[:2]}")
+            assert_same_all(T().fp8_blockwise_cast(x, block, 1e-10, pow2, amax), R.fp8_blockwise_cast(x, block, 1e-10, pow2, amax),
+                            f"{block} {shape} {amax.flatten()[:2]}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -354,7 +359,8 @@ def test_non_contiguous_matches_contiguous():
     for spec in SPECS_DYNAMIC:
         assert_same(T().fake_quant(x, spec, None), T().fake_quant(xc, spec, None), _id(spec))
         assert_same(T().fake_quant(x, spec, None), R.fake_quant(x, spec, None), _id(spec))
-    assert_same(T().fake_quant(x, FormatSpec(Kind.INT, num_bits=8), torch.tensor(2.0)), R.fake_quant(xc, FormatSpec(Kind.INT, num_bits=8), torch.tensor(2.0)))
+    assert_same(T().fake_quant(x, FormatSpec(Kind.INT, num_bits=8), torch.tensor(2.0)),
+                R.fake_quant(xc, FormatSpec(Kind.INT, num_bits=8), torch.tensor(2.0)))
     assert_same_all(T().fp8_blockwise_cast(x, (128,), 1e-10, False), R.fp8_blockwise_cast(xc, (128,), 1e-10, False))
     assert_same_all(T().mx_cast(x, "e2m1", 32, Rounding.RCEIL), R.mx_cast(xc, "e2m1", 32, Rounding.RCEIL))
     assert_same_all(T().nvfp4_cast(x, None), R.nvfp4_cast(xc, None))
@@ -409,7 +415,8 @@ def test_mx_element_rounding_of_every_bf16_value(elem, q):
     vals = torch.cat([mags, -mags, torch.zeros((-2 * mags.numel()) % 31)]).view(-1, 31)
     x = torch.cat([torch.full((vals.shape[0], 1), q), vals], dim=1)
     assert_same_all(T().mx_cast(x, elem, 32, Rounding.RCEIL), R.mx_cast(x, elem, 32, Rounding.RCEIL), elem)
-    spec = FormatSpec(Kind.MX, num_bits=8, block=(32,)) if elem == "int8" else FormatSpec(Kind.MX, element=(int(elem[1]), int(elem[3])), block=(32,))
+    spec = FormatSpec(Kind.MX, num_bits=8, block=(32,)) if elem == "int8" else FormatSpec(Kind.MX, element=(int(elem[1]), int(elem[3])),
+                                                                                          block=(32,))
     assert_same(T().fake_quant(x, spec, None), R.fake_quant(x, spec, None), elem)
 
 
@@ -422,3 +429,16 @@ def test_mx_elements_of_random_bit_patterns(elem):
     x[:4] *= 2.0**-100
     for rd in (Rounding.RCEIL, Rounding.FLOOR):
         assert_same_all(T().mx_cast(x, elem, 32, rd), R.mx_cast(x, elem, 32, rd), f"{elem}-{rd.value}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("static_blocks", [False, True], ids=["dynamic-blocks", "static-blocks"])
+def test_nvfp4_global_amax_per_expert(dtype, static_blocks):
+    """A global amax per expert of an (E, out, in) stack ((E, 1, 1)) and per row ((E, out, 1)): fake quant
+    and cast equal the reference, which equals a call per expert (test_nvfp4_global_per_row.py)."""
+    x = edge_input((3, 5, 300), dtype, seed=16) * torch.tensor([1e-3, 1.0, 1e2]).reshape(3, 1, 1).to(dtype)
+    spec = FormatSpec(Kind.NVFP4, element=(2, 1), block=(16,), dynamic=not static_blocks)
+    for g in (torch.tensor([2e-3, 0.0, 4e2]).reshape(3, 1, 1), x.float().abs().amax(dim=-1, keepdim=True)):
+        blocks = R.block_amax(x, (16,)) * 0.5 if static_blocks else None
+        assert_same(T().fake_quant(x, spec, g, blocks), R.fake_quant(x, spec, g, blocks), f"fake {tuple(g.shape)}")
+        assert_same_all(T().nvfp4_cast(x, g, 16, blocks), R.nvfp4_cast(x, g, 16, blocks), f"cast {tuple(g.shape)}")

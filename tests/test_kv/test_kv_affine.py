@@ -22,10 +22,9 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 import quantlib as ql  # noqa: E402
 from quantlib import checkpoint as ckpt  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
-
 from tests._scripts import load_golden_writer  # noqa: E402
-from tests.test_kv.test_kv_hf import MODELS, HandAttention, batches, build, fp8_by_hand, forward_loop  # noqa: E402
 from tests.ranks import run_on_ranks  # noqa: E402
+from tests.test_kv.test_kv_hf import MODELS, HandAttention, batches, build, forward_loop, fp8_by_hand  # noqa: E402
 
 AFFINE = ql.merge_kv_config(None, ql.FP8_AFFINE_KV_CFG)
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
@@ -118,7 +117,8 @@ def test_affine_kv_bias_and_amax_equal_modelopt(tmp_path):
     if importlib.util.find_spec("modelopt") is None:
         pytest.skip("needs nvidia-modelopt")
     out = tmp_path / "modelopt.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ql.__file__))), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ql.__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
     here = os.path.dirname(os.path.abspath(__file__))
     subprocess.run([sys.executable, "-c", _MODELOPT_SCRIPT, str(out), here], check=True, env=env, timeout=600)
     theirs = torch.load(out, weights_only=True)
@@ -142,7 +142,8 @@ def test_affine_kv_save_restore_round_trip(tmp_path, name):
     model = ql.quantize(model, ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_AFFINE_KV_CFG), forward_loop(batches()))
     ql.save(model, tmp_path / "q.pt")
     entry = ckpt.load_state(tmp_path / "q.pt")["quantizers"]["model.layers.0.self_attn.k_bmm_quantizer"]
-    assert entry["_bias_value"].shape == (1, 2, 1, 16) and entry["attrs"]["bias"] == {-4: None, -2: None, "type": "static", "method": "mean"}
+    assert entry["_bias_value"].shape == (1, 2, 1, 16) and entry["attrs"]["bias"] == {-4: None, -2: None, "type": "static",
+                                                                                      "method": "mean"}
     fresh = ql.restore(fresh, tmp_path / "q.pt")
     # the module state_dict carries the bias too: an uncalibrated copy of the recipe loads it
     other = ql.quantize(other, ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_AFFINE_KV_CFG) | {"algorithm": None})
@@ -206,7 +207,8 @@ def test_golden_v3_checkpoint_without_bias_restores():
 
 
 def _with_bias(bias, **attrs) -> dict:
-    return {"quant_cfg": [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None, "bias": bias} | attrs}], "algorithm": "max"}
+    return {"quant_cfg": [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None, "bias": bias} | attrs}],
+            "algorithm": "max"}
 
 
 BAD_BIAS = {
@@ -219,7 +221,8 @@ BAD_BIAS = {
     "dynamic_bias": ({-2: None, "type": "dynamic"}, {}, r"bias\['type'\]='dynamic': only a static"),
     "bad_method": ({-2: None, "method": "median"}, {}, r"bias\['method'\]='median'"),
     "max_min": ({-2: None, "method": "max_min"}, {}, r"bias\['method'\]='max_min': only method 'mean'"),
-    "nvfp4_blocks": ({-2: None, -4: None}, {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, r"with block_sizes=.*static per-tensor or per-channel"),
+    "nvfp4_blocks": ({-2: None, -4: None}, {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}},
+                     r"with block_sizes=.*static per-tensor or per-channel"),
     "dynamic_amax": ({-2: None, -4: None}, {"type": "dynamic"}, r"with type='dynamic'"),
 }
 
@@ -238,8 +241,10 @@ def test_bias_axis_out_of_range_named_at_calibration():
 
 
 def test_bias_outside_attention_refused():
-    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, [{"quantizer_name": "*mlp.down_proj.input_quantizer", "cfg": {"num_bits": (4, 3), "bias": {-2: None}}}])
-    with pytest.raises(ql.ConfigError, match=r"model\.layers\.0\.mlp\.down_proj\.input_quantizer \(.*\): bias=.*q/k/v bmm quantizers of transformers attention only"):
+    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, [{"quantizer_name": "*mlp.down_proj.input_quantizer",
+                                                   "cfg": {"num_bits": (4, 3), "bias": {-2: None}}}])
+    with pytest.raises(ql.ConfigError, match=r"model\.layers\.0\.mlp\.down_proj\.input_quantizer \(.*\): bias=.*q/k/v bmm quantizers of "
+                                             r"transformers attention only"):
         ql.quantize(build("llama", "sdpa"), cfg, forward_loop(batches(1)))
 
 
@@ -263,7 +268,8 @@ def test_uncalibrated_static_bias_refused_at_forward():
 
 def test_affine_kv_export_refused_naming_the_module(tmp_path):
     model = ql.quantize(build("llama", "sdpa"), ql.merge_kv_config(ql.FP8_DEFAULT_CFG, ql.FP8_AFFINE_KV_CFG), forward_loop(batches(1)))
-    with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.k_bmm_quantizer: affine KV-cache quantization .* format modelopt_fp8"):
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.k_bmm_quantizer: affine KV-cache quantization .* format "
+                                          r"modelopt_fp8"):
         export_checkpoint(model, tmp_path / "out", "modelopt_fp8")
     assert not (tmp_path / "out").exists()
 
@@ -272,7 +278,8 @@ def _dp_rank(rank: int, world: int) -> str:
     import torch.distributed as dist
 
     try:
-        ql.quantize(build("llama", "sdpa"), AFFINE, forward_loop(batches(1, seed=rank)), parallel_state=ql.ParallelState(data_group=dist.group.WORLD))
+        ql.quantize(build("llama", "sdpa"), AFFINE, forward_loop(batches(1, seed=rank)),
+                    parallel_state=ql.ParallelState(data_group=dist.group.WORLD))
     except ql.ConfigError as exc:
         return str(exc)
     return "not refused"

@@ -22,11 +22,13 @@ import quantlib as ql  # noqa: E402
 from quantlib.formats.nvfp4 import nvfp4_fake_quant  # noqa: E402
 from quantlib.plugins import hf_attention  # noqa: E402
 
-COMMON = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+COMMON = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=64)
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=48, **COMMON)),
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(intermediate_size=48, **COMMON)),
-    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                                            num_experts_per_tok=2, experts_implementation="eager", **COMMON)),
 }
 PRESETS = {"fp8": ql.FP8_KV_CFG, "nvfp4": ql.NVFP4_KV_CFG}
 
@@ -145,7 +147,8 @@ def run_modelopt(script: str, tmp_path) -> dict:
     if importlib.util.find_spec("modelopt") is None:
         pytest.skip("needs nvidia-modelopt")
     out = tmp_path / "modelopt.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ql.__file__))), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ql.__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", script, str(out), os.path.dirname(os.path.abspath(__file__))], check=True, env=env, timeout=600)
     return torch.load(out, weights_only=True)
 
@@ -211,7 +214,8 @@ def test_kv_preset_refused_on_unreachable_attention():
 def test_kv_chain_rule_with_one_enabled_member_is_refused_on_unreachable_attention():
     # a list config quantizes with its enabled members: a chain whose first member is off still enables
     chain = [{"num_bits": (4, 3), "axis": None, "enable": False}, {"num_bits": (4, 3), "axis": None}]
-    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, {"quant_cfg": [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": chain}], "algorithm": "max"})
+    cfg = ql.merge_kv_config(ql.FP8_DEFAULT_CFG, {"quant_cfg": [{"quantizer_name": "*[kv]_bmm_quantizer", "cfg": chain}],
+                                                  "algorithm": "max"})
     with pytest.raises(ql.ConfigError, match=r"1 \(MyAttention\)"):
         ql.quantize(nn.Sequential(nn.Linear(8, 8), MyAttention()), cfg, lambda m: m(torch.randn(2, 8)))
 

@@ -9,20 +9,16 @@ the k/v amax at TP=1.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
 
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
 from quantlib.config import ConfigError  # noqa: E402
 from quantlib.formats.nvfp4 import nvfp4_fake_quant  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -110,7 +106,8 @@ def _run(rank: int, world: int, preset: str, folder: str) -> dict:
         hand_amax, expected = _reference(preset, tp, data, tokens)
         model = shims.build_gpt(tp, 1, SEED, num_query_groups=GROUPS)
         plain = shims.gpt_logits(model, tokens)
-        model = ql.quantize(model, ql.merge_kv_config(None, PRESETS[preset]), shims.forward_loop(data), parallel_state=ql.ParallelState.from_megatron())
+        model = ql.quantize(model, ql.merge_kv_config(None, PRESETS[preset]), shims.forward_loop(data),
+                            parallel_state=ql.ParallelState.from_megatron())
         got = shims.gpt_logits(model, tokens)
         amax = {}
         for layer in model.decoder.layers:

@@ -9,7 +9,7 @@ import pytest
 import quantlib as ql
 from quantlib.config import QuantizeConfig
 from quantlib.formats import Kind
-from quantlib.kv_cache import KV_PRESETS, kv_rules
+from quantlib.kv.presets import KV_PRESETS, kv_rules
 
 
 def _resolve(cfg: dict, name: str):

@@ -14,7 +14,6 @@ pytest.importorskip("transformers", reason="needs transformers (pip install quan
 
 import quantlib as ql  # noqa: E402
 from quantlib import checkpoint as ckpt  # noqa: E402
-
 from tests._scripts import load_golden_writer  # noqa: E402
 from tests.test_kv.test_kv_hf import batches, build, forward_loop  # noqa: E402
 from tests.test_kv.test_probs_hf import P_RULE  # noqa: E402
@@ -72,7 +71,8 @@ def test_golden_v4_checkpoint_without_probs_quantizer_restores():
         # schema 4 clipped the straight-through gradient: migrated, it still does (migrate_v5_to_v6)
         assert a[k]["attrs"]["pass_through_bwd"] is False and b[k]["attrs"]["pass_through_bwd"] is True, k
         assert a[k]["attrs"] | {"pass_through_bwd": True} == b[k]["attrs"], k
-        assert (a[k]["_amax"] is None) == (b[k]["_amax"] is None) and (a[k]["_amax"] is None or torch.equal(a[k]["_amax"], b[k]["_amax"])), k
+        assert (a[k]["_amax"] is None) == (b[k]["_amax"] is None) and (a[k]["_amax"] is None
+                                                                       or torch.equal(a[k]["_amax"], b[k]["_amax"])), k
     assert a[ATTN + "k_bmm_quantizer"]["_amax"] is not None
     x = batches(1, seed=9)[0] % 32
     with torch.no_grad():

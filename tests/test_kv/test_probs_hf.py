@@ -22,7 +22,6 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn.quant_module import QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import attention_probs, hf_attention  # noqa: E402
 from quantlib.plugins.hf_attention import QuantHFAttention  # noqa: E402
-
 from tests.test_kv.test_kv_hf import batches, build, forward_loop, fp8_by_hand, run_modelopt  # noqa: E402
 
 NAMES = ("llama", "qwen3")
@@ -108,7 +107,8 @@ def test_probs_sdpa_equals_eager_with_padding_and_cache():
 def test_probs_combines_with_kv_quantizers(monkeypatch):
     """P and k/v together: both kinds of quantizers are applied (not one instead of the other)."""
     cfg = ql.merge_kv_config(ql.merge_kv_config(None, ql.FP8_KV_CFG), [P_RULE])
-    both, kv_only, p_only = quantized("qwen3", "sdpa", cfg), quantized("qwen3", "sdpa", ql.merge_kv_config(None, ql.FP8_KV_CFG)), quantized("qwen3", "sdpa")
+    both, kv_only, p_only = quantized("qwen3", "sdpa", cfg), quantized("qwen3", "sdpa",
+                                                                       ql.merge_kv_config(None, ql.FP8_KV_CFG)), quantized("qwen3", "sdpa")
     attn = both.model.layers[0].self_attn
     assert attn.p_bmm_quantizer.is_enabled and attn.k_bmm_quantizer.is_enabled and attn.v_bmm_quantizer.is_enabled
     x = batches(1, seed=7)[0]
@@ -128,7 +128,8 @@ def test_probs_disabled_by_default():
 def test_probs_refused_on_fused_attention(impl):
     model = quantized("llama", "eager")
     model.config._attn_implementation = impl
-    with pytest.raises(attention_probs.ProbsQuantizationError, match=rf"model\.layers\.0\.self_attn\.p_bmm_quantizer \(.*Attention\): attention implementation '{impl}'"):
+    with pytest.raises(attention_probs.ProbsQuantizationError, match=r"model\.layers\.0\.self_attn\.p_bmm_quantizer \(.*Attention\): "
+                                                                     rf"attention implementation '{impl}'"):
         with torch.no_grad():
             model(batches(1)[0])
     ql.disable_quantizer(model, "*p_bmm_quantizer")
@@ -159,7 +160,8 @@ def test_probs_export_refused(tmp_path):
     from quantlib.export import ExportError, export_checkpoint
 
     model = quantized("llama", "sdpa", ql.merge_kv_config(ql.FP8_DEFAULT_CFG, [P_RULE]))
-    with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.p_bmm_quantizer = .*no export format carries attention-probabilities"):
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.self_attn\.p_bmm_quantizer = .*no export format carries "
+                                          r"attention-probabilities"):
         export_checkpoint(model, tmp_path / "c", "modelopt_fp8")
     assert not list(tmp_path.iterdir())
     ql.disable_quantizer(model, "*p_bmm_quantizer")

@@ -16,12 +16,10 @@ import torch
 pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
 
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
-
 from tests.test_kv.test_kv_hf import fp8_by_hand  # noqa: E402
 from tests.test_kv.test_kv_megatron import GROUPS, SEED, _save, restored_tp1  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -33,7 +31,8 @@ def _run_model(model, tokens: torch.Tensor, gather: bool = True) -> torch.Tensor
     b, s = tokens.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     with torch.no_grad():
-        return model(tokens, positions, attention_mask=torch.zeros(1, 1, s, s, dtype=torch.bool), runtime_gather_output=gather).detach().clone()
+        return model(tokens, positions, attention_mask=torch.zeros(1, 1, s, s, dtype=torch.bool),
+                     runtime_gather_output=gather).detach().clone()
 
 
 def _loop(data):
@@ -132,7 +131,7 @@ def test_probs_megatron_tp2_logits_equal_hand_fake_quant(tmp_path):
 
 def _export_refused(rank: int, world: int, tmp: str) -> str:
     from quantlib.export import ExportError
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from tests.test_export.test_megatron_kv_export import WEIGHTS
 
     shims.set_layout(1, 1)
@@ -140,7 +139,7 @@ def _export_refused(rank: int, world: int, tmp: str) -> str:
     cfg = ql.merge_kv_config(WEIGHTS, P_CFG["quant_cfg"][1:])
     ql.quantize(model, cfg, shims.forward_loop(shims.token_batches(1, 1)), parallel_state=ql.ParallelState.from_megatron())
     try:
-        export_megatron_checkpoint(model, f"{tmp}/refused", "modelopt_nvfp4")
+        export_megatron_checkpoint(model, f"{tmp}/refused", "modelopt_nvfp4", hf_config={})
     except ExportError as exc:
         return str(exc)
     return "not refused"
@@ -148,5 +147,6 @@ def _export_refused(rank: int, world: int, tmp: str) -> str:
 
 def test_probs_megatron_export_refused(tmp_path):
     msg = shims.run_distributed(_export_refused, 1, str(tmp_path))[0]
-    assert "decoder.layers.0.self_attention.core_attention.p_bmm_quantizer = " in msg and "no export format carries attention-probabilities" in msg, msg
+    assert "decoder.layers.0.self_attention.core_attention.p_bmm_quantizer = " in msg, msg
+    assert "no export format carries attention-probabilities" in msg, msg
     assert not (tmp_path / "refused").exists()

@@ -22,13 +22,15 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCau
 
 def neox() -> nn.Module:
     torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=64)
     return GPTNeoXForCausalLM(cfg).eval()
 
 
 def opt() -> nn.Module:
     torch.manual_seed(0)
-    cfg = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32)
+    cfg = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
+                    word_embed_proj_dim=32)
     return OPTForCausalLM(cfg).eval()
 
 

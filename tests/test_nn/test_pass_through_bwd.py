@@ -15,7 +15,6 @@ from torch import nn
 import quantlib as ql
 from quantlib import checkpoint as ckpt
 from quantlib.config import ConfigError, QuantizerAttributeConfig
-
 from tests._scripts import load_golden_writer
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
@@ -94,7 +93,8 @@ def test_schema_5_checkpoint_restores_with_the_clipped_backward():
     v6 = ckpt.migrate_v5_to_v6(state)
     assert v6["schema"] == 6 and repr(state) == repr(before)  # input untouched
     attrs = [v6["quantizers"]["fc1.weight_quantizer"]["members"][i]["attrs"] for i in range(2)]
-    attrs += [v6["quantizers"][n]["attrs"] for n in ("fc1.input_quantizer", "fc2.weight_quantizer", "fc2.input_quantizer", "fc2.output_quantizer")]
+    attrs += [v6["quantizers"][n]["attrs"] for n in ("fc1.input_quantizer", "fc2.weight_quantizer", "fc2.input_quantizer",
+                                                     "fc2.output_quantizer")]
     assert all(a["pass_through_bwd"] is False for a in attrs)
     cfgs = [item["cfg"] for item in v6["config"]["quant_cfg"] if item["cfg"] is not None]
     assert cfgs and all(c["pass_through_bwd"] is False for cfg in cfgs for c in (cfg if isinstance(cfg, list) else [cfg]))
@@ -105,7 +105,7 @@ def test_schema_5_checkpoint_restores_with_the_clipped_backward():
     assert q.attrs.pass_through_bwd is False
     x = (q.amax * torch.linspace(-2, 2, 32)).repeat(2, 1)
     assert torch.equal(_input_grad(q, x, torch.ones_like(x)), (x.abs() <= q.amax).float())
-    assert restored._quantlib_config.quant_cfg[-1].attrs.pass_through_bwd is False
+    assert ql.model_quant.applied_config(restored).quant_cfg[-1].attrs.pass_through_bwd is False
 
     again = ckpt.restore_state(v2.build(), ckpt.quantizer_state(restored))
     assert again.fc2.input_quantizer.attrs.pass_through_bwd is False

@@ -209,7 +209,8 @@ def test_grouped_weight_members_calibrate_on_their_own_weight(two_experts):
 
 
 def test_grouped_members_follow_the_containers_pattern(two_experts):
-    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "axis": 0}, "*weight_quantizer.1": {"num_bits": 8}, "default": {"enable": False}}}
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "axis": 0}, "*weight_quantizer.1": {"num_bits": 8},
+                         "default": {"enable": False}}}
     model = ql.quantize(nn.Sequential(two_experts()), cfg, None)
     assert [m.num_bits for m in model[0].weight_quantizer] == [4, 4]  # members are matched by the container's name
 

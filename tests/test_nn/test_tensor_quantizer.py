@@ -232,7 +232,8 @@ def test_2d_block_amax_values():
     assert torch.equal(q.amax, t([[2.0, 0.0], [3.0, 4.0]]))
 
 
-@pytest.mark.parametrize("cfg", [MXFP8, {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}}, {"num_bits": (4, 3), "block_sizes": {-1: None, "type": "dynamic"}}])
+@pytest.mark.parametrize("cfg", [MXFP8, {"num_bits": (4, 3), "block_sizes": {-1: 128, "type": "dynamic"}},
+                                 {"num_bits": (4, 3), "block_sizes": {-1: None, "type": "dynamic"}}])
 def test_dynamic_formats_keep_no_amax(cfg):
     q = TensorQuantizer(cfg)
     assert not q.needs_calibration

@@ -42,7 +42,8 @@ def test_optimizer_step_invalidates():
     model.eval()
     with torch.no_grad():
         after = model(x)
-    expected = nn.functional.linear(x, ql.kernels.fake_quant(model[0].weight.detach(), model[0].weight_quantizer.attrs, model[0].weight_quantizer.amax), model[0].bias)
+    expected = nn.functional.linear(x, ql.kernels.fake_quant(model[0].weight.detach(), model[0].weight_quantizer.attrs,
+                                                             model[0].weight_quantizer.amax), model[0].bias)
     assert not torch.equal(before, after)
     assert torch.equal(after, expected)
     assert len(calls) == 3  # eval, train (grad: never cached), eval again

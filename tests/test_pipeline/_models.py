@@ -13,7 +13,8 @@ import torch
 
 from quantlib.pipeline.model import EMBEDDED_DIR
 
-_SHAPE = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_id", "pad_token_id")
+_SHAPE = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_id",
+          "pad_token_id")
 with open(os.path.join(EMBEDDED_DIR, "config.json")) as _f:
     #: the embedded model's shape and tokens (its byte tokenizer fits every family), two layers
     COMMON = {k: v for k, v in json.load(_f).items() if k in _SHAPE} | dict(num_hidden_layers=2, max_position_embeddings=128)

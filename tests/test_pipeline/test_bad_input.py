@@ -42,11 +42,16 @@ def test_config_without_weights(tmp_path):
     _refused(tmp_path, "no weights", model=d)
 
 
-def test_megatron_checkpoint_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("marker", ["latest_checkpointed_iteration.txt", "iter_0000100/", "common.pt", "__0_0.distcp"])
+def test_megatron_checkpoint_is_refused_by_name(tmp_path, marker):
+    """A Megatron-Core checkpoint (its tracker file, an iteration folder, or a torch_dist folder) and a config.json
+    beside it: one line naming the directory and what the command reads."""
     d = tmp_path / "mcore"
-    d.mkdir()
-    (d / "latest_checkpointed_iteration.txt").write_text("100")
-    _refused(tmp_path, "Megatron-Core checkpoint", model=d)
+    (d / marker).parent.mkdir(parents=True, exist_ok=True)
+    (d / marker).mkdir() if marker.endswith("/") else (d / marker).write_text("100")
+    (d / "config.json").write_text("{}")
+    msg = _refused(tmp_path, f"^--model {d}: a Megatron-Core checkpoint, which quantlib quantize does not read", model=d)
+    assert "Hugging Face model directories (config.json and *.safetensors)" in msg and "export_megatron_checkpoint" in msg
 
 
 def test_missing_tokenizer(disk, tmp_path):
@@ -75,7 +80,6 @@ def test_recipe_no_format_carries(disk, tmp_path):
         model=disk["llama"],
         preset="MXFP6_DEFAULT_CFG",
     )
-    _refused(tmp_path, "awq_lite sets pre_quant_scale", model=disk["llama"], preset="INT4_AWQ_CFG")
     _refused(tmp_path, "unknown export format 'fp3'", model=disk["llama"], export_format="fp3")
 
 
@@ -146,3 +150,21 @@ def test_cli_prints_one_line(disk, tmp_path, capsys):
     assert main(["quantize", "--model", str(tmp_path), "--quiet", "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("quantlib quantize: error: --model")
+
+
+def test_awq_pairs_the_export_cannot_carry(disk, tmp_path):
+    """SmoothQuant / AWQ recipes refused by name, before calibrating, only where the format can neither fold nor carry."""
+    yaml = pytest.importorskip("yaml")
+    w4a16 = tmp_path / "w4a16_awq.yaml"
+    w4a16.write_text(yaml.safe_dump({**ql.W4A16_NVFP4_CFG, "algorithm": "awq_lite"}, sort_keys=False))
+    no_rows = ("awq_lite gives self_attn.o_proj a pre_quant_scale that ct_nvfp4 can hold only folded into self_attn.v_proj's output rows, "
+               "whose nvfp4")
+    for match, kw in (
+        (no_rows, dict(preset="NVFP4_AWQ_LITE_CFG", export_format="ct_nvfp4")),
+        ("INT4_AWQ_CFG: awq_lite gives self_attn.o_proj .*the KV cache is quantized", dict(preset="INT4_AWQ_CFG", kv_cache="fp8")),
+        ("only ModelOpt's NVFP4_AWQ carries, and NVFP4_AWQ quantizes activations", dict(config=str(w4a16), export_format="modelopt_nvfp4")),
+    ):
+        _refused(tmp_path, match, model=disk["llama"], **kw)
+    experts = "awq_lite gives the fused experts model.layers.0.mlp.experts one pre_quant_scale per expert"
+    msg = _refused(tmp_path, experts, model=disk["qwen3_moe"], data=str(disk["text"]), preset="INT4_AWQ_CFG")
+    assert "--exclude '*experts*'" in msg

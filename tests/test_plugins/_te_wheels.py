@@ -27,7 +27,8 @@ def _download(version: str, folder: str) -> None:
     """Unpack TE ``version``'s module sources into ``folder`` (atomic: a temp folder, then rename)."""
     parent = os.path.dirname(folder)
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", f"transformer-engine=={version}", "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q",
+               f"transformer-engine=={version}", "-d", tmp]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -107,7 +108,8 @@ def call_site(source: str) -> tuple[int, str]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "linear_fn":
             items = node.args
             if len(items) == 1 and isinstance(items[0], ast.Starred):  # linear_fn(*args), args += (...)
-                items = next(n.value.elts for n in ast.walk(fdef) if isinstance(n, ast.AugAssign) and getattr(n.target, "id", None) == "args")
+                items = next(n.value.elts for n in ast.walk(fdef) if isinstance(n, ast.AugAssign)
+                             and getattr(n.target, "id", None) == "args")
             items = [a for a in items if not (isinstance(a, ast.Starred) and a.value.id == "autograd_ctx")]
             first_starred = next(i for i, a in enumerate(items) if isinstance(a, ast.Starred))
             return first_starred, items[first_starred].value.id

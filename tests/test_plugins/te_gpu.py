@@ -39,6 +39,17 @@ def gpu_and_te() -> Optional[str]:
     return None
 
 
+def require_megatron_te() -> None:
+    """Skip the calling test module (at import) without a GPU, TE's binding, Megatron-Core or psutil."""
+    import pytest
+
+    why = gpu_and_te()
+    if why is not None:
+        pytest.skip(why, allow_module_level=True)
+    pytest.importorskip("megatron.core", reason="needs megatron-core")
+    pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
+
+
 def leaf_amaxes(module: nn.Module) -> list[Optional[torch.Tensor]]:
     """The amax of every leaf quantizer of ``module`` (a model, or a quantizer itself), in order."""
     if isinstance(module, (TensorQuantizer, QuantizerContainer)):

@@ -29,8 +29,10 @@ def mlp() -> nn.Module:
 
 
 def qwen3_moe() -> nn.Module:
-    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, experts_implementation="eager")  # fmt: skip
+    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                           experts_implementation="eager")  # fmt: skip
     torch.manual_seed(0)
     return T.Qwen3MoeForCausalLM(cfg)
 

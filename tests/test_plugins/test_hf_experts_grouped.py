@@ -2,10 +2,9 @@
 backward, for several families and presets; the same bits as the per-expert loop (outputs, QAT
 gradients, calibrated amax); the loop kept where the grouped path cannot be exact.
 
-On the CPU nothing syncs, so the test records the ops that would (with the "reference" kernels, the torch
-formulas that the GPU kernels implement: the C++ CPU kernels read their scalars from host memory): ``_local_scalar_dense`` (what
-``.item()`` / ``.tolist()`` / ``bool(t)`` call), ``equal`` / ``is_nonzero`` (a bool on the host), and the ops
-whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``, a bool-mask index).
+On the CPU nothing syncs, so the test records the ops that would (:class:`~tests.test_plugins.host_reads.HostReads`),
+with the "reference" kernels (the torch formulas that the GPU kernels implement: the C++ CPU kernels read
+their scalars from host memory).
 """
 
 from __future__ import annotations
@@ -15,36 +14,18 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers", reason="needs transformers (pip install quantlib[transformers])")
 
 import quantlib as ql  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
-from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 from quantlib.plugins.hf_experts import QuantFusedExperts, flag  # noqa: E402
+from quantlib.traversal import iter_leaf_quantizers  # noqa: E402
 
+from .host_reads import HostReads  # noqa: E402
 from .test_hf_experts_layouts import expert_modules, input_ids, tiny_model  # noqa: E402
 
-_SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "unique_consecutive", "_unique", "_unique2", "unique_dim", "nonzero_static", "argwhere"}
-
 PRESETS = {"fp8": ql.FP8_DEFAULT_CFG, "nvfp4": ql.NVFP4_DEFAULT_CFG, "int4-block": ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG}
-
-
-class HostReads(TorchDispatchMode):
-    """Records every aten op that reads a value back to the host or whose output shape depends on data."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in _SYNCING:
-            self.seen.append(str(func))
-        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())):
-            self.seen.append(f"{func} with a bool mask")
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +118,8 @@ def test_calibration_through_the_grouped_path_gives_the_loops_amax(family):
             for _, m in expert_modules(model):
                 m.__dict__["_input_observer"] = lambda *a: None  # survives conversion (the dict is copied)
         model = ql.quantize(model, ql.FP8_DEFAULT_CFG, lambda mod: [mod(x) for x in data])
-        results.append([(m.gate_up_proj_input_quantizer.amax, m.down_proj_input_quantizer.amax, m.tokens_per_expert.clone()) for _, m in expert_modules(model)])
+        results.append([(m.gate_up_proj_input_quantizer.amax, m.down_proj_input_quantizer.amax, m.tokens_per_expert.clone())
+                        for _, m in expert_modules(model)])
     for grouped, looped in zip(*results):
         for a, b in zip(grouped, looped):
             assert torch.equal(a, b)
@@ -190,3 +172,35 @@ def test_the_stacked_weight_cache_is_reused_and_left_behind_by_copies():
         m(hidden, idx, w)
         assert m._weight_cache[("stacked", "gate_up_proj_weight_quantizer")][1] is not cached
     assert "_weight_cache" not in copy.deepcopy(m).__dict__ and "_weight_cache" not in pickle.loads(pickle.dumps(m)).__dict__
+
+
+@pytest.mark.parametrize("preset", ["nvfp4", "nvfp4-static-blocks"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_nvfp4_qat_quantizes_each_projection_in_one_kernel_call(family, preset, monkeypatch):
+    """NVFP4 weights (a global amax per expert, static blocks too): one fake-quant call over the stacked
+    (E, out, in) weights per projection, not one per expert; the same bits as the per-expert loop."""
+    from quantlib.kernels import ops
+
+    cfg = {"nvfp4": ql.NVFP4_DEFAULT_CFG, "nvfp4-static-blocks": ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG}[preset]
+    model = ql.quantize(tiny_model(family), cfg, lambda m: m(input_ids(seed=5)))
+    m = [e for _, e in expert_modules(model)][0]
+    assert all(q.block_amax is not None for q in m.gate_up_proj_weight_quantizer.children()) == (preset != "nvfp4")
+    real, shapes = ops.implementation, []
+
+    def counting(op, backend):
+        fn = real(op, backend)
+        if op != "fake_quant":
+            return fn
+        return lambda x, *args: shapes.append(tuple(x.shape)) or fn(x, *args)
+
+    monkeypatch.setattr(ops, "implementation", counting)
+    idx, w = _routing(m.num_experts, seed=10)
+    hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(11))
+    m.train()
+    m(hidden.clone().requires_grad_(), idx, w).sum().backward()
+    stacked = sorted(tuple(getattr(m, p).transpose(1, 2).shape if flag(m, "is_transposed") else getattr(m, p).shape) for p in m.projections)
+    assert sorted(s for s in shapes if len(s) == 3) == stacked
+    assert len([s for s in shapes if len(s) == 2]) == len(m.projections)  # the input quantizers, on the sorted rows
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(m._grouped_forward(hidden, idx, w, False), m._loop_forward(hidden, idx, w, False))

@@ -20,18 +20,25 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn import GroupedQuantizer, QuantModule, TensorQuantizer  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
 
-_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               max_position_embeddings=64)
 
 #: family -> (config class, model class, config fields); every family has fused experts in each MoE layer
 FAMILIES = {
-    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(_COMMON, intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
-    "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(_COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2, sliding_window=8)),
-    "llama4": (T.Llama4TextConfig, T.Llama4ForCausalLM, dict(_COMMON, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 1], attention_chunk_size=64)),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(_COMMON, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                                                num_experts_per_tok=2)),
+    "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(_COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                                          layer_types=["full_attention"] * 2, sliding_window=8)),
+    "llama4": (T.Llama4TextConfig, T.Llama4ForCausalLM, dict(_COMMON, intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4,
+                                                             num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
+                                                             attention_chunk_size=64)),
     "deepseek_v2": (
         T.DeepseekV2Config,
         T.DeepseekV2ForCausalLM,
-        dict(_COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0,
-             kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        dict(_COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+             n_shared_experts=1, first_k_dense_replace=0,
+             kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     ),  # fmt: skip
     "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM, dict(_COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
 }
@@ -170,7 +177,10 @@ def test_ungated_experts_class_is_registered_with_up_proj():
 def test_unknown_fused_layout_is_reported_not_silent(caplog):
     from transformers.models.dbrx.modeling_dbrx import DbrxConfig, DbrxForCausalLM
 
-    cfg = DbrxConfig(d_model=32, n_heads=4, n_layers=1, max_seq_len=64, vocab_size=64, ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2}, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0})
+    cfg = DbrxConfig(d_model=32, n_heads=4, n_layers=1, max_seq_len=64, vocab_size=64, ffn_config={"ffn_hidden_size": 16,
+                                                                                                   "moe_num_experts": 4, "moe_top_k": 2},
+                                                                                                   attn_config={"kv_n_heads": 2,
+                                                                                                                "rope_theta": 10000.0})
     torch.manual_seed(0)
     model = DbrxForCausalLM(cfg).eval()
     with caplog.at_level(logging.WARNING, logger="quantlib"):

@@ -35,7 +35,8 @@ def conv1ds(model) -> list:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Conv1D)]
 
 
-@pytest.mark.parametrize("preset", ["INT8_WEIGHT_ONLY_CFG", "INT8_DEFAULT_CFG", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "MXFP8_DEFAULT_CFG"])
+@pytest.mark.parametrize("preset", ["INT8_WEIGHT_ONLY_CFG", "INT8_DEFAULT_CFG", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
+                                    "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "MXFP8_DEFAULT_CFG"])
 def test_gpt2_presets_quantize_every_conv1d(preset):
     model = ql.quantize(gpt2(), getattr(ql, preset), lambda m: m(ids(1)))
     layers = conv1ds(model)
@@ -69,7 +70,8 @@ def test_gpt2_with_every_quantizer_off_is_the_original():
 
 
 def test_misspelled_weight_pattern_is_reported(caplog):
-    cfg = {"quant_cfg": {"*wieght_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "axis": None}, "default": {"enable": False}}, "algorithm": "max"}
+    cfg = {"quant_cfg": {"*wieght_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": 8, "axis": None},
+                         "default": {"enable": False}}, "algorithm": "max"}
     with caplog.at_level(logging.WARNING, logger="quantlib"):
         model = ql.quantize(gpt2(), cfg, lambda m: m(ids(1)))
     cov = model.quant_coverage
@@ -79,8 +81,10 @@ def test_misspelled_weight_pattern_is_reported(caplog):
 
 
 def test_qwen3_moe_routers_disabled_by_the_preset_are_not_silent(caplog):
-    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, experts_implementation="eager")  # fmt: skip
+    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                           experts_implementation="eager")  # fmt: skip
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="quantlib"):
         model = ql.quantize(T.Qwen3MoeForCausalLM(cfg).eval(), ql.NVFP4_DEFAULT_CFG, lambda m: m(ids(1)))

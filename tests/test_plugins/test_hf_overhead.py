@@ -12,8 +12,7 @@ T = pytest.importorskip("transformers", reason="needs transformers (pip install 
 import quantlib as ql  # noqa: E402
 from quantlib.nn import quant_module  # noqa: E402
 from quantlib.nn.tensor_quantizer import TensorQuantizer  # noqa: E402
-from quantlib.plugins import expert_tokens  # noqa: E402
-from quantlib.plugins import huggingface as hf  # noqa: E402
+from quantlib.plugins import expert_tokens, huggingface as hf  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -22,14 +21,17 @@ def _plugin_sees_the_modeling_modules():
 
 
 def qwen3_moe() -> torch.nn.Module:
-    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, experts_implementation="eager")  # fmt: skip
+    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                           experts_implementation="eager")  # fmt: skip
     torch.manual_seed(0)
     return T.Qwen3MoeForCausalLM(cfg).eval()
 
 
 def llama() -> torch.nn.Module:
-    cfg = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)
     return T.LlamaForCausalLM(cfg).eval()
 

@@ -25,13 +25,15 @@ from quantlib.plugins import huggingface as hf  # noqa: E402
 E, H, INTER, K = 4, 32, 16, 2
 
 FP8_IN_INT8_W = {
-    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None}, "default": {"enable": False}},
+    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None},
+                  "default": {"enable": False}},
     "algorithm": "max",
 }
 CONFIGS = {
     "fp8-in-int8-channel-w": FP8_IN_INT8_W,
     "fp8": ql.FP8_DEFAULT_CFG,
-    "nvfp4-weight-only": {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "default": {"enable": False}}, "algorithm": "max"},
+    "nvfp4-weight-only": {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"],
+                                        "default": {"enable": False}}, "algorithm": "max"},
     "int4-block-weight-only": ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG,
 }
 
@@ -44,7 +46,8 @@ def _registered():
 
 def tiny_config(**kw) -> Qwen3MoeConfig:
     base = dict(vocab_size=64, hidden_size=H, intermediate_size=48, moe_intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=K, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
+                num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=K, max_position_embeddings=64,
+                experts_implementation="eager")  # fmt: skip
     base.update(kw)
     return Qwen3MoeConfig(**base)
 
@@ -294,7 +297,8 @@ def test_restore_into_experts_of_another_shape_raises_and_leaves_the_model(tmp_p
     model = ql.quantize(tiny_model(), FP8_IN_INT8_W, loop([torch.randint(0, 64, (2, 8))]))
     ql.save(model, tmp_path / "q.pt")
     other = tiny_model(moe_intermediate_size=24)
-    with pytest.raises(ql.CheckpointError, match=r"gate_up_proj_weight_quantizer\.0: amax of shape \(32, 1\) does not fit weight \(48, 32\)"):
+    with pytest.raises(ql.CheckpointError,
+                       match=r"gate_up_proj_weight_quantizer\.0: amax of shape \(32, 1\) does not fit weight \(48, 32\)"):
         ql.restore(other, tmp_path / "q.pt")
     assert not any(isinstance(m, ql.QuantModule) for m in other.modules())
     fewer = tiny_model(num_experts=2, num_experts_per_tok=1)

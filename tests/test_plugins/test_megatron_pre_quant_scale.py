@@ -36,7 +36,8 @@ def _gathered(model, suffix: str) -> tuple[dict, list]:
 def _snapshot(model) -> dict:
     scales, problems = _gathered(model, "._pre_quant_scale")
     amax, amax_problems = _gathered(model, "._amax")
-    return {"logits": shims.gpt_logits(model, shims.token_batches(1, EVAL_SEED)[0]), "scales": scales, "amax": amax, "problems": problems + amax_problems}
+    return {"logits": shims.gpt_logits(model, shims.token_batches(1, EVAL_SEED)[0]), "scales": scales, "amax": amax, "problems": problems
+            + amax_problems}
 
 
 def _round_trip(rank: int, world: int, root: str) -> dict:

@@ -67,8 +67,10 @@ def _alphas(model) -> dict[str, float]:
 
 
 def _state(model) -> dict:
-    clipped = sum(int((m.awq_clip_ratio < 1).sum()) for m in model.modules() if isinstance(getattr(m, "awq_clip_ratio", None), torch.Tensor))
-    return {"pqs": shims.amax_pieces(model, "._pre_quant_scale"), "amax": shims.amax_pieces(model, "._amax"), "alpha": _alphas(model), "clipped": clipped}
+    clipped = sum(int((m.awq_clip_ratio < 1).sum()) for m in model.modules() if isinstance(getattr(m, "awq_clip_ratio", None),
+                                                                                           torch.Tensor))
+    return {"pqs": shims.amax_pieces(model, "._pre_quant_scale"), "amax": shims.amax_pieces(model, "._amax"), "alpha": _alphas(model),
+            "clipped": clipped}
 
 
 def _global(states: list[dict]) -> dict:

@@ -24,10 +24,10 @@ import quantlib as ql  # noqa: E402
 from quantlib.nn import GroupedQuantizer, QuantModuleRegistry  # noqa: E402
 from quantlib.plugins import megatron as qm  # noqa: E402
 from quantlib.plugins.te_adapters import QuantTEGroupedLinearBase  # noqa: E402
-from tests.ranks import free_port  # noqa: E402
-
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-from tests.test_plugins import te_gpu  # noqa: E402
+from tests.test_plugins import (
+    megatron_shims as shims,  # noqa: E402
+    te_gpu,  # noqa: E402
+)
 
 NUM_EXPERTS, OUT, IN = 4, 8, 16
 INT8_W_FP8_IN = {

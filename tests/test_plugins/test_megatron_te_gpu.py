@@ -13,15 +13,10 @@ import torch
 
 import quantlib as ql
 from quantlib.model_quant import iter_leaf_quantizers
-
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te, pytest.mark.megatron]
-_WHY = te_gpu.gpu_and_te()
-if _WHY is not None:
-    pytest.skip(_WHY, allow_module_level=True)
-pytest.importorskip("megatron.core", reason="needs megatron-core")
-pytest.importorskip("psutil", reason="Megatron dist checkpointing hangs without psutil")
+te_gpu.require_megatron_te()
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.extensions import transformer_engine as mte  # noqa: E402
@@ -167,7 +162,8 @@ def gpt_loop(tokens):
 def test_te_gpt_moe_quantizes_calibrates_and_round_trips(preset, tmp_path):
     model = ql.quantize(build_gpt(), te_gpu.PRESETS[preset], gpt_loop(_tokens(3, 1)))
     kinds = {type(m).__name__ for m in model.modules() if isinstance(m, ql.QuantModule)}
-    assert {"QuantTELayerNormColumnParallelLinear", "QuantTERowParallelLinear", "QuantTEColumnParallelGroupedLinear", "QuantTERowParallelGroupedLinear"} <= kinds
+    assert {"QuantTELayerNormColumnParallelLinear", "QuantTERowParallelLinear", "QuantTEColumnParallelGroupedLinear",
+            "QuantTERowParallelGroupedLinear"} <= kinds
     assert any(type(m).__name__ == "TEGroupedMLP" for m in model.modules())
     enabled = [(n, q) for n, q in iter_leaf_quantizers(model) if q.is_enabled and q.needs_calibration]
     assert enabled
@@ -183,7 +179,7 @@ def test_te_gpt_moe_quantizes_calibrates_and_round_trips(preset, tmp_path):
                 # max calibration (grouped experts keep max under AWQ) through one batch: static input
                 # quantizers need one; only the weight amax is compared
                 x = torch.randn(4, m.in_features, device="cuda", dtype=DTYPE)
-                alone = ql.quantize(alone, {**te_gpu.PRESETS[preset], "algorithm": "max"}, lambda lin: lin(x))
+                alone = ql.quantize(alone, {**te_gpu.PRESETS[preset], "algorithm": "max"}, lambda lin, x=x: lin(x))
                 got, expected = te_gpu.leaf_amaxes(member), te_gpu.leaf_amaxes(alone.weight_quantizer)
                 assert got and len(got) == len(expected)
                 for a, b in zip(got, expected):
@@ -212,12 +208,13 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
     """TEGroupedMLP's GEMM i is global expert i under Llama / Qwen3-MoE names, as SequentialMLP's."""
     from safetensors.torch import load_file
 
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
     from quantlib.formats.nvfp4 import nvfp4_dequantize
 
-    cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False}, "default": {"enable": False}}, "algorithm": "max"}
+    cfg = {"quant_cfg": {"*weight_quantizer": ql.NVFP4_DEFAULT_CFG["quant_cfg"]["*weight_quantizer"], "*router*": {"enable": False},
+                         "default": {"enable": False}}, "algorithm": "max"}
     model = ql.quantize(build_gpt(), cfg, gpt_loop(_tokens(2, 1)))
-    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4")
+    export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4", hf_config={})
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     checked = 0
     for i, layer in enumerate(model.module.decoder.layers):
@@ -233,5 +230,6 @@ def test_te_gpt_moe_export_writes_each_grouped_gemm_as_its_expert(tmp_path):
                     assert torch.equal(got.to(part.dtype).cpu(), part.cpu()), name
                     checked += 1
     assert checked == 2 * 4 * (len(fc1) + 1)
-    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"):
+    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.weight",
+                "model.layers.0.self_attn.q_proj.weight"):
         assert key in sd, key

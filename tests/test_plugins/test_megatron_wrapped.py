@@ -79,10 +79,10 @@ def _round_trips(rank: int, world: int, root: str) -> dict:
 
 def _export_same_as_inner(model, folder: str, rank: int):
     """(files, whether the wrapper's export equals the inner GPTModel's byte for byte, quantized modules)."""
-    from quantlib.export.megatron import export_megatron_checkpoint
+    from quantlib.export.megatron_export import export_megatron_checkpoint
 
-    wrapped = export_megatron_checkpoint(model, os.path.join(folder, "export_wrapped"), "modelopt_fp8")
-    inner = export_megatron_checkpoint(model.module, os.path.join(folder, "export_inner"), "modelopt_fp8")
+    wrapped = export_megatron_checkpoint(model, os.path.join(folder, "export_wrapped"), "modelopt_fp8", hf_config={})
+    inner = export_megatron_checkpoint(model.module, os.path.join(folder, "export_inner"), "modelopt_fp8", hf_config={})
     if rank != 0:
         return None
     same = [filecmp.cmp(os.path.join(wrapped.out_dir, f), os.path.join(inner.out_dir, f), shallow=False) for f in inner.files]
@@ -101,7 +101,8 @@ def _quantlib_save_restore(model, tp: int, folder: str, rank: int) -> dict:
         bare = None
     except ql.CheckpointError as exc:
         bare = str(exc)
-    return {"ql_restore_equal": bool(ours) and ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours), "ql_restore_bare": bare}
+    return {"ql_restore_equal": bool(ours) and ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours),
+            "ql_restore_bare": bare}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ def test_a_plugin_whose_framework_raises_oserror_is_skipped(monkeypatch, caplog)
     monkeypatch.setitem(plugins.PLUGINS, "quantlib.plugins._broken_for_test", "broken_framework_for_test")
     monkeypatch.setitem(sys.modules, "broken_framework_for_test", types.ModuleType("broken_framework_for_test"))
     real_find_spec, real_import = importlib.util.find_spec, importlib.import_module
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name.endswith("_broken_for_test") else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name.endswith("_broken_for_test")
+                        else real_find_spec(name, *a))
 
     def fake_import(name, *args):
         if name == "quantlib.plugins._broken_for_test":

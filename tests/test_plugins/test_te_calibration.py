@@ -74,7 +74,8 @@ def test_te_layer_without_bias_calibrates_as_nn_linear_on_the_gemm_input(te_sour
 
 @pytest.mark.parametrize("layernorm", [False, True], ids=["linear", "layernorm_linear"])
 def test_te_layer_awq_full_clips_on_the_gemm_input(te_source, registered, layernorm):
-    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 8}}, "*input_quantizer": {"enable": False}, "default": {"enable": False}},
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 8}}, "*input_quantizer": {"enable": False},
+                         "default": {"enable": False}},
            "algorithm": {"method": "awq_full", "alpha_step": 0.25}}  # fmt: skip
     data = _data()
     model = ql.quantize(_te_layer(te_source, registered, "2.20.2", layernorm), cfg, lambda m: [m(x) for x in data])

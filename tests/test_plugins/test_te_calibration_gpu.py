@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import quantlib as ql
-
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]

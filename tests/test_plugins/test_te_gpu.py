@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 import quantlib as ql
 from quantlib import checkpoint as ckpt
-
 from tests.test_plugins import te_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]
@@ -69,7 +68,8 @@ KINDS = ["linear", "layernorm_linear", "grouped"]
 def test_quantized_te_output_equals_fake_quant_reference_through_the_same_gemm(kind, preset):
     batches = inputs(kind, 3)
     model = ql.quantize(build(kind), te_gpu.PRESETS[preset], loop(batches))
-    assert type(model).__name__ == {"linear": "QuantLinear", "layernorm_linear": "QuantLayerNormLinear", "grouped": "QuantGroupedLinear"}[kind]
+    assert type(model).__name__ == {"linear": "QuantLinear", "layernorm_linear": "QuantLayerNormLinear",
+                                    "grouped": "QuantGroupedLinear"}[kind]
     for args in inputs(kind, 2, seed=7):
         with torch.no_grad():
             out = te_gpu.first(model(*args))
@@ -167,7 +167,8 @@ def test_layernorm_output_returned_is_the_quantized_gemm_input():
 
 #: the layout of the first H200 run (issue 14): FP8 per-tensor inputs, INT8 per-channel weights
 FP8_INPUT_INT8_WEIGHT = {
-    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None}, "default": {"enable": False}},
+    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None},
+                  "default": {"enable": False}},
     "algorithm": "max",
 }
 
@@ -206,7 +207,8 @@ def test_te_grouped_linear_on_gpu(tmp_path):
         for i in range(4):
             getattr(reference, f"weight{i}").copy_(wq[i])
         assert torch.equal(out, reference(xq, splits))
-        fp32 = torch.cat([F.linear(xs.double(), wq[i].double(), getattr(model, f"bias{i}").double()) for i, xs in enumerate(torch.split(xq, splits))])
+        fp32 = torch.cat([F.linear(xs.double(), wq[i].double(), getattr(model, f"bias{i}").double())
+                          for i, xs in enumerate(torch.split(xq, splits))])
     # TF32 products: relative error up to about 2**-10 of each |x_k w_k| term, summed over the 64 inputs
     bound = 2.0**-10 * torch.cat([xs.abs() @ wq[i].abs().t() for i, xs in enumerate(torch.split(xq, splits))]).double() + 1e-6
     assert ((out.double() - fp32).abs() <= bound).all()

@@ -27,7 +27,8 @@ from quantlib.plugins import te_adapters as ta
 from quantlib.plugins.huggingface import tokens_per_expert_report  # imports nothing from transformers
 
 FP8_INPUT_INT8_WEIGHT = {
-    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None}, "default": {"enable": False}},
+    "quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "*input_quantizer": {"num_bits": (4, 3), "axis": None},
+                  "default": {"enable": False}},
     "algorithm": "max",
 }
 
@@ -104,7 +105,8 @@ def test_adapter_rejects_a_single_grouped_weight(te_source, version):
     sig = real_signature(source, "_GroupedLinear")
     adapter = ta.grouped_linear_adapter(version)
     packed = torch.randn(3, 8, 16)  # one (num_gemms, out, in) tensor instead of three matrices
-    args = grouped_args(sig, non_tensor_args_fields(source), torch.randn(4, 16), _splits_for(version, [1, 1, 2]), [packed, object(), object()])
+    args = grouped_args(sig, non_tensor_args_fields(source), torch.randn(4, 16), _splits_for(version, [1, 1, 2]),
+                        [packed, object(), object()])
     with pytest.raises(ta.AdapterError, match="weight 0"):
         adapter.quantize_args(args, lambda x: x, lambda i, w: w)
 
@@ -192,7 +194,8 @@ def fake_grouped_linear_class(ns: types.ModuleType, sig: inspect.Signature, nta:
 
         def forward(self, inp, m_splits):
             splits = torch.as_tensor(m_splits, dtype=torch.int64) if tensor_splits else list(m_splits)
-            tensors = [getattr(self, f"weight{i}") for i in range(self.num_gemms)] + [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+            tensors = [getattr(self, f"weight{i}") for i in range(self.num_gemms)] + [getattr(self, f"bias{i}")
+                                                                                      for i in range(self.num_gemms)]
             args = grouped_args(sig, nta, inp, splits, tensors)
             fn = ns._GroupedLinear
             return fn.apply(*args) if torch.is_grad_enabled() else fn.forward(None, *args)
@@ -440,8 +443,10 @@ def plugin_with(te_source, monkeypatch):
         module.grouped_linear, module.linear, module.layernorm_linear = grouped_ns, linear_ns, ln_ns
         te = types.ModuleType("transformer_engine")
         te.__version__, te.pytorch, pytorch.module = version, pytorch, module
-        for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", pytorch), ("transformer_engine.pytorch.module", module),
-                          ("transformer_engine.pytorch.module.grouped_linear", grouped_ns), ("transformer_engine.pytorch.module.linear", linear_ns),
+        for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", pytorch), ("transformer_engine.pytorch.module",
+                                                                                                module),
+                          ("transformer_engine.pytorch.module.grouped_linear", grouped_ns), ("transformer_engine.pytorch.module.linear",
+                                                                                             linear_ns),
                           ("transformer_engine.pytorch.module.layernorm_linear", ln_ns)):  # fmt: skip
             monkeypatch.setitem(sys.modules, name, mod)
         monkeypatch.delitem(sys.modules, "quantlib.plugins.transformer_engine", raising=False)
@@ -464,7 +469,8 @@ def test_plugin_registers_the_adapter_of_the_installed_version(plugin_with, vers
     plugin, te = plugin_with(version)
     assert plugin.te_version() == version
     mixin = QuantModuleRegistry._mixins[te.GroupedLinear]
-    assert mixin.te_adapter is ta.grouped_linear_adapter(version) and mixin.te_namespace is sys.modules["transformer_engine.pytorch.module.grouped_linear"]
+    assert mixin.te_adapter is ta.grouped_linear_adapter(version)
+    assert mixin.te_namespace is sys.modules["transformer_engine.pytorch.module.grouped_linear"]
     data = _batches()
     model = ql.quantize(te.GroupedLinear(4, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data))
     assert type(model).__name__ == "QuantFakeGroupedLinear"

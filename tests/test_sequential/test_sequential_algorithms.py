@@ -15,8 +15,9 @@ from torch import nn
 pytest.importorskip("transformers", reason="needs transformers (pip install quantlib[transformers])")
 
 import quantlib as ql  # noqa: E402
-from quantlib.calib.registry import ALGORITHMS, RESULT_ATTRIBUTES  # noqa: E402
+from quantlib.calib.registry import RESULT_ATTRIBUTES  # noqa: E402
 from quantlib.calib.sequential import offload_to_disk  # noqa: E402
+from quantlib.calib_config import ALGORITHMS  # noqa: E402
 from quantlib.model_quant import iter_leaf_quantizers, quant_modules  # noqa: E402
 from tests.ranks import run_on_ranks  # noqa: E402
 from tests.test_sequential.test_sequential_hf import MODELS, _with_head_input, build, data, loop_over  # noqa: E402
@@ -47,7 +48,8 @@ ELSEWHERE = {"gptq"}
 
 
 def test_every_registered_algorithm_has_a_config_here():
-    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"] for c in CONFIGS.values()} == set(ALGORITHMS) - ELSEWHERE
+    assert {c["algorithm"] if isinstance(c["algorithm"], str) else c["algorithm"]["method"]
+            for c in CONFIGS.values()} == set(ALGORITHMS) - ELSEWHERE
 
 
 def state_of(model: nn.Module) -> dict:
@@ -190,7 +192,8 @@ def test_sequential_layer_with_nothing_to_serve_equal_in_memory(algo):
     memory = ql.quantize(build("llama"), cfg, loop_over(data()))
     layered = ql.quantize(build("llama"), cfg, loop_over(data()), sequential=True)
     got = state_of(layered)
-    assert not any(k.startswith("model.layers.1.") for k in got) and any(k.startswith("model.layers.2.") and "pre_quant_scale" in k for k in got)
+    assert not any(k.startswith("model.layers.1.") for k in got) and any(k.startswith("model.layers.2.") and "pre_quant_scale" in k
+                                                                         for k in got)
     assert_same(got, state_of(memory))
     assert torch.equal(logits(layered), logits(memory))
 

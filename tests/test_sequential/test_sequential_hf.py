@@ -17,10 +17,12 @@ import quantlib as ql  # noqa: E402
 from quantlib.calib.sequential import SequentialOptions, offload_to_disk  # noqa: E402
 from quantlib.model_quant import iter_leaf_quantizers  # noqa: E402
 
-COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              max_position_embeddings=64)
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=48, **COMMON)),
-    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                                            num_experts_per_tok=2, experts_implementation="eager", **COMMON)),
 }
 
 
@@ -31,7 +33,8 @@ def _with_head_input(cfg: dict) -> dict:
     return merged
 
 
-CONFIGS = {"fp8": _with_head_input(ql.FP8_DEFAULT_CFG), "nvfp4": _with_head_input(ql.NVFP4_DEFAULT_CFG), "int8": _with_head_input(ql.INT8_DEFAULT_CFG)}
+CONFIGS = {"fp8": _with_head_input(ql.FP8_DEFAULT_CFG), "nvfp4": _with_head_input(ql.NVFP4_DEFAULT_CFG),
+           "int8": _with_head_input(ql.INT8_DEFAULT_CFG)}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

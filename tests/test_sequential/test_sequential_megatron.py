@@ -6,19 +6,15 @@ experts' ModuleList is longer than the layers' and must not be taken for the dec
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'quantlib[megatron]')")
 
-from tests.test_plugins import megatron_shims as shims  # noqa: E402
-
 import quantlib as ql  # noqa: E402
 from quantlib.calib.sequential import decoder_layers  # noqa: E402
 from quantlib.model_quant import iter_leaf_quantizers  # noqa: E402
+from tests.test_plugins import megatron_shims as shims  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -33,7 +29,8 @@ def _run(rank: int, world: int) -> dict:
     layered = ql.quantize(shims.build_gpt(2, 1, 0), cfg, shims.forward_loop(data), parallel_state=state, sequential=True)
     a = {n: q.amax for n, q in iter_leaf_quantizers(memory) if q.amax is not None}
     b = {n: q.amax for n, q in iter_leaf_quantizers(layered) if q.amax is not None}
-    return {"layers": name, "same_keys": a.keys() == b.keys(), "differ": [n for n in a if n in b and not torch.equal(a[n], b[n])], "count": len(a)}
+    return {"layers": name, "same_keys": a.keys() == b.keys(), "differ": [n for n in a if n in b and not torch.equal(a[n], b[n])],
+            "count": len(a)}
 
 
 def test_sequential_megatron_tp2_amax_equal_in_memory():
@@ -60,7 +57,9 @@ def _run_awq_dp(rank: int, world: int) -> dict:
     memory = _state(ql.quantize(shims.build_gpt(1, 1, 0), cfg, shims.forward_loop(data), parallel_state=state))
     layered = _state(ql.quantize(shims.build_gpt(1, 1, 0), cfg, shims.forward_loop(data), parallel_state=state, sequential=True))
     experts = [n for n in memory if "local_experts" in n and n.endswith("input_quantizer/pre_quant_scale")]
-    return {"same_keys": memory.keys() == layered.keys(), "differ": [n for n in memory if n in layered and not torch.equal(memory[n], layered[n])], "experts": len(experts), "layered": layered}
+    return {"same_keys": memory.keys() == layered.keys(), "differ": [n for n in memory if n in layered
+                                                                     and not torch.equal(memory[n], layered[n])], "experts": len(experts),
+                                                                     "layered": layered}
 
 
 def test_sequential_megatron_dp2_awq_full_equal_in_memory():
@@ -80,7 +79,9 @@ def _run_awq_split(rank: int, world: int, tp: int, ep: int) -> dict:
     state = ql.ParallelState.from_megatron()
     memory = _state(ql.quantize(shims.build_gpt(tp, ep, 0), cfg, shims.forward_loop(data), parallel_state=state))
     layered = _state(ql.quantize(shims.build_gpt(tp, ep, 0), cfg, shims.forward_loop(data), parallel_state=state, sequential=True))
-    return {"same_keys": memory.keys() == layered.keys(), "differ": [n for n in memory if n in layered and not torch.equal(memory[n], layered[n])], "scales": sum(n.endswith("pre_quant_scale") for n in memory)}
+    return {"same_keys": memory.keys() == layered.keys(), "differ": [n for n in memory if n in layered
+                                                                     and not torch.equal(memory[n], layered[n])],
+                                                                     "scales": sum(n.endswith("pre_quant_scale") for n in memory)}
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])

@@ -24,13 +24,15 @@ CFG = ql.INT8_DEFAULT_CFG
 
 def llama(seed: int = 0, hidden: int = 32) -> nn.Module:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     return LlamaForCausalLM(cfg).eval()
 
 
 def neox(seed: int = 0, hidden: int = 32) -> nn.Module:
     torch.manual_seed(seed)
-    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, intermediate_size=48, max_position_embeddings=64)
+    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, intermediate_size=48,
+                        max_position_embeddings=64)
     return GPTNeoXForCausalLM(cfg).eval()
 
 
@@ -122,7 +124,8 @@ def test_resume_file_checks_offloaded_finished_layers_on_disk(tmp_path):
 def test_resume_file_of_another_width_refused_naming_the_tensor(tmp_path, name):
     resume = str(tmp_path / "resume.pt")
     crash_in_layer_2(BUILD[name](hidden=32), resume)
-    refused(BUILD[name](hidden=48), resume, r"written for another model: \S+ is \(64, 48\) torch\.float32 here, \(64, 32\) torch\.float32 in the file")
+    refused(BUILD[name](hidden=48), resume, r"written for another model: \S+ is \(64, 48\) torch\.float32 here, \(64, 32\) torch\.float32 "
+                                            r"in the file")
 
 
 def _truncated(path: str) -> None:

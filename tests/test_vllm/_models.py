@@ -10,8 +10,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.presets import preset
-
-from tests.test_export._export_models import E, H, INTER, MOE_INTER, llama, qwen3_moe, scale_experts
+from tests.test_export._export_models import INTER, MOE_INTER, E, H, llama, qwen3_moe, scale_experts
 
 
 def weight_only(preset: dict) -> dict:
@@ -48,8 +47,10 @@ def qwen2_moe(seed: int = 0) -> nn.Module:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, shared_expert_intermediate_size=INTER, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
+                         shared_expert_intermediate_size=INTER, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64,
+                         tie_word_embeddings=False,
                          experts_implementation="eager")  # fmt: skip
     return scale_experts(Qwen2MoeForCausalLM(cfg).eval())
 

