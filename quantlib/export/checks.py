@@ -3,12 +3,15 @@ groups quantized whole, leaves the layout can name, tied weights, experts a chec
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
 from .layouts import ModelLayout
+from .modules import ModuleWalk
 from .types import ExportError
 
 _HOW = ("pass export_checkpoint(..., layout=quantlib.export.ModelLayout(name, siblings=((...), ...), shards={...}, column=..., row=...)) "
@@ -17,20 +20,22 @@ _HOW = ("pass export_checkpoint(..., layout=quantlib.export.ModelLayout(name, si
 
 def _weight_quantizer(module: nn.Module):
     q = module._modules.get("weight_quantizer")
-    return q if isinstance(q, TensorQuantizer) else None
+    return q if type(q) is TensorQuantizer or isinstance(q, TensorQuantizer) else None
 
 
-def _linears(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, bool]]:
+def _linears(walk: ModuleWalk) -> list[tuple[str, nn.Module, bool]]:
     """(name, module, weight quantizer enabled) of each linear: a quantized module with a 2-D weight of its
     own, or an ``nn.Linear`` left unconverted (never quantized)."""
     out = []
-    for name, module in modules:
-        if isinstance(module, QuantModule):
-            w, q = module._parameters.get("weight"), _weight_quantizer(module)
-            if w is not None and q is not None and w.dim() == 2:
-                out.append((name, module, q.is_enabled))
-        elif isinstance(module, nn.Linear):
+    for name, module, quant in walk.linears:
+        if not quant:
             out.append((name, module, False))
+            continue
+        w = module._parameters.get("weight")
+        if w is not None and w.dim() == 2:
+            q = _weight_quantizer(module)
+            if q is not None:
+                out.append((name, module, q.is_enabled))
     return out
 
 
@@ -39,19 +44,21 @@ def _in_features(module: QuantModule) -> int:
     return next(iter(module.weight_groups()))[1][0].shape[1]
 
 
-def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, what: str) -> None:
+def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
     shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
-    linears = _linears(modules)
+    linears = _linears(walk)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
-    known = None if layout.standalone is None else layout.standalone | {leaf for g in layout.siblings for leaf in g}
+    # what the layout can name: its standalone leaves and its siblings' (a leaf in no group is known if standalone)
+    standalone = layout.standalone
+    group_of: dict[str, Optional[tuple[str, ...]]] = {}  # a model repeats a handful of leaf names
     for name, module, enabled in linears:
         parent, _, leaf = name.rpartition(".")
-        group = layout.sibling_group(leaf)
+        group = group_of[leaf] if leaf in group_of else group_of.setdefault(leaf, layout.sibling_group(leaf))
         if group is not None:
             groups.setdefault((parent, group), []).append((name, enabled))
-        elif known is not None and enabled and leaf not in known:
+        elif standalone is not None and enabled and leaf not in standalone:
             # only linears that read inputs of one width can be fused into one GEMM
             unknown.setdefault((parent, _in_features(module)), []).append(name)
     for (_parent, group), members in groups.items():
@@ -67,7 +74,8 @@ def check_structure(modules: list[tuple[str, nn.Module]], layout: ModelLayout, w
             raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not "
                               "know); "
                               f"fused siblings need one global scale, so say which are: {_HOW}")
-    _refuse_tied(modules)
+    if walk.tied:  # else no weight has a second owner
+        _refuse_tied(walk.modules)
 
 
 def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:

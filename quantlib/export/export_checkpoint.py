@@ -15,6 +15,7 @@ from torch import nn
 from . import safetensors_io
 from .iterate import iter_plan
 from .layouts import ModelLayout, layout_for
+from .modules import ModuleWalk
 from .offload import meta_modules, read_offloaded
 from .plan import Plan, make_plan
 from .types import ExportError, ExportFormat, ExportManifest
@@ -185,7 +186,8 @@ def export_checkpoint(
     if on_meta and offload_folder is None:
         raise ExportError(f"{on_meta[0]} (and {len(on_meta) - 1} more module(s)) hold tensors on the meta device; "
                           "pass offload_folder= the folder layer-by-layer calibration loaded them from")
-    plan = make_plan(model, p, layout or layout_for(model), unify_siblings=unify_siblings, tp=tp, version=__version__)
+    mw = ModuleWalk(model)  # one traversal for the layout and the plan
+    plan = make_plan(model, p, layout or layout_for(model, mw), unify_siblings=unify_siblings, tp=tp, version=__version__, modules=mw)
     if on_meta:
         progress = progress if progress is not None else plan_bytes(plan) >= _PROGRESS_BYTES  # before the getters read files
         with read_offloaded(model, plan, offload_folder):

@@ -187,13 +187,14 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     return _Linear(module, pin, _slot(first) if wq.is_enabled else None)
 
 
-def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: bool, fmt: str) -> Folds:
-    """Where each ``pre_quant_scale`` of ``model`` goes (``modules``: its named modules); ``carries``: the
-    format writes ``pre_quant_scale`` tensors. Raises ExportError naming what neither can express."""
+def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: bool, fmt: str,
+               quantized: Optional[list[tuple[str, nn.Module]]] = None) -> Folds:
+    """Where each ``pre_quant_scale`` of ``model`` goes (``modules``: its named modules; ``quantized``: those
+    of them that may be QuantModules, in order, where the caller knows); ``carries``: the format writes
+    ``pre_quant_scale`` tensors. Raises ExportError naming what neither can express."""
     folds = Folds()
-    by_name = dict(modules)
     linears: dict[str, _Linear] = {}
-    for name, m in modules:
+    for name, m in modules if quantized is None else quantized:
         if isinstance(m, QuantModule) and holds_pre_quant_scale(m):
             linears[name] = lin = _effective(name, m)
             if lin.weight is not None:
@@ -201,6 +202,7 @@ def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: 
     pending = {n for n, lin in linears.items() if lin.input is not None}
     if not pending:
         return folds
+    by_name = dict(modules)
     rules = rules_for(model)
     for name in [n for n, _ in modules if n in pending]:  # in module order: a group folds at its first member
         if name not in pending:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .modules import _direct, named_modules
+from .modules import ModuleWalk
 from .types import ExportError
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (probe signature, names)
@@ -45,27 +45,51 @@ def _coarse(rows: int) -> int:
     return g
 
 
-def _sources(modules: list[tuple[str, nn.Module]]) -> list[tuple[int, str, str, str, tuple, tuple[int, ...]]]:
+def _sources(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> list[tuple[int, str, str, str, tuple, tuple[int, ...]]]:
     """What the probe holds, without its tensors: (start id, key, module, tensor name, (experts, ids per
-    expert, rows per id) or (), probe shape) per tensor: a fused-experts parameter gets ids per expert and
-    row group, any other tensor one id."""
-    sources, start, seen = [], 0, set()
-    for mname, module in modules:
-        direct = _direct(module, seen)
-        seen.update(map(id, direct.values()))  # a tied tensor is saved once, under its first name
+    expert, rows per id) or (), probe shape) per tensor of ``owners`` (:attr:`ModuleWalk.owners`): a
+    fused-experts parameter gets ids per expert and row group, any other tensor one id."""
+    sources, start = [], 0
+    for mname, module, direct in owners:
         for pname, t in direct.items():
             key = f"{mname}.{pname}" if mname else pname
-            axis = _expert_axis(module, t)
-            if axis is not None:
-                n, g = t.shape[0], _coarse(t.shape[axis])
-                shape = [n, 1, 1]
-                shape[axis] = t.shape[axis] // g
-                info, shape = (n, shape[axis], g), tuple(shape)
+            shape = _probe_shape(module, t)
+            if type(shape) is tuple:
+                axis = _expert_axis(module, t)
+                info = (t.shape[0], shape[axis], _coarse(t.shape[axis]))
             else:
-                info, shape = (), (1,) * t.dim()
+                info, shape = (), (1,) * shape
             sources.append((start, key, mname, pname, info, shape))
             start += math.prod(shape)
     return sources
+
+
+def _probe_shape(module: nn.Module, t: torch.Tensor) -> "int | tuple[int, int, int]":
+    """The probe shape of a fused-experts parameter ``t`` of ``module`` ([experts, ids, 1] or [experts, 1, ids]
+    along its output rows), or the number of dims of any other tensor (its probe is one id)."""
+    d = t.dim()
+    if d != 3:
+        return d
+    axis = _expert_axis(module, t)
+    if axis is None:
+        return d
+    shape = [t.shape[0], 1, 1]
+    shape[axis] = t.shape[axis] // _coarse(t.shape[axis])
+    return tuple(shape)
+
+
+def _signature(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> list:
+    """What the names depend on: every module, tensor name and probe shape (module names followed by
+    their tensors' (name, shape) pairs; a module name is the string followed by a string)."""
+    sig: list = []
+    append = sig.append
+    for mname, module, direct in owners:
+        append(mname)
+        for pname, t in direct.items():
+            append(pname)
+            d = t.ndim
+            append(d if d != 3 else _probe_shape(module, t))  # only 3-D tensors may be fused experts
+    return sig
 
 
 def _probe(sources: list) -> dict[str, torch.Tensor]:
@@ -78,21 +102,29 @@ def _probe(sources: list) -> dict[str, torch.Tensor]:
     return probe
 
 
-def transformers_names(model: nn.Module,
-                       modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
+def transformers_names(model: nn.Module, walk: Optional[ModuleWalk] = None) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
     """(module renames, fused-experts parts) of a transformers model, as its ``save_pretrained`` writes
-    it: see :attr:`~quantlib.export.layouts.ModelLayout.renames` / ``experts``."""
+    it: see :attr:`~quantlib.export.layouts.ModelLayout.renames` / ``experts``. ``walk``: the model's
+    :class:`ModuleWalk`, when the caller has one."""
+    if walk is not None and walk.names is not None:  # layout_for and make_plan of one export share a walk
+        return walk.names
+    walk = ModuleWalk(model) if walk is None else walk
+    walk.names = names = _names(model, walk.owners)
+    return names
+
+
+def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> tuple[dict[str, str], dict]:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers < 5 keeps module names as checkpoint names
         return {}, {}
-    sources = _sources(named_modules(model) if modules is None else modules)
-    if not sources:
+    if not owners:
         return {}, {}
-    signature = tuple((s[1], s[5]) for s in sources)
+    signature = _signature(owners)  # cheaper than the sources: no keys built, no ids counted
     hit = _CACHE.get(model)
     if hit is not None and hit[0] == signature:  # weight sync exports the same model every step: no probe
         return hit[1]
+    sources = _sources(owners)
     probe = _probe(sources)
     what = type(model).__name__
     try:

@@ -10,6 +10,7 @@ from torch import nn
 from ..formats import Kind
 from ..traversal import applied_config
 from .layouts import ModelLayout, layout_for
+from .modules import ModuleWalk
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
@@ -131,7 +132,9 @@ def iter_packed(
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); "
                           f"pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
-    plan = make_plan(model, get_packer(fmt), layout or layout_for(model), unify_siblings=unify_siblings or source is Scales.DYNAMIC, tp=tp)
+    mw = ModuleWalk(model)  # one traversal for the layout and the plan
+    unify = unify_siblings or source is Scales.DYNAMIC
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw)
     config = applied_config(model)
     plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))

@@ -33,7 +33,9 @@ class KVItem:
 
 
 def _enabled(module: nn.Module, qname: str) -> Optional[TensorQuantizer]:
-    q = getattr(module, qname, None)
+    # the quantizers are submodules: nn.Module.__getattr__ finds them only after missing three dicts
+    sub = module._modules
+    q = sub[qname] if qname in sub else getattr(module, qname, None)
     return q if isinstance(q, TensorQuantizer) and q.is_enabled else None
 
 
@@ -70,8 +72,11 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout,
             modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
     """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
     :class:`ExportError` naming the quantizer where the format cannot carry it. ``modules``: the
-    model's named modules, where the caller has them (quantizers may be left out)."""
+    model's named modules, where the caller has them (quantizers may be left out, and modules without a
+    child of an attention quantizer's name: :attr:`~quantlib.export.modules.ModuleWalk.attention`)."""
     checked: list[tuple[str, TensorQuantizer]] = []  # finiteness is checked for all at once, below
+    if not modules and modules is not None:
+        return [], None  # no attention quantizer anywhere
     try:
         items, first = _walk_kv(model.named_modules() if modules is None else modules, packer, layout, checked)
     except ExportError:

@@ -16,12 +16,14 @@ in 2-D under the family's names (``mlp.experts.{e}.gate_proj``, Mixtral's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from torch import nn
 
 from .hf_names import transformers_names
+from .modules import ModuleWalk
 from .types import ExportError
 
 Shard = Optional[Union[str, int]]
@@ -139,20 +141,28 @@ def register_layout(model_type: str, layout: ModelLayout) -> None:
     LAYOUTS[model_type] = layout
 
 
-def layout_for(model: nn.Module) -> ModelLayout:
+def layout_for(model: nn.Module, walk: Optional[ModuleWalk] = None) -> ModelLayout:
     """The layout of a model: for a transformers model (``config.model_type``) its registered layout or
-    :data:`TRANSFORMERS`, with transformers' checkpoint names; :data:`GENERIC` otherwise."""
+    :data:`TRANSFORMERS`, with transformers' checkpoint names; :data:`GENERIC` otherwise. ``walk``: the
+    model's :class:`ModuleWalk`, when the caller has one (an export shares it with its plan)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return GENERIC
-    return with_checkpoint_names(model, LAYOUTS.get(model_type) or dataclasses.replace(TRANSFORMERS, name=model_type))
+    return with_checkpoint_names(model, LAYOUTS.get(model_type) or _transformers_layout(model_type), walk)
 
 
-def with_checkpoint_names(model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None) -> ModelLayout:
+@functools.lru_cache(maxsize=None)  # one per model_type, shared as a registered layout is: a replace per call cost 5-10 us
+def _transformers_layout(model_type: str) -> ModelLayout:
+    return dataclasses.replace(TRANSFORMERS, name=model_type)
+
+
+def with_checkpoint_names(model: nn.Module, layout: ModelLayout, walk: Optional[ModuleWalk] = None) -> ModelLayout:
     """``layout`` with the checkpoint names of transformers model ``model`` added (its own take precedence);
-    ``layout`` itself for a model that is no transformers model. ``modules``: its ``named_modules``, when
-    the caller has them."""
+    ``layout`` itself for a model that is no transformers model, or where it holds them all already (a
+    layout of :func:`layout_for`). ``walk``: the model's :class:`ModuleWalk`, when the caller has one."""
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         return layout
-    renames, experts = transformers_names(model, modules)
+    renames, experts = transformers_names(model, walk)
+    if renames.keys() <= layout.renames.keys() and experts.keys() <= layout.experts.keys():
+        return layout  # the merge below would change nothing: its own names take precedence
     return dataclasses.replace(layout, renames={**renames, **layout.renames}, experts={**experts, **layout.experts})

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors
 
 from ..formats import FormatSpec, QuantizedTensor
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
@@ -19,7 +20,7 @@ from .checks import check_structure, stored_fused
 from .fold import plan_folds
 from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
-from .modules import _direct, named_modules
+from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .types import ExportError
 from .writers import ConfigInfo, Packer
 from .writers.base import Scheme, describe
@@ -83,7 +84,7 @@ def _live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:
 
 
 def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optional[torch.Tensor]]:
-    if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+    if not (type(q) is TensorQuantizer or isinstance(q, TensorQuantizer)) or not q.is_enabled:
         return None, None
     return q.spec, q.amax
 
@@ -133,21 +134,17 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
 
 
 def walk(
-    model: nn.Module, layout: ModelLayout, modules: Optional[list[tuple[str, nn.Module]]] = None, stored_experts: bool = False
+    model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False
 ) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
-    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :func:`named_modules`, when the caller has them.
+    :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one.
     ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
     fused_cls = _fused_experts_class()
+    mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
-    seen: set[int] = set()  # tied parameters are written once, under their first name
     base_groups = QuantModule.weight_groups
-    for name, module in named_modules(model) if modules is None else modules:
-        direct = _direct(module, seen)
-        quant = isinstance(module, QuantModule)
-        if not direct and not quant:
-            continue  # a container: nothing of its own to write or check
-        seen.update(map(id, direct.values()))
+    renamed, shards, tp_axis = layout.renames.get, layout.shards.get, layout.tp_axis
+    for name, module, direct, quant in mw.entries:  # containers hold nothing of their own to write or check
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls):
             if not stored_fused(module, name, layout, carried=stored_experts):
@@ -166,19 +163,17 @@ def walk(
             if chain is not None:
                 q = q[0]  # the item is the first member's; its second packs beside it (Packer.chain_ok)
             if isinstance(q, TensorQuantizer) and q.is_enabled:
-                w = direct.pop("weight")
+                w = direct["weight"]  # the walk's dict is shared: read, not popped
                 ispec, iamax = _active_input(_child(module, "input_quantizer"))
-                extras = {k: _live(module, k) for k in direct}
+                extras = {k: _live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
                 spec = q.spec
                 block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
-                items.append(Item(layout.checkpoint_name(name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
-                                  ispec, iamax, extras,
-                                  shard=layout.shards.get(leaf), parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf),
-                                  shape=tuple(w.shape),
-                                  input_where=f"{name}.input_quantizer", block_amax=block_amax, chain=chain))
-                direct = {}
+                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
+                                  ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
+                                  shape=tuple(w.shape), input_where=f"{name}.input_quantizer", block_amax=block_amax, chain=chain))
+                continue
         if direct:
-            items.append(Item(layout.checkpoint_name(name), "unquantized", name, extras={k: _live(module, k) for k in direct},
+            items.append(Item(renamed(name, name), "unquantized", name, extras={k: _live(module, k) for k in direct},
                               parent=parent, leaf=leaf))
     return items
 
@@ -275,13 +270,17 @@ def read_amax(items: list[Item], scalars: list[Item] = ()) -> tuple[bool, dict[i
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[Item]]] = {}
     for it in items:
         if it.amax is not None and not it.amax.is_meta:
-            by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax.reshape(-1))
+            by_device.setdefault(it.amax.device, ([], []))[0].append(it.amax)
     for it in scalars:
         if _shared(it) is not None and not _shared(it).is_meta:
             by_device.setdefault(_shared(it).device, ([], []))[1].append(it)
     finite, values = True, {}
     for device, (amaxes, members) in by_device.items():
-        ok = torch.isfinite(torch.cat(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
+        # flattened and concatenated in one call: a reshape per amax is a Python call each
+        if not members:  # the finiteness alone: one read of the flag, without a cast and a cat
+            finite = bool(torch.isfinite(_flatten_dense_tensors(amaxes)).all()) and finite
+            continue
+        ok = torch.isfinite(_flatten_dense_tensors(amaxes)).all().reshape(1) if amaxes else torch.ones(1, dtype=torch.bool, device=device)
         row = torch.cat([ok.float()] + [_shared(m).reshape(1).float() for m in members]).tolist()
         finite = finite and row[0] == 1.0
         values.update(zip(map(id, members), row[1:]))
@@ -305,8 +304,9 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this "
                           "quantizer)")
-    # the format and block checks depend on these alone (the names only make their messages)
-    key = (spec, tuple(it.amax.shape) if it.amax is not None else (), it.input_spec, it.shape, it.rows, it.tp_axis, tp, None
+    # the format and block checks depend on these alone (the names only make their messages); the specs by
+    # identity (they outlive ``passed``): hashing a spec's fields per item costs more than an equal spec's recheck
+    key = (id(spec), tuple(it.amax.shape) if it.amax is not None else (), id(it.input_spec), it.shape, it.rows, it.tp_axis, tp, None
            if it.chain is None else it.chain[0])
     done = passed is not None and key in passed
     if not done:
@@ -398,19 +398,20 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
     return unified
 
 
-def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1,
-              version: str = "") -> Plan:
-    """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer."""
+def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "",
+              modules: Optional[ModuleWalk] = None) -> Plan:
+    """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer.
+    ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if packer.model_types is not None and model_type not in packer.model_types:
         raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers "
                           f"for model_type {sorted(packer.model_types)} only")
-    modules = named_modules(model)
-    layout = with_checkpoint_names(model, layout, modules)  # a layout passed by hand still gets transformers' names (cached)
-    check_structure(modules, layout, type(model).__name__)
-    folds = plan_folds(model, modules, packer.carries_pre_quant_scale, packer.fmt.value)
-    kv, kv_spec = plan_kv(model, packer, layout, modules)
-    items = walk(model, layout, modules, packer.stores_fused_experts)
+    mw = ModuleWalk(model) if modules is None else modules  # one traversal shared by every pass below
+    layout = with_checkpoint_names(model, layout, mw)  # a layout passed by hand still gets transformers' names (cached)
+    check_structure(mw, layout, type(model).__name__)
+    folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
+    kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
+    items = walk(model, layout, mw, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     _refuse_split_inputs(plan.items, layout)
@@ -456,21 +457,32 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
     if not quantized:
         raise ExportError(f"no enabled weight quantizer in {what}: nothing to export in {packer.fmt.value}")
     first = quantized[0]
+    # specs are frozen and a model's quantizers share a few spec objects: what depends on the specs alone
+    # is asked again only where they are other objects than the previous item's
+    spec = inp = shares = None
     for it in quantized:
-        it.group = layout.sibling_group(it.leaf) if packer.shares_global(it.spec, it.input_spec) else None
+        if it.spec is not spec or it.input_spec is not inp:
+            spec, inp = it.spec, it.input_spec
+            shares = packer.shares_global(spec, inp)
+        it.group = layout.sibling_group(it.leaf) if shares else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()
-    scheme = _key(first.spec), _key(first.input_spec), _key(first.chain and first.chain[0])
+    first_chain = first.chain and first.chain[0]
+    scheme = _key(first.spec), _key(first.input_spec), _key(first_chain)
+    mixed = packer.mixed
     for it in quantized:
         _check_item(it, packer, tp, finite_known=finite, passed=passed)
-        if not packer.mixed and (_key(it.spec), _key(it.input_spec), _key(it.chain and it.chain[0])) != scheme:
+        # the same spec objects: the same scheme (a model's quantizers share one spec object)
+        chain = it.chain and it.chain[0]
+        other = it.spec is not first.spec or it.input_spec is not first.input_spec or chain is not first_chain
+        if not mixed and other and (_key(it.spec), _key(it.input_spec), _key(chain)) != scheme:
             raise ExportError(f"{it.where}: weight {describe(it.spec)} / input {describe(it.input_spec)} differs from {first.where}: "
                               f"weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one "
                               "scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
     ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
-    per_tensor = first.amax is not None and first.amax.numel() == 1 and first.spec.block is None
+    per_tensor = first.amax is not None and first.spec.block is None and first.amax.numel() == 1
     info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version, schemes=_schemes(quantized))
     return Plan(items, info, unified)
 
@@ -478,9 +490,14 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
 def _schemes(quantized: list[Item]) -> tuple[Scheme, ...]:
     """The export's schemes (weight and input spec, one amax per tensor or not) and their modules, in order."""
     by: dict[tuple, list[Item]] = {}
+    spec = inp = keys = last = None
     for it in quantized:
-        per_tensor = it.amax is not None and it.amax.numel() == 1 and it.spec.block is None
-        by.setdefault((_key(it.spec), _key(it.input_spec), per_tensor), []).append(it)
+        per_tensor = it.amax is not None and it.spec.block is None and it.amax.numel() == 1
+        if it.spec is not spec or it.input_spec is not inp or per_tensor != keys[2]:  # else the previous item's scheme
+            spec, inp = it.spec, it.input_spec
+            keys = (_key(spec), _key(inp), per_tensor)
+            last = by.setdefault(keys, [])
+        last.append(it)
     return tuple(Scheme(m[0].spec, m[0].input_spec, k[2], tuple(dict.fromkeys(i.name for i in m)),
                         tuple(i.name for i in m if i.role == "expert")) for k, m in by.items())
 
