@@ -355,11 +355,6 @@ def _shared(it: Item) -> Optional[torch.Tensor]:
     return it.chain[1] if it.chain is not None else it.amax
 
 
-def _shared(it: Item) -> Optional[torch.Tensor]:
-    """The amax a sibling group shares when it has one element: a chain's second member's (W4A8's FP8), else the weight's."""
-    return it.chain[1] if it.chain is not None else it.amax
-
-
 def _grouped(items: list[Item]) -> list[Item]:
     """The items whose one-element amax a sibling group shares."""
     return [it for it in items if it.spec is not None and _shared(it) is not None and _shared(it).numel() == 1 and it.group is not None]
