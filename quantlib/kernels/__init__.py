@@ -16,7 +16,7 @@ from ..formats.mx import MX_ELEMENTS, mx_dequantize
 from ..formats.nvfp4 import check_global_amax, nvfp4_dequantize
 from ..formats.spec import MIN_EPS
 from . import ops
-from .backends import BACKENDS, Backend, KernelPreference, KernelUnavailable, check_backend, resolve, select
+from .backends import BACKENDS, Backend, KernelPreference, KernelUnavailable, check_backend, resolve, select, uncovered
 
 
 def _spec_of(attrs) -> FormatSpec:
@@ -143,4 +143,4 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str, *, global_sc
 
 
 __all__ = ["BACKENDS", "KernelPreference", "KernelUnavailable", "block_amax", "dequantize", "fake_quant", "fp8_blockwise_cast", "fp8_cast",
-           "mx_cast", "nvfp4_cast", "resolve"]
+           "mx_cast", "nvfp4_cast", "resolve", "uncovered"]

@@ -1,7 +1,11 @@
-"""Which implementation of an op runs: a :class:`KernelPreference` (or its name). ``AUTO`` picks, per op
-and device, the first backend that is available and covers the op, in the order CUDA extension > Triton >
-C++ CPU extension > torch reference; any other preference is that backend, or an error naming the op and
-the backend. Nothing is probed at import time.
+"""Which implementation of an op runs: a :class:`KernelPreference` (or its name). ``AUTO`` picks, per call,
+the first backend that is available and covers the op and its case, in the order CUDA extension > Triton >
+C++ CPU extension > torch reference; any other preference is that backend, or :class:`KernelUnavailable`
+naming the op, the case and the backend: an explicit choice never runs another backend's kernel.
+
+Each backend declares what it covers twice: the ops (:data:`COVERS`) and, where its kernels take only some
+cases of an op, a ``gap`` function registered with the kernel (see :func:`register` and :func:`uncovered`).
+Nothing is probed at import time.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ COVERS: dict[KernelPreference, frozenset[str]] = {
 
 
 class KernelUnavailable(NotImplementedError):
-    """An explicitly chosen backend that has no kernel for an op; the message names both."""
+    """An explicitly chosen backend that has no kernel for an op, or for a case of it; the message names the
+    op, the case and the backend."""
 
 
 _log = logging.getLogger("quantlib.kernels")
@@ -106,8 +111,9 @@ def _auto(device_type: str, op: str | None) -> KernelPreference:
 
 
 def resolve(backend: Backend, device: torch.device, op: str | None = None) -> KernelPreference:
-    """The backend that runs ``op`` (None: any op) on a tensor on ``device``: AUTO's choice, or the explicit
-    one, which raises where it cannot run (another device, not built, not installed, or not covering ``op``)."""
+    """The backend that runs ``op`` (None: any op) on a tensor on ``device``: the first AUTO tries (it passes
+    to the next for a case that one does not cover), or the explicit one, which raises where it cannot run
+    (another device, not built, not installed, or not covering ``op``)."""
     pref = as_preference(backend)
     if pref is KernelPreference.AUTO:
         return _auto(device.type, op)
@@ -132,30 +138,91 @@ def resolve(backend: Backend, device: torch.device, op: str | None = None) -> Ke
     return pref
 
 
-_IMPLS: dict[tuple[str, KernelPreference], Callable] = {}
+#: a backend's declaration of the cases of an op its kernel takes: called with the op's arguments, None for a
+#: case it takes, else the case in words (the kernel is never called with it)
+Gap = Callable[..., str | None]
+
+#: (op, backend) -> its kernel and the gap the kernel declares (None: every case of the op)
+_KERNELS: dict[tuple[str, KernelPreference], tuple[Callable, Gap | None]] = {}
 
 
-def register(op: str, backend: Backend) -> Callable[[Callable], Callable]:
-    """Register the implementation of ``op`` for ``backend``, which must declare the op in :data:`COVERS`."""
+def register(op: str, backend: Backend, gap: Gap | None = None) -> Callable[[Callable], Callable]:
+    """Register the kernel of ``op`` for ``backend``, which must declare the op in :data:`COVERS`; ``gap``: the
+    cases the kernel does not take (see :data:`Gap`), where it covers only some."""
     pref = as_preference(backend)
     if op not in COVERS[pref]:
         raise KernelUnavailable(f"register: backend {pref.value!r} does not declare op {op!r} in COVERS")
 
     def deco(fn: Callable) -> Callable:
-        _IMPLS[(op, pref)] = fn
-        return fn
+        _KERNELS[(op, pref)] = (fn, gap)
+        return fn if gap is None else _checked(op, pref, fn, gap)  # a direct call is refused outside the gap too
 
     return deco
 
 
-def implementation(op: str, backend: Backend) -> Callable:
-    """The function for ``op`` on a resolved ``backend``; raises (never falls back) if it has none."""
-    pref = as_preference(backend)
+def _kernel(op: str, pref: KernelPreference) -> tuple[Callable, Gap | None]:
     _load(pref)
-    fn = _IMPLS.get((op, pref))
-    if fn is None:
+    entry = _KERNELS.get((op, pref))
+    if entry is None:
         raise KernelUnavailable(f"op {op!r} has no kernel in backend {pref.value!r}")
-    return fn
+    return entry
+
+
+def uncovered(op: str, backend: Backend, *args) -> str | None:
+    """The case of ``op(*args)`` that ``backend`` has no kernel for, in words; None where it has one."""
+    pref = as_preference(backend)
+    if op not in COVERS[pref]:
+        return "every case"
+    _, gap = _kernel(op, pref)
+    return None if gap is None else gap(*args)
+
+
+def _refusal(op: str, pref: KernelPreference, case: str) -> KernelUnavailable:
+    return KernelUnavailable(f"op {op!r}: {case} has no kernel in backend {pref.value!r} (asked for explicitly); "
+                             f"backend='auto' runs it with the first backend that covers it")
+
+
+def implementation(op: str, backend: Backend) -> Callable:
+    """The function for ``op`` on a resolved ``backend``; it raises (never falls back) for an op or a case
+    that backend has no kernel for."""
+    pref = as_preference(backend)
+    fn, gap = _kernel(op, pref)
+    return fn if gap is None else _checked(op, pref, fn, gap)
+
+
+def _checked(op: str, pref: KernelPreference, fn: Callable, gap: Gap) -> Callable:
+    """``fn``, refusing by name the cases its ``gap`` declares."""
+
+    def checked(*args):
+        case = gap(*args)
+        if case is not None:
+            raise _refusal(op, pref, case)
+        return fn(*args)
+
+    return checked
+
+
+def _auto_kernel(op: str, device_type: str) -> Callable:
+    """AUTO's function for ``op`` on a device: the first backend of its order whose kernel takes the case."""
+    chain = []
+    for pref in _auto_order(device_type):
+        if op in COVERS[pref]:
+            fn, gap = _kernel(op, pref)
+            chain.append((pref, fn, gap))
+            if gap is None:  # takes every case: the backends after it are never reached
+                break
+    if len(chain) == 1:
+        return chain[0][1]
+
+    def first_covering(*args):
+        for pref, fn, gap in chain:
+            case = None if gap is None else gap(*args)
+            if case is None:
+                return fn(*args)
+            _log.debug("auto: backend %r has no kernel for op %r, %s; trying the next", pref.value, op, case)
+        raise KernelUnavailable(f"op {op!r}: {case} has no kernel in any available backend")
+
+    return first_covering
 
 
 #: (op, backend as given, device type) -> the function :func:`select` found: every op call asks, and what is
@@ -171,7 +238,9 @@ def select(op: str, backend: Backend, device: torch.device) -> Callable:
     except TypeError:  # an unhashable backend: resolve names it in its ConfigError
         fn = None
     if fn is None:  # a choice that cannot run raises here on every call: nothing is kept for it
-        fn = _SELECTED[key] = implementation(op, resolve(backend, device, op))
+        pref = resolve(backend, device, op)
+        auto = as_preference(backend) is KernelPreference.AUTO
+        fn = _SELECTED[key] = _auto_kernel(op, device.type) if auto else implementation(op, pref)
     return fn
 
 

@@ -3,6 +3,8 @@
 Each function has the signature of its twin in :mod:`quantlib.kernels.reference_impl` and returns what
 it returns, bit for bit (NaN payloads aside). The kernels take any layout (they make the input
 contiguous) and fp32 / bf16 / fp16 inputs; one pass per block computes amax, scale and codes.
+This backend covers every case of every op: where it has no C++ kernel (``fp8_cast``; a static FP8 blockwise
+cast whose stored amax gives other scales than the blocks' own), its kernel is the torch formula on the CPU.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ cast fused):
 
 - ``fp8_blockwise_cast`` and FP8 blockwise fake quant: E4M3, blocks (128,) / (1, 128) and (128, 128),
   static or dynamic amax, eps, pow2;
-- ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor (MXFP6 and MXINT8
-  go to Triton, whose kernels implement every MX element);
+- ``mx_cast`` and MX fake quant: MXFP8 and MXFP4, blocks of 32, rceil and floor (MXFP6 and MXINT8 are
+  a gap: Triton's kernels implement every MX element);
 - ``nvfp4_cast`` and NVFP4 fake quant: blocks of 16, static (one value) or dynamic global amax, dynamic blocks;
 - INT block fake quant: blocks (16|32|64|128,) and (128, 128), static or dynamic amax;
 - INT fake quant with one group a row (no block): a static amax per row (per channel, of shape
@@ -16,19 +16,16 @@ all for float32 / bfloat16 / float16 inputs of any rank whose last dim is a whol
 vectors (a multiple of 4 for float32, of 8 for 16-bit inputs).
 
 This backend covers ``fake_quant``, ``fp8_blockwise_cast``, ``mx_cast`` and ``nvfp4_cast``
-(:data:`~quantlib.kernels.backends.COVERS`); ``fp8_cast`` and ``block_amax`` it lacks: AUTO runs them with
-Triton (or the reference), an explicit ``KernelPreference.CUDA`` raises naming the op. Within the ops it
-covers, the cases its kernels do not take -- FP8 per tensor / per channel / dynamic per row, INT per tensor
-or with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
-with static block amax or a global amax per row (stacked experts), other last dims, empty tensors -- go to the Triton implementation
-(:mod:`quantlib.kernels.triton`). The hand-over is logged once per case at DEBUG level on the
-``quantlib.kernels`` logger; without the triton package it raises ``NotImplementedError`` naming the case.
+(:data:`~quantlib.kernels.backends.COVERS`), and of those the cases above: each kernel is registered with
+its gap, the cases it does not take -- FP8 per tensor / per channel / dynamic per row, INT per tensor or
+with other broadcast amax shapes or longer rows, E5M2 blockwise, other block sizes (NVFP4's 32), NVFP4
+with static block amax or a global amax per row (stacked experts), other last dims, empty tensors. AUTO
+runs those with Triton (or the reference), passing over this backend; an explicit ``KernelPreference.CUDA``
+raises :class:`~quantlib.kernels.backends.KernelUnavailable` naming the op, the case and the backend, as it
+does for ``fp8_cast`` and ``block_amax``, which it lacks.
 """
 
 from __future__ import annotations
-
-import functools
-import logging
 
 import torch
 
@@ -36,9 +33,8 @@ from ..formats import FormatSpec, Kind, Rounding
 from ..formats.blocks import blocked_shape, check_block
 from ..formats.int import int_range
 from ..formats.mx import mx_element_name
-from .backends import implementation, native_extension, register, triton_available
+from .backends import native_extension, register
 
-_log = logging.getLogger("quantlib.kernels")
 _INT_BLOCKS = {(16,), (32,), (64,), (128,), (128, 128)}
 _CUDA_MX_ELEMENTS = ("e4m3", "e2m1")  # the MX elements csrc/cuda/mx.cu implements
 
@@ -57,16 +53,8 @@ def _norm(block) -> tuple[int, ...]:
     return block[1:] if len(block) == 2 and block[0] == 1 else block
 
 
-@functools.cache
-def _say_once(what: str) -> None:
-    _log.debug("cuda backend: %s has no CUDA kernel; running the Triton implementation", what)
-
-
-def _triton(op: str, what: str):
-    if not triton_available():
-        raise NotImplementedError(f"cuda backend: {what} has no CUDA kernel and the triton package (its fallback) is not installed")
-    _say_once(what)
-    return implementation(op, "triton")
+def _where(x: torch.Tensor) -> str:
+    return f"shape {tuple(x.shape)}, {str(x.dtype)[6:]} on {x.device.type}"
 
 
 def _cuda_fake_quant_kind(x: torch.Tensor, spec: FormatSpec) -> bool:
@@ -98,19 +86,15 @@ def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | N
     return amax.to(device=x.device, dtype=torch.float32)
 
 
-def _int_row_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
+def _int_rows(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> bool:
     """Whether the per-row INT kernel takes ``spec`` on ``x`` (no block; dynamic, or a static amax with
-    one element a row), and that amax as a flat fp32 tensor of the rows (None: dynamic). A static
-    format without an amax is not taken: the Triton path raises for it, like the reference."""
+    one element a row). A static format without an amax is not taken: the other backends raise for it,
+    like the reference."""
     if spec.kind != Kind.INT or spec.block is not None or not _vector_ok(x):
-        return False, None
+        return False
     if x.shape[-1] // (16 // x.element_size()) > _ext().cuda_int_row_max_vectors:
-        return False, None
-    if spec.dynamic:
-        return True, None
-    if amax is None or not is_per_row_amax(tuple(x.shape), tuple(amax.shape)):
-        return False, None
-    return True, amax.to(device=x.device, dtype=torch.float32).reshape(-1)
+        return False
+    return spec.dynamic or amax is not None and is_per_row_amax(tuple(x.shape), tuple(amax.shape))
 
 
 def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bool:
@@ -127,17 +111,25 @@ def _per_row_global(global_amax: torch.Tensor | None) -> bool:
     return global_amax is not None and global_amax.numel() != 1
 
 
-@register("fake_quant", "cuda")
+def _fake_quant_gap(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> str | None:
+    if _int_rows(x, spec, amax):
+        return None
+    per_row_global = spec.kind == Kind.NVFP4 and _per_row_global(amax)
+    if _cuda_fake_quant_kind(x, spec) and block_amax is None and not per_row_global:
+        return None
+    extra = ", static block amax" if block_amax is not None else ", a global amax per row" if per_row_global else ""
+    return f"kind {spec.kind.value!r} (block {spec.block}, element {spec.element}{extra}, {_where(x)})"
+
+
+@register("fake_quant", "cuda", _fake_quant_gap)
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
-    rows, a = _int_row_amax(x, spec, amax)
-    if rows:
+    ext = _ext()
+    if spec.kind == Kind.INT and spec.block is None:  # the gap lets only the per-row kernel's cases through
+        a = None if spec.dynamic else amax.to(device=x.device, dtype=torch.float32).reshape(-1)
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
-        return _ext().cuda_fake_quant_int_row(x, a, lo, hi)
-    if not _cuda_fake_quant_kind(x, spec) or block_amax is not None or spec.kind == Kind.NVFP4 and _per_row_global(amax):
-        return _triton("fake_quant", f"fake_quant of kind {spec.kind.value!r} (block {spec.block}, element {spec.element}, shape "
-                                     f"{tuple(x.shape)})")(x, spec, amax, block_amax)
+        return ext.cuda_fake_quant_int_row(x, a, lo, hi)
     check_block(x, spec.block)
-    ext, block = _ext(), list(_norm(spec.block))
+    block = list(_norm(spec.block))
     if spec.kind == Kind.MX:
         return ext.cuda_fake_quant_mx(x, tuple(spec.element) == (2, 1), Rounding(spec.rounding) == Rounding.FLOOR)
     if spec.kind == Kind.NVFP4:
@@ -150,34 +142,46 @@ def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, blo
     return ext.cuda_fake_quant_int_block(x, a, block, lo, hi)
 
 
-@register("fp8_blockwise_cast", "cuda")
+def _fp8_blockwise_cast_gap(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool,
+                            amax: torch.Tensor | None = None) -> str | None:
+    b = _norm(block)
+    # an extension built before the static cast existed has no cuda_fp8_blockwise_cast_static
+    static_ok = amax is None or hasattr(_ext(), "cuda_fp8_blockwise_cast_static")
+    if static_ok and _vector_ok(x) and b in ((128,), (128, 128)) and not (len(b) == 2 and x.dim() < 2):
+        return None
+    return f"{'static' if amax is not None else 'dynamic'} block {tuple(block)}, {_where(x)}"
+
+
+@register("fp8_blockwise_cast", "cuda", _fp8_blockwise_cast_gap)
 def fp8_blockwise_cast(x: torch.Tensor, block: tuple[int, ...], eps: float, pow2: bool, amax: torch.Tensor
                        | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    b = _norm(block)
-    # an extension built before the static cast existed has no cuda_fp8_blockwise_cast_static: Triton runs it
-    static_ok = amax is None or hasattr(_ext(), "cuda_fp8_blockwise_cast_static")
-    if not static_ok or not _vector_ok(x) or b not in ((128,), (128, 128)) or (len(b) == 2 and x.dim() < 2):
-        what = "static " if amax is not None else ""
-        return _triton("fp8_blockwise_cast", f"{what}fp8_blockwise_cast (block {block}, shape {tuple(x.shape)})")(x, block, eps, pow2, amax)
+    b = list(_norm(block))
     if amax is not None:
-        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), list(b), float(eps),
-                                                           bool(pow2)))
-    return tuple(_ext().cuda_fp8_blockwise_cast(x, list(b), float(eps), bool(pow2)))
+        return tuple(_ext().cuda_fp8_blockwise_cast_static(x, amax.to(device=x.device, dtype=torch.float32), b, float(eps), bool(pow2)))
+    return tuple(_ext().cuda_fp8_blockwise_cast(x, b, float(eps), bool(pow2)))
 
 
-@register("mx_cast", "cuda")
+def _mx_cast_gap(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> str | None:
+    if _vector_ok(x) and block == 32 and elem in _CUDA_MX_ELEMENTS:
+        return None
+    return f"element {elem}, block {block}, {_where(x)}"
+
+
+@register("mx_cast", "cuda", _mx_cast_gap)
 def mx_cast(x: torch.Tensor, elem: str, block: int, rounding: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _vector_ok(x) or block != 32 or elem not in _CUDA_MX_ELEMENTS:
-        return _triton("mx_cast", f"mx_cast (element {elem}, block {block}, shape {tuple(x.shape)})")(x, elem, block, rounding)
     return tuple(_ext().cuda_mx_cast(x, elem == "e2m1", Rounding(rounding) == Rounding.FLOOR))
 
 
-@register("nvfp4_cast", "cuda")
+def _nvfp4_cast_gap(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16,
+                    block_amax: torch.Tensor | None = None) -> str | None:
+    if _vector_ok(x) and block == 16 and block_amax is None and not _per_row_global(global_amax):
+        return None
+    return (f"block {block}, static blocks {block_amax is not None}, global amax per row {_per_row_global(global_amax)}, "
+            f"{_where(x)}")
+
+
+@register("nvfp4_cast", "cuda", _nvfp4_cast_gap)
 def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 16,
                block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not _vector_ok(x) or block != 16 or block_amax is not None or _per_row_global(global_amax):
-        what = f"shape {tuple(x.shape)}, block {block}, static blocks {block_amax is not None}"
-        what += f", global amax per row {_per_row_global(global_amax)}"
-        return _triton("nvfp4_cast", f"nvfp4_cast ({what})")(x, global_amax, block, block_amax)
     g = None if global_amax is None else global_amax.to(device=x.device, dtype=torch.float32).reshape(())
     return tuple(_ext().cuda_nvfp4_cast(x, g))

@@ -1,4 +1,4 @@
-"""What the "cuda" backend hands to its own kernels and what to Triton, decided from shapes alone (the
+"""Which cases the "cuda" backend declares its kernels take, decided from shapes alone (the
 GPU tests check the kernels; this runs everywhere)."""
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_each_backend_registers_exactly_the_ops_it_declares(pref):
     if pref is KernelPreference.TRITON and importlib.util.find_spec("triton") is None:
         pytest.skip("the triton package is not installed")
     backends._load(pref)  # imports the backend's module (the cuda one imports on any machine)
-    assert {op for op, b in backends._IMPLS if b is pref} == COVERS[pref]
+    assert {op for op, b in backends._KERNELS if b is pref} == COVERS[pref]
 
 
 def test_registering_an_op_the_backend_does_not_declare_raises():
@@ -110,3 +110,90 @@ def test_on_a_gpu_auto_runs_fp8_cast_and_block_amax_which_cuda_refuses():
     assert torch.equal(kernels.block_amax(x, (16,)).cpu(), R.block_amax(X, (16,)))
     with pytest.raises(KernelUnavailable, match="'fp8_cast'"):
         kernels.fp8_cast(x, s.cuda(), backend="cuda")
+
+
+# --------------------------------------------------------------------------- what each backend covers, case by case
+
+FP8_TENSOR = FormatSpec(kind=Kind.FP8, element=(4, 3))  # no CUDA kernel: its gap
+FP8_BLOCK = FormatSpec(kind=Kind.FP8_BLOCK, element=(4, 3), block=(128,), dynamic=True)  # a CUDA kernel
+
+
+def test_only_the_cuda_kernels_declare_a_gap():
+    """Triton, the C++ CPU kernels and the reference take every case of the ops they cover."""
+    for pref in (KernelPreference.REFERENCE, KernelPreference.CPU, KernelPreference.CUDA):
+        backends._load(pref)
+    gaps = {(op, b) for (op, b), (_, gap) in backends._KERNELS.items() if gap is not None}
+    assert gaps == {(op, KernelPreference.CUDA) for op in COVERS[KernelPreference.CUDA]}
+    assert backends.uncovered("fp8_cast", "cuda") == "every case"
+    assert backends.uncovered("fake_quant", "reference", X, FP8_TENSOR, torch.tensor(3.0)) is None
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, fresh_auto):
+    """A machine with the CUDA kernels and Triton, faked on the CPU: the CUDA backend's real case declarations
+    (shapes alone), with its kernel and Triton's replaced by recorders of who ran."""
+    from types import SimpleNamespace
+
+    from quantlib.kernels import cuda_impl
+
+    ran = []
+    monkeypatch.setattr(cuda_impl, "_vector_ok", lambda x: x.numel() > 0 and x.shape[-1] % (16 // x.element_size()) == 0)
+    monkeypatch.setattr(cuda_impl, "_ext", lambda: SimpleNamespace(cuda_int_row_max_vectors=2048))
+    monkeypatch.setattr(backends, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    monkeypatch.setattr(backends, "_auto_order", lambda device_type: [KernelPreference.CUDA, KernelPreference.TRITON,
+                                                                      KernelPreference.REFERENCE])
+    _, cuda_gap = backends._kernel("fake_quant", KernelPreference.CUDA)
+    for pref, gap in ((KernelPreference.CUDA, cuda_gap), (KernelPreference.TRITON, None)):
+        monkeypatch.setitem(backends._KERNELS, ("fake_quant", pref), (lambda *a, p=pref: ran.append(p.value) or p.value, gap))
+    return ran
+
+
+def test_auto_picks_per_case_the_first_backend_whose_kernel_takes_it(fake_cuda):
+    auto = backends.select("fake_quant", "auto", torch.device("cuda"))
+    assert auto(X, FP8_BLOCK, None) == "cuda"
+    assert auto(X, FP8_TENSOR, torch.tensor(3.0)) == "triton"  # the CUDA kernels have no FP8 per tensor
+    assert auto(X[:, :62], FP8_BLOCK, None) == "triton"  # a last dim that is no whole number of 16-byte vectors
+    assert fake_cuda == ["cuda", "triton", "triton"]
+
+
+def test_an_explicit_cuda_choice_refuses_a_case_it_has_no_kernel_for(fake_cuda):
+    """Named: the op, the case and the backend; nothing runs (it used to run Triton without a word)."""
+    cuda = backends.select("fake_quant", KernelPreference.CUDA, torch.device("cuda"))
+    assert cuda(X, FP8_BLOCK, None) == "cuda"
+    with pytest.raises(KernelUnavailable, match=r"op 'fake_quant': kind 'fp8' \(block None, element \(4, 3\), shape \(4, 64\), "
+                                                r"float32 on cpu\) has no kernel in backend 'cuda' \(asked for explicitly\)"):
+        cuda(X, FP8_TENSOR, torch.tensor(3.0))
+    with pytest.raises(KernelUnavailable, match="kind 'fp8_block' .*shape \\(4, 62\\).* backend 'cuda'"):
+        cuda(X[:, :62], FP8_BLOCK, None)
+    assert fake_cuda == ["cuda"]
+    assert backends.select("fake_quant", "triton", torch.device("cuda"))(X, FP8_TENSOR, torch.tensor(3.0)) == "triton"
+
+
+@pytest.mark.parametrize("spec, amax, covered", [
+    (FormatSpec(kind=Kind.INT, num_bits=8, dynamic=True), None, True),  # the per-row INT kernel
+    (FormatSpec(kind=Kind.INT, num_bits=8), torch.ones(4, 1), True),  # a static amax per row
+    (FormatSpec(kind=Kind.INT, num_bits=8), torch.tensor(3.0), False),  # per tensor
+    (FormatSpec(kind=Kind.INT, num_bits=4, block=(32,), dynamic=True), None, True),
+    (FormatSpec(kind=Kind.INT, num_bits=4, block=(8,), dynamic=True), None, False),  # a block size it lacks
+    (FormatSpec(kind=Kind.FP8_BLOCK, element=(5, 2), block=(128,), dynamic=True), None, False),  # E5M2 blockwise
+    (FormatSpec(kind=Kind.NVFP4, element=(2, 1), block=(16,)), torch.ones(4, 1), False),  # a global amax per row
+])
+def test_the_cuda_gap_of_fake_quant(fake_cuda, spec, amax, covered):
+    x = torch.zeros(4, 128)
+    assert (backends.uncovered("fake_quant", "cuda", x, spec, amax) is None) is covered
+    assert backends.select("fake_quant", "auto", torch.device("cuda"))(x, spec, amax) == ("cuda" if covered else "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_an_explicit_cuda_choice_refuses_fp8_per_tensor_which_auto_runs():
+    if not backends.has_cuda_kernels():
+        pytest.skip("quantlib._C is built without CUDA")
+    x, a = X.cuda(), torch.tensor(2.0)
+    assert torch.equal(kernels.fake_quant(x, FP8_TENSOR, a.cuda()).cpu(), R.fake_quant(X, FP8_TENSOR, a))
+    assert torch.equal(kernels.fake_quant(x, FP8_BLOCK, None, backend="cuda").cpu(), R.fake_quant(X, FP8_BLOCK, None))
+    with pytest.raises(KernelUnavailable, match="op 'fake_quant': kind 'fp8' .* backend 'cuda'"):
+        kernels.fake_quant(x, FP8_TENSOR, a.cuda(), backend="cuda")
+    with pytest.raises(KernelUnavailable, match="op 'mx_cast': element e3m2, .* backend 'cuda'"):
+        kernels.mx_cast(x, "e3m2", backend="cuda")

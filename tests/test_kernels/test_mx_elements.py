@@ -1,6 +1,6 @@
 """MXFP6 (E3M2, E2M3) and MXINT8 on every backend that runs here: the C++ CPU kernels (each compiled
-instruction set) bit for bit against the torch reference, and the "cuda" backend's hand-over of these
-elements to Triton (whose interpreter tests are in test_triton_kernels.py)."""
+instruction set) bit for bit against the torch reference, and the "cuda" backend's declaration that it has
+no kernel for them (Triton's interpreter tests are in test_triton_kernels.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from quantlib import kernels
 from quantlib.formats import FormatSpec, Kind, Rounding
-from quantlib.kernels import cuda_impl, reference_impl as REF
+from quantlib.kernels import backends, cuda_impl, reference_impl as REF
+from quantlib.kernels.backends import KernelUnavailable
 
 from ._compare import assert_same
 
@@ -134,35 +135,33 @@ def test_public_cast_refuses_unknown_element():
         kernels.mx_cast(torch.zeros(2, 32), "e5m2", backend="reference")
 
 
-# --------------------------------------------------------------------------- the "cuda" backend routes to Triton
+# --------------------------------------------------------------------------- the "cuda" backend declares them a gap
 
 
 @pytest.fixture
-def routed(monkeypatch):
-    """The cuda backend with every shape acceptable to its kernels and Triton replaced by a recorder,
-    so the hand-over decision itself runs on the CPU."""
-    calls = []
+def vector_ok(monkeypatch):
+    """Every shape acceptable to the CUDA kernels, so their case declaration itself runs on the CPU."""
     monkeypatch.setattr(cuda_impl, "_vector_ok", lambda x: True)
-    monkeypatch.setattr(cuda_impl, "_triton", lambda op, what: (lambda *args: calls.append((op, what)) or "triton"))
-    return calls
 
 
 @pytest.mark.parametrize("elem", list(ELEMS))
-def test_cuda_backend_hands_mxfp6_and_mxint8_to_triton(elem, routed):
+def test_cuda_backend_declares_mxfp6_and_mxint8_a_gap_and_refuses_them(elem, vector_ok):
+    """The CUDA kernels implement MXFP8 and MXFP4 only: asked for explicitly, the others are refused by op, case
+    and backend (they used to run Triton without a word); AUTO runs them with the next backend."""
     x = torch.zeros(4, 64)
-    assert cuda_impl.fake_quant(x, spec_of(elem), None) == "triton"
-    assert cuda_impl.mx_cast(x, elem, 32, Rounding.RCEIL) == "triton"
-    assert [op for op, _ in routed] == ["fake_quant", "mx_cast"]
-    assert elem in routed[1][1]
+    assert elem in backends.uncovered("mx_cast", "cuda", x, elem, 32, Rounding.RCEIL)
+    assert str(spec_of(elem).kind.value) in backends.uncovered("fake_quant", "cuda", x, spec_of(elem), None)
+    with pytest.raises(KernelUnavailable, match="op 'fake_quant': kind 'mx' .* has no kernel in backend 'cuda'"):
+        cuda_impl.fake_quant(x, spec_of(elem), None)
+    with pytest.raises(KernelUnavailable, match=f"op 'mx_cast': element {elem}, .* has no kernel in backend 'cuda'"):
+        backends.implementation("mx_cast", "cuda")(x, elem, 32, Rounding.RCEIL)
 
 
-def test_cuda_backend_keeps_mxfp8_and_mxfp4_on_its_kernels(routed):
+def test_cuda_backend_covers_mxfp8_and_mxfp4(vector_ok):
     x = torch.zeros(4, 64)
-    for element in ((4, 3), (2, 1)):
-        assert cuda_impl._cuda_fake_quant_kind(x, FormatSpec(Kind.MX, element=element, block=(32,)))
-    for elem in ELEMS:
-        assert not cuda_impl._cuda_fake_quant_kind(x, spec_of(elem))
-    assert routed == []
+    for element, elem in (((4, 3), "e4m3"), ((2, 1), "e2m1")):
+        assert backends.uncovered("fake_quant", "cuda", x, FormatSpec(Kind.MX, element=element, block=(32,)), None) is None
+        assert backends.uncovered("mx_cast", "cuda", x, elem, 32, Rounding.RCEIL) is None
 
 
 # --------------------------------------------------------------------------- ModelOpt's CUDA MX fake quant

@@ -1,5 +1,6 @@
 """NVFP4 with static block amax and NVFP4 in blocks of 32, every backend bit for bit against the torch
-reference: the C++ CPU kernels here; Triton and CUDA (which routes both to Triton) on a GPU. A static
+reference: the C++ CPU kernels here; Triton and AUTO (whose CUDA backend passes both to Triton) on a GPU,
+where an explicit CUDA choice refuses them. A static
 block amax equal to each block's max |x| gives dynamic NVFP4 exactly; any other block amax is what
 fake quant and the cast use, NaN blocks included."""
 
@@ -40,11 +41,11 @@ def _gpu_backends() -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    return (["triton"] if triton_available() else []) + (["cuda"] if has_cuda_kernels() else [])
+    return (["triton"] if triton_available() else []) + (["auto"] if has_cuda_kernels() else [])
 
 
 def _on(t: torch.Tensor, backend: str) -> torch.Tensor:
-    return t.cuda() if backend in ("triton", "cuda") else t
+    return t.cuda() if backend in ("triton", "auto") else t
 
 
 def _scrambled_block_amax(x: torch.Tensor, block: int, seed: int = 1) -> torch.Tensor:
@@ -137,3 +138,33 @@ def test_compiled_fake_quant_with_block_amax_matches_eager():
     g = torch.tensor(3.0)
     fn = torch.compile(lambda t: ops.fake_quant(t, _spec(32, False), g, "reference", block_amax=a), fullgraph=True, backend="eager")
     assert_same(fn(x).detach(), ops.fake_quant(x.detach(), _spec(32, False), g, "reference", block_amax=a))
+
+
+@pytest.mark.parametrize("block, static", [(32, False), (16, True), (32, True)])
+def test_the_cuda_backend_declares_blocks_of_32_and_static_blocks_a_gap(monkeypatch, block, static):
+    """Its kernels take NVFP4 in blocks of 16 with dynamic blocks: the rest is a declared gap (AUTO passes it
+    on, an explicit choice refuses it), decided from shapes alone."""
+    from quantlib.kernels import backends, cuda_impl
+
+    monkeypatch.setattr(cuda_impl, "_vector_ok", lambda x: True)
+    x = _x((4, 64), torch.float32)
+    g, a = torch.tensor(3.0), _scrambled_block_amax(x, block) if static else None
+    assert f"block {block}, static blocks {static}" in backends.uncovered("nvfp4_cast", "cuda", x, g, block, a)
+    assert "kind 'nvfp4'" in backends.uncovered("fake_quant", "cuda", x, _spec(block, not static), g, a)
+    assert backends.uncovered("nvfp4_cast", "cuda", x, g, 16, None) is None
+    assert backends.uncovered("fake_quant", "cuda", x, _spec(16, True), g, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_explicit_cuda_choice_refuses_blocks_of_32_and_static_blocks():
+    from quantlib.kernels.backends import KernelUnavailable, has_cuda_kernels
+
+    if not has_cuda_kernels():
+        pytest.skip("quantlib._C is built without CUDA")
+    x = _x((4, 64), torch.float32).cuda()
+    g = x.float().abs().amax()
+    with pytest.raises(KernelUnavailable, match="op 'nvfp4_cast': block 32, .* has no kernel in backend 'cuda'"):
+        kernels.nvfp4_cast(x, g, "cuda", 32)
+    with pytest.raises(KernelUnavailable, match="op 'fake_quant': kind 'nvfp4' .*static block amax.* backend 'cuda'"):
+        ops.fake_quant(x, _spec(16, False), g, "cuda", block_amax=block_amax(x.float(), (16,)))

@@ -344,6 +344,21 @@ def test_nvfp4_cast(global_amax, dtype):
     assert_same_all(T().nvfp4_cast(x, g), R.nvfp4_cast(x, g), "nvfp4")
 
 
+@pytest.mark.parametrize("shape", [(0, 32), (2, 0)], ids=str)
+@pytest.mark.parametrize("global_amax", [None, 5.0], ids=["dynamic", "static"])
+def test_nvfp4_cast_of_an_empty_input_is_the_cpu_kernels(shape, global_amax):
+    """No blocks: the Triton backend answers itself (it ran the reference, which fails on these shapes), as
+    the C++ kernel does: the global scale of the given amax, or of an amax of 0."""
+    from quantlib.kernels import backends
+
+    if backends.native_extension() is None:
+        pytest.skip("quantlib._C is not built")
+    from quantlib.kernels import cpu_impl
+
+    x, g = torch.empty(shape), None if global_amax is None else torch.tensor(global_amax)
+    assert_same_all(T().nvfp4_cast(x, g), cpu_impl.nvfp4_cast(x, g), f"empty {shape}")
+
+
 @pytest.mark.parametrize("block", [(128,), (1, 128), (128, 128), (32,), (16,), (5,), (3, 7)], ids=str)
 def test_block_amax(block):
     x = edge_input((130, 140), torch.bfloat16, seed=14)

@@ -2,8 +2,8 @@
 
 Every rounding that the contract names is done here with IEEE fp32 operations whose result is fixed
 (``div_rn``, plain multiplication, comparisons) or with integer operations on the fp32 bits; never with
-``x.to(tl.float8e4nv)`` or ``x.to(tl.bfloat16)``, whose interpreter versions round wrongly (FACTS.md:
-carries into the next power of two; bf16 truncation and subnormals). Kernels must be launched with
+``x.to(tl.float8e4nv)`` or ``x.to(tl.bfloat16)``, whose interpreter versions round wrongly (docs/numerics.md,
+"Triton kernels": carries into the next power of two; bf16 truncation and subnormals). Kernels must be launched with
 ``enable_fp_fusion=False``: a fused multiply-add would skip the rounding of ``x * s``.
 
 Constexpr codes shared by the kernels:
@@ -84,7 +84,7 @@ def round_fp8(v, FP8E: tl.constexpr, HW: tl.constexpr):
     """fp32 value of ``cast_rne_fp8(v)`` for ``|v| <= Q`` (or NaN), sign of zero kept.
 
     ``HW`` (compiled for a GPU): E4M3 by the hardware conversion, bit-exact to torch's there
-    (FACTS.md); the integer path otherwise (the interpreter's conversion is wrong near carries)."""
+    (docs/numerics.md, "Triton kernels"); the integer path otherwise (the interpreter's conversion is wrong near carries)."""
     if HW and FP8E == 0:
         return v.to(tl.float8e4nv).to(tl.float32)
     mag = abs_bits(v)

@@ -14,7 +14,7 @@ from ...formats.blocks import blocked_shape, check_block
 from ...formats.fp8 import fp8_dtype
 from ...formats.int import int_range
 from ...formats.mx import mx_element, mx_limits, spec_element
-from ...formats.nvfp4 import check_global_amax
+from ...formats.nvfp4 import check_global_amax, nvfp4_global_scale
 from ...formats.spec import FLOAT_FORMATS
 from ..backends import register
 from . import _kernels as K
@@ -319,12 +319,10 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
     dev = x.device
     codes = torch.empty(*x.shape[:-1], (x.shape[-1] + 1) // 2, dtype=torch.uint8, device=dev)
     sb8 = torch.empty(blocked_shape(x.shape, (block,)), dtype=torch.float8_e4m3fn, device=dev)
-    s2 = torch.empty((), dtype=torch.float32, device=dev)
-    if x.numel() == 0:
-        from ...formats.nvfp4 import nvfp4_quantize
-
-        return nvfp4_quantize(x, global_amax, block, block_amax)
     a = _nvfp4_static_blocks(x, block, global_amax, block_amax)
+    if x.numel() == 0:  # no blocks: the global scale alone, from an amax of 0 where dynamic (as the C++ kernel)
+        return codes, sb8, nvfp4_global_scale(torch.zeros((), device=dev) if global_amax is None else global_amax.to(device=dev))
+    s2 = torch.empty((), dtype=torch.float32, device=dev)
     g, grows = _nvfp4_global(x, global_amax)
     if grows:
         s2 = torch.empty(g.numel(), dtype=torch.float32, device=dev)
