@@ -68,7 +68,7 @@ def _cuda_fake_quant_kind(x: torch.Tensor, spec: FormatSpec) -> bool:
         return tuple(spec.element) == (4, 3) and block in ((128,), (128, 128))
     if spec.kind == Kind.MX:
         return block == (32,) and spec.element is not None and mx_element_name(spec.element) in _CUDA_MX_ELEMENTS
-    if spec.kind == Kind.NVFP4:  # blocks of 32 (and a static block amax, see fake_quant): the Triton kernel
+    if spec.kind == Kind.NVFP4:  # blocks of 32 (and a static block amax, see _fake_quant_gap): a gap
         return block == (16,)
     if spec.kind == Kind.INT:
         return block in _INT_BLOCKS
@@ -88,13 +88,12 @@ def _static_block_amax(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | N
 
 def _int_rows(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None) -> bool:
     """Whether the per-row INT kernel takes ``spec`` on ``x`` (no block; dynamic, or a static amax with
-    one element a row). A static format without an amax is not taken: the other backends raise for it,
-    like the reference."""
+    one element a row). A static format without an amax is taken: the kernel raises the reference's error."""
     if spec.kind != Kind.INT or spec.block is not None or not _vector_ok(x):
         return False
     if x.shape[-1] // (16 // x.element_size()) > _ext().cuda_int_row_max_vectors:
         return False
-    return spec.dynamic or amax is not None and is_per_row_amax(tuple(x.shape), tuple(amax.shape))
+    return spec.dynamic or amax is None or is_per_row_amax(tuple(x.shape), tuple(amax.shape))
 
 
 def is_per_row_amax(x_shape: tuple[int, ...], amax_shape: tuple[int, ...]) -> bool:
@@ -125,6 +124,8 @@ def _fake_quant_gap(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None
 def fake_quant(x: torch.Tensor, spec: FormatSpec, amax: torch.Tensor | None, block_amax: torch.Tensor | None = None) -> torch.Tensor:
     ext = _ext()
     if spec.kind == Kind.INT and spec.block is None:  # the gap lets only the per-row kernel's cases through
+        if not spec.dynamic and amax is None:
+            raise ValueError(f"{spec.kind.value} format with a static scale needs an amax (calibrate first)")
         a = None if spec.dynamic else amax.to(device=x.device, dtype=torch.float32).reshape(-1)
         lo, hi = int_range(spec.num_bits, spec.unsigned, spec.narrow_range)
         return ext.cuda_fake_quant_int_row(x, a, lo, hi)

@@ -197,3 +197,16 @@ def test_on_a_gpu_an_explicit_cuda_choice_refuses_fp8_per_tensor_which_auto_runs
         kernels.fake_quant(x, FP8_TENSOR, a.cuda(), backend="cuda")
     with pytest.raises(KernelUnavailable, match="op 'mx_cast': element e3m2, .* backend 'cuda'"):
         kernels.mx_cast(x, "e3m2", backend="cuda")
+
+
+def test_an_explicit_cuda_choice_names_a_missing_amax_not_a_gap(fake_cuda):
+    """A static INT format without an amax is a misuse, not a case the kernels lack: the CUDA kernel raises the
+    reference's error, as every other backend does."""
+    from quantlib.kernels import cuda_impl
+
+    spec = FormatSpec(kind=Kind.INT, num_bits=8)
+    assert backends.uncovered("fake_quant", "cuda", X, spec, None) is None
+    with pytest.raises(ValueError, match="static scale needs an amax"):
+        cuda_impl.fake_quant(X, spec, None)
+    with pytest.raises(ValueError, match="static scale needs an amax"):
+        R.fake_quant(X, spec, None)
