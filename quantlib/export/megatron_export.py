@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..formats import FormatSpec
+from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .export_checkpoint import check_arguments, parse_size, write_plan
-from .kv_plan import KVItem, plan_kv
 from .megatron_config import megatron_hf_config
 from .megatron_names import LINEARS, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
 from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale

@@ -13,17 +13,18 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors
 
 from ..formats import FormatSpec, QuantizedTensor
+from ..formats.spec import describe
+from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
-from .kv_plan import KVItem, plan_kv
 from .layouts import ModelLayout, Shard, with_checkpoint_names
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .types import ExportError
 from .writers import ConfigInfo, Packer
-from .writers.base import Scheme, describe
+from .writers.base import Scheme
 
 
 @dataclass

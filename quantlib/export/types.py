@@ -8,9 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-
-class ExportError(ValueError):
-    """Export refused or failed; the message names the module, the quantizer or the file."""
+from ..errors import ExportError as ExportError  # the export layer's name for it (raised by quantlib.kv too)
 
 
 class ExportFormat(str, enum.Enum):

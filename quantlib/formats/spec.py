@@ -118,3 +118,22 @@ class FormatSpec:
         """Whether export derives the stored scale from the amax it is given (FP8, static FP8 blocks); MX and
         NVFP4 scales come from the blocks of the weight, INT's from the reference formulas."""
         return self.kind == Kind.FP8 or (self.kind == Kind.FP8_BLOCK and not self.dynamic)
+
+
+def describe(spec: FormatSpec | None) -> str:
+    """A short readable form of a spec for error messages."""
+    if spec is None:
+        return "disabled"
+    parts = [spec.kind.value, f"num_bits={spec.num_bits}" if spec.element is None else f"element={spec.element}"]
+    if spec.block is not None:
+        parts.append(f"block={spec.block}")
+    if spec.dynamic:
+        parts.append("dynamic")
+    if spec.pow2:
+        parts.append("pow2")
+    return " ".join(parts)
+
+
+def is_nvfp4(spec: FormatSpec) -> bool:
+    """NVFP4 in blocks of 16."""
+    return spec.kind == Kind.NVFP4 and spec.block == (16,)

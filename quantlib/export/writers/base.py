@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, Kind, QuantizedTensor
+from ...formats.spec import describe, is_nvfp4
 from ..types import ExportError, ExportFormat
 
 
@@ -34,20 +35,6 @@ class ConfigInfo:
     kv_spec: Optional[FormatSpec] = None  # the KV-cache quantizers' spec; None: KV cache not quantized
     pre_quant_scale: bool = False  # some module carries a pre_quant_scale tensor (one that folds nowhere)
     schemes: tuple[Scheme, ...] = ()  # every scheme of the export, in module order (one unless the format is mixed)
-
-
-def describe(spec: Optional[FormatSpec]) -> str:
-    """A short readable form of a spec for error messages."""
-    if spec is None:
-        return "disabled"
-    parts = [spec.kind.value, f"num_bits={spec.num_bits}" if spec.element is None else f"element={spec.element}"]
-    if spec.block is not None:
-        parts.append(f"block={spec.block}")
-    if spec.dynamic:
-        parts.append("dynamic")
-    if spec.pow2:
-        parts.append("pow2")
-    return " ".join(parts)
 
 
 class Packer:
@@ -146,11 +133,6 @@ def is_fp8_block_2d(spec: FormatSpec) -> bool:
 def is_mx(spec: FormatSpec, element: tuple[int, int]) -> bool:
     """MX of ``element`` (e.g. (4, 3) for MXFP8) in OCP blocks of 32."""
     return spec.kind == Kind.MX and spec.element == element and spec.block == (32,)
-
-
-def is_nvfp4(spec: FormatSpec) -> bool:
-    """NVFP4 in blocks of 16."""
-    return spec.kind == Kind.NVFP4 and spec.block == (16,)
 
 
 def fp8_block_weight_ok(spec: FormatSpec) -> Optional[str]:

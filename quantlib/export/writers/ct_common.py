@@ -10,8 +10,9 @@ import torch
 from ...formats import FormatSpec, Kind
 from ...formats.fp8 import fp8_scale
 from ...formats.int import int_scale
-from .base import ConfigInfo, is_mx, is_nvfp4
-from .kv_scales import ct_kv_scheme
+from ...formats.spec import is_nvfp4
+from ...kv.scales import ct_kv_scheme
+from .base import ConfigInfo, is_mx
 
 
 def fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict:

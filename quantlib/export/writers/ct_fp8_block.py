@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, QuantizedTensor
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, fp8_block_weight_ok
-from .kv_scales import CTKVCache
 
 
 class CTFP8Block(CTKVCache, Packer):

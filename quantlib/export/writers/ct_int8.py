@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, QuantizedTensor
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from . import ct_common, ct_int
 from .base import ConfigInfo, Packer
-from .kv_scales import CTKVCache
 
 
 class CTInt8(CTKVCache, Packer):

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import FormatSpec, QuantizedTensor
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from . import ct_common, ct_int
 from .base import ConfigInfo, Packer
-from .kv_scales import CTKVCache
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from .base import ConfigInfo
 from .ct_fp8_block import CTFP8Block
@@ -16,7 +17,6 @@ from .ct_int_pack import CTIntPack
 from .ct_mxfp4 import CTMXFP4
 from .ct_mxfp8 import CTMXFP8
 from .ct_nvfp4 import CTNVFP4
-from .kv_scales import CTKVCache
 from .mixed import MixedPacker
 
 

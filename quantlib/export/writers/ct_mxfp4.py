@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, QuantizedTensor
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, Packer, is_mx
-from .kv_scales import CTKVCache
 
 
 class CTMXFP4(CTKVCache, Packer):

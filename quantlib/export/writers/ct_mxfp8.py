@@ -3,10 +3,10 @@ uint8 E8M0 [out, in/32]."""
 
 from __future__ import annotations
 
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, MXFP8Packer
-from .kv_scales import CTKVCache
 
 
 class CTMXFP8(CTKVCache, MXFP8Packer):

@@ -14,10 +14,10 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, QuantizedTensor
+from ...kv.scales import CTKVCache
 from ..types import ExportFormat
 from . import ct_common
 from .base import ConfigInfo, NVFP4Packer
-from .kv_scales import CTKVCache
 
 
 class CTNVFP4(CTKVCache, NVFP4Packer):

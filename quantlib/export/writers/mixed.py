@@ -10,8 +10,9 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, QuantizedTensor
+from ...formats.spec import describe
 from ..types import ExportError
-from .base import ConfigInfo, Packer, Scheme, describe
+from .base import ConfigInfo, Packer, Scheme
 
 
 class MixedPacker(Packer):

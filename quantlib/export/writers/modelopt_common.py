@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...kv.scales import modelopt_kv_algo
 from .base import ConfigInfo
-from .kv_scales import modelopt_kv_algo
 
 _FP8 = {"dynamic": False, "num_bits": 8, "type": "float"}
 

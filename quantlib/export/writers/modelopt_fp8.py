@@ -11,10 +11,10 @@ import torch
 
 from ...formats import FormatSpec, Kind, QuantizedTensor
 from ...formats.fp8 import fp8_scale
+from ...kv.scales import ModelOptKVCache
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer
-from .kv_scales import ModelOptKVCache
 
 
 def per_tensor_fp8(spec: FormatSpec) -> bool:

@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, Kind, QuantizedTensor
+from ...kv.scales import ModelOptKVCache
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, Packer, is_fp8_block_2d
-from .kv_scales import ModelOptKVCache
 
 
 class ModelOptFP8PB(ModelOptKVCache, Packer):

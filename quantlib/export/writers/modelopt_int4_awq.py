@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 
 from ...formats import FormatSpec, Kind, QuantizedTensor
+from ...kv.scales import ModelOptKVCache
 from ..types import ExportFormat
 from . import ct_int, modelopt_common
 from .base import ConfigInfo, Packer
-from .kv_scales import ModelOptKVCache
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

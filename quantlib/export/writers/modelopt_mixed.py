@@ -4,10 +4,10 @@ single-algorithm ``modelopt_*`` formats write them. One scheme in all gives that
 
 from __future__ import annotations
 
+from ...kv.scales import ModelOptKVCache
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo
-from .kv_scales import ModelOptKVCache
 from .mixed import MixedPacker
 from .modelopt_fp8 import ModelOptFP8
 from .modelopt_fp8_pb import ModelOptFP8PB

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ...kv.scales import ModelOptKVCache
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, MXFP8Packer
-from .kv_scales import ModelOptKVCache
 
 
 class ModelOptMXFP8(ModelOptKVCache, MXFP8Packer):

@@ -13,10 +13,10 @@ import torch
 
 from ...formats import FormatSpec, QuantizedTensor
 from ...formats.nvfp4 import nvfp4_global_scale
+from ...kv.scales import ModelOptKVCache
 from ..types import ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo, NVFP4Packer
-from .kv_scales import ModelOptKVCache
 
 
 class ModelOptNVFP4(ModelOptKVCache, NVFP4Packer):

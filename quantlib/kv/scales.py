@@ -1,4 +1,5 @@
-"""KV-cache scales as the formats that have a place for them store them; the attention module's
+"""KV-cache scales as the export formats that have a place for them store them (the writers of
+:mod:`quantlib.export.writers` take these places as mixins); the attention module's
 ``k_bmm_quantizer`` / ``v_bmm_quantizer`` become per-tensor dequant multipliers next to its weights.
 
 - compressed-tensors: ``kv_cache_scheme`` (FP8 E4M3, strategy tensor, static) and ``<attn>.k_scale`` /
@@ -14,14 +15,23 @@ the evaluated model did. The NVFP4 scale is quantlib's global scale ``s2 = amax 
 
 from __future__ import annotations
 
-from typing import Optional
+import enum
+from typing import Optional, Protocol
 
 import torch
 
-from ...formats import FormatSpec, Kind
-from ...formats.fp8 import fp8_scale
-from ...formats.nvfp4 import nvfp4_global_scale
-from .base import is_nvfp4
+from ..formats import FormatSpec, Kind
+from ..formats.fp8 import fp8_scale
+from ..formats.nvfp4 import nvfp4_global_scale
+from ..formats.spec import is_nvfp4
+
+
+class KVPlace(Protocol):
+    """What the KV-cache export plan asks of an export writer (:class:`quantlib.export.writers.Packer`)."""
+
+    fmt: enum.Enum  # its ExportFormat, named in messages
+
+    def kv_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]: ...
 
 
 def is_fp8_per_tensor(spec: FormatSpec) -> bool:

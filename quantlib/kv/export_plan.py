@@ -1,21 +1,28 @@
 """The KV-cache part of an export plan: every attention module whose ``k_bmm_quantizer`` /
-``v_bmm_quantizer`` are enabled, checked against the format before anything is written."""
+``v_bmm_quantizer`` are enabled, checked against the format before anything is written. The export plan
+(:mod:`quantlib.export.plan`, above) calls it with its writer and its model layout."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 import torch
 from torch import nn
 
+from ..errors import ExportError
 from ..formats import FormatSpec
-from ..kv.presets import ATTENTION_QUANTIZER_NAMES
+from ..formats.spec import describe
 from ..nn.tensor_quantizer import TensorQuantizer
-from .layouts import ModelLayout
-from .types import ExportError
-from .writers import Packer
-from .writers.base import describe
+from .presets import ATTENTION_QUANTIZER_NAMES
+from .scales import KVPlace
+
+
+class CheckpointNames(Protocol):
+    """What the KV plan asks of an export's model layout (:class:`quantlib.export.layouts.ModelLayout`)."""
+
+    def checkpoint_name(self, module_name: str) -> str: ...
+
 
 _DISABLE = "quantlib.disable_quantizer(model, '*_bmm_quantizer')"
 _NAMES = frozenset(ATTENTION_QUANTIZER_NAMES)
@@ -39,7 +46,7 @@ def _enabled(module: nn.Module, qname: str) -> Optional[TensorQuantizer]:
     return q if isinstance(q, TensorQuantizer) and q.is_enabled else None
 
 
-def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer, finite: bool = True) -> None:
+def _check_quantizer(q: TensorQuantizer, full: str, packer: KVPlace, finite: bool = True) -> None:
     if q.attrs.bias is not None:
         raise ExportError(
             f"{full}: affine KV-cache quantization (bias={q.attrs.bias}) cannot be exported to format {packer.fmt.value}: its KV-cache "
@@ -55,7 +62,7 @@ def _check_quantizer(q: TensorQuantizer, full: str, packer: Packer, finite: bool
         raise ExportError(f"{full}: amax holds a non-finite value ({q.amax.flatten()[:4].tolist()}); recalibrate")
 
 
-def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: Packer) -> None:
+def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: KVPlace) -> None:
     """Raise for the first of ``checked`` whose amax is not finite, after one batched read per device;
     the per-quantizer reads only run to name it."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -68,7 +75,7 @@ def _refuse_non_finite(checked: list[tuple[str, TensorQuantizer]], packer: Packe
         _check_quantizer(q, full, packer)
 
 
-def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout,
+def plan_kv(model: nn.Module, packer: KVPlace, layout: CheckpointNames,
             modules: Optional[list[tuple[str, nn.Module]]] = None) -> tuple[list[KVItem], Optional[FormatSpec]]:
     """The KV items of ``model`` and their common spec (None: no KV quantizer enabled); raises
     :class:`ExportError` naming the quantizer where the format cannot carry it. ``modules``: the
@@ -86,7 +93,7 @@ def plan_kv(model: nn.Module, packer: Packer, layout: ModelLayout,
     return items, (first[1] if first is not None else None)
 
 
-def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: Packer, layout: ModelLayout,
+def _walk_kv(modules: Iterable[tuple[str, nn.Module]], packer: KVPlace, layout: CheckpointNames,
              checked: list) -> tuple[list[KVItem], Optional[tuple[str, FormatSpec]]]:
     items: list[KVItem] = []
     first: Optional[tuple[str, FormatSpec]] = None
