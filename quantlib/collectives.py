@@ -1,8 +1,11 @@
 """The one collective layer (docs/design.md §5 and §9): every collective quantlib issues goes through here,
-for the amax sync (:func:`quantlib.distributed.sync_amax`) and for the calibration searches
-(:class:`StatSync`), so both keep the same fail-fast rules.
+for the amax sync (:func:`quantlib.distributed.sync_amax`), the calibration searches (:class:`StatSync`) and the
+Megatron export and weight sync (:mod:`quantlib.export.megatron_export`, :mod:`quantlib.export.megatron_sync`), so
+all keep the same fail-fast rules.
 
 Primitives: :func:`device_for` (NCCL wants CUDA tensors), :func:`all_reduce` ("sum", "max", "min"),
+:func:`all_gather` (tensors, as bytes), :func:`all_gather_objects` / :func:`gather_objects` (metadata and
+error messages), :func:`first_failure` (any rank's error known on every rank),
 :func:`slot` and :func:`pack_by_slot` (a payload with one slot per position in some groups, so that
 only the ranks at the same position meet), :func:`structure_digest` (a rank-independent blake2b hash)
 and :func:`agreement` (one int64 MAX all-reduce of ``[d, -d, n, -n, ..., flags]``: the ranks agree on a
@@ -67,6 +70,40 @@ def all_reduce(t: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         buf = buf.neg()
     dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return buf.neg() if op == "min" else buf
+
+
+def all_gather(t: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's ``t`` (of one shape and dtype on all ranks) in group rank order, gathered as bytes: gloo
+    has no float8 all-gather."""
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    got = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, flat, group=group)
+    return [g.view(t.dtype).reshape(t.shape) for g in got]
+
+
+def all_gather_objects(obj: Any, group: ProcessGroup) -> list:
+    """Every rank's picklable ``obj`` in group rank order (error paths and small metadata only)."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_objects(obj: Any, group: ProcessGroup) -> Optional[list]:
+    """Every rank's picklable ``obj`` in group rank order on the group's first rank; None on the others."""
+    first = dist.get_rank(group) == 0
+    out: Optional[list] = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return out
+
+
+def first_failure(group: ProcessGroup, error: Optional[BaseException]) -> Optional[tuple[int, str]]:
+    """None where no rank of ``group`` failed, else (group rank, message) of the first that did, the same on every
+    rank: one :func:`agreement` flag, then one object all-gather only where some rank failed."""
+    _, _, (failed,) = agreement(group, 0, flags=(error is not None,))
+    if not failed:
+        return None
+    messages = all_gather_objects(None if error is None else str(error), group)
+    return next((r, m) for r, m in enumerate(messages) if m is not None)
 
 
 def slot(state: ParallelState, slot_groups: Sequence[str]) -> tuple[int, int]:
@@ -253,5 +290,6 @@ def targets_digest(method: str, targets: list) -> int:
 
 
 __all__ = [
-    "OPS", "StatSync", "agreement", "all_reduce", "device_for", "pack_by_slot", "slot", "stat_sync", "structure_digest", "targets_digest",
+    "OPS", "StatSync", "agreement", "all_gather", "all_gather_objects", "all_reduce", "device_for", "first_failure", "gather_objects",
+    "pack_by_slot", "slot", "stat_sync", "structure_digest", "targets_digest",
 ]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import agreement, all_reduce, device_for, pack_by_slot, slot, structure_digest
+from .collectives import agreement, all_gather_objects, all_reduce, device_for, pack_by_slot, slot, structure_digest
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
@@ -322,8 +322,7 @@ def _first_difference(comm: _Comm, name: str, units: list[_Unit], settings: tupl
     first departs from that of the lowest group rank whose list differs, naming both quantizers."""
     spec_reprs: dict = {}
     mine = (settings, [(u.name, u.describe(spec_reprs).split("|")) for u in units])
-    everyone: list = [None] * comm.sizes[name]
-    dist.all_gather_object(everyone, mine, group=comm.state.group(name))
+    everyone = all_gather_objects(mine, comm.state.group(name))
     ranks = comm.state.global_ranks(name)
     other = next((r for r, theirs in zip(ranks, everyone) if theirs != mine), None)
     if other is None:

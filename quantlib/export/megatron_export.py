@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import gather_objects
 from ..formats import FormatSpec
 from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import GroupedQuantizer
@@ -222,10 +223,8 @@ def export_megatron_checkpoint(model: nn.Module, out_dir: str, format: Union[Exp
     config = megatron_hf_config(model) if hf_config is None else dict(hf_config)
     pieces = _pieces(model)
     specs = _specs(model)
-    rank = dist.get_rank(group)
-    gathered = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object((pieces, specs, kv), gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if rank != 0:
+    gathered = gather_objects((pieces, specs, kv), group)
+    if gathered is None:  # not the group's first rank
         return None
     all_specs: dict = {}
     all_kv: dict[int, KVItem] = {}

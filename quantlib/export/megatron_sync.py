@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import all_reduce, first_failure
 from ..formats import Kind
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import applied_config
@@ -247,17 +248,12 @@ def _agree(error: Optional[BaseException], group: Optional[dist.ProcessGroup]) -
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0.0 if error is None else 1.0])
-    if dist.get_backend(group) == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if float(flag) == 0.0:
+    failed = first_failure(group, error)
+    if failed is None:
         return
-    messages: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, None if error is None else str(error), group=group)
     if error is not None:
         raise error
-    rank, first = next((r, m) for r, m in enumerate(messages) if m is not None)
+    rank, first = failed
     raise ExportError(f"the Megatron sync was refused on rank {rank} of its group: {first}")
 
 
@@ -300,8 +296,7 @@ def _reduce_max(entries: list, group: Optional[dist.ProcessGroup]) -> None:
     """MAX-reduce the amax of ``entries`` ([amax, group name, items]) in place, in one all-reduce."""
     if not entries or group is None or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([e[0].float().reshape(-1) for e in entries])
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    flat = all_reduce(torch.cat([e[0].float().reshape(-1) for e in entries]), "max", group)
     at = 0
     for e in entries:
         n = e[0].numel()

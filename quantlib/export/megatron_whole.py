@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import all_gather
 from .megatron_sync import SyncTensor
 
 _TP_GROUPS = ("tensor", "expert_tensor")
@@ -39,10 +39,6 @@ def whole_tensors(parts: Iterable[SyncTensor]) -> Iterator[SyncTensor]:
             continue
         split = tp[0]
         group = state.group(split.group)
-        # as bytes: gloo has no float8 all-gather, and the pieces of one tensor are of one size
-        flat = st.tensor.contiguous().reshape(-1).view(torch.uint8)
-        got = [torch.empty_like(flat) for _ in range(split.parts)]
-        dist.all_gather(got, flat, group=group)
-        pieces = [g.view(st.tensor.dtype).reshape(st.tensor.shape) for g in got]
+        pieces = all_gather(st.tensor, group)  # the pieces of one tensor are of one size
         rest = tuple(s for s in st.splits if s is not split)
         yield SyncTensor(st.name, join_tp(st.name, pieces, split.axis), rest, st.replica * split.parts + split.part)
