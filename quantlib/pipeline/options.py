@@ -138,9 +138,9 @@ def exclusion_rules(patterns: list[str]) -> list[dict]:
     return [{"quantizer_name": p if p.endswith("*") else p + "*", "enable": False} for p in patterns]
 
 
-def resolve_recipe(opts: OneshotOptions) -> tuple[str, dict]:
-    """(recipe name, config dict) from --preset / --config, with --algorithm, --kv-cache and --exclude applied;
-    the config is validated here, before any model loads."""
+def resolve_recipe(opts: OneshotOptions) -> tuple[str, QuantizeConfig]:
+    """(recipe name, config) from --preset / --config, with --algorithm, --kv-cache and --exclude applied; the
+    config is parsed here, once, before any model loads: the typed config serves every later step."""
     if opts.config:
         name, cfg = os.path.basename(opts.config), _read_config_file(opts.config)
     else:
@@ -157,10 +157,9 @@ def resolve_recipe(opts: OneshotOptions) -> tuple[str, dict]:
         if extra:
             cfg = merge_kv_config(cfg, extra)
         cfg["algorithm"] = algorithm
-        QuantizeConfig.from_any(copy.deepcopy(cfg))
+        return name, QuantizeConfig.from_any(cfg)
     except (ConfigError, ValueError, TypeError) as exc:
         raise PipelineError(f"recipe {name}: {exc}") from None
-    return name, cfg
 
 
 #: algorithms that leave a pre_quant_scale (a per-channel input scale), folded into the export or carried by it
@@ -171,7 +170,7 @@ NO_EXPORT = "none"
 ROW_FOLDS = (("self_attn.v_proj", "self_attn.o_proj"), ("mlp.up_proj", "mlp.down_proj"))
 
 
-def export_format(opts: OneshotOptions, recipe: str, cfg: dict) -> str:
+def export_format(opts: OneshotOptions, recipe: str, cfg: QuantizeConfig) -> str:
     """The export format: --export-format, else the recipe's default; a recipe no format can carry is refused
     up front (before any model loads), unless --export-format none skips the export."""
     from ..export import ExportError
@@ -208,13 +207,12 @@ def _per_row_int(attrs: Any) -> bool:
     return spec.kind == Kind.INT and (spec.block is not None and len(spec.block) == 1 or spec.block is None and attrs.axis == (0,))
 
 
-def refuse_pre_quant_scale_pair(recipe: str, cfg: dict, fmt: str) -> None:
+def refuse_pre_quant_scale_pair(recipe: str, qcfg: QuantizeConfig, fmt: str) -> None:
     """Refuse, before any model loads, a SmoothQuant / AWQ recipe whose o_proj / down_proj scales the format can
     neither fold (into v_proj / up_proj rows, which need per-row INT scales) nor carry. The export checks every
     module again after calibration; this catches the pairs the recipe alone decides."""
     from ..export.writers import packer
 
-    qcfg = QuantizeConfig.from_any(copy.deepcopy(cfg))
     method = qcfg.algorithm_name
     if method not in PRE_QUANT_SCALE_ALGORITHMS:
         return
@@ -246,10 +244,9 @@ def refuse_pre_quant_scale_pair(recipe: str, cfg: dict, fmt: str) -> None:
             )
 
 
-def refuse_expert_scales(model: Any, recipe: str, cfg: dict, fmt: str) -> None:
+def refuse_expert_scales(model: Any, recipe: str, qcfg: QuantizeConfig, fmt: str) -> None:
     """Refuse, once the model is loaded and before it calibrates, SmoothQuant / AWQ on fused experts (one scale
     per expert, which no export folds or carries), unless the recipe leaves the experts unquantized."""
-    qcfg = QuantizeConfig.from_any(copy.deepcopy(cfg))
     method = qcfg.algorithm_name
     if fmt == NO_EXPORT or method not in PRE_QUANT_SCALE_ALGORITHMS:
         return

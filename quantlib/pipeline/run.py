@@ -9,7 +9,6 @@ calibrated quantizer state, or layer-by-layer calibration's resume file) for ``-
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import errno
 import json
@@ -136,7 +135,7 @@ def _resident_on(model: nn.Module, device: torch.device) -> None:
 
 def _calibrate(
     model: nn.Module,
-    cfg: dict,
+    cfg: QuantizeConfig,
     windows: TextWindows,
     opts: OneshotOptions,
     device: torch.device,
@@ -261,7 +260,7 @@ def run(opts: OneshotOptions) -> dict[str, Any]:
 
 
 def _stages(
-    opts: OneshotOptions, recipe: str, cfg: dict, fmt: str, model_dir: str, out: str, staging: str, stages: Stages
+    opts: OneshotOptions, recipe: str, cfg: QuantizeConfig, fmt: str, model_dir: str, out: str, staging: str, stages: Stages
 ) -> dict[str, Any]:
     torch.manual_seed(opts.seed)
     stage = stages.begin("load", total=3)
@@ -377,7 +376,7 @@ def _report(
     quantized_names = {w["module"] for w in weights}
     elements = sum(w["numel"] for w in weights)
     export_dir = os.path.join(os.path.dirname(out), os.path.basename(out) + ".partial", "export")
-    cov = weight_coverage(model, QuantizeConfig.from_any(copy.deepcopy(cfg)))
+    cov = weight_coverage(model, cfg)
     if result is None:
         summary = f"skipped: {why}"
     else:
@@ -389,7 +388,7 @@ def _report(
     return {
         "model": "embedded (quantlib/embedded)" if model_dir == EMBEDDED_DIR else model_dir,
         "recipe": recipe,
-        "algorithm": QuantizeConfig.from_any(copy.deepcopy(cfg)).algorithm_name,
+        "algorithm": cfg.algorithm_name,
         "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "progress"},
         "data": {
             "source": os.path.relpath(windows.source, os.path.dirname(EMBEDDED_DIR)) if windows.source == EMBEDDED_TEXT else windows.source,
