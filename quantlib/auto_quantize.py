@@ -58,10 +58,11 @@ def weight_bits(spec: Optional[FormatSpec]) -> float:
     return float(element)
 
 
-def _candidates(formats: Sequence[Union[str, dict]]) -> dict[str, dict]:
+def _candidates(formats: Sequence[Union[str, dict]]) -> dict[str, QuantizeConfig]:
+    """Each candidate by name, parsed once: a bad one is refused here, by key, rather than after a calibration."""
     if not isinstance(formats, (list, tuple)) or not formats:
         raise ConfigError(f"quantization_formats={formats!r}: expected a non-empty list of preset names or config dicts")
-    out: dict[str, dict] = {}
+    out: dict[str, QuantizeConfig] = {}
     for i, f in enumerate(formats):
         if isinstance(f, str):
             if not f.endswith("_CFG") or not isinstance(getattr(presets, f, None), dict):
@@ -71,8 +72,7 @@ def _candidates(formats: Sequence[Union[str, dict]]) -> dict[str, dict]:
             name, cfg = f"CUSTOM_{i}", f
         else:
             raise ConfigError(f"quantization_formats[{i}]={f!r}: expected a preset name or a config dict")
-        QuantizeConfig.from_any(cfg)  # refused here, by key, rather than after a calibration
-        out[name] = copy.deepcopy(cfg)
+        out[name] = QuantizeConfig.from_any(copy.deepcopy(cfg))
     return out
 
 

@@ -164,3 +164,15 @@ def test_bad_input_refused_by_name(kwargs, match):
     args = {"constraints": {"effective_bits": 6.0}, "quantization_formats": ["NVFP4_DEFAULT_CFG"]} | kwargs
     with pytest.raises(ConfigError, match=match):
         auto_quantize(mlp(), args.pop("constraints"), args.pop("quantization_formats"), data(1), step, loss, **args)
+
+
+def test_each_candidate_is_parsed_once(monkeypatch):
+    """Two candidates and the chosen mix: three parses (each candidate was parsed to be checked, then again by
+    its quantize call: five)."""
+    from quantlib.config import QuantizeConfig
+
+    parses = []
+    real = QuantizeConfig.__post_init__
+    monkeypatch.setattr(QuantizeConfig, "__post_init__", lambda self: (parses.append(self), real(self))[1])
+    auto_quantize(mlp(), {"effective_bits": 6.0}, ["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"], data(), step, loss)
+    assert len(parses) == 3
