@@ -35,17 +35,24 @@ def _stacked(pw: PackedWeight) -> bool:
     return pw.role == "expert" and pw.expert is None  # one expert's 2-D tensors carry their id
 
 
+#: NVFP4's global weight scale (ModelOpt's, compressed-tensors'): vLLM's NVFP4 MoE methods keep one input scale per
+#: w1 / w3 shard ([E, 2]), its FP8 ones one per expert ([E])
+_NVFP4_GLOBAL = ("weight_scale_2", "weight_global_scale")
+
+
 def _merge_w13(parts: list[PackedWeight]) -> dict[str, torch.Tensor]:
     """vLLM's ``w13_*`` parameters from the stacked gate (w1) and up (w3) shards: rows (and their
     block / row scales) concatenated, gate first; per-tensor weight scales side by side ([E, 2]);
-    activation scales, one input quantizer's for both shards, once; CT's ``weight_shape`` rows added."""
+    activation scales, one input quantizer's for both shards, once ([E]; NVFP4: per shard, [E, 2], as vLLM
+    keeps them); CT's ``weight_shape`` rows added."""
     if len(parts) == 1:
         return parts[0].tensors
     a, b = (p.tensors for p in parts)
+    per_shard_input = any(k.endswith(_NVFP4_GLOBAL) for k in a)
     out = {}
     for k, t in a.items():
         u = b[k]
-        if "input" in k:
+        if "input" in k and not per_shard_input:
             out[k] = t
         elif k.endswith("weight_shape"):
             out[k] = torch.stack([t[:, 0] + u[:, 0], t[:, 1]], 1)
