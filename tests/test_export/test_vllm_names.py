@@ -83,3 +83,12 @@ def test_w8a8_fp8_expert_input_scale_once_per_expert():
     pairs = dict(sync_pairs(quantized(qwen3_moe(), ql.FP8_DEFAULT_CFG), "modelopt_fp8"))
     assert pairs["model.layers.1.mlp.experts.w13_input_scale"].shape == (4,)
     assert pairs["model.layers.1.mlp.experts.w13_weight_scale"].shape == (4, 2)
+
+
+def test_ct_nvfp4_per_tensor_scales_one_value_per_expert():
+    """compressed-tensors stores a global scale as [1]: stacked, vLLM's parameters hold [E] (w2) and [E, 2] (w13),
+    never [E, 1] (before: w2's went out [E, 1])."""
+    pairs = dict(sync_pairs(quantized(qwen3_moe(), ql.NVFP4_DEFAULT_CFG), "ct_nvfp4"))
+    for key, shape in (("w13_weight_global_scale", (4, 2)), ("w13_input_global_scale", (4, 2)), ("w2_weight_global_scale", (4,)),
+                       ("w2_input_global_scale", (4,))):  # fmt: skip
+        assert pairs[f"model.layers.1.mlp.experts.{key}"].shape == shape, key

@@ -13,7 +13,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_vllm._models import CONFIGS, FAMILIES  # noqa: E402
-from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels  # noqa: E402
+from quantlib.export import sync_pairs  # noqa: E402
+from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
 MOE = ("qwen3_moe", "qwen2_moe")
 #: (format, family) -> why vLLM 0.32 does not load quantlib's export as stored (strict: a fix turns the test red)
@@ -49,6 +50,10 @@ def test_vllm_loads_export_as_stored(bases, tmp_path, monkeypatch, request, fmt,
     params = load_params(tmp_path / "c")
     ckpt = {k: v for f in sorted((tmp_path / "c").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert mismatches(ckpt, params) == []
+    if family in MOE:  # the RL sync's stacked experts, named for this vLLM, are its fused-MoE parameters as loaded
+        stacked = {k: t for k, t in sync_pairs(model, fmt, scales="calibrated", expert_names="nested") if ".routed_experts.w" in k}
+        bad = unequal_params(stacked, params)
+        assert len(stacked) >= 4 and bad == []
 
 
 def test_config_names_the_architecture(tmp_path):
