@@ -24,7 +24,7 @@ from quantlib.export import ExportError, check_receiver  # noqa: E402
 from tests.test_plugins import megatron_shims as shims  # noqa: E402
 from tests.test_vllm._models import INT8_DYNAMIC  # noqa: E402
 from tests.test_vllm._vllm import mismatches, model_params, pretend_kernels, unequal_params  # noqa: E402
-from tests.test_vllm.test_vllm_generate import NEW_TOKENS, PROMPTS, half_range, run_vllm  # noqa: E402
+from tests.test_vllm.test_vllm_generate import half_range, reference, run_vllm  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -54,21 +54,8 @@ def build(overrides: dict):
     return model
 
 
-def logits(model, ids: list[int]) -> torch.Tensor:
-    return shims.gpt_logits(model, torch.tensor([ids]))[0].double()
-
-
-def reference(model) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """The Megatron model's prompt log-probs (position i: log p(token i | tokens < i)) and greedy continuations."""
-    logprobs, greedy = [], []
-    for ids in PROMPTS:
-        lp = torch.log_softmax(logits(model, ids), -1)
-        logprobs.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
-        seq = list(ids)
-        for _ in range(NEW_TOKENS):
-            seq.append(int(logits(model, seq)[-1].argmax()))
-        greedy.append(seq[len(ids) :])
-    return logprobs, greedy
+def megatron_logits(model, ids: list[int]) -> torch.Tensor:
+    return shims.gpt_logits(model, torch.tensor([ids]))[0]
 
 
 def _streams(rank: int, world: int, tmp: str) -> dict:
@@ -91,7 +78,7 @@ def _streams(rank: int, world: int, tmp: str) -> dict:
         scales = "static" if w8a8 else "dynamic"
         pairs = {k: t.clone() for k, t in megatron_sync_pairs(model, fmt, experts="per_expert", scales=scales)}
         stacked = {s: {k: t.clone() for k, t in megatron_sync_pairs(model, fmt, expert_names=s, scales=scales)} for s in ("flat", "nested")}
-        out[fmt] = {"stream": pairs, "stacked": stacked, "reference": reference(model) if w8a8 else None}
+        out[fmt] = {"stream": pairs, "stacked": stacked, "reference": reference(model, megatron_logits) if w8a8 else None}
     return out
 
 
