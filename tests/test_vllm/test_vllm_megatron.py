@@ -4,7 +4,7 @@ untied) is quantized and streamed at TP1 (the gloo tests prove TP2 / EP2 / TP2xE
 through vLLM's ``load_weights`` of the model class its config.json names, and every vLLM parameter holds what was sent.
 W8A8 INT8, which vLLM runs on this CPU, gives the Megatron model's greedy tokens and fake-quant log-probs.
 Stacked experts named for vLLM 0.32 (nested ``routed_experts``) are its parameters, and :func:`check_receiver` names
-both candidates for the flat names. Megatron runs in a forked rank (its parallel state beside vLLM's would clash).
+both candidates for the flat names. Megatron runs in a spawned rank (its parallel state beside vLLM's would clash).
 Needs vLLM and Megatron-Core (the CI line ``vllm``)."""
 
 from __future__ import annotations
@@ -84,14 +84,10 @@ def _streams(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def streams(tmp_path_factory):
-    """Every case's stream from one forked rank. vLLM's process groups (an earlier test's) are torn down first:
-    the rank would inherit them and refuse to make its own."""
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-    destroy_model_parallel()
-    destroy_distributed_environment()
+    """Every case's stream from one spawned rank: a rank forked after vLLM ran in this process (the earlier tests)
+    hung, waiting on a futex for good."""
     tmp = str(tmp_path_factory.mktemp("megatron"))
-    return tmp, shims.run_distributed(_streams, 1, tmp, timeout=300)[0]
+    return tmp, shims.run_distributed(_streams, 1, tmp, timeout=300, method="spawn")[0]
 
 
 @pytest.mark.parametrize("fmt", sorted(MOE_CASES))
