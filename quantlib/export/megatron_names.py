@@ -105,19 +105,28 @@ def split_rows(module: str, rows: int, config: Any, groups: Optional[int] = None
     return [("", everything, "w2" if module.startswith("mlp.experts.") else None)]
 
 
+def _whole_row_blocks(idx: torch.Tensor, bm: int, rows: int, where: str) -> torch.Tensor:
+    """The row blocks (of ``bm`` rows) that rows ``idx`` fill exactly: each run of consecutive rows starts on a block
+    edge and ends on one (or at the weight's last row), as q of several GQA groups does; else ExportError."""
+    breaks = torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1
+    blocks = []
+    for run in torch.tensor_split(idx, breaks):
+        start, end = int(run[0]), int(run[-1]) + 1
+        if start % bm or (end % bm and end != rows):
+            raise ExportError(
+                f"{where}: rows of q / k / v (or gate / up) interleave within {bm}-row blocks of the fused Megatron weight; "
+                "2-D blocks cannot be split"
+            )
+        blocks.append(torch.arange(start // bm, -(-end // bm)))
+    return torch.cat(blocks)
+
+
 def select_rows(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, idx: torch.Tensor, where: str) -> Optional[torch.Tensor]:
     """The amax of rows ``idx`` of a weight of ``rows`` rows (one value, per row, or per 2-D block)."""
     if amax is None or amax.numel() == 1:
         return amax
     if spec.block is not None and len(spec.block) == 2:
-        bm = spec.block[0]
-        contiguous = bool((idx[1:] - idx[:-1] == 1).all()) and int(idx[0]) % bm == 0 and len(idx) % bm == 0
-        if not contiguous:
-            raise ExportError(
-                f"{where}: rows of q / k / v (or gate / up) interleave within {bm}-row blocks of the fused Megatron weight; "
-                "2-D blocks cannot be split"
-            )
-        return amax[int(idx[0]) // bm : (int(idx[-1]) + 1) // bm]
+        return amax[_whole_row_blocks(idx, spec.block[0], rows, where)]
     if amax.dim() >= 1 and amax.shape[0] == rows:
         return amax[idx]
     return amax

@@ -35,17 +35,30 @@ def _stacked(pw: PackedWeight) -> bool:
     return pw.role == "expert" and pw.expert is None  # one expert's 2-D tensors carry their id
 
 
+#: NVFP4's global weight scale (ModelOpt's, compressed-tensors'): vLLM's NVFP4 MoE methods keep one input scale per
+#: w1 / w3 shard ([E, 2]), its FP8 ones one per expert ([E])
+_NVFP4_GLOBAL = ("weight_scale_2", "weight_global_scale")
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stacked shard's tensors with one value per expert as vLLM holds them, [E]: compressed-tensors stores a
+    per-tensor scale as [1], stacked [E, 1]."""
+    return {k: t[:, 0] if t.dim() == 2 and t.shape[1] == 1 else t for k, t in tensors.items()}
+
+
 def _merge_w13(parts: list[PackedWeight]) -> dict[str, torch.Tensor]:
     """vLLM's ``w13_*`` parameters from the stacked gate (w1) and up (w3) shards: rows (and their
     block / row scales) concatenated, gate first; per-tensor weight scales side by side ([E, 2]);
-    activation scales, one input quantizer's for both shards, once; CT's ``weight_shape`` rows added."""
+    activation scales, one input quantizer's for both shards, once ([E]; NVFP4: per shard, [E, 2], as vLLM
+    keeps them); CT's ``weight_shape`` rows added."""
     if len(parts) == 1:
-        return parts[0].tensors
-    a, b = (p.tensors for p in parts)
+        return _per_expert(parts[0].tensors)
+    a, b = (_per_expert(p.tensors) for p in parts)
+    per_shard_input = any(k.endswith(_NVFP4_GLOBAL) for k in a)
     out = {}
     for k, t in a.items():
         u = b[k]
-        if "input" in k:
+        if "input" in k and not per_shard_input:
             out[k] = t
         elif k.endswith("weight_shape"):
             out[k] = torch.stack([t[:, 0] + u[:, 0], t[:, 1]], 1)
@@ -73,7 +86,7 @@ def named_pairs(stream: Iterable[PackedWeight], style: Union[ExpertNames, str] =
         elif pw.shard in ("w1", "w3"):
             pending.append(pw)
         else:
-            yield from ((f"{pw.name}{sub}{k}", t) for k, t in pw.tensors.items())
+            yield from ((f"{pw.name}{sub}{k}", t) for k, t in _per_expert(pw.tensors).items())
     yield from flush()
 
 

@@ -69,10 +69,26 @@ def test_w4a4_activation_scales_travel_with_the_experts():
     model = quantized(qwen3_moe(), ql.NVFP4_DEFAULT_CFG)
     pairs = dict(sync_pairs(model, "modelopt_nvfp4"))
     experts = model.model.layers[1].mlp.experts
-    # one input scale per expert (the layer's input quantizer), once for w13 (gate and up read one input)
-    assert pairs["model.layers.1.mlp.experts.w13_input_scale"].shape == (4,)
+    # the layer's input quantizer per expert, for gate and up each: vLLM's NVFP4 MoE keeps w13_input_scale [E, 2]
+    assert pairs["model.layers.1.mlp.experts.w13_input_scale"].shape == (4, 2)
     assert torch.equal(pairs["model.layers.1.mlp.experts.w13_input_scale"],
-                       nvfp4_global_scale(experts.gate_up_proj_input_quantizer.amax).reshape(1).expand(4))
+                       nvfp4_global_scale(experts.gate_up_proj_input_quantizer.amax).reshape(1, 1).expand(4, 2))
     assert torch.equal(pairs["model.layers.1.mlp.experts.w2_input_scale"],
                        nvfp4_global_scale(experts.down_proj_input_quantizer.amax).reshape(1).expand(4))
     assert "model.layers.1.self_attn.q_proj.input_scale" in pairs
+
+
+def test_w8a8_fp8_expert_input_scale_once_per_expert():
+    """vLLM's FP8 MoE methods keep one input scale per expert for w13 ([E]), unlike NVFP4's [E, 2]."""
+    pairs = dict(sync_pairs(quantized(qwen3_moe(), ql.FP8_DEFAULT_CFG), "modelopt_fp8"))
+    assert pairs["model.layers.1.mlp.experts.w13_input_scale"].shape == (4,)
+    assert pairs["model.layers.1.mlp.experts.w13_weight_scale"].shape == (4, 2)
+
+
+def test_ct_nvfp4_per_tensor_scales_one_value_per_expert():
+    """compressed-tensors stores a global scale as [1]: stacked, vLLM's parameters hold [E] (w2) and [E, 2] (w13),
+    never [E, 1] (before: w2's went out [E, 1])."""
+    pairs = dict(sync_pairs(quantized(qwen3_moe(), ql.NVFP4_DEFAULT_CFG), "ct_nvfp4"))
+    for key, shape in (("w13_weight_global_scale", (4, 2)), ("w13_input_global_scale", (4, 2)), ("w2_weight_global_scale", (4,)),
+                       ("w2_input_global_scale", (4,))):  # fmt: skip
+        assert pairs[f"model.layers.1.mlp.experts.{key}"].shape == shape, key

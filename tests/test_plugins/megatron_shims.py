@@ -60,10 +60,11 @@ def _rank_teardown() -> None:
         _MANAGER.shutdown()
 
 
-def run_distributed(fn: Callable, world: int, *args, timeout: float = 240.0) -> list[Any]:
+def run_distributed(fn: Callable, world: int, *args, timeout: float = 240.0, method: Optional[str] = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks with the CPU shims applied; return the
-    results by rank. Megatron must already be imported in the parent (fork, FACTS.md)."""
-    return run_on_ranks(fn, world, *args, timeout=timeout, setup=_rank_setup, teardown=_rank_teardown)
+    results by rank. Megatron must already be imported in the parent (fork, FACTS.md). ``method="spawn"``: fresh
+    interpreters instead (``fn`` importable by name), for a parent whose threads a forked child cannot use."""
+    return run_on_ranks(fn, world, *args, timeout=timeout, setup=_rank_setup, teardown=_rank_teardown, method=method)
 
 
 # ------------------------------------------------------------------------------------ a small MoE GPT

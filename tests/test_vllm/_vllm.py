@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -83,8 +83,9 @@ def pretend_kernels(monkeypatch) -> None:
         monkeypatch.setitem(table, PlatformEnum.CPU, [kernel])
 
 
-def load_params(ckpt_dir: str, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
-    """vLLM's parameters after its model class loaded ``ckpt_dir`` (its loaders only: no kernel repacking)."""
+def _build(ckpt_dir: str, dtype: str):
+    """vLLM's model class for ``ckpt_dir``'s config.json (quantization config included), built empty on the CPU, and
+    the model loader its load config picks."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
@@ -97,7 +98,27 @@ def load_params(ckpt_dir: str, dtype: str = "bfloat16") -> dict[str, torch.Tenso
         loader = get_model_loader(vc.load_config)
         with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
             model = loader.create_model(vc, vc.model_config)
+    return vc, loader, model
+
+
+def load_params(ckpt_dir: str, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+    """vLLM's parameters after its model class loaded ``ckpt_dir`` (its loaders only: no kernel repacking)."""
+    from vllm.config import set_current_vllm_config
+
+    vc, loader, model = _build(ckpt_dir, dtype)
+    with set_current_vllm_config(vc):
         loader.load_weights(model, vc.model_config)
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+def model_params(config_dir: str, weights: Iterable[tuple[str, torch.Tensor]], dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+    """vLLM's parameters after its model class for ``config_dir``'s config.json took ``weights`` through its own
+    ``load_weights`` (an RL engine's weight update: in memory, no kernel repacking)."""
+    from vllm.config import set_current_vllm_config
+
+    vc, _, model = _build(config_dir, dtype)
+    with set_current_vllm_config(vc):
+        model.load_weights(iter(weights))
     return {k: p.detach() for k, p in model.named_parameters()}
 
 
@@ -152,6 +173,25 @@ def as_loaded(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() and param.is_floating_point() and t.element_size() > 1 and param.element_size() > 1:
         return t.to(param.dtype)
     return t
+
+
+def unequal_params(sent: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors sent under vLLM's own parameter names (stacked experts) that its parameter ``params[name]``
+    does not hold as sent (by meaning, as :func:`mismatches` compares), or lacks. Not compared: CT's ``w13_weight_shape``
+    (vLLM keeps the shard loaded last, [I, H], and reads neither)."""
+    bad = []
+    for name, t in sent.items():
+        if name.endswith("w13_weight_shape"):
+            continue
+        if name not in params:
+            bad.append(f"{name}: no vLLM parameter")
+            continue
+        e8m0 = t.dtype == torch.uint8 and "scale" in name.rsplit(".", 1)[1]
+        got = params[name]
+        want, have = meaning(as_loaded(t, got), e8m0), meaning(got, e8m0 and got.dtype == torch.uint8)
+        if want.shape != have.shape or not torch.equal(want, have.to(want.dtype)):
+            bad.append(f"{name}: sent {tuple(t.shape)} {t.dtype}, vLLM holds {tuple(got.shape)} {got.dtype} (or other values)")
+    return bad
 
 
 #: vLLM parameters no checkpoint tensor feeds here: attention's KV-cache scales and zero points (no KV quantization

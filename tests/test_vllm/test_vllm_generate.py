@@ -5,6 +5,7 @@ quantlib's fake quant (much nearer than the unquantized model). Needs vLLM (the 
 from __future__ import annotations
 
 import gc
+from typing import Callable
 
 import pytest
 import torch
@@ -25,16 +26,21 @@ def base():
     return llama()
 
 
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]
+
+
 @torch.no_grad()
-def reference(model) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """quantlib's prompt log-probs (position i: log p(token i | tokens < i), i >= 1) and greedy continuations."""
+def reference(model, logits: Callable = hf_logits) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """quantlib's prompt log-probs (position i: log p(token i | tokens < i), i >= 1) and greedy continuations;
+    ``logits(model, ids)``: the model's [len(ids), vocab] logits."""
     logprobs, greedy = [], []
     for ids in PROMPTS:
-        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        lp = torch.log_softmax(logits(model, ids).double(), -1)
         logprobs.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
         seq = list(ids)
         for _ in range(NEW_TOKENS):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            seq.append(int(logits(model, seq)[-1].argmax()))
         greedy.append(seq[len(ids) :])
     return logprobs, greedy
 

