@@ -70,6 +70,7 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
 from ..traversal import leaves_of
 from .expert_tokens import accumulate
+from .megatron_experts import grouped_forward, grouped_refusal
 from .megatron_state import (
     EXTRA_STATE_KEY,
     EXTRA_STATE_SCHEMA,
@@ -277,9 +278,10 @@ def _expert_parallel(module: nn.Module) -> tuple[int, int]:
 
 @QuantModuleRegistry.register(SequentialMLP, "megatron.SequentialMLP")
 class _QuantSequentialMLP(QuantModule):
-    """Quantizes nothing itself: tells its local experts' linears their global expert index and counts
+    """Quantizes nothing itself: tells its local experts' linears their global expert index, counts
     the tokens each local expert receives while calibrating (``tokens_per_expert``, as quantlib's TE
-    GroupedLinear does; :func:`expert_token_counts`)."""
+    GroupedLinear does; :func:`expert_token_counts`), and runs all its quantized experts at once with
+    grouped GEMMs and no host read (:mod:`.megatron_experts`; Megatron's loop where that cannot give its bits)."""
 
     quantizer_names: tuple[str, ...] = ()
     weight_quantizer_names: tuple[str, ...] = ()
@@ -324,7 +326,20 @@ class _QuantSequentialMLP(QuantModule):
                 _log.debug("quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1,
                            counts.tolist())
         self._was_calibrating = calibrating
+        # Megatron's (hidden, tokens_per_expert, permuted_probs); releases with other arguments take its loop
+        probs = args[0] if len(args) == 1 and not kwargs else kwargs.get("permuted_probs") if not args and len(kwargs) == 1 else None
+        fc1s, fc2s = self._local_linears()
+        if probs is not None and not grouped_refusal(self, fc1s, fc2s, permuted_local_hidden_states, probs, calibrating):
+            return grouped_forward(self, fc1s, fc2s, permuted_local_hidden_states, tokens_per_expert, probs)
         return super().forward(permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
+
+    def _local_linears(self) -> tuple[Optional[list], Optional[list]]:
+        """(every expert's linear_fc1, linear_fc2) where all are quantized local parallel linears, else None."""
+        fc1s = [getattr(e, "linear_fc1", None) for e in self.local_experts]
+        fc2s = [getattr(e, "linear_fc2", None) for e in self.local_experts]
+        if all(isinstance(m, _QuantColumnParallelLinear) for m in fc1s) and all(isinstance(m, _QuantRowParallelLinear) for m in fc2s):
+            return fc1s, fc2s
+        return None, None
 
 
 def expert_token_counts(model: nn.Module) -> dict[str, dict[int, int]]:

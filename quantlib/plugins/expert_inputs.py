@@ -1,0 +1,78 @@
+"""The inputs of E experts, each with its own input quantizer, fake-quantized as one (rows, in) tensor
+whose rows are sorted by expert.
+
+Where the experts' quantizers agree on everything but their amax (same config and switches, no affine
+bias, no static blocks) and each quantizes a row alone (a calibrated static amax, or a format that takes
+its scale per row or block), one kernel call quantizes every row with its expert's amax gathered per row
+((rows, 1) per tensor, (rows, in) per channel; NVFP4: its global amax per row, which the kernels take).
+A scale is a function of its group's amax alone, so this is bit for bit each expert's call on its rows.
+Nothing is read back to the host: the expert of each row is a device tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..nn.tensor_quantizer import TensorQuantizer, _raise_named
+
+
+def rows_refusal(members: list, width: int) -> str:
+    """Why :func:`quantize_rows` cannot quantize inputs of ``width`` channels with ``members`` in one call
+    ('' where it can)."""
+    first = members[0]
+    for m in members:
+        if type(m) is not TensorQuantizer:
+            return f"{m._qname}: not a single TensorQuantizer"
+        if m._disabled != first._disabled or m._if_calib != first._if_calib or m._if_quant != first._if_quant:
+            return f"{m._qname}: switches differ from {first._qname}'s"
+        if (m.pre_quant_scale is None) != (first.pre_quant_scale is None):
+            return f"{m._qname}: pre_quant_scale on some experts only"
+        if m.pre_quant_scale is not None and m.pre_quant_scale.dim() != 1:
+            return f"{m._qname}: pre_quant_scale {tuple(m.pre_quant_scale.shape)} is not one factor per channel"
+    if first._disabled or not first._if_quant:
+        return ""
+    if first._if_calib:
+        return f"{first._qname}: collecting calibration statistics (per expert)"
+    if first._attrs.bias is not None or first.static_blocks:
+        return f"{first._qname}: an affine bias or static blocks depend on which rows are quantized together"
+    if not first.spec.calibrated_amax:
+        return ""  # the op takes its scale per row or block
+    for m in members:
+        if not (m._attrs is first._attrs or m._attrs == first._attrs):
+            return f"{m._qname}: config differs from {first._qname}'s"
+        if not m.needs_calibration or m.amax is None:
+            return f"{m._qname}: no calibrated amax (its scale would come from the rows it sees together)"
+        shape = _row_amax_shape(m, width)
+        if shape is None or m.amax.numel() != shape[0] * shape[1]:
+            return f"{m._qname}: amax {tuple(m.amax.shape)} is not one value or one per channel of {width}"
+    return ""
+
+
+def _row_amax_shape(q: TensorQuantizer, width: int) -> Optional[tuple[int, int]]:
+    """(1, 1) or (1, width): ``q``'s amax for (rows, width) inputs, when it does not depend on the rows."""
+    shape = tuple(q.amax_shape((2, width)))
+    shape = (1,) * (2 - len(shape)) + shape
+    return shape if len(shape) == 2 and shape[0] == 1 else None
+
+
+def quantize_rows(members: list, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """Row r of ``x`` (rows, in) fake-quantized by ``members[expert[r]]`` in one call (after
+    :func:`rows_refusal` said it can)."""
+    first = members[0]
+    if first.pre_quant_scale is not None:  # each row times its expert's scale, as TensorQuantizer.pre_scale
+        x = x * torch.stack([m.pre_quant_scale for m in members])[expert].to(x.dtype)
+    if first._disabled or not first._if_quant or x.numel() == 0:
+        return x
+    amax = None
+    if first.spec.calibrated_amax:
+        shape = _row_amax_shape(first, x.shape[-1])
+        amax = torch.stack([m.amax.reshape(shape) for m in members])[expert].reshape(x.shape[0], -1)
+    try:
+        return first._fake_quant(x, amax, None)
+    except Exception as exc:
+        _raise_named(exc, first._qname)
+
+
+__all__ = ["quantize_rows", "rows_refusal"]
