@@ -232,3 +232,26 @@ def test_what_the_grouped_path_cannot_reproduce_takes_megatrons_loop():
     assert "local_experts.2.linear_fc1.input_quantizer" in res["uncalibrated"] and "no calibrated amax" in res["uncalibrated"]
     assert res["equal"]  # (through the loop)
     assert "aligned" in res["double"]
+
+
+def _compile_case(rank: int, world: int, preset: str) -> list[bool]:
+    experts = _experts(_quantized(preset, "swiglu"))
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    equal = []
+    with torch.no_grad():
+        for step, counts in enumerate([[3, 0, 5, 4], [1, 6, 2, 3]]):  # another routing, the same number of rows
+            x, cnt, probs = _inputs(experts, counts, seed=step)
+            with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
+                equal.append(torch.equal(compiled(x, cnt, probs)[0], experts(x, cnt, probs)[0]))
+    torch._dynamo.reset()
+    return equal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_fullgraph_compile_of_the_experts_serves_every_routing_and_equals_eager(preset):
+    """``torch.compile(fullgraph=True)`` of the quantized SequentialMLP: one graph (a host read would break
+    it), no recompile when the tokens route elsewhere, eager's bits."""
+    (res,) = shims.run_distributed(_compile_case, 1, preset, timeout=600)
+    assert res == [True, True]
