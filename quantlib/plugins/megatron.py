@@ -329,7 +329,7 @@ class _QuantSequentialMLP(QuantModule):
         # Megatron's (hidden, tokens_per_expert, permuted_probs); releases with other arguments take its loop
         probs = args[0] if len(args) == 1 and not kwargs else kwargs.get("permuted_probs") if not args and len(kwargs) == 1 else None
         fc1s, fc2s = self._local_linears()
-        if probs is not None and not grouped_refusal(self, fc1s, fc2s, permuted_local_hidden_states, probs, calibrating):
+        if probs is not None and not grouped_refusal(self, fc1s, fc2s, permuted_local_hidden_states, probs):
             return grouped_forward(self, fc1s, fc2s, permuted_local_hidden_states, tokens_per_expert, probs)
         return super().forward(permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
 

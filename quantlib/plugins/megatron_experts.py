@@ -37,16 +37,17 @@ except ImportError:  # pragma: no cover - this module is only imported by the Me
     MLP = None
 
 
-def grouped_refusal(mlp: nn.Module, fc1s: Optional[list], fc2s: Optional[list], x: torch.Tensor, probs, calibrating: bool) -> str:
+def grouped_refusal(mlp: nn.Module, fc1s: Optional[list], fc2s: Optional[list], x: torch.Tensor, probs) -> str:
     """Why ``mlp`` (a quantized SequentialMLP with local linears ``fc1s`` / ``fc2s``, None where they are
     not Megatron's local ColumnParallelLinear / RowParallelLinear) runs Megatron's loop ('' where it need not)."""
     config = mlp.config
     if mlp.num_local_experts == 1:
         return "one local expert (Megatron's forward reads nothing back)"
-    if calibrating:
-        return "calibrating: each expert collects statistics from its own tokens"
     if fc1s is None or fc2s is None:
         return "experts' linears are not Megatron's local parallel linears"
+    hooked = _hooked(mlp)
+    if hooked:
+        return f"{hooked}: forward hooks would not see the experts' calls"
     if any(type(e).forward is not MLP.forward for e in mlp.local_experts):
         return "experts are not Megatron's MLP"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None) or getattr(config, "moe_apply_probs_on_input", False):
@@ -71,15 +72,26 @@ def grouped_refusal(mlp: nn.Module, fc1s: Optional[list], fc2s: Optional[list], 
     return ""
 
 
+def _hooked(mlp: nn.Module) -> str:
+    """The name of a module under ``mlp``'s experts with forward (pre-)hooks, or of the global ones ('' if none)."""
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return "global module"
+    for m in mlp.local_experts.modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return next(f"local_experts.{n}" for n, sub in mlp.local_experts.named_modules() if sub is m)
+    return ""
+
+
 class _Experts:
     """What Megatron's ``MLP.forward`` reads of ``self``, for all local experts at once: expert 0's config
     and activation, and linears that are the grouped GEMMs over the rows of every expert."""
 
-    def __init__(self, mlp: nn.Module, fc1s: list, fc2s: list, offs: torch.Tensor, expert: torch.Tensor, probs: torch.Tensor):
+    def __init__(self, mlp: nn.Module, fc1s: list, fc2s: list, counts: torch.Tensor, probs: torch.Tensor, rows: int):
         self._first = mlp.local_experts[0]
         self.config = self._first.config
         self.activation_func = self._first.activation_func
-        self._mlp, self._offs, self._expert, self._probs = mlp, offs, expert, probs
+        self._offs, self._expert = group_rows(counts, rows)
+        self._mlp, self._counts, self._probs = mlp, counts, probs
         self._fc1s, self._fc2s = fc1s, fc2s
 
     def __getattr__(self, name: str):  # anything else MLP.forward reads (other releases): expert 0's
@@ -96,7 +108,7 @@ class _Experts:
         return out, None
 
     def _linear(self, key: str, linears: list, x: torch.Tensor) -> torch.Tensor:
-        x = quantize_rows([lin.input_quantizer for lin in linears], x, self._expert)
+        x = quantize_rows([lin.input_quantizer for lin in linears], x, self._expert, self._counts)
         params = tuple(lin.weight for lin in linears)
         w = stacked_fake_quant(self._mlp, ("stacked", key), [lin.weight_quantizer for lin in linears], params,
                                lambda: torch.stack(params), lambda e: linears[e].quantize_weight(params[e]))
@@ -115,8 +127,9 @@ def grouped_forward(mlp: nn.Module, fc1s: list, fc2s: list, x: torch.Tensor, tok
                     probs: torch.Tensor) -> tuple[torch.Tensor, None]:
     """SequentialMLP's ``(output, None)`` for ``x`` (rows sorted by local expert, ``tokens_per_expert`` rows
     each) through every expert's grouped GEMMs (after :func:`grouped_refusal` said it can)."""
-    offs, expert = group_rows(tokens_per_expert.to(x.device), x.shape[0])
-    output, _ = MLP.forward(_Experts(mlp, fc1s, fc2s, offs, expert, probs), x, probs)
+    # Megatron's allgather dispatcher hands the counts on the host: copied without waiting for the stream
+    counts = tokens_per_expert.to(x.device, non_blocking=True)
+    output, _ = MLP.forward(_Experts(mlp, fc1s, fc2s, counts, probs, x.shape[0]), x, probs)
     return output, None
 
 

@@ -83,7 +83,7 @@ def _grouped_case(rank: int, world: int, preset: str, model: str) -> dict:
     net = _quantized(preset, model)
     experts = _experts(net)
     x, counts, probs = _inputs(experts, [3, 0, 5, 4], seed=1)  # expert 1 gets no token
-    res: dict = {"refusal": qm.grouped_refusal(experts, *experts._local_linears(), x, probs, False)}
+    res: dict = {"refusal": qm.grouped_refusal(experts, *experts._local_linears(), x, probs)}
     experts.train()
     with HostReads() as reads:
         out, _ = experts(x.clone().requires_grad_(), counts, probs.clone().requires_grad_())
@@ -146,9 +146,9 @@ def _bias_case(rank: int, world: int, model: str) -> dict:
             out = experts(x, counts, probs)[0]
         # (under autograd Megatron 0.16's loop itself fails on an expert's fc2 bias: an in-place add on a view)
         res = {"reads": reads.seen, "equal": torch.equal(out, _megatron_loop(experts, x, counts, probs)[0])}
-        res["eval_refusal"] = qm.grouped_refusal(experts, *experts._local_linears(), x, probs, False)
+        res["eval_refusal"] = qm.grouped_refusal(experts, *experts._local_linears(), x, probs)
     with torch.enable_grad():
-        res["train_refusal"] = qm.grouped_refusal(experts, *experts._local_linears(), x, probs, False)
+        res["train_refusal"] = qm.grouped_refusal(experts, *experts._local_linears(), x, probs)
     return res
 
 
@@ -213,25 +213,93 @@ def _fallback_case(rank: int, world: int) -> dict:
     experts = _experts(net)
     x, counts, probs = _inputs(experts, [1, 2, 3, 4], seed=3)
     fc1s, fc2s = experts._local_linears()
-    out = {"calibrating": qm.grouped_refusal(experts, fc1s, fc2s, x, probs, True)}
+    handle = fc1s[1].register_forward_pre_hook(lambda *a: None)  # (AWQ / SmoothQuant record each linear's input so)
+    out = {"hook": qm.grouped_refusal(experts, fc1s, fc2s, x, probs)}
+    handle.remove()
     fc2s[1].output_quantizer.enable()
-    out["output"] = qm.grouped_refusal(experts, fc1s, fc2s, x, probs, False)
+    out["output"] = qm.grouped_refusal(experts, fc1s, fc2s, x, probs)
     fc2s[1].output_quantizer.disable()
     fc1s[2].input_quantizer.reset_amax()  # uncalibrated: its scale would come from the rows it sees together
-    out["uncalibrated"] = qm.grouped_refusal(experts, fc1s, fc2s, x, probs, False)
+    out["uncalibrated"] = qm.grouped_refusal(experts, fc1s, fc2s, x, probs)
     with torch.no_grad():
         out["equal"] = torch.equal(experts(x, counts, probs)[0], _megatron_loop(experts, x, counts, probs)[0])
-    out["double"] = qm.grouped_refusal(experts, fc1s, fc2s, x.double(), probs, False)
+    out["double"] = qm.grouped_refusal(experts, fc1s, fc2s, x.double(), probs)
     return out
 
 
 def test_what_the_grouped_path_cannot_reproduce_takes_megatrons_loop():
     (res,) = shims.run_distributed(_fallback_case, 1)
-    assert "calibrating" in res["calibrating"]
+    assert "local_experts.1.linear_fc1: forward hooks" in res["hook"]
     assert "output_quantizer" in res["output"]
     assert "local_experts.2.linear_fc1.input_quantizer" in res["uncalibrated"] and "no calibrated amax" in res["uncalibrated"]
     assert res["equal"]  # (through the loop)
     assert "aligned" in res["double"]
+
+
+def _input_amax_case(rank: int, world: int, preset: str, axis) -> dict:
+    """Max calibration of the experts' inputs through the grouped path and through Megatron's loop."""
+    experts = _experts(_quantized(preset, "plain"))
+    fc1s, fc2s = experts._local_linears()
+    inputs = [q for lin in fc1s + fc2s for q in (lin.input_quantizer,)]
+    batches = [_inputs(experts, counts, seed=10 + i) for i, counts in enumerate([[3, 0, 5, 4], [2, 0, 1, 6]])]
+    if axis is not None:
+        for q in inputs:
+            q.set_from_attribute_config(dataclasses.replace(q.attrs, axis=axis))
+    found, reads = [], []
+    for forward in (type(experts).forward, _megatron_loop):
+        for q in inputs:
+            q.reset_amax()
+            q.enable_calib()
+            q.disable_quant()
+        with torch.no_grad(), HostReads() as seen:
+            for x, counts, probs in batches:
+                forward(experts, x, counts, probs)
+        reads.append(seen.seen)
+        for q in inputs:
+            q.disable_calib()
+            q.enable_quant()
+            q.load_calib_amax()
+        found.append([None if q.amax is None else q.amax.clone() for q in inputs])
+    return {"found": found, "reads": reads, "enabled": all(q.is_enabled for q in inputs)}
+
+
+@pytest.mark.parametrize("preset,axis", [("fp8", None), ("nvfp4", None), ("fp8", (-1,))], ids=["fp8", "nvfp4", "fp8-per-channel"])
+def test_calibration_collects_each_experts_amax_on_the_device(preset, axis):
+    """Each expert's input amax from its own rows, reduced per expert on the device (no host read): the
+    loop's amax bit for bit; an expert that no token reaches keeps no amax, as in the loop."""
+    (res,) = shims.run_distributed(_input_amax_case, 1, preset, axis)
+    assert res["enabled"]
+    grouped, looped = res["found"]
+    assert [a is None for a in grouped] == [a is None for a in looped] == [False, True, False, False] * 2
+    assert all(a is None or torch.equal(a, b) for a, b in zip(grouped, looped))
+    assert res["reads"][0] == [] and res["reads"][1]  # (the loop reads its counts back)
+
+
+def _calibration_case(rank: int, world: int) -> dict:
+    from quantlib.plugins import megatron as qm
+
+    real, out = qm.grouped_refusal, {}
+    for mode in ("grouped", "loop"):
+        if mode == "loop":
+            qm.grouped_refusal = lambda *a: "forced: Megatron's loop"
+        try:
+            with HostReads() as reads:
+                net = _quantized("fp8", "plain")
+        finally:
+            qm.grouped_refusal = real
+        amax = {n: b.clone() for n, b in net.named_buffers() if n.endswith("_amax")}
+        tokens = {n: m.tokens_per_expert.clone() for n, m in net.named_modules() if hasattr(m, "tokens_per_expert")}
+        out[mode] = (amax, tokens, [r for r in reads.seen if "experts.py" in r or "quantlib" in r])
+    return out
+
+
+def test_calibrating_a_quantized_moe_gpt_through_the_grouped_path_gives_the_loops_amax():
+    (res,) = shims.run_distributed(_calibration_case, 1)
+    (ga, gt, greads), (la, lt, lreads) = res["grouped"], res["loop"]
+    assert sorted(ga) == sorted(la) and all(torch.equal(ga[n], la[n]) for n in ga)
+    assert sorted(gt) == sorted(lt) and all(torch.equal(gt[n], lt[n]) for n in gt) and sum(int(t.sum()) for t in gt.values()) > 0
+    # the loop reads each forward's counts; the grouped path none (what is left: the end-of-calibration report)
+    assert len(lreads) > len(greads) and all("experts.py" not in r for r in greads), greads
 
 
 def _compile_case(rank: int, world: int, preset: str) -> list[bool]:
