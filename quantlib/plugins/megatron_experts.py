@@ -12,11 +12,13 @@ config (swiglu, geglu, clamps, fused bias kernels) is Megatron's; only the fc2 b
 times the probabilities, is added here with its formula. Bit for bit Megatron's loop of the quantized
 experts, forward and backward; no host read, so ``torch.compile(fullgraph=True)`` takes it whole.
 
-Where it cannot give the loop's bits, the layer runs Megatron's forward (:func:`grouped_refusal` says
-why): while calibrating (each expert's statistics from its own tokens), an enabled output quantizer,
-input quantizers that differ or depend on which rows they see together, trainable expert biases (their
-gradients would be summed in another order), one local expert (Megatron reads nothing back then),
-Transformer Engine's FP8 padding, probabilities applied on the input, unaligned GEMM sizes.
+While max calibration collects, each expert's input statistics come from its own rows, reduced per expert
+on the device (:mod:`.expert_inputs`). Where the grouped path cannot give the loop's bits, the layer runs
+Megatron's forward (:func:`grouped_refusal` says why): forward hooks on the experts (AWQ / SmoothQuant
+record each linear's input so), an enabled output quantizer, input quantizers that differ, depend on which
+rows they see together or collect other statistics than a max, trainable expert biases (their gradients
+would be summed in another order), one local expert (Megatron reads nothing back then), Transformer
+Engine's FP8 padding, probabilities applied on the input, unaligned GEMM sizes.
 """
 
 from __future__ import annotations
