@@ -14,7 +14,6 @@ Timed, median of ``--reps``: forward without grad (the weight cache) and forward
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import quantlib as ql  # noqa: E402
-from benchmarks.bench_moe import PRESETS, SHAPES, SMALL_SHAPES, timed  # noqa: E402
+from benchmarks.bench_moe import PRESETS, SHAPES, SMALL_SHAPES, layer_args, timed  # noqa: E402
 
 
 def setup(device: str) -> None:
@@ -91,14 +90,7 @@ def measure(layer: torch.nn.Module, inputs: tuple, device: str, reps: int) -> di
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--small", action="store_true", help="CPU-sized layers (16 and 32 experts, hidden 256), fp32")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per forward (default 4096; --small: 128)")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; --small: 5)")
-    p.add_argument("--json", default=None, help="write the rows here")
+    p = layer_args(__doc__)
     args = p.parse_args()
     dtype = torch.float32 if args.small else torch.bfloat16
     tokens, reps = args.tokens or (128 if args.small else 4096), args.reps or (5 if args.small else 20)
@@ -109,8 +101,8 @@ def main() -> None:
     for shape in SMALL_SHAPES if args.small else SHAPES:
         inputs = routed_rows(shape[0], shape[1], tokens, args.top_k, dtype, args.device)
         base = measure(build_layer(*shape, args.top_k, dtype, args.device), inputs, args.device, reps)
-        print(f"E={shape[0]} H={shape[1]} I={shape[2]} top-{args.top_k} tokens={tokens} {dtype} {args.device}: unquantized (Megatron's loop) "
-              f"fwd {base['fwd'] * 1e3:.2f} ms, fwd+bwd {base['fwd_bwd'] * 1e3:.2f} ms")
+        print(f"E={shape[0]} H={shape[1]} I={shape[2]} top-{args.top_k} tokens={tokens} {dtype} {args.device}: unquantized "
+              f"(Megatron's loop) fwd {base['fwd'] * 1e3:.2f} ms, fwd+bwd {base['fwd_bwd'] * 1e3:.2f} ms")
         for preset in args.presets:
             name, _, weight_only = PRESETS[preset]
             layer = ql.quantize(build_layer(*shape, args.top_k, dtype, args.device), ql.PRESETS[name], lambda m: m(*inputs))
@@ -125,12 +117,13 @@ def main() -> None:
                    "quantized_loop": looped}  # fmt: skip
             rows.append(row)
             print(f"  {preset}: quantlib fwd {grouped['fwd'] * 1e3:.2f} ms ({grouped['fwd'] / base['fwd']:.2f}x), fwd+bwd "
-                  f"{grouped['fwd_bwd'] * 1e3:.2f} ms ({grouped['fwd_bwd'] / base['fwd_bwd']:.2f}x); Megatron's loop of the quantized experts "
-                  f"{looped['fwd'] * 1e3:.2f} / {looped['fwd_bwd'] * 1e3:.2f} ms")
+                  f"{grouped['fwd_bwd'] * 1e3:.2f} ms ({grouped['fwd_bwd'] / base['fwd_bwd']:.2f}x); Megatron's loop of the quantized "
+                  f"experts {looped['fwd'] * 1e3:.2f} / {looped['fwd_bwd'] * 1e3:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
-    print("\n| E | H | I | preset | unquantized fwd / fwd+bwd ms | quantlib fwd / fwd+bwd ms | vs unquantized | quantized loop fwd / fwd+bwd ms |")
+    print("\n| E | H | I | preset | unquantized fwd / fwd+bwd ms | quantlib fwd / fwd+bwd ms | vs unquantized "
+          "| quantized loop fwd / fwd+bwd ms |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         b, q, lo = r["unquantized"], r["quantlib"], r["quantized_loop"]
