@@ -105,7 +105,7 @@ def main() -> None:
               f"(Megatron's loop) fwd {base['fwd'] * 1e3:.2f} ms, fwd+bwd {base['fwd_bwd'] * 1e3:.2f} ms")
         for preset in args.presets:
             name, _, weight_only = PRESETS[preset]
-            layer = ql.quantize(build_layer(*shape, args.top_k, dtype, args.device), ql.PRESETS[name], lambda m: m(*inputs))
+            layer = ql.quantize(build_layer(*shape, args.top_k, dtype, args.device), ql.PRESETS[name], lambda m, i=inputs: m(*i))
             grouped = measure(layer, inputs, args.device, reps)
             qm.grouped_refusal = lambda *a: "benchmark: Megatron's loop"
             try:

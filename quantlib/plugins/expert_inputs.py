@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..nn.max_collector import MaxCalibrator
+from ..nn.quant_module import _quantizer_token
 from ..nn.tensor_quantizer import TensorQuantizer, _raise_named
 
 
@@ -69,26 +70,42 @@ def _row_amax_shape(q: TensorQuantizer, width: int) -> Optional[tuple[int, int]]
     return shape if len(shape) == 2 and shape[0] == 1 else None
 
 
-def quantize_rows(members: list, x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def quantize_rows(members: list, x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, cache: Optional[dict] = None) -> torch.Tensor:
     """Row r of ``x`` (rows, in) fake-quantized by ``members[expert[r]]`` in one call, each member collecting
-    from its own rows while calibrating (after :func:`rows_refusal` said it can); ``counts``: rows per member."""
+    from its own rows while calibrating (after :func:`rows_refusal` said it can); ``counts``: rows per member;
+    ``cache``: where the members' stacked scales are kept while their states do not change."""
     first = members[0]
-    if first.pre_quant_scale is not None:  # each row times its expert's scale, as TensorQuantizer.pre_scale
-        x = x * torch.stack([m.pre_quant_scale for m in members])[expert].to(x.dtype)
+    pqs, amax = _stacked(members, x.shape[-1], cache)
+    if pqs is not None:  # each row times its expert's scale, as TensorQuantizer.pre_scale
+        x = x * pqs[expert].to(x.dtype)
     if first._disabled or x.numel() == 0:
         return x
     if first._if_calib and first.needs_calibration:
         _collect_rows(members, x, expert, counts)
     if not first._if_quant:
         return x
-    amax = None
-    if first.spec.calibrated_amax:
-        shape = _row_amax_shape(first, x.shape[-1])
-        amax = torch.stack([m.amax.reshape(shape) for m in members])[expert].reshape(x.shape[0], -1)
     try:
-        return first._fake_quant(x, amax, None)
+        return first._fake_quant(x, None if amax is None else amax[expert].reshape(x.shape[0], -1), None)
     except Exception as exc:
         _raise_named(exc, first._qname)
+
+
+def _stacked(members: list, width: int, cache: Optional[dict]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(members' pre_quant_scale (E, in), their static amax (E, 1, 1 or in)), None where they have none."""
+    token = None if cache is None or torch.compiler.is_compiling() else _quantizer_token(members)
+    if token is not None:
+        hit = cache.get("rows")
+        if hit is not None and hit[0] == token and hit[1] == width:
+            return hit[2]
+    first = members[0]
+    pqs = None if first.pre_quant_scale is None else torch.stack([m.pre_quant_scale for m in members])
+    amax = None
+    if not first._disabled and first._if_quant and first.spec.calibrated_amax:
+        shape = _row_amax_shape(first, width)
+        amax = torch.stack([m.amax.reshape(shape) for m in members])
+    if token is not None:
+        cache["rows"] = (token, width, (pqs, amax))
+    return pqs, amax
 
 
 def _collect_rows(members: list, x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor) -> None:

@@ -60,6 +60,19 @@ def _inputs(experts, counts: list[int], seed: int):
     return x, torch.tensor(counts), torch.rand(rows, generator=g)
 
 
+def _refusal(experts, x, probs) -> str:
+    from quantlib.plugins import megatron as qm
+
+    return qm.grouped_refusal(experts, qm.structure(experts, qm._local), x, probs)
+
+
+def _linears(experts) -> tuple[list, list]:
+    from quantlib.plugins import megatron as qm
+
+    st = qm.structure(experts, qm._local)
+    return st.fc1s, st.fc2s
+
+
 def _megatron_loop(experts, x, counts, probs):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -78,12 +91,11 @@ def _fwd_bwd(forward, experts, x, counts, probs):
 
 def _grouped_case(rank: int, world: int, preset: str, model: str) -> dict:
     from quantlib.kernels import ops
-    from quantlib.plugins import megatron as qm
 
     net = _quantized(preset, model)
     experts = _experts(net)
     x, counts, probs = _inputs(experts, [3, 0, 5, 4], seed=1)  # expert 1 gets no token
-    res: dict = {"refusal": qm.grouped_refusal(experts, *experts._local_linears(), x, probs)}
+    res: dict = {"refusal": _refusal(experts, x, probs)}
     experts.train()
     with HostReads() as reads:
         out, _ = experts(x.clone().requires_grad_(), counts, probs.clone().requires_grad_())
@@ -136,7 +148,6 @@ def test_swiglu_experts_equal_megatrons_loop(model):
 
 
 def _bias_case(rank: int, world: int, model: str) -> dict:
-    from quantlib.plugins import megatron as qm
 
     net = _quantized("fp8", model)
     experts = _experts(net)
@@ -146,9 +157,9 @@ def _bias_case(rank: int, world: int, model: str) -> dict:
             out = experts(x, counts, probs)[0]
         # (under autograd Megatron 0.16's loop itself fails on an expert's fc2 bias: an in-place add on a view)
         res = {"reads": reads.seen, "equal": torch.equal(out, _megatron_loop(experts, x, counts, probs)[0])}
-        res["eval_refusal"] = qm.grouped_refusal(experts, *experts._local_linears(), x, probs)
+        res["eval_refusal"] = _refusal(experts, x, probs)
     with torch.enable_grad():
-        res["train_refusal"] = qm.grouped_refusal(experts, *experts._local_linears(), x, probs)
+        res["train_refusal"] = _refusal(experts, x, probs)
     return res
 
 
@@ -207,23 +218,22 @@ def test_quantized_moe_gpt_training_step_equals_megatrons_loop(preset):
 
 
 def _fallback_case(rank: int, world: int) -> dict:
-    from quantlib.plugins import megatron as qm
 
     net = _quantized("fp8", "plain")
     experts = _experts(net)
     x, counts, probs = _inputs(experts, [1, 2, 3, 4], seed=3)
-    fc1s, fc2s = experts._local_linears()
+    fc1s, fc2s = _linears(experts)
     handle = fc1s[1].register_forward_pre_hook(lambda *a: None)  # (AWQ / SmoothQuant record each linear's input so)
-    out = {"hook": qm.grouped_refusal(experts, fc1s, fc2s, x, probs)}
+    out = {"hook": _refusal(experts, x, probs)}
     handle.remove()
     fc2s[1].output_quantizer.enable()
-    out["output"] = qm.grouped_refusal(experts, fc1s, fc2s, x, probs)
+    out["output"] = _refusal(experts, x, probs)
     fc2s[1].output_quantizer.disable()
     fc1s[2].input_quantizer.reset_amax()  # uncalibrated: its scale would come from the rows it sees together
-    out["uncalibrated"] = qm.grouped_refusal(experts, fc1s, fc2s, x, probs)
+    out["uncalibrated"] = _refusal(experts, x, probs)
     with torch.no_grad():
         out["equal"] = torch.equal(experts(x, counts, probs)[0], _megatron_loop(experts, x, counts, probs)[0])
-    out["double"] = qm.grouped_refusal(experts, fc1s, fc2s, x.double(), probs)
+    out["double"] = _refusal(experts, x.double(), probs)
     return out
 
 
@@ -239,7 +249,7 @@ def test_what_the_grouped_path_cannot_reproduce_takes_megatrons_loop():
 def _input_amax_case(rank: int, world: int, preset: str, axis) -> dict:
     """Max calibration of the experts' inputs through the grouped path and through Megatron's loop."""
     experts = _experts(_quantized(preset, "plain"))
-    fc1s, fc2s = experts._local_linears()
+    fc1s, fc2s = _linears(experts)
     inputs = [q for lin in fc1s + fc2s for q in (lin.input_quantizer,)]
     batches = [_inputs(experts, counts, seed=10 + i) for i, counts in enumerate([[3, 0, 5, 4], [2, 0, 1, 6]])]
     if axis is not None:
