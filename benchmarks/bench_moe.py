@@ -137,18 +137,24 @@ def modelopt_child(args) -> None:
     print("MODELOPT " + json.dumps(measure(layer, x, args.device, args.reps)))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def layer_args(doc: str) -> argparse.ArgumentParser:
+    """The options every MoE-layer benchmark takes (device, sizes, presets, repetitions, JSON output)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="CPU-sized layers (16 and 32 experts, hidden 256), fp32")
     p.add_argument("--tokens", type=int, default=None, help="tokens per forward (default 4096; --small: 128)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; --small: 5)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    return p
+
+
+def main() -> None:
+    p = layer_args(__doc__)
     p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation "
                                                                                                    "of the unquantized layer")
     p.add_argument("--no-modelopt", action="store_true")
-    p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("shape", nargs="?", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

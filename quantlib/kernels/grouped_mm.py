@@ -25,7 +25,7 @@ def _(x, w, offs):
 
 @torch.library.custom_op("quantlib::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward(
-    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, need_x: bool, need_w: bool
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, need_x: bool, need_w: bool, w_rows: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad = grad.contiguous()
     # rows past offs[-1] (expert-parallel sentinels) belong to no group: their input gradient is zero
@@ -34,15 +34,20 @@ def _grouped_mm_backward(
         gx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
         inside = torch.arange(gx.shape[0], device=gx.device) < offs[-1:]  # the kernel leaves other rows unset
         gx = torch.where(inside.unsqueeze(-1), gx, 0)
-    gw = torch._grouped_mm(x.transpose(0, 1), grad, offs=offs) if need_w else grad.new_zeros(0)
+    gw = grad.new_zeros(0)
+    if need_w:
+        # w_rows: w is the transposed view of (groups, out, in) weights: their gradient in that layout,
+        # grad^T @ x per group (Linear's own formula), so that it needs no transposing copy downstream
+        gw = torch._grouped_mm(grad.transpose(0, 1), x, offs=offs) if w_rows else torch._grouped_mm(x.transpose(0, 1), grad, offs=offs)
     return gx, gw
 
 
 @_grouped_mm_backward.register_fake
-def _(grad, x, w, offs, need_x, need_w):
+def _(grad, x, w, offs, need_x, need_w, w_rows):
     gx = grad.new_empty(x.shape) if need_x else grad.new_empty(0)
-    gw = grad.new_empty(w.shape[0], w.shape[1], w.shape[2]) if need_w else grad.new_empty(0)
-    return gx, gw
+    if not need_w:
+        return gx, grad.new_empty(0)
+    return gx, grad.new_empty(w.shape[0], w.shape[2], w.shape[1]) if w_rows else grad.new_empty(w.shape[0], w.shape[1], w.shape[2])
 
 
 def _setup_context(ctx, inputs, output):
@@ -53,7 +58,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    gx, gw = _grouped_mm_backward(grad, x, w, offs, need_x, need_w)
+    w_rows = w.dim() == 3 and not w.is_contiguous() and w.transpose(-2, -1).is_contiguous()
+    gx, gw = _grouped_mm_backward(grad, x, w, offs, need_x, need_w, w_rows)
+    if need_w and w_rows:
+        gw = gw.transpose(-2, -1)
     return (gx if need_x else None), (gw.to(w.dtype) if need_w else None), None
 
 

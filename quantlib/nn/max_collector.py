@@ -69,17 +69,26 @@ class MaxCalibrator:
     def __init__(self) -> None:
         self._amax: Optional[torch.Tensor] = None
         self.num_batches = 0
+        self._maybe_empty = False
 
-    def collect(self, amax: torch.Tensor) -> None:
+    def collect(self, amax: torch.Tensor, maybe_empty: bool = False) -> None:
+        """Add one batch's amax. ``maybe_empty``: the batch may have held no values, marked by an amax of
+        -inf (which no |x| gives): for a collector fed on the device, e.g. per expert from rows sorted
+        by expert, which cannot skip an expert without reading its count back to the host."""
         if self._amax is not None and self._amax.shape != amax.shape:
             raise ValueError(f"calibration saw amax of shape {tuple(amax.shape)} after {tuple(self._amax.shape)}: inputs of a static "
                              "per-channel/block quantizer must keep their shape")
         self._amax = amax if self._amax is None else torch.maximum(self._amax, amax)
         self.num_batches += 1
+        self._maybe_empty = self._maybe_empty or maybe_empty
 
     def compute_amax(self) -> Optional[torch.Tensor]:
+        """The max so far; None before any value (a maybe-empty collector's -inf: read back here, once)."""
+        if self._maybe_empty and self._amax is not None and bool(torch.isneginf(self._amax).all()):
+            return None
         return self._amax
 
     def reset(self) -> None:
         self._amax = None
+        self._maybe_empty = False
         self.num_batches = 0

@@ -62,4 +62,13 @@ def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-__all__ = ["Dispatch", "combine", "dispatch"]
+def group_rows(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 end row of each group, group of each of ``rows`` rows) of rows already sorted by group,
+    ``counts`` rows per group (on any device: the result is on the device it is on). Rows past the
+    last group are given to it."""
+    offs = torch.cumsum(counts.to(torch.int64), 0).to(torch.int32)
+    group = torch.searchsorted(offs, torch.arange(rows, dtype=torch.int32, device=offs.device), right=True)
+    return offs, group.clamp_(max=counts.shape[0] - 1)
+
+
+__all__ = ["Dispatch", "combine", "dispatch", "group_rows"]

@@ -13,7 +13,7 @@ torch.compile the result is cached until the parameter or a member's state chang
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 from torch import nn
@@ -27,40 +27,50 @@ def quantize_stacked(module: nn.Module, name: str, param: torch.Tensor, transpos
     """The (E, out, in) fake-quantized weights of ``param`` ((E, out, in), or (E, in, out) if ``transposed``)
     by the members of grouped quantizer ``name`` of ``module`` (a view of ``param`` where all are disabled)."""
     weights = param.transpose(1, 2) if transposed else param
-    group = module._modules[name]
-    members = list(group._modules.values())
+    members = list(module._modules[name]._modules.values())
+    return stacked_fake_quant(module, ("stacked", name), members, (param,), lambda: weights,
+                              lambda e: module.quantize_weight(weights[e], name, e), transposed)
+
+
+def stacked_fake_quant(owner: nn.Module, key: Hashable, members: list, params: tuple[torch.Tensor, ...],
+                       stack: Callable[[], torch.Tensor], per_member: Callable[[int], torch.Tensor],
+                       extra: Hashable = None) -> torch.Tensor:
+    """Member e of ``members`` fake-quantizes slice e of ``stack()`` (the (E, out, in) weights made from
+    ``params``): one call where the members agree, else ``per_member(e)`` stacked. Cached in
+    ``owner``'s weight cache under ``key`` until a parameter, a member or ``extra`` changes."""
     leaves = members  # hasattr(m, "leaves") on a TensorQuantizer costs a formatted AttributeError: only for containers
     if any(type(m) is not TensorQuantizer for m in members):
         leaves = [leaf for m in members for leaf in (m.leaves() if hasattr(m, "leaves") else (m,))]
     if all(leaf._disabled for leaf in leaves):
-        return weights
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and param.requires_grad):
-        return _quantize(module, name, members, weights)
+        return stack()
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        return _quantize(members, stack, per_member)
     token = _quantizer_token(leaves)
-    if token is None or param.is_inference():
-        return _quantize(module, name, members, weights)
-    key = (id(param), param.data_ptr(), param._version, param.dtype, param.device, transposed, token)
+    if token is None or any(p.is_inference() for p in params):
+        return _quantize(members, stack, per_member)
+    first = params[0]
+    cache_key = (tuple((id(p), p.data_ptr(), p._version) for p in params), first.dtype, first.device, extra, token)
     # in the module's weight cache, which copies and pickles leave behind (QuantModule.__getstate__)
-    cache = module.__dict__.setdefault("_weight_cache", {})
-    hit = cache.get(("stacked", name))
-    if hit is not None and hit[0] == key:
+    cache = owner.__dict__.setdefault("_weight_cache", {})
+    hit = cache.get(key)
+    if hit is not None and hit[0] == cache_key:
         return hit[1]
-    out = _quantize(module, name, members, weights)
-    # the entry keeps the parameter alive, whose id() is in its key (see QuantModule.quantize_weight)
-    cache[("stacked", name)] = (key, out, param)
+    out = _quantize(members, stack, per_member)
+    # the entry keeps the parameters alive, whose id() are in its key (see QuantModule.quantize_weight)
+    cache[key] = (cache_key, out, params)
     return out
 
 
-def _quantize(module: nn.Module, name: str, members: list, weights: torch.Tensor) -> torch.Tensor:
-    batched = _batched(members, weights)
+def _quantize(members: list, stack: Callable[[], torch.Tensor], per_member: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    batched = _batched(members, stack)
     if batched is not None:
         return batched
     # members that differ: each its own slice (the per-expert path, through the module's weight cache)
-    return torch.stack([module.quantize_weight(weights[e], name, e) for e in range(len(members))])
+    return torch.stack([per_member(e) for e in range(len(members))])
 
 
-def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
-    """All members' fake quant in one call, or None where they cannot share one (see the module doc)."""
+def _batched(members: list, stack: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+    """All members' fake quant of ``stack()`` in one call, or None where they cannot share one (see the module doc)."""
     first = members[0]
     if type(first) is not TensorQuantizer or first._disabled or first._if_calib or first._attrs.bias is not None:
         return None
@@ -76,7 +86,7 @@ def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
             return None
         if (m.pre_quant_scale is not None) != scales or (static and m.amax is None):
             return None
-    x = weights
+    x = weights = stack()  # (stacking separate parameters copies them: only once the call is sure)
     if scales:  # each expert's weight times its own per-input-channel scale, as TensorQuantizer.pre_scale
         pqs = torch.stack([m.pre_quant_scale for m in members])
         if pqs.dim() != 2 or pqs.shape[1] != weights.shape[-1]:
@@ -105,4 +115,4 @@ def _batched(members: list, weights: torch.Tensor) -> Optional[torch.Tensor]:
         _raise_named(exc, first._qname)
 
 
-__all__ = ["quantize_stacked"]
+__all__ = ["quantize_stacked", "stacked_fake_quant"]

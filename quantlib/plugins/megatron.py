@@ -70,6 +70,7 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from ..parallel_state import LayoutError, tp_shard_dim
 from ..traversal import leaves_of
 from .expert_tokens import accumulate
+from .megatron_experts import grouped_forward, grouped_refusal, structure
 from .megatron_state import (
     EXTRA_STATE_KEY,
     EXTRA_STATE_SCHEMA,
@@ -277,9 +278,10 @@ def _expert_parallel(module: nn.Module) -> tuple[int, int]:
 
 @QuantModuleRegistry.register(SequentialMLP, "megatron.SequentialMLP")
 class _QuantSequentialMLP(QuantModule):
-    """Quantizes nothing itself: tells its local experts' linears their global expert index and counts
+    """Quantizes nothing itself: tells its local experts' linears their global expert index, counts
     the tokens each local expert receives while calibrating (``tokens_per_expert``, as quantlib's TE
-    GroupedLinear does; :func:`expert_token_counts`)."""
+    GroupedLinear does; :func:`expert_token_counts`), and runs all its quantized experts at once with
+    grouped GEMMs and no host read (:mod:`.megatron_experts`; Megatron's loop where that cannot give its bits)."""
 
     quantizer_names: tuple[str, ...] = ()
     weight_quantizer_names: tuple[str, ...] = ()
@@ -307,15 +309,16 @@ class _QuantSequentialMLP(QuantModule):
     def weight_groups(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
         return iter(())
 
-    def _calibrating(self) -> tuple[bool, bool]:
+    def _calibrating(self, st=None) -> tuple[bool, bool]:
         """(a calibration forward loop runs, it has collected nothing yet)."""
-        leaves = [m for m in self.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+        leaves = [q for q in (st or structure(self, _local)).leaves if q.is_enabled]
         collecting = [q for q in leaves if q._if_calib]
         calibrating = bool(collecting) or any(not q._if_quant for q in leaves)
         return calibrating, bool(collecting) and all(q.num_calib_batches == 0 for q in collecting)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, *args, **kwargs):
-        calibrating, fresh = self._calibrating()
+        st = structure(self, _local)
+        calibrating, fresh = self._calibrating(st)
         if calibrating:
             # fresh: judged over all its experts' quantizers, since one expert may see no tokens for batches
             counts = accumulate(self, tokens_per_expert, fresh or not self._was_calibrating)
@@ -324,7 +327,16 @@ class _QuantSequentialMLP(QuantModule):
                 _log.debug("quantlib calibration: experts %d..%d received %s tokens", first, first + self.num_local_experts - 1,
                            counts.tolist())
         self._was_calibrating = calibrating
+        # Megatron's (hidden, tokens_per_expert, permuted_probs); releases with other arguments take its loop
+        probs = args[0] if len(args) == 1 and not kwargs else kwargs.get("permuted_probs") if not args and len(kwargs) == 1 else None
+        if probs is not None and not grouped_refusal(self, st, permuted_local_hidden_states, probs):
+            return grouped_forward(self, st, permuted_local_hidden_states, tokens_per_expert, probs)
         return super().forward(permuted_local_hidden_states, tokens_per_expert, *args, **kwargs)
+
+
+def _local(fc1s: list, fc2s: list) -> bool:
+    """Whether every expert's linears are quantized local parallel linears (what the grouped forward runs)."""
+    return all(isinstance(m, _QuantColumnParallelLinear) for m in fc1s) and all(isinstance(m, _QuantRowParallelLinear) for m in fc2s)
 
 
 def expert_token_counts(model: nn.Module) -> dict[str, dict[int, int]]:

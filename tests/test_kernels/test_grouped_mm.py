@@ -52,3 +52,41 @@ def test_offsets_must_be_int32_and_shapes_must_chain():
         grouped_mm(x, w.transpose(1, 2), torch.tensor(ENDS))
     with pytest.raises(ValueError, match=r"grouped_mm: expected x \(rows, in\)"):
         grouped_mm(x, w, torch.tensor(ENDS, dtype=torch.int32))
+
+
+def _matmul_loop(x, w_in_out):
+    out, start = torch.zeros(x.shape[0], w_in_out.shape[2]), 0
+    for e, end in enumerate(ENDS):
+        out[start:end] = x[start:end] @ w_in_out[e]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("layout", ["out-in", "in-out"])
+def test_weight_gradient_comes_in_the_weights_layout(layout):
+    """(groups, out, in) weights multiplied as a transposed view get their gradient as a view of (groups,
+    out, in) rows (grad^T @ x, Linear's formula: no transposing copy where it is accumulated or clipped);
+    (groups, in, out) weights (x @ W, GPT-OSS's layout) x^T @ grad as they are; both bit for bit the
+    per-group loop, eager and compiled."""
+    x, w = _data()
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    a0 = x.clone()
+    start = w if layout == "out-in" else w.transpose(1, 2).contiguous()
+    loop = _loop if layout == "out-in" else _matmul_loop
+    want = torch.func.grad(lambda b: loop(x, b)[:12].square().sum())(start)
+
+    def run(fn):
+        b = start.clone().requires_grad_()
+        operand = b.transpose(1, 2) if layout == "out-in" else b
+        seen = []
+        if operand is not b:
+            operand.register_hook(seen.append)
+        fn(a0, operand, offs)[:12].square().sum().backward()
+        return b.grad, seen
+
+    eager, seen = run(grouped_mm)
+    assert torch.equal(eager, want)
+    if layout == "out-in":
+        assert seen[0].transpose(1, 2).is_contiguous()
+    compiled, _ = run(torch.compile(grouped_mm, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(compiled, want)

@@ -457,3 +457,18 @@ def test_nvfp4_global_amax_per_expert(dtype, static_blocks):
         blocks = R.block_amax(x, (16,)) * 0.5 if static_blocks else None
         assert_same(T().fake_quant(x, spec, g, blocks), R.fake_quant(x, spec, g, blocks), f"fake {tuple(g.shape)}")
         assert_same_all(T().nvfp4_cast(x, g, 16, blocks), R.nvfp4_cast(x, g, 16, blocks), f"cast {tuple(g.shape)}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_amax_per_expert_of_stacked_weights_is_read_per_row(dtype, monkeypatch):
+    """FP8 with one amax per expert of an (E, out, in) stack ((E, 1, 1), which no 2-D view of the rows
+    expresses): the reference's bits, the amax spread per row, no int32 group index the size of the weights."""
+    x = edge_input((3, 5, 40), dtype, seed=17)
+    spec = FormatSpec(Kind.FP8, element=(4, 3))
+    amax = torch.tensor([0.5, 3.0, 100.0]).reshape(3, 1, 1)
+    seen, real = [], torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: seen.append(a) or real(*a, **k))
+    out = T().fake_quant(x, spec, amax)
+    monkeypatch.undo()
+    assert seen == []
+    assert_same(out, R.fake_quant(x, spec, amax), f"fp8 (E, 1, 1) {dtype}")

@@ -136,6 +136,7 @@ def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt:
         return
     a = amax.to(device=dev, dtype=torch.float32).contiguous()
     gid = dummy
+    nan_groups = fmt["KIND"] == 0  # the INT reference makes a group with a NaN element all NaN
     if a.numel() == 1:
         mode, sr, sc = 0, 0, 0
     else:
@@ -143,10 +144,14 @@ def _rowwise(x: torch.Tensor, out: torch.Tensor, amax: torch.Tensor | None, fmt:
         try:
             sr, sc = view.view(R, C).stride()
             mode = 1 if sc == 0 else 2 if sr == 0 else 3
-        except RuntimeError:  # a broadcast that no 2-D view of the amax expresses: index the groups
-            gid = torch.arange(a.numel(), dtype=torch.int32, device=dev).view(a.shape).expand(view.shape).reshape(R, C)
-            mode, sr, sc = 5, 0, 0
-    nan_groups = fmt["KIND"] == 0  # the INT reference makes a group with a NaN element all NaN
+        except RuntimeError:  # a broadcast that no 2-D view of the amax expresses
+            if not nan_groups and a.shape[-1] == 1:
+                # one value a row (e.g. (E, 1, 1) over stacked (E, out, in) weights): R values, not R x C group indices
+                a = view[..., :1].reshape(R, 1).contiguous()
+                mode, sr, sc = 1, 1, 0
+            else:  # index the groups
+                gid = torch.arange(a.numel(), dtype=torch.int32, device=dev).view(a.shape).expand(view.shape).reshape(R, C)
+                mode, sr, sc = 5, 0, 0
     flags = torch.zeros(a.numel() + 1, dtype=torch.int32, device=dev) if nan_groups else dummy
     gflag = flags[a.numel():] if nan_groups else dummy
     args = (xin, o, a, gid, flags, gflag, R, C, sr, sc)
