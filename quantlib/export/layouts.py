@@ -100,8 +100,10 @@ _EXPERT_SPLIT = {
     "up_proj": (("up_proj", "w3"),),
     "down_proj": (("down_proj", "w2"),),
 }
-#: vLLM's packed modules (``packed_modules_mapping``): qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj, w13
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+#: vLLM's packed modules (``packed_modules_mapping``): qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj, w13, and the Gated
+#: DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3.5)
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"),
+                  ("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
 #: leaves of transformers' decoders that consumers load alone (output projections, routers, fused already)
 STANDALONE = frozenset({
     "o_proj", "down_proj", "w2", "q_b_proj", "kv_b_proj", "q_proj", "gate", "router", "shared_expert_gate", "lm_head", "c_attn",
@@ -110,8 +112,9 @@ STANDALONE = frozenset({
 _DECODER = dict(
     siblings=FUSED_SIBLINGS,
     shards={"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1, "q_a_proj": 0, "kv_a_proj_with_mqa": 1, "w1": 0,
-            "w3": 1},
-    column=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "w1", "w3", "c_fc", "c_attn"}),
+            "w3": 1, "in_proj_z": 3, "in_proj_b": 0, "in_proj_a": 1},  # vLLM loads in_proj_qkv as shards (0, 1, 2) of in_proj_qkvz
+    column=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "w1", "w3", "c_fc", "c_attn",
+                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}),
     row=frozenset({"o_proj", "down_proj", "w2", "c_proj"}),
     expert_split=_EXPERT_SPLIT,
     standalone=STANDALONE,

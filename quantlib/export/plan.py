@@ -197,6 +197,10 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     for e in range(module.num_experts):
         for proj in module.projections:
             q = getattr(module, f"{proj}_weight_quantizer")[e]
+            where = f"{name}.{proj}_weight_quantizer[{e}]"
+            chain = _chain(q, where) if isinstance(q, SequentialQuantizer) and q.is_enabled else None
+            if chain is not None:  # W4A8: the item is the INT4 member's, the FP8 member (one per expert) packs beside it
+                q = q[0]
             w = expert_weight(module, proj, e)
             rows = w.shape[0]
             bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
@@ -210,15 +214,10 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                 get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
                 if isinstance(q, TensorQuantizer) and q.is_enabled:
                     amax = row_part(q.amax, q.spec, rows, r0, r1)
-                    items.append(Item(full, "expert", f"{name}.{proj}_weight_quantizer[{e}]", get, q.spec, amax, ispec, iamax, extras,
-                                      expert=e, shard=shard,
+                    items.append(Item(full, "expert", where, get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
                                       parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]),
-                                      rows=(r0, r1, rows),
-                                      fused=fused, input_where=f"{name}.{proj}_input_quantizer",
-                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1)))
-                elif isinstance(q, SequentialQuantizer) and q.is_enabled:
-                    raise ExportError(f"{name}.{proj}_weight_quantizer[{e}] = SequentialQuantizer: no export format carries chained weight "
-                                      "quantizers")
+                                      rows=(r0, r1, rows), fused=fused, input_where=f"{name}.{proj}_input_quantizer",
+                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1), chain=chain))
                 else:
                     items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
                                       leaf=leaf))

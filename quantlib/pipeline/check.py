@@ -149,11 +149,16 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
         warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
         from modelopt.torch.quantization import qtensor
 
-    if fmt == "modelopt_int4_awq":  # ModelOpt has no dequantizer for its pack_int4_in_uint8 layout: its two rows per byte
+    if fmt in ("modelopt_int4_awq", "modelopt_w4a8_awq"):  # no ModelOpt dequantizer for pack_int4_in_uint8: two rows per byte
         packed = t["weight"]
         codes = torch.stack([packed & 0x0F, packed >> 4], 1).reshape(shape).to(torch.int8)
         codes = torch.where(codes > 7, codes - 16, codes)
-        return codes.float() * t["weight_scale"].repeat_interleave(shape[1] // t["weight_scale"].shape[1], dim=1)
+        int4 = codes.float() * t["weight_scale"].repeat_interleave(shape[1] // t["weight_scale"].shape[1], dim=1)
+        if fmt == "modelopt_int4_awq":
+            return int4
+        # W4A8: the INT4 stage in FP8 per tensor, as ModelOpt's FP8 qtensor makes it with weight_scale_2
+        fp8, _ = qtensor.FP8QTensor.quantize(int4, scales=t["weight_scale_2"])
+        return fp8.dequantize(dtype=torch.float32, scale=t["weight_scale_2"])
     if fmt == "modelopt_nvfp4":
         q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
         return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
@@ -192,14 +197,15 @@ def _dense_copy(
 
 
 def reload_export(
-    export_dir: str, fmt: str, shapes: dict[str, torch.Size], trust_remote_code: bool
+    export_dir: str, fmt: str, shapes: dict[str, torch.Size], trust_remote_code: bool, **load: object
 ) -> tuple[Optional[nn.Module], str, str]:
     """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
     (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
-    dense weights then loaded by transformers); None and the reason when the consumer is not installed."""
+    dense weights then loaded by transformers); None and the reason when the consumer is not installed.
+    ``load``: more ``from_pretrained`` arguments (e.g. ``experts_implementation``)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code, **NO_HUB_KERNELS)
+    kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code, **NO_HUB_KERNELS, **load)
     if fmt.startswith("hf_"):
         try:
             return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""
@@ -214,6 +220,8 @@ def reload_export(
             dequantize, consumer = functools.partial(modelopt_dequantize, fmt), "ModelOpt qtensor dequantize"
             if fmt == "modelopt_int4_awq":
                 consumer = "ModelOpt pack_int4_in_uint8 layout unpacked"
+            elif fmt == "modelopt_w4a8_awq":
+                consumer = "ModelOpt pack_int4_in_uint8 layout unpacked, then ModelOpt's FP8 qtensor"
     except ImportError as exc:
         return None, fmt, f"its consumer is not installed ({exc.name}; pip install quantlib[export])"
     tmp = tempfile.mkdtemp(prefix=".reload-", dir=os.path.dirname(os.path.abspath(export_dir)))

@@ -15,9 +15,10 @@ H, INTER, MOE_INTER, E = 256, 256, 128, 4
 
 
 def weight_only(preset: dict) -> dict:
-    """``preset`` with its weight quantizer only (consumers on the CPU dequantize weights, never activations)."""
+    """``preset`` with its input quantizers off (consumers on the CPU dequantize weights, never activations); its
+    other rules (routers, gates, convolutions and lm_head left unquantized) kept."""
     cfg = copy.deepcopy(preset)
-    cfg["quant_cfg"] = {"*weight_quantizer": cfg["quant_cfg"]["*weight_quantizer"], "default": {"enable": False}}
+    cfg["quant_cfg"] = {k: ({"enable": False} if k == "*input_quantizer" else v) for k, v in cfg["quant_cfg"].items()}
     return cfg
 
 

@@ -1,14 +1,18 @@
-"""Tiny transformers models of many families (hidden 64, 1 layer, 4 experts, random init, no downloads)."""
+"""Tiny transformers models of many families (hidden 128, 1 layer, 4 experts, random init, no downloads): every
+weight a whole number of 128x128 blocks, as FP8-block and INT4 (group 128) formats need."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-H, I, V, E = 64, 64, 128, 4  # noqa: E741  (I: the intermediate size, as in the model configs)
+H, I, V, E = 128, 128, 128, 4  # noqa: E741  (I: the intermediate size, as in the model configs)
 _COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-               head_dim=32, max_position_embeddings=64)
+               head_dim=128, max_position_embeddings=64)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=I)
+#: MLA (DeepSeek-V2/V3): q_a 128 rows, kv_a 128 + 128 (rope), kv_b's input 128: 128x128 blocks
+_MLA = dict(num_key_value_heads=2, head_dim=128, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=128, qk_nope_head_dim=64,
+            v_head_dim=64)
 #: family -> (config class, model class, config kwargs); names as in ``transformers``
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -21,10 +25,34 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2, layer_types=["full_attention"])),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0,
-                                                                      n_group=1, topk_group=1,
-                                                                      head_dim=16, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-                                                                      qk_nope_head_dim=16, v_head_dim=32)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1,
+                                                                      first_k_dense_replace=0, topk_method="greedy")),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1,
+                                                                      first_k_dense_replace=0, n_group=1, topk_group=1)),
+    # hybrid: a Gated DeltaNet layer (linear_attn.in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, conv1d) and a gated attention layer
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(_MOE, num_experts=E, shared_expert_intermediate_size=I,
+                                                                          num_hidden_layers=2,
+                                                                          layer_types=["linear_attention", "full_attention"],
+                                                                          linear_key_head_dim=64, linear_value_head_dim=64,
+                                                                          linear_num_key_heads=2, linear_num_value_heads=2)),
+}  # fmt: skip
+
+
+#: fused groups (what vLLM loads as one GEMM): one attention's q/k/v, the MLP's gate/up, MLA's q_a / kv_a, shared experts,
+#: the Gated DeltaNet's in_proj_qkv / in_proj_z
+GROUPS = {
+    "attn": ("model.layers.0.self_attn.{}", ("q_proj", "k_proj", "v_proj")),
+    "attn1": ("model.layers.1.self_attn.{}", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("model.layers.0.mlp.{}", ("gate_proj", "up_proj")),
+    "mla": ("model.layers.0.self_attn.{}", ("q_a_proj", "kv_a_proj_with_mqa")),
+    "shared": ("model.layers.0.mlp.shared_experts.{}", ("gate_proj", "up_proj")),
+    "shared_expert": ("model.layers.0.mlp.shared_expert.{}", ("gate_proj", "up_proj")),
+    "gdn": ("model.layers.0.linear_attn.{}", ("in_proj_qkv", "in_proj_z")),
+}
+FAMILY_GROUPS = {
+    "llama": ("attn", "mlp"), "mistral": ("attn", "mlp"), "qwen2": ("attn", "mlp"), "qwen3": ("attn", "mlp"), "gemma": ("attn", "mlp"),
+    "qwen2_moe": ("attn", "shared_expert"), "qwen3_moe": ("attn",), "mixtral": ("attn",), "phimoe": ("attn",), "gpt_oss": ("attn",),
+    "deepseek_v2": ("mla", "shared"), "deepseek_v3": ("mla", "shared"), "qwen3_5_moe": ("gdn", "attn1", "shared_expert"),
 }  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint, iter_packed  # noqa: E402
+from quantlib.pipeline.check import modelopt_dequantize  # noqa: E402
 from tests.test_export._export_models import tokens  # noqa: E402
 from tests.test_export.test_fold import _calibrated  # noqa: E402
 
@@ -31,19 +32,6 @@ W4A8 = ql.W4A8_AWQ_BETA_CFG
 def models():
     # q/k/v and gate/up share their AWQ scale (it folds into the norms) and their FP8 amax, as ModelOpt's exporter makes them
     return {"llama": _calibrated("llama", W4A8), "qwen3": _calibrated("qwen3", W4A8)}
-
-
-def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Signed INT4 codes of ModelOpt's packing: output row 2i in the low nibble of byte row i, 2i+1 in the high one."""
-    codes = torch.stack([(packed & 0xF).to(torch.int8), (packed >> 4).to(torch.int8)], 1).reshape(-1, packed.shape[1])
-    return torch.where(codes > 7, codes - 16, codes)
-
-
-def _modelopt_weight(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    """ModelOpt's W4A8 weight from the files: the INT4 stage, then its FP8 qtensor with ``weight_scale_2``."""
-    int4 = _unpack_rows(t["weight"]).float() * t["weight_scale"].repeat_interleave(group, dim=1)
-    fp8, _ = qtensor.FP8QTensor.quantize(int4, scales=t["weight_scale_2"])
-    return fp8.dequantize(dtype=torch.float32, scale=t["weight_scale_2"])
 
 
 def _modules(sd: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -76,7 +64,8 @@ def test_w4a8_awq_tensors_are_modelopts(models, tmp_path, family):
             "weight_scale_2": ((), torch.float32), "input_scale": ((), torch.float32)}  # fmt: skip
         int4 = lin.weight_quantizer[0](lin.weight.detach())  # the chain's first member, its pre_quant_scale included
         assert torch.equal(pack_int4_in_uint8(int4, t["weight_scale"], 128), t["weight"]), name  # ModelOpt's own packing
-        assert torch.equal(_modelopt_weight(t, 128), lin.quantize_weight(lin.weight).detach()), name  # the evaluated weight, bit for bit
+        # ModelOpt's weight (the INT4 stage, then its FP8 qtensor with weight_scale_2) is the evaluated weight, bit for bit
+        assert torch.equal(modelopt_dequantize("modelopt_w4a8_awq", t, lin.weight.shape), lin.quantize_weight(lin.weight).detach()), name
         carried += "pre_quant_scale" in t
     # q/k/v and gate/up scales fold into the norms; o_proj's (query heads of a GQA group disagree) and down_proj's (up_proj's
     # rows cannot take it through the chain's FP8 scale) are carried
@@ -98,7 +87,7 @@ def test_w4a8_awq_consumer_logits_equal_fake_quant(models, tmp_path, family):
     dense, hooks = {}, {}
     for mod, t in mods.items():
         if "weight_scale_2" in t:
-            dense[f"{mod}.weight"] = _modelopt_weight(t, 128)
+            dense[f"{mod}.weight"] = modelopt_dequantize("modelopt_w4a8_awq", t, consumer.get_submodule(mod).weight.shape)
             hooks[mod] = (t.get("pre_quant_scale"), t["input_scale"])
         else:
             dense.update({f"{mod}.{k}": v for k, v in t.items()})

@@ -10,15 +10,7 @@ from torch import nn
 
 import quantlib as ql
 from quantlib.presets import preset
-from tests.test_export._export_models import INTER, MOE_INTER, E, H, llama, qwen3_moe, scale_experts
-
-
-def weight_only(preset: dict) -> dict:
-    """``preset`` with its input quantizers off, its exclusions (routers, Qwen2-MoE's shared_expert_gate) kept."""
-    cfg = copy.deepcopy(preset)
-    cfg["quant_cfg"]["*input_quantizer"] = {"enable": False}
-    return cfg
-
+from tests.test_export._export_models import INTER, MOE_INTER, E, H, llama, qwen3_moe, scale_experts, weight_only
 
 #: W8A8 INT8 with dynamic per-token activations: the INT8 scheme vLLM's compressed-tensors MoE takes
 INT8_DYNAMIC = copy.deepcopy(ql.INT8_DEFAULT_CFG)

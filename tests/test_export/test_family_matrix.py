@@ -1,0 +1,187 @@
+"""Every family x every weight format: the export read back by the format's own consumer (transformers
+``from_pretrained`` for the HF formats; compressed-tensors' decompressors and ModelOpt's qtensors for theirs, their
+dense weights then loaded by transformers; for dense families also transformers' own compressed-tensors path) holds
+``weight_quantizer(weight)`` for every linear and every expert (bit for bit; compressed-tensors NVFP4 after bf16; INT
+within 1 ulp), under the names of the family's own ``save_pretrained``, with the fake-quantized model's logits
+(weight-only recipes, bit-exact formats); fused siblings carry one per-tensor / global scale. What a format cannot
+carry for a family is refused by name, and the rest of the model then exports. Each (family, recipe) is calibrated
+once. Needs transformers, accelerate, compressed-tensors and nvidia-modelopt (test extras)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("compressed_tensors")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
+    pytest.importorskip("modelopt.torch.quantization.qtensor")
+
+import quantlib as ql  # noqa: E402
+from quantlib.export import ExportError, export_checkpoint, share_sibling_amax  # noqa: E402
+from tests.test_export._consumers import (  # noqa: E402
+    RULES,
+    SHARED_SCALE,
+    consumer_model,
+    consumer_weight,
+    dense_keys,
+    exported_modules,
+    fake_weights,
+    mismatches,
+    quantized_names,
+    save_pretrained_shapes,
+)
+from tests.test_export._export_models import weight_only  # noqa: E402
+from tests.test_export._families import FAMILIES, FAMILY_GROUPS, GROUPS, build, gpt2, tokens  # noqa: E402
+
+_FP8_POW2 = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+_FP8_POW2["quant_cfg"]["*weight_quantizer"] = {**_FP8_POW2["quant_cfg"]["*weight_quantizer"], "pow2_scale": True}
+_W4A8_MAX = {**ql.W4A8_AWQ_BETA_CFG, "algorithm": "max"}  # AWQ's own export is tested in test_fold / test_modelopt_w4a8
+#: recipe -> (config, whether it quantizes activations); weight-only recipes keep the presets' rules (routers, gates off)
+RECIPES = {
+    "fp8_block": (weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG), False),
+    "fp8_block_pow2": (_FP8_POW2, False),
+    "mxfp8": (weight_only(ql.MXFP8_DEFAULT_CFG), False),
+    "mxfp4": (weight_only(ql.MXFP4_DEFAULT_CFG), False),
+    "nvfp4": (weight_only(ql.NVFP4_DEFAULT_CFG), False),
+    "int4": (ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, False),
+    "int8": (ql.INT8_WEIGHT_ONLY_CFG, False),
+    "fp8": (ql.FP8_DEFAULT_CFG, True),
+    "w4a8": (_W4A8_MAX, True),
+}
+#: format -> the recipe it carries
+FORMATS = {
+    "hf_fp8_block": "fp8_block", "hf_fp8_block_ue8m0": "fp8_block_pow2", "hf_mxfp8": "mxfp8", "ct_fp8_block": "fp8_block",
+    "ct_mxfp8": "mxfp8", "ct_mxfp4": "mxfp4", "ct_nvfp4": "nvfp4", "ct_int_pack": "int4", "ct_int8": "int8", "modelopt_fp8": "fp8",
+    "modelopt_fp8_pb": "fp8_block", "modelopt_nvfp4": "nvfp4", "modelopt_mxfp8": "mxfp8", "modelopt_int4_awq": "int4",
+    "modelopt_w4a8_awq": "w4a8",
+}  # fmt: skip
+#: row -> (family, tied lm_head)
+ROWS = {**{f: (f, False) for f in sorted(FAMILIES)}, "llama_tied": ("llama", True), "gemma_tied": ("gemma", True)}
+_MOE = {f for f, (_, _, extra) in FAMILIES.items() if {"num_experts", "num_local_experts", "n_routed_experts"} & set(extra)}
+_EXPERTS = "*mlp.experts*"  # routed experts only (DeepSeek's mlp.shared_experts are linears)
+
+
+def refusal(family: str, fmt: str) -> Optional[tuple[str, str]]:
+    """(what the export's error says, the quantizers to switch off for the rest to export) where ``fmt`` cannot carry
+    ``family``'s quantized weights by design (README's export section), else None."""
+    if family == "gpt_oss":  # interleaved 3-D experts: only openai_mxfp4 carries them quantized
+        return (r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer: transformers' gpt_oss checkpoint keeps "
+                r"model\.layers\.0\.mlp\.experts\.gate_up_proj as one 3-D tensor", _EXPERTS)  # fmt: skip
+    if family in _MOE and fmt == "modelopt_fp8_pb":  # vLLM's ModelOpt FP8 MoE loader takes per-tensor expert scales
+        return (r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[0\]: expert 0: format modelopt_fp8_pb cannot carry "
+                r"MoE experts", _EXPERTS)  # fmt: skip
+    return None
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    cache: dict = {}
+
+    def get(row: str, recipe: str):
+        if (row, recipe) not in cache:
+            family, tie = ROWS[row]
+            if (family, tie) not in cache:
+                cache[family, tie] = build(family, tie=tie)
+            model = copy.deepcopy(cache[family, tie])
+            cfg, acts = RECIPES[recipe]
+            ids = tokens(5)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # weight-only: max calibration reads the weights, no forward pass needed
+                ql.quantize(model, cfg, (lambda m: m(ids)) if acts else None)
+            share_sibling_amax(model)  # q/k/v, gate/up, q_a/kv_a, in_proj_qkv/z: one per-tensor / global amax
+            cache[row, recipe] = model, *_expected(model, acts)
+        return cache[row, recipe]
+
+    return get
+
+
+@torch.no_grad()
+def _expected(model, acts: bool) -> tuple[dict[str, torch.Tensor], Optional[torch.Tensor]]:
+    """(``weight_quantizer(weight)`` of every quantized linear and expert, the logits a consumer that dequantizes the
+    weights must give: the fake-quantized model's, for a weight-only recipe)."""
+    return fake_weights(model), None if acts else model(tokens()).logits
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache: dict = {}
+
+    def get(row: str) -> dict[str, torch.Size]:
+        if row not in cache:
+            family, tie = ROWS[row]
+            cache[row] = save_pretrained_shapes(build(family, tie=tie), tmp_path_factory.mktemp(f"ref-{row}"))
+        return cache[row]
+
+    return get
+
+
+def _sibling_groups(family: str, quantized: set[str]) -> list[list[str]]:
+    """Checkpoint names of the fused groups of ``family`` whose members are all quantized: q/k/v, gate/up, MLA's
+    q_a / kv_a, shared experts', the Gated DeltaNet's, and each routed expert's gate / up (w1 / w3)."""
+    groups = [[parent.format(leaf) for leaf in leaves] for parent, leaves in (GROUPS[g] for g in FAMILY_GROUPS[family])]
+    for name in quantized:
+        m = re.fullmatch(r"(.*\.experts\.\d+)\.(gate_proj|w1)", name)
+        if m:
+            groups.append([name, f"{m.group(1)}.{'up_proj' if m.group(2) == 'gate_proj' else 'w3'}"])
+    return [g for g in groups if set(g) <= quantized]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_consumer_reads_the_fake_quantized_weights(calibrated, references, tmp_path, row, fmt):
+    family = ROWS[row][0]
+    recipe = FORMATS[fmt]
+    model, fakes, logits = calibrated(row, recipe)
+    refused = refusal(family, fmt)
+    if refused is not None:
+        with pytest.raises(ExportError, match=refused[0]):
+            export_checkpoint(model, tmp_path / "refused", fmt)
+        model = copy.deepcopy(model)
+        ql.disable_quantizer(model, refused[1])
+        fakes, logits = _expected(model, RECIPES[recipe][1])
+    export_checkpoint(model, tmp_path / "q", fmt)
+    modules = exported_modules(tmp_path / "q")
+    ref = references(row)
+    assert dense_keys(modules) == set(ref)  # the names of the family's own save_pretrained, nothing more or less
+    quantized = quantized_names(modules)
+    loaded = consumer_model(tmp_path / "q", fmt, {m: ref[f"{m}.weight"] for m in quantized})
+    pairs = {name: (fake, consumer_weight(loaded, name)) for name, fake in fakes.items()}
+    assert len(pairs) >= 4 and len(quantized) >= len(pairs), (len(pairs), len(quantized))
+    assert not mismatches(pairs, RULES.get(fmt, "exact"))
+    if fmt in SHARED_SCALE:
+        for group in _sibling_groups(family, quantized):
+            scales = [modules[m][SHARED_SCALE[fmt]] for m in group]
+            assert all(torch.equal(s, scales[0]) for s in scales), (group, scales)
+    if RULES.get(fmt, "exact") == "exact" and logits is not None:
+        with torch.no_grad():
+            assert torch.equal(loaded(tokens()).logits, logits)
+    if fmt.startswith("ct_") and family not in _MOE:  # transformers' own compressed-tensors path (its MoE path is broken upstream)
+        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the quantization_config from the model will be used": as meant
+            ct = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32,
+                                                      quantization_config=CompressedTensorsConfig(run_compressed=False, dequantize=True))
+        assert not mismatches({name: (fake, consumer_weight(ct, name)) for name, fake in fakes.items()}, RULES.get(fmt, "exact"))
+        if RULES.get(fmt, "exact") == "exact" and logits is not None:
+            with torch.no_grad():
+                assert torch.equal(ct(tokens()).logits, logits)
+
+
+def test_gpt2_conv1d_is_refused_by_every_format(tmp_path):
+    # GPT-2's Conv1D stores its weight (in, out): no format writes it transposed yet, and each says so
+    model = gpt2(tie=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(model, weight_only(ql.MXFP8_DEFAULT_CFG), None)
+    for fmt in sorted(FORMATS):
+        with pytest.raises(ExportError, match=r"transformer\.h\.0\.attn\.c_attn: no export layout for QuantConv1D"):
+            export_checkpoint(model, tmp_path / fmt, fmt)
