@@ -295,6 +295,8 @@ class QuantTEModuleBase(QuantModule):
             return
         at = self.first_microbatch_at
         first = kwargs.get("is_first_microbatch", args[at] if len(args) > at else None)
+        if first is None and "is_first_microbatch" in self.__dict__ and not getattr(self, "disable_parameter_transpose_cache", False):
+            first = self.__dict__["is_first_microbatch"]  # Megatron's TE wrappers pass TE their own flag
         self.__dict__["_ql_main_grad"] = (first,)
         try:
             with swapped(self, "fuse_wgrad_accumulation", False):
