@@ -6,11 +6,12 @@ Under TE's autocast, quantlib fake-quantizes the weight and the GEMM input in th
 casts those already-quantized values to FP8 with the recipe's own scales before its GEMM. The GEMM therefore sees
 ``te_cast(fake_quant(x))``, a second rounding:
 
-- ``Float8CurrentScaling`` (one scale per tensor from its amax): of a per-tensor FP8 E4M3 fake quant whose amax is the
-  tensor's own, TE's cast gives back the same E4M3 codes; its scale differs from quantlib's only by the rounding of
-  the fake-quantized maximum to bf16. Any other format (per-channel, blocks, INT, 4-bit) is rounded again to E4M3.
-- ``DelayedScaling``: as current scaling, but with the scale of earlier steps' amax history (and 1.0 at the first
-  step): the E4M3 codes are not recovered in general.
+- ``Float8CurrentScaling`` (each tensor scaled by 448 / its own amax): where quantlib's per-tensor FP8 E4M3 fake quant
+  reaches its amax (weights under max calibration), TE's cast gives back quantlib's E4M3 codes, with quantlib's scale up
+  to fp32 rounding (the GEMM then even skips the bf16 rounding of the fake-quantized values). Anything else (a static
+  input amax above the batch's maximum, per-channel or block scales, INT, 4-bit formats) is rounded again to E4M3.
+- ``DelayedScaling``: as current scaling, but with the scale of earlier steps' amax history (1.0 at the first step):
+  the E4M3 codes are not recovered in general.
 - ``Float8BlockScaling`` (weights in 128x128 blocks, inputs in 1x128 tiles, power-of-2 scales by default): rounded again
   per block by TE; of a quantlib FP8 128x128 weight, TE's block amax is quantlib's, but TE's power-of-2 scale is not.
 

@@ -163,3 +163,39 @@ def test_te_gpt_moe_qat_with_fused_wgrad_accumulation_syncs_exactly_after_every_
         _check_sync(model)
         model.train()
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_gpt_qat_under_te_autocast_with_fused_wgrad_reduces_the_loss(recipe):
+    """A dense TE-spec GPT, NVFP4 weights and inputs, each step's forward under TE's autocast (TE's FP8 GEMMs on the
+    fake-quantized tensors), fuse_wgrad_accumulation=True; each step refreshes TE's FP8 weight copies as Megatron's
+    ``set_is_first_microbatch`` does under ``config.fp8``: the loss goes down."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    model = _gpt(None, hidden_size=128, ffn_hidden_size=256)
+    for m in model.modules():
+        if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation"):
+            m.fuse_wgrad_accumulation = True
+    cfg = {"quant_cfg": {**ql.NVFP4_DEFAULT_CFG["quant_cfg"], "*output_layer*": {"enable": False}}, "algorithm": "max"}
+    model = ql.quantize(model, cfg, _loop)
+    params = te_gpu.give_main_grad(model)
+    opt = torch.optim.Adam(params, lr=3e-3)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), device="cuda", generator=g)
+    labels = torch.roll(tokens, -1, dims=1)
+    model.train()
+    losses = []
+    for _ in range(8):
+        te_gpu.zero_main_grad(params)
+        for m in model.modules():
+            if "is_first_microbatch" in m.__dict__:
+                m.is_first_microbatch = True
+        with te_gpu.autocast(te_gpu.recipes()[recipe]):
+            loss = model(tokens, torch.arange(SEQ, device="cuda").expand(2, SEQ), attention_mask=None, labels=labels).float().mean()
+        loss.backward()
+        qkv = model.module.decoder.layers[0].self_attention.linear_qkv
+        assert qkv.weight.grad_added_to_main_grad and qkv.weight.main_grad.any()
+        te_gpu.finish_main_grad(params)
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.9 * losses[0], losses
