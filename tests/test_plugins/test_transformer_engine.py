@@ -375,6 +375,23 @@ def test_fused_wgrad_accumulates_the_straight_through_gradient_into_main_grad(gr
     assert torch.equal(fused.bias0.grad, plain.bias0.grad)  # biases keep their ordinary gradient
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_fused_wgrad_writes_over_main_grad_on_megatrons_first_microbatch(grouped, first):
+    """As TE does with is_first_microbatch=True, which Megatron's TE wrappers pass from their own attribute."""
+    cls, _, _ = grouped
+    data = _batches(1, (2, 2))
+    plain, fused = (ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data)) for _ in range(2))
+    x, s = data[0]
+    plain(x, s).sum().backward()
+    fused.fuse_wgrad_accumulation = True
+    fused.is_first_microbatch = first
+    _with_main_grad(fused, True)
+    fused(x, s).sum().backward()
+    for i in range(2):
+        grad = getattr(plain, f"weight{i}").grad
+        assert torch.equal(getattr(fused, f"weight{i}").main_grad, grad if first else 0.25 + grad), i
+
+
 def test_fused_wgrad_without_main_grad_is_refused_and_inference_needs_none(grouped):
     cls, _, _ = grouped
     model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
