@@ -50,7 +50,9 @@ def _gpt(experts, grouped: bool = False, **overrides):
     kwargs.update(overrides)
     cfg = TransformerConfig(**kwargs)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=grouped)
-    return Float16Module(cfg, GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)).cuda().eval()
+    # RoPE: learned position embeddings have no Hugging Face name (the sync refuses them; first GPU run, 2026-12-06)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    return Float16Module(cfg, gpt).cuda().eval()
 
 
 def _loop(model) -> None:
