@@ -1,5 +1,5 @@
 """In-memory weight sync of a sharded Megatron-Core ``GPTModel`` (TP x EP x DP; local or TE linears, SequentialMLP
-experts, shared experts, biases, output layer) under the Hugging Face / vLLM names, packed per rank.
+or TEGroupedMLP experts, shared experts, biases, output layer) under the Hugging Face / vLLM names, packed per rank.
 
 The contract (:func:`megatron_sync_tensors`): every rank yields, as :class:`SyncTensor`, the part of each
 tensor it holds, packed where quantized, named as the HF checkpoint (``model.layers.0.self_attn.q_proj.weight``)
@@ -38,6 +38,7 @@ from torch import nn
 
 from ..collectives import all_reduce, first_failure
 from ..formats import Kind
+from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import applied_config
 from .iterate import _stack, pack_item
@@ -179,10 +180,8 @@ class _Walk:
                 continue
             generic, local = _generic(name)
             if any(_GROUPED_WEIGHT.match(k) for k in module._parameters):
-                raise ExportError(
-                    f"decoder.layers.{i}.{name}: {type(module).__name__} (grouped expert GEMMs): the Megatron sync takes "
-                    "SequentialMLP experts; build the MoE layer with moe_grouped_gemm=False, or export with export_megatron_checkpoint"
-                )
+                self.grouped(module, name, i, experts)
+                continue
             left = dict(module._parameters)
             if (
                 generic.rpartition(".")[2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -201,11 +200,37 @@ class _Walk:
                     raise ExportError(f"decoder.layers.{i}.{name}.{key}: no Hugging Face name for this tensor in the Megatron sync")
                 self.passthrough(f"model.layers.{i}.{hf_layer_name(full, self.shared)}", p, self.place(False, None))
 
-    def linear(self, module: nn.Module, where: str, generic: str, i: Optional[int], e: Optional[int]) -> None:
+    def grouped(self, module: nn.Module, name: str, i: int, experts: Optional[nn.Module]) -> None:
+        """TEGroupedMLP's ``linear_fc1`` / ``linear_fc2`` (TE GroupedLinear: ``weight{j}`` / ``bias{j}``, weight quantizer
+        member j): GEMM j is local expert j, sent as SequentialMLP's expert of the same global number."""
+        where = f"decoder.layers.{i}.{name}"
+        leaf = name.rpartition(".")[2]
+        if name != f"mlp.experts.{leaf}" or leaf not in ("linear_fc1", "linear_fc2"):
+            raise ExportError(f"{where}: {type(module).__name__} (grouped GEMMs) outside TEGroupedMLP's linear_fc1 / linear_fc2 has no "
+                              "Hugging Face name in the Megatron sync")  # fmt: skip
+        n = int(module.num_gemms)
+        q = module._modules.get("weight_quantizer")
+        members = list(q) if isinstance(q, GroupedQuantizer) else None
+        if q is not None and members is None:
+            raise ExportError(f"{where}.weight_quantizer = {type(q).__name__}: expected one member per GEMM (GroupedQuantizer)")
+        left = {k for k, p in module._parameters.items() if p is not None and not re.fullmatch(r"(weight|bias)\d+", k)}
+        if left:
+            raise ExportError(f"{where}.{sorted(left)[0]}: no Hugging Face name for this tensor in the Megatron sync")
+        offset = _expert_offset(experts, self.ranks["expert"])
+        for j in range(n):
+            self.linear(module, where, f"mlp.experts.experts.{leaf}", i, offset + j, weight=f"weight{j}", bias=f"bias{j}",
+                        quantizer=None if members is None else members[j], quantizer_name=f"weight_quantizer.{j}")  # fmt: skip
+
+    def linear(
+        self, module: nn.Module, where: str, generic: str, i: Optional[int], e: Optional[int], weight: str = "weight",
+        bias: str = "bias", quantizer: Optional[nn.Module] = None, quantizer_name: str = "weight_quantizer",
+    ) -> None:  # fmt: skip
+        """One linear's items: ``module``'s parameters ``weight`` / ``bias`` and its ``quantizer`` (default: the
+        module's ``weight_quantizer``) under the HF names of Megatron's ``generic`` module of layer ``i`` (expert ``e``)."""
         expert = e is not None
         axis = 0 if generic.rpartition(".")[2] in COLUMN else 1
         place = self.place(expert, axis)
-        w, bias = module.weight, module._parameters.get("bias")
+        w, bias = module._parameters[weight], module._parameters.get(bias)
         bias = bias if bias is not None and bias.numel() else None  # TE keeps an empty tensor where there is none
         rows = w.shape[0]
         groups = None
@@ -213,12 +238,13 @@ class _Walk:
             groups = (self.config.num_query_groups or self.config.num_attention_heads) // self.ranks["tensor"][1]
         hf = hf_linear(generic, e, self.shared)
         hf = hf if i is None else f"model.layers.{i}.{hf}"
-        q = module._modules.get("weight_quantizer")
+        q = module._modules.get("weight_quantizer") if quantizer is None else quantizer
+        wq = f"{where}.{quantizer_name}"
         quantized = isinstance(q, TensorQuantizer) and q.is_enabled
         if quantized:
-            refuse_pre_quant_scale([(f"{where}.weight_quantizer", q), (f"{where}.input_quantizer", module._modules.get("input_quantizer"))])
+            refuse_pre_quant_scale([(wq, q), (f"{where}.input_quantizer", module._modules.get("input_quantizer"))])
         elif q is not None and not isinstance(q, TensorQuantizer) and q.is_enabled:
-            raise ExportError(f"{where}.weight_quantizer = {type(q).__name__}: the Megatron sync takes one TensorQuantizer per linear")
+            raise ExportError(f"{wq} = {type(q).__name__}: the Megatron sync takes one TensorQuantizer per linear")
         ispec, iamax = _active_input(module._modules.get("input_quantizer")) if quantized else (None, None)
         for leaf, idx, shard in split_rows(generic, rows, self.config, groups):
             name = f"{hf}.{leaf}" if leaf else hf
@@ -230,7 +256,6 @@ class _Walk:
             if not quantized:
                 self.add(Item(name, "unquantized", name, extras={"weight": get, **extras}, **common), place)
                 continue
-            wq = f"{where}.weight_quantizer"
             amax = select_rows(q.amax, q.spec, rows, idx, wq)
             fused = f"model.layers.{i}.mlp.experts" if expert else ""
             self.add(Item(name, "expert" if expert else "linear", wq, get, q.spec, amax, ispec, iamax, extras, tp_axis=axis,
@@ -239,7 +264,10 @@ class _Walk:
 
 def _expert_offset(experts: Optional[nn.Module], ep: tuple[int, int]) -> int:
     offset = getattr(experts, "expert_offset", None)  # quantlib's SequentialMLP knows it
-    return int(offset) if offset is not None else ep[0] * len(experts.local_experts)
+    if offset is not None:
+        return int(offset)
+    local = getattr(experts, "num_local_experts", None)  # TEGroupedMLP has no local_experts list
+    return ep[0] * (int(local) if local is not None else len(experts.local_experts))
 
 
 def _agree(error: Optional[BaseException], group: Optional[dist.ProcessGroup]) -> None:

@@ -29,6 +29,7 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .expert_tokens import count_tokens
+from .te_training import check_fused_wgrad, check_recipe, to_main_grad
 
 QuantizeInput = Callable[[torch.Tensor], torch.Tensor]
 QuantizeWeight = Callable[[int, torch.Tensor], torch.Tensor]
@@ -261,17 +262,47 @@ class QuantTEModuleBase(QuantModule):
     def _rewrite(self, args: tuple) -> tuple:
         raise NotImplementedError
 
+    #: position of ``is_first_microbatch`` among the forward's positional args (the input first)
+    first_microbatch_at: ClassVar[int] = 1
+
     def _check_call(self) -> None:
-        if torch.is_grad_enabled() and getattr(self, "fuse_wgrad_accumulation", False):
-            raise RuntimeError(
-                f"{type(self).__name__}: fuse_wgrad_accumulation=True is not supported with quantlib's fake quant "
-                "(TE would accumulate into main_grad of the fake-quantized copies); disable it for QAT"
-            )
+        store = getattr(self, "wgrad_store", None)
+        if torch.is_grad_enabled() and store is not None and store.delay_wgrad_compute():
+            # TE's backward_dw writes weight.grad itself, later, past quantlib's straight-through estimator
+            raise RuntimeError(f"{type(self).__name__}: delay_wgrad_compute=True is not supported with quantlib's fake quant")
 
     def _check_rewrite(self) -> None:
-        # Called inside TE's forward, after its prepare_forward has set self.fp8.
+        # Called inside TE's forward, after its prepare_forward has set self.fp8 and the recipe.
         if getattr(self, "fp8", False):
-            raise RuntimeError(f"{type(self).__name__}: quantlib fake quant inside TE's fp8_autocast is not supported; run without it")
+            check_recipe(type(self).__name__, self.fp8_meta.get("recipe"))
+
+    def _weight_in(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as quantlib's weight quantizer takes it: routed to ``main_grad`` while the forward runs with
+        TE's fuse_wgrad_accumulation turned off (see :func:`_fused_wgrad`)."""
+        first = self.__dict__.get("_ql_main_grad")
+        if first is None or not weight.requires_grad:
+            return weight
+        check_fused_wgrad(type(self).__name__, weight)
+        return to_main_grad(weight, first[0])
+
+    @contextlib.contextmanager
+    def _fused_wgrad(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """With ``fuse_wgrad_accumulation`` and autograd on: TE runs as without it (its wgrad GEMM would write the
+        gradient of the fake-quantized copy into the copy's main_grad, past the straight-through estimator), and
+        :meth:`_weight_in` sends the weight's gradient, after the estimator, into ``weight.main_grad`` as TE would."""
+        if not (torch.is_grad_enabled() and getattr(self, "fuse_wgrad_accumulation", False)):
+            yield
+            return
+        at = self.first_microbatch_at
+        first = kwargs.get("is_first_microbatch", args[at] if len(args) > at else None)
+        if first is None and "is_first_microbatch" in self.__dict__ and not getattr(self, "disable_parameter_transpose_cache", False):
+            first = self.__dict__["is_first_microbatch"]  # Megatron's TE wrappers pass TE their own flag
+        self.__dict__["_ql_main_grad"] = (first,)
+        try:
+            with swapped(self, "fuse_wgrad_accumulation", False):
+                yield
+        finally:
+            del self.__dict__["_ql_main_grad"]
 
     @contextlib.contextmanager
     def _quantizing(self) -> Iterator[None]:
@@ -286,7 +317,7 @@ class QuantTEModuleBase(QuantModule):
 
     def forward(self, *args, **kwargs):
         self._check_call()
-        with self._quantizing():
+        with self._fused_wgrad(args, kwargs), self._quantizing():
             out = super().forward(*args, **kwargs)
         return _first_output(out, self.output_quantizer)
 
@@ -308,7 +339,7 @@ class QuantTELinearBase(QuantTEModuleBase):
         yield "weight_quantizer", [_te_weight(self)]
 
     def _rewrite(self, args: tuple) -> tuple:
-        return self.te_args.quantize_args(args, self.input_quantizer, self.quantize_weight)
+        return self.te_args.quantize_args(args, self.input_quantizer, lambda w: self.quantize_weight(self._weight_in(w)))
 
 
 class QuantTELayerNormLinearBase(QuantTELinearBase):
@@ -323,21 +354,45 @@ class QuantTELayerNormLinearBase(QuantTELinearBase):
     gemm_input_at_input_quantizer = True
 
     def _rewrite(self, args: tuple) -> tuple:
-        return self.te_args.quantize_args(args, None, self.quantize_weight)
+        return self.te_args.quantize_args(args, None, lambda w: self.quantize_weight(self._weight_in(w)))
+
+    def _check_rewrite(self) -> None:
+        if getattr(self, "fp8", False) and self.te_norm_name != "apply_normalization":
+            # TE 1.x's norm kernel writes raw FP8 bytes where quantlib would quantize the normalized input
+            raise RuntimeError(f"{type(self).__name__}: quantlib fake quant under TE 1.x's fp8_autocast is not supported "
+                               "(use Transformer Engine 2.8 or newer, or run without it)")  # fmt: skip
+        super()._check_rewrite()
 
     @contextlib.contextmanager
     def _quantizing(self) -> Iterator[None]:
         norm = getattr(self.te_namespace, self.te_norm_name)
-        quantizer = self.input_quantizer
-
-        def quantized_norm(*args, **kwargs):
-            ln_out, *rest = norm(*args, **kwargs)
-            if type(ln_out) is torch.Tensor:  # TE-quantized outputs are subclasses: left alone
-                ln_out = quantizer(ln_out)
-            return (ln_out, *rest)
-
-        with swapped(self.te_namespace, self.te_norm_name, quantized_norm), super()._quantizing():
+        wrapped = quantized_norm(norm, self.input_quantizer, te_quantizer_at=5 if self.te_norm_name == "apply_normalization" else None)
+        with swapped(self.te_namespace, self.te_norm_name, wrapped), super()._quantizing():
             yield
+
+
+def quantized_norm(norm: Callable, quantizer: Callable, te_quantizer_at: Optional[int] = 5) -> Callable:
+    """TE's ``apply_normalization`` with ``quantizer`` applied to the normalized output (the GEMM input). Under TE's
+    autocast, TE passes its own FP8 quantizer for the norm kernel to write FP8 directly (argument ``te_quantizer_at``,
+    2.x's ``output_quantizer``): the norm then runs without it, and TE's quantizer casts quantlib's fake-quantized
+    output instead, as TE does itself where it cannot fuse the cast."""
+
+    def wrapped(*args, **kwargs):
+        te_quantizer = None
+        if te_quantizer_at is not None:
+            if len(args) > te_quantizer_at:
+                te_quantizer = args[te_quantizer_at]
+                args = args[:te_quantizer_at] + (None,) + args[te_quantizer_at + 1 :]
+            elif kwargs.get("output_quantizer") is not None:
+                te_quantizer, kwargs = kwargs["output_quantizer"], {**kwargs, "output_quantizer": None}
+        ln_out, *rest = norm(*args, **kwargs)
+        if type(ln_out) is torch.Tensor:  # (TE 1.x without autocast: a plain tensor too)
+            ln_out = quantizer(ln_out)
+        if te_quantizer is not None:
+            ln_out = te_quantizer(ln_out)
+        return (ln_out, *rest)
+
+    return wrapped
 
 
 class QuantTEGroupedLinearBase(QuantTEModuleBase):
@@ -348,6 +403,7 @@ class QuantTEGroupedLinearBase(QuantTEModuleBase):
 
     te_function_name: ClassVar[str] = "_GroupedLinear"
     te_adapter: ClassVar[Optional[GroupedLinearAdapter]] = None
+    first_microbatch_at: ClassVar[int] = 2  # forward(inp, m_splits, is_first_microbatch, ...)
     grouped_quantizer_names: ClassVar[tuple[str, ...]] = ("weight_quantizer",)
     is_expert = True
 
@@ -364,7 +420,8 @@ class QuantTEGroupedLinearBase(QuantTEModuleBase):
         yield "weight_quantizer", [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def _rewrite(self, args: tuple) -> tuple:
-        return self.te_adapter.quantize_args(args, self.input_quantizer, lambda i, w: self.quantize_weight(w, "weight_quantizer", i))
+        return self.te_adapter.quantize_args(args, self.input_quantizer,
+                                             lambda i, w: self.quantize_weight(self._weight_in(w), "weight_quantizer", i))
 
     def forward(self, inp, m_splits, *args, **kwargs):
         record_tokens(self, m_splits, self.input_quantizer)
@@ -415,6 +472,7 @@ __all__ = [
     "TensorArgs",
     "grouped_linear_adapter",
     "parse_version",
+    "quantized_norm",
     "record_tokens",
     "swapped",
 ]

@@ -85,18 +85,62 @@ def load_fake_quant_weights(reference: nn.Module, quantized: nn.Module) -> None:
 @contextlib.contextmanager
 def quantized_norm_output(module: nn.Module, input_quantizer: nn.Module) -> Iterator[None]:
     """Apply ``input_quantizer`` to what a (reference, unquantized) LayerNormLinear's normalization returns:
-    the GEMM input of the quantized module."""
+    the GEMM input of the quantized module (under TE's autocast, before TE's FP8 cast, as the quantized one does)."""
     from transformer_engine.pytorch.module import layernorm_linear
+
+    from quantlib.plugins.te_adapters import quantized_norm
 
     name = next(n for n in ("apply_normalization", "_apply_normalization") if hasattr(layernorm_linear, n))
     norm = getattr(layernorm_linear, name)
-
-    def quantized(*args, **kwargs):
-        ln_out, *rest = norm(*args, **kwargs)
-        return (input_quantizer(ln_out), *rest)
-
-    with swapped(layernorm_linear, name, quantized):
+    with swapped(layernorm_linear, name, quantized_norm(norm, input_quantizer, 5 if name == "apply_normalization" else None)):
         yield
+
+
+def recipes() -> dict:
+    """TE's FP8 autocast recipes of sm_90, by name (quantlib's fake quant runs under each)."""
+    from transformer_engine.common import recipe
+
+    return {
+        "delayed": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+        "current": recipe.Float8CurrentScaling(),
+        "block": recipe.Float8BlockScaling(),
+    }
+
+
+def autocast(recipe):
+    """TE's autocast with ``recipe`` (``te.autocast`` from 2.x on; ``fp8_autocast`` before)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=True, recipe=recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+def give_main_grad(module: nn.Module, fill: float = 0.0) -> list[nn.Parameter]:
+    """Give every parameter of ``module`` an fp32 ``main_grad`` filled with ``fill`` and Megatron DDP's
+    ``grad_added_to_main_grad = False``, as Megatron's DistributedDataParallel does before a backward."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.main_grad = torch.full(p.shape, fill, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+    return params
+
+
+def zero_main_grad(params: list[nn.Parameter]) -> None:
+    """Megatron DDP's ``zero_grad_buffer`` before a step: ``main_grad`` zeroed, nothing added to it yet, no ``grad``."""
+    for p in params:
+        p.main_grad.zero_()
+        p.grad_added_to_main_grad = False
+        p.grad = None
+
+
+def finish_main_grad(params: list[nn.Parameter]) -> None:
+    """What Megatron's DDP does after a backward: a gradient TE did not add to ``main_grad`` is added now
+    (``weight.grad`` then released); the optimizer reads ``main_grad``, here copied into ``grad``."""
+    for p in params:
+        if p.grad is not None and not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = p.main_grad.to(p.dtype)
 
 
 def reference_output(quantized: nn.Module, build: Callable[[], nn.Module], layernorm: bool, *args) -> torch.Tensor:

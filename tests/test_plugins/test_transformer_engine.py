@@ -197,6 +197,7 @@ def fake_grouped_linear_class(ns: types.ModuleType, sig: inspect.Signature, nta:
             tensors = [getattr(self, f"weight{i}") for i in range(self.num_gemms)] + [getattr(self, f"bias{i}")
                                                                                       for i in range(self.num_gemms)]
             args = grouped_args(sig, nta, inp, splits, tensors)
+            ns.fuse_seen = getattr(self, "fuse_wgrad_accumulation", False)  # TE reads it into its function's args here
             fn = ns._GroupedLinear
             return fn.apply(*args) if torch.is_grad_enabled() else fn.forward(None, *args)
 
@@ -333,17 +334,111 @@ def test_grouped_linear_save_restore_round_trip(grouped, tmp_path):
         assert torch.equal(fresh(x, s), model(x, s))
 
 
-def test_grouped_linear_refuses_fused_wgrad_and_te_fp8(grouped):
+def _with_main_grad(model: nn.Module, megatron_ddp: bool) -> None:
+    """Give each weight the fp32 ``main_grad`` (and, as Megatron's DDP does, ``grad_added_to_main_grad``) TE's fused
+    wgrad accumulation writes into."""
+    for i in range(model.num_gemms):
+        w = getattr(model, f"weight{i}")
+        w.main_grad = torch.full(w.shape, 0.25, dtype=torch.float32)  # accumulated into, not written over
+        if megatron_ddp:
+            w.grad_added_to_main_grad = False
+
+
+@pytest.mark.parametrize("megatron_ddp", [True, False])
+def test_fused_wgrad_accumulates_the_straight_through_gradient_into_main_grad(grouped, megatron_ddp):
+    """fuse_wgrad_accumulation=True: each weight's gradient, clipped by the straight-through estimator exactly as
+    without it, is added to weight.main_grad; weight.grad gets TE's dummy (zeros) under Megatron's DDP, else nothing."""
+    cls, ns, _ = grouped
+    # static per-tensor INT8 weight amax at half the weights' max: the estimator's clip mask is not all ones
+    cfg = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": None, "pass_through_bwd": False},
+                         "*input_quantizer": {"num_bits": (4, 3), "axis": None}, "default": {"enable": False}},
+           "algorithm": "max"}  # fmt: skip
+    data = _batches()
+    plain, fused = (ql.quantize(cls(4, 16, 8), cfg, _loop(data)) for _ in range(2))
+    for m in (plain, fused):
+        for q in m.weight_quantizer:
+            q.amax = q.amax / 2
+    x, s = _batches(1)[0]
+    plain(x, s).square().sum().backward()
+    fused.fuse_wgrad_accumulation = True
+    _with_main_grad(fused, megatron_ddp)
+    fused(x, s).square().sum().backward()
+    assert ns.fuse_seen is False and fused.fuse_wgrad_accumulation is True  # TE ran unfused; the flag is back
+    for i in range(4):
+        w, ref = getattr(fused, f"weight{i}"), getattr(plain, f"weight{i}").grad
+        assert (ref == 0).any() and (ref != 0).any(), i  # clipped somewhere, not everywhere
+        assert torch.equal(w.main_grad, 0.25 + ref), i
+        if megatron_ddp:
+            assert w.grad_added_to_main_grad is True and torch.equal(w.grad, torch.zeros_like(w)), i
+        else:
+            assert w.grad is None, i
+    assert torch.equal(fused.bias0.grad, plain.bias0.grad)  # biases keep their ordinary gradient
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_fused_wgrad_writes_over_main_grad_on_megatrons_first_microbatch(grouped, first):
+    """As TE does with is_first_microbatch=True, which Megatron's TE wrappers pass from their own attribute."""
+    cls, _, _ = grouped
+    data = _batches(1, (2, 2))
+    plain, fused = (ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(data)) for _ in range(2))
+    x, s = data[0]
+    plain(x, s).sum().backward()
+    fused.fuse_wgrad_accumulation = True
+    fused.is_first_microbatch = first
+    _with_main_grad(fused, True)
+    fused(x, s).sum().backward()
+    for i in range(2):
+        grad = getattr(plain, f"weight{i}").grad
+        assert torch.equal(getattr(fused, f"weight{i}").main_grad, grad if first else 0.25 + grad), i
+
+
+def test_fused_wgrad_without_main_grad_is_refused_and_inference_needs_none(grouped):
     cls, _, _ = grouped
     model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
     model.fuse_wgrad_accumulation = True
-    with pytest.raises(RuntimeError, match="fuse_wgrad_accumulation"):
+    with pytest.raises(RuntimeError, match="fuse_wgrad_accumulation=True but the weight has no main_grad"):
         model(torch.randn(2, 16), [1, 1])
+    assert model.fuse_wgrad_accumulation is True
     with torch.no_grad():
         model(torch.randn(2, 16), [1, 1])  # inference does not accumulate gradients
-    model.fuse_wgrad_accumulation = False
-    model.fp8 = True  # what TE's prepare_forward sets under fp8_autocast
-    with pytest.raises(RuntimeError, match="fp8_autocast"):
+
+
+class DelayedScaling:  # TE's recipes are told apart by class name (transformer_engine.common.recipe needs TE's binding)
+    pass
+
+
+class Float8BlockScaling:
+    pass
+
+
+class MXFP8BlockScaling:
+    pass
+
+
+class NVFP4BlockScaling:
+    pass
+
+
+def test_te_autocast_recipes_run_or_are_refused_by_name(grouped):
+    cls, _, _ = grouped
+    model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, _loop(_batches(1, (1, 1))))
+    model.fp8 = True  # what TE's prepare_forward sets under its autocast, with the recipe in fp8_meta
+    for recipe in (DelayedScaling(), Float8BlockScaling()):
+        model.fp8_meta = {"recipe": recipe}
+        model(torch.randn(2, 16), [1, 1])
+    for recipe in (MXFP8BlockScaling(), NVFP4BlockScaling()):
+        model.fp8_meta = {"recipe": recipe}
+        with pytest.raises(RuntimeError, match=f"QuantFakeGroupedLinear: .*autocast recipe {type(recipe).__name__} is not supported"):
+            model(torch.randn(2, 16), [1, 1])
+
+
+def test_delayed_wgrad_compute_is_refused(grouped):
+    cls, _, _ = grouped
+    model = ql.quantize(cls(2, 16, 8), FP8_INPUT_INT8_WEIGHT, None)
+    model.wgrad_store = types.SimpleNamespace(delay_wgrad_compute=lambda: True)
+    with pytest.raises(RuntimeError, match="delay_wgrad_compute=True is not supported"):
+        model(torch.randn(2, 16), [1, 1])
+    with torch.no_grad():
         model(torch.randn(2, 16), [1, 1])
 
 
@@ -491,3 +586,30 @@ def test_plugin_refuses_grouped_linear_it_cannot_adapt(plugin_with, version, sig
 
 
 # ------------------------------------------------------------------------------ on a machine with TE
+
+
+def test_quantized_norm_under_autocast_casts_the_fake_quantized_output_with_tes_quantizer():
+    """Under TE's autocast, TE hands its norm its FP8 quantizer (2.x ``apply_normalization``'s 6th argument) to write
+    FP8 directly: quantlib's input quantizer must act first, then TE's quantizer, and the norm must run without it."""
+    seen = []
+
+    def norm(inputmat, ln_out, ln_weight, ln_bias, eps, output_quantizer, output_dtype, *rest):
+        seen.append(output_quantizer)
+        return F.layer_norm(inputmat, inputmat.shape[-1:], ln_weight, ln_bias, eps), None, None
+
+    quantizer = TensorQuantizer(ql.QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
+    quantizer.amax = torch.tensor(2.0)
+    te_calls = []
+
+    def te_quantizer(t):
+        te_calls.append(t)
+        return t * 2
+
+    x, w, b = torch.randn(4, 16), torch.rand(16) + 0.5, torch.randn(16)
+    plain = F.layer_norm(x, (16,), w, b, 1e-5)
+    out, *_ = ta.quantized_norm(norm, quantizer)(x, None, w, b, 1e-5, te_quantizer, x.dtype, "LayerNorm", 0, False)
+    assert seen == [None] and len(te_calls) == 1
+    assert torch.equal(te_calls[0], quantizer(plain)) and not torch.equal(te_calls[0], plain)
+    assert torch.equal(out, 2 * quantizer(plain))
+    out, *_ = ta.quantized_norm(norm, quantizer)(x, None, w, b, 1e-5, None, x.dtype, "LayerNorm", 0, False)  # no autocast
+    assert torch.equal(out, quantizer(plain)) and len(te_calls) == 1
