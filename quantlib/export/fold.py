@@ -70,10 +70,12 @@ _NEOX = (
     FoldRule("gpt_neox.final_layer_norm", ("embed_out",), "norm"),
 )
 #: transformers model_type -> its rules (each norm there feeds exactly the rule's targets)
-RULES: dict[str, tuple[FoldRule, ...]] = {t: _DECODER for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")}
+RULES: dict[str, tuple[FoldRule, ...]] = {t: _DECODER for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral",
+                                                                 "phimoe")}
 RULES.update(opt=_OPT, gpt_neox=_NEOX)
 #: norms whose output is ``weight * normalized (+ bias)`` (Gemma's ``(1 + weight)`` ones are not)
-_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "LayerNorm")
+_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm",
+          "LayerNorm")
 
 
 def rules_for(model: nn.Module) -> tuple[FoldRule, ...]:
@@ -174,9 +176,10 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     plain = isinstance(iq, TensorQuantizer) and isinstance(first, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
     for qn in module.quantizer_names:
         for leaf in _leaves(module._modules.get(qn)):
-            if _slot(leaf) is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
-                raise ExportError(f"{name}.{qn}: pre_quant_scale is set on a {type(module).__name__}, which export can fold only for plain "
-                                  "linears (input and weight quantizer)")
+            p = _slot(leaf)
+            if p is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
+                raise ExportError(f"{name}.{qn}: pre_quant_scale of shape {tuple(p.shape)} is set on a {type(module).__name__}, which export "
+                                  "can fold only for plain linears (input and weight quantizer)")
     if module.quantizers_off():
         return _Linear(module, None, None)  # the original forward: no scale applies
     pin = _slot(iq)

@@ -55,6 +55,8 @@ def iter_weights(model: nn.Module, quantized: bool = True) -> Iterator[tuple[str
         if isinstance(m, hf_experts.QuantFusedExperts):
             for proj in m.projections:
                 for e in range(m.num_experts):
+                    if not getattr(m, f"{proj}_weight_quantizer")[e].is_enabled:
+                        continue  # an excluded expert is a plain tensor in the checkpoint, as an excluded linear
                     raw = hf_experts.expert_weight(m, proj, e)
                     w = m.quantize_weight(raw, f"{proj}_weight_quantizer", e) if quantized else raw
                     if proj == "gate_up_proj":
@@ -149,11 +151,16 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
         warnings.simplefilter("ignore")  # "transformers X is not tested with this modelopt"
         from modelopt.torch.quantization import qtensor
 
-    if fmt == "modelopt_int4_awq":  # ModelOpt has no dequantizer for its pack_int4_in_uint8 layout: its two rows per byte
-        packed = t["weight"]
+    if fmt in ("modelopt_int4_awq", "modelopt_w4a8_awq"):  # ModelOpt has no dequantizer for its pack_int4_in_uint8 layout
+        packed = t["weight"]  # two output rows per byte
         codes = torch.stack([packed & 0x0F, packed >> 4], 1).reshape(shape).to(torch.int8)
         codes = torch.where(codes > 7, codes - 16, codes)
-        return codes.float() * t["weight_scale"].repeat_interleave(shape[1] // t["weight_scale"].shape[1], dim=1)
+        int4 = codes.float() * t["weight_scale"].repeat_interleave(shape[1] // t["weight_scale"].shape[1], dim=1)
+        if fmt == "modelopt_int4_awq":
+            return int4
+        # W4A8: the INT4 stage then the chain's FP8 per tensor (weight_scale_2), as ModelOpt's FP8 qtensor rounds it
+        fp8, _ = qtensor.FP8QTensor.quantize(int4, scales=t["weight_scale_2"])
+        return fp8.dequantize(dtype=torch.float32, scale=t["weight_scale_2"])
     if fmt == "modelopt_nvfp4":
         q = qtensor.NVFP4QTensor(shape, torch.float32, t["weight"])
         return q.dequantize(dtype=torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
