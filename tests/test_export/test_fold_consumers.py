@@ -20,9 +20,11 @@ from quantlib.export import ExportError, export_checkpoint, share_pre_quant_scal
 from quantlib.pipeline.check import iter_weights, reload_export  # noqa: E402
 from tests.test_export._families import build, tokens  # noqa: E402
 
-#: blocks of 128 (INT4 along the input dim, FP8 128x128) need 128 features; GQA: 4 query heads on 2 kv heads
-SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # k/v: 128x128, whole FP8 blocks
-MOE = {"qwen3_moe": dict(moe_intermediate_size=128), "mixtral": {}}
+#: blocks of 128 (INT4 along the input dim, FP8 128x128) need 128 features (k/v 128x128: whole FP8 blocks); GQA: 4 query
+#: heads on 2 kv heads
+SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+MOE = {"qwen3_moe": dict(moe_intermediate_size=128), "mixtral": {}, "phimoe": {},
+       "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128)}
 
 
 def _algo(preset: dict, method: str, **kw) -> dict:
@@ -61,6 +63,7 @@ FAMILIES = {
     "qwen2": ("int4_awq_lite", "int8_smoothquant", "nvfp4_awq_full", "w4a8_awq", "fp8_block_awq"),  # biases of q/k/v take the fold
     "qwen3_moe": ("int4_awq_full", "int8_smoothquant", "nvfp4_awq_lite", "w4a8_awq", "fp8_block_smoothquant"),
     "mixtral": ("int4_awq_lite", "int4_awq_clip", "nvfp4_awq_norms", "fp8_block_awq"),
+    "phimoe": ("int8_smoothquant",),  # LayerNorm (weight and bias), q/k/v/o biases
 }
 #: transformers runs these formats itself on the CPU (compressed-tensors dequantized on load, fine-grained FP8)
 TRANSFORMERS = ("ct_int_pack", "ct_int8", "ct_fp8_block", "hf_fp8_block")
@@ -145,3 +148,21 @@ def test_experts_scale_refused_naming_module_and_value(tmp_path, family):
     for fmt in ("ct_int_pack", "modelopt_int4_awq"):
         with pytest.raises(ExportError, match=rf"^{re.escape(name)}: pre_quant_scale of shape \(4, 128\) is set on a Quant\w+Experts"):
             export_checkpoint(model, tmp_path / fmt, fmt)
+
+
+def test_qwen2_moe_shared_expert(calibrated, tmp_path):
+    """Qwen2-MoE's shared expert reads the post-attention norm with the router and the experts: its gate/up scale folds
+    nowhere (compressed-tensors refuses it by name; ModelOpt's W4A16_AWQ carries it), its down_proj's folds into its up_proj."""
+    model = calibrated("qwen2_moe", "int4_awq_lite")
+    shared = "model.layers.0.mlp.shared_expert"
+    with pytest.raises(ExportError, match=rf"^{re.escape(shared)}.gate_proj.input_quantizer: .*no fold rule for this module.*ct_int_pack"):
+        export_checkpoint(model, tmp_path / "ct", "ct_int_pack")
+    export_checkpoint(model, tmp_path / "c", "modelopt_int4_awq")
+    from safetensors.torch import load_file
+
+    carried = sorted(k for k in load_file(tmp_path / "c" / "model.safetensors") if k.endswith("pre_quant_scale"))
+    assert carried == [f"{shared}.gate_proj.pre_quant_scale", f"{shared}.up_proj.pre_quant_scale"]
+    with torch.no_grad():
+        got = _consumer(model, "qwen2_moe", tmp_path / "c", "modelopt_int4_awq")(tokens()).logits
+    ref = _reference(model)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), float((got - ref).abs().max())
