@@ -182,7 +182,8 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
 
 #: ModelOpt quant_algo -> the single-algorithm format whose tensors a MIXED_PRECISION layer of it holds
 _MODELOPT_ALGOS = {"FP8": "modelopt_fp8", "FP8_PB_WO": "modelopt_fp8_pb", "NVFP4": "modelopt_nvfp4", "W4A16_NVFP4": "modelopt_nvfp4",
-                   "NVFP4_AWQ": "modelopt_nvfp4", "MXFP8": "modelopt_mxfp8", "W4A16_AWQ": "modelopt_int4_awq", "W4A8_AWQ": "modelopt_w4a8_awq"}
+                   "NVFP4_AWQ": "modelopt_nvfp4", "MXFP8": "modelopt_mxfp8", "W4A16_AWQ": "modelopt_int4_awq",
+                   "W4A8_AWQ": "modelopt_w4a8_awq"}
 
 
 def _mixed_dequantizer(export_dir: str) -> Callable[[dict, torch.Size, str], torch.Tensor]:
