@@ -9,7 +9,7 @@ quantized by quantlib and, separately, by ModelOpt with the same recipe, calibra
 FP8 128x128 weight blocks (quantlib format ``hf_fp8_block``, HF fine-grained FP8; ModelOpt FP8_PB_WO),
 MXFP8 (``hf_mxfp8``; ModelOpt MXFP8), FP8 per tensor W8A8 (``modelopt_fp8``; ModelOpt FP8), NVFP4 W4A4
 (``modelopt_nvfp4``; ModelOpt NVFP4) and INT4 AWQ (``ct_int_pack``, every pre_quant_scale folded into the norms and
-v_proj / up_proj rows; ModelOpt INT4_AWQ), also timed on the same model without its pre_quant_scale (the fold's cost).
+v_proj / up_proj rows), also timed on the same model without its pre_quant_scale (the fold's cost).
 
 Timed (median of ``--runs`` after one warm-up run, which compiles and tunes the kernels), each with one
 device synchronisation at the end only: ``iter_packed`` with a consumer that drops every tensor without
@@ -44,15 +44,15 @@ from quantlib.export.modules import ModuleWalk
 from quantlib.export.plan import make_plan
 from quantlib.export.writers import packer
 
-#: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name)
+#: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name or None)
 RECIPES = {
     "fp8_block": ("FP8 128x128 weights (HF fine-grained FP8)", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block",
                   "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
     "mxfp8": ("MXFP8 W8A8 (HF mxfp8)", "MXFP8_DEFAULT_CFG", "hf_mxfp8", "MXFP8_DEFAULT_CFG"),
     "fp8": ("FP8 per tensor W8A8 (ModelOpt FP8)", "FP8_DEFAULT_CFG", "modelopt_fp8", "FP8_DEFAULT_CFG"),
     "nvfp4": ("NVFP4 W4A4 (ModelOpt NVFP4)", "NVFP4_DEFAULT_CFG", "modelopt_nvfp4", "NVFP4_DEFAULT_CFG"),
-    "int4_awq": ("INT4 AWQ W4A16 (compressed-tensors pack-quantized, pre_quant_scale folded)", "INT4_AWQ_CFG", "ct_int_pack",
-                 "INT4_AWQ_CFG"),
+    # ModelOpt writes AWQ as W4A16_AWQ, not compressed-tensors: not the same work, so no ModelOpt row
+    "int4_awq": ("INT4 AWQ W4A16 (compressed-tensors pack-quantized, pre_quant_scale folded)", "INT4_AWQ_CFG", "ct_int_pack", None),
 }
 #: recipes whose calibration sets pre_quant_scale: also timed on the same model without it (the fold's cost)
 AWQ = ("int4_awq",)
@@ -246,7 +246,7 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
             rows.append((f"{label}: quantlib export_checkpoint (disk)",
                          timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours, dev), None))
     ours = None  # free its device memory before ModelOpt's copies
-    theirs = None if args.no_modelopt else modelopt_quantized(base, mo_cfg, ids)
+    theirs = None if args.no_modelopt or mo_cfg is None else modelopt_quantized(base, mo_cfg, ids)
     if theirs is None:
         return rows, notes
     from modelopt.torch.export.unified_export_hf import _export_transformers_checkpoint
