@@ -166,3 +166,16 @@ def test_qwen2_moe_shared_expert(calibrated, tmp_path):
         got = _consumer(model, "qwen2_moe", tmp_path / "c", "modelopt_int4_awq")(tokens()).logits
     ref = _reference(model)
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), float((got - ref).abs().max())
+
+
+def test_gemma_norm_takes_no_scale(calibrated, tmp_path):
+    """Gemma's norms compute ``(1 + weight) * normalized``: no fold rule; compressed-tensors refuses by name, ModelOpt's
+    W4A16_AWQ carries every scale (q/k/v and gate/up shared by share_pre_quant_scale as siblings) and gives the logits."""
+    model = calibrated("gemma", "int4_awq_lite")
+    with pytest.raises(ExportError, match=r"^model\.layers\.0\.self_attn\.q_proj\.input_quantizer: .*no fold rule for this module"):
+        export_checkpoint(model, tmp_path / "ct", "ct_int_pack")
+    export_checkpoint(model, tmp_path / "c", "modelopt_int4_awq")
+    with torch.no_grad():
+        got = _consumer(model, "gemma", tmp_path / "c", "modelopt_int4_awq")(tokens()).logits
+    ref = _reference(model)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), float((got - ref).abs().max())
