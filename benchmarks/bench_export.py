@@ -7,8 +7,9 @@
 A transformers Llama is built in bf16 directly on ``--device`` (no CPU init of GBs, no downloads) and
 quantized by quantlib and, separately, by ModelOpt with the same recipe, calibrated on the same batch:
 FP8 128x128 weight blocks (quantlib format ``hf_fp8_block``, HF fine-grained FP8; ModelOpt FP8_PB_WO),
-MXFP8 (``hf_mxfp8``; ModelOpt MXFP8), FP8 per tensor W8A8 (``modelopt_fp8``; ModelOpt FP8) and NVFP4 W4A4
-(``modelopt_nvfp4``; ModelOpt NVFP4).
+MXFP8 (``hf_mxfp8``; ModelOpt MXFP8), FP8 per tensor W8A8 (``modelopt_fp8``; ModelOpt FP8), NVFP4 W4A4
+(``modelopt_nvfp4``; ModelOpt NVFP4) and INT4 AWQ (``ct_int_pack``, every pre_quant_scale folded into the norms and
+v_proj / up_proj rows), also timed on the same model without its pre_quant_scale (the fold's cost).
 
 Timed (median of ``--runs`` after one warm-up run, which compiles and tunes the kernels), each with one
 device synchronisation at the end only: ``iter_packed`` with a consumer that drops every tensor without
@@ -38,19 +39,23 @@ from typing import Callable, Optional
 import torch
 
 import quantlib as ql
-from quantlib.export import export_checkpoint, iter_packed, layout_for, share_sibling_amax, sync_pairs
+from quantlib.export import export_checkpoint, iter_packed, layout_for, share_pre_quant_scale, share_sibling_amax, sync_pairs
 from quantlib.export.modules import ModuleWalk
 from quantlib.export.plan import make_plan
 from quantlib.export.writers import packer
 
-#: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name)
+#: recipe key -> (label, quantlib preset, quantlib format, ModelOpt preset name or None)
 RECIPES = {
     "fp8_block": ("FP8 128x128 weights (HF fine-grained FP8)", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "hf_fp8_block",
                   "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
     "mxfp8": ("MXFP8 W8A8 (HF mxfp8)", "MXFP8_DEFAULT_CFG", "hf_mxfp8", "MXFP8_DEFAULT_CFG"),
     "fp8": ("FP8 per tensor W8A8 (ModelOpt FP8)", "FP8_DEFAULT_CFG", "modelopt_fp8", "FP8_DEFAULT_CFG"),
     "nvfp4": ("NVFP4 W4A4 (ModelOpt NVFP4)", "NVFP4_DEFAULT_CFG", "modelopt_nvfp4", "NVFP4_DEFAULT_CFG"),
+    # ModelOpt writes AWQ as W4A16_AWQ, not compressed-tensors: not the same work, so no ModelOpt row
+    "int4_awq": ("INT4 AWQ W4A16 (compressed-tensors pack-quantized, pre_quant_scale folded)", "INT4_AWQ_CFG", "ct_int_pack", None),
 }
+#: recipes whose calibration sets pre_quant_scale: also timed on the same model without it (the fold's cost)
+AWQ = ("int4_awq",)
 
 
 def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, device: str) -> torch.nn.Module:
@@ -108,6 +113,15 @@ def drop_all(model: torch.nn.Module, fmt: str) -> None:
     """The consumer of the in-memory benchmark: takes every packed tensor and drops it (no device read)."""
     for pw in iter_packed(model, fmt):
         del pw
+
+
+def without_pre_quant_scale(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every ``pre_quant_scale`` dropped: the same weights, amax and formats, nothing to fold."""
+    plain = copy.deepcopy(model)
+    for q in plain.modules():
+        if isinstance(q, ql.TensorQuantizer) and q.pre_quant_scale is not None:
+            q.pre_quant_scale = None
+    return plain
 
 
 def plan_only(model: torch.nn.Module, fmt: str) -> None:
@@ -203,10 +217,19 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
     ours = copy.deepcopy(base)
     ql.quantize(ours, getattr(ql, ql_cfg), lambda m: m(ids))
     ql.disable_quantizer(ours, "*lm_head*")
+    if key.strip() in AWQ:
+        share_pre_quant_scale(ours, lambda m: m(ids))  # q/k/v, gate/up and GQA heads on one scale: everything folds
     share_sibling_amax(ours)
     rows.append((f"{label}: quantlib checks only (make_plan)", timed(lambda m: plan_only(m, fmt), args.runs, lambda: ours, dev), None))
     ours_s = timed(lambda m: drop_all(m, fmt), args.runs, lambda: ours, dev)
     rows.append((f"{label}: quantlib iter_packed (memory)", ours_s, None))
+    if key.strip() in AWQ:
+        plain = without_pre_quant_scale(ours)
+        plain_s = timed(lambda m: drop_all(m, fmt), args.runs, lambda: plain, dev)
+        plain = None
+        rows.append((f"{label}: the same model without pre_quant_scale, quantlib iter_packed (memory)", plain_s, None))
+        notes.append(f"{label}: the folded export takes {ours_s / plain_s:.2f}x the time of the same model's without pre_quant_scale "
+                     "(target <= 2x: at most one extra pass over the weights)")
     sync_s = timed(lambda m: sync_all(m, fmt), args.runs, lambda: ours, dev)
     rows.append((f"{label}: quantlib sync_pairs, scales from the weights (memory)", sync_s, None))
     if dev.startswith("cuda"):
@@ -223,7 +246,7 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
             rows.append((f"{label}: quantlib export_checkpoint (disk)",
                          timed(lambda m: export_checkpoint(m, f"{tmp}/q", fmt, overwrite=True), args.runs, lambda: ours, dev), None))
     ours = None  # free its device memory before ModelOpt's copies
-    theirs = None if args.no_modelopt else modelopt_quantized(base, mo_cfg, ids)
+    theirs = None if args.no_modelopt or mo_cfg is None else modelopt_quantized(base, mo_cfg, ids)
     if theirs is None:
         return rows, notes
     from modelopt.torch.export.unified_export_hf import _export_transformers_checkpoint

@@ -18,3 +18,11 @@ def test_small_cpu_run_times_every_format_against_the_copy(tmp_path):
         assert any(n.startswith(label) and "iter_packed (memory)" in n for n in names), names
     assert all(t > 0 and gbs > 0 for _, t, gbs, _, _ in rows)
     assert "| what | ms | GB/s of bf16 weights | of the copy |" in out.read_text()
+
+
+def test_folded_awq_export_timed_against_the_same_model_without_pre_quant_scale():
+    rows = load_benchmark("bench_export").main(["--device", "cpu", "--small", "--runs", "1", "--formats", "int4_awq"])
+    names = [r[0] for r in rows]
+    assert any(n.startswith("INT4 AWQ") and n.endswith("folded): quantlib iter_packed (memory)") for n in names), names
+    assert any(n.startswith("INT4 AWQ") and "without pre_quant_scale, quantlib iter_packed" in n for n in names), names
+    assert not any("ModelOpt" in n for n in names)

@@ -33,6 +33,7 @@ from ..kv.presets import ATTENTION_QUANTIZER_NAMES
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .layouts import layout_for
 from .types import ExportError
 
 _PQS = "_pre_quant_scale"  # TensorQuantizer's buffer behind pre_quant_scale
@@ -70,10 +71,13 @@ _NEOX = (
     FoldRule("gpt_neox.final_layer_norm", ("embed_out",), "norm"),
 )
 #: transformers model_type -> its rules (each norm there feeds exactly the rule's targets)
-RULES: dict[str, tuple[FoldRule, ...]] = {t: _DECODER for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")}
-RULES.update(opt=_OPT, gpt_neox=_NEOX)
+RULES: dict[str, tuple[FoldRule, ...]] = {t: _DECODER for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phimoe")}
+# Qwen2-MoE's shared expert reads the norm with the router and the experts: only its down_proj folds (into its up_proj)
+RULES.update(opt=_OPT, gpt_neox=_NEOX, qwen2_moe=_DECODER + (FoldRule("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",),
+                                                                     "rows"),))
 #: norms whose output is ``weight * normalized (+ bias)`` (Gemma's ``(1 + weight)`` ones are not)
-_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "LayerNorm")
+_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm",
+          "LayerNorm")
 
 
 def rules_for(model: nn.Module) -> tuple[FoldRule, ...]:
@@ -174,9 +178,10 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     plain = isinstance(iq, TensorQuantizer) and isinstance(first, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
     for qn in module.quantizer_names:
         for leaf in _leaves(module._modules.get(qn)):
-            if _slot(leaf) is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
-                raise ExportError(f"{name}.{qn}: pre_quant_scale is set on a {type(module).__name__}, which export can fold only for plain "
-                                  "linears (input and weight quantizer)")
+            p = _slot(leaf)
+            if p is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
+                raise ExportError(f"{name}.{qn}: pre_quant_scale of shape {tuple(p.shape)} is set on a {type(module).__name__}, which "
+                                  "export can fold only for plain linears (input and weight quantizer)")
     if module.quantizers_off():
         return _Linear(module, None, None)  # the original forward: no scale applies
     pin = _slot(iq)
@@ -310,7 +315,7 @@ def _rows_ok(source: str, src: nn.Module, p: torch.Tensor) -> Optional[str]:
 
 def share_pre_quant_scale(model: nn.Module, forward_loop: Optional[Callable[[nn.Module], None]] = None) -> dict[tuple[str, ...], str]:
     """Give the linears that one op feeds (q/k/v after a norm, the query heads sharing a key/value head
-    in o_proj) one ``pre_quant_scale``, the mean of theirs (ModelOpt's resmoothing), in the model itself,
+    in o_proj, siblings a consumer fuses) one ``pre_quant_scale``, the mean of theirs (ModelOpt's resmoothing), in the model itself,
     so that the model is evaluated with what its export folds. Weight amax are recalibrated (max, from the
     newly scaled weights: re-run a clip search after it if one was used); static input amax need
     ``forward_loop``, whose inputs give them. Returns {changed targets: what was shared}."""
@@ -334,6 +339,7 @@ def share_pre_quant_scale(model: nn.Module, forward_loop: Optional[Callable[[nn.
             grouped = lins[0].input.float().reshape(v.weight.shape[0] // hd, o.weight.shape[1] // v.weight.shape[0], hd)
             if not bool((grouped == grouped[:, :1]).all()):
                 plans.append((targets, [grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)]))
+    plans += _sibling_plans(model, by_name, {t for targets, _ in plans for t in targets})
     static = [t for targets, _ in plans for t in targets if by_name[t].input_quantizer.is_enabled
               and by_name[t].input_quantizer.needs_calibration]
     if static and forward_loop is None:
@@ -347,6 +353,25 @@ def share_pre_quant_scale(model: nn.Module, forward_loop: Optional[Callable[[nn.
             apply_pre_quant_scale(m, p.to(m.input_quantizer.pre_quant_scale.dtype), amax.get(t))
         changed[targets] = "mean pre_quant_scale"
     return changed
+
+
+def _sibling_plans(model: nn.Module, by_name: dict, planned: set[str]) -> list[tuple[tuple[str, ...], list[torch.Tensor]]]:
+    """Mean scales of the sibling groups (as the layout names them) no norm rule covers, e.g. Qwen2-MoE's shared expert's
+    gate/up: consumers fuse them into one GEMM on one scaled input, so a carried scale must be one."""
+    layout = layout_for(model)
+    groups: dict[tuple[str, tuple], list[str]] = {}
+    for name, m in by_name.items():
+        if name not in planned and isinstance(m, QuantModule) and holds_pre_quant_scale(m):
+            parent, _, leaf = name.rpartition(".")
+            group = layout.sibling_group(leaf)
+            if group is not None:
+                groups.setdefault((parent, group), []).append(name)
+    plans = []
+    for members in groups.values():
+        scales = [_effective(t, by_name[t]).input for t in members]
+        if len(members) > 1 and all(s is not None for s in scales) and any(not torch.equal(s, scales[0]) for s in scales):
+            plans.append((tuple(members), [torch.stack([s.float() for s in scales]).mean(0)] * len(members)))
+    return plans
 
 
 def _groups(model: nn.Module, by_name: dict) -> list[tuple[str, FoldRule]]:

@@ -3,7 +3,6 @@ weights the fake-quantized model ran with, under each format's rule (docs/design
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -55,6 +54,8 @@ def iter_weights(model: nn.Module, quantized: bool = True) -> Iterator[tuple[str
         if isinstance(m, hf_experts.QuantFusedExperts):
             for proj in m.projections:
                 for e in range(m.num_experts):
+                    if not getattr(m, f"{proj}_weight_quantizer")[e].is_enabled:
+                        continue  # an excluded expert is a plain tensor in the checkpoint, as an excluded linear
                     raw = hf_experts.expert_weight(m, proj, e)
                     w = m.quantize_weight(raw, f"{proj}_weight_quantizer", e) if quantized else raw
                     if proj == "gate_up_proj":
@@ -125,19 +126,27 @@ def _read_modules(export_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     return by_module
 
 
-def _ct_dequantizer(export_dir: str) -> Callable[[dict, torch.Size], torch.Tensor]:
-    """compressed-tensors' own decompressor for the export's one config group."""
+def _ct_dequantizer(export_dir: str) -> Callable[[dict, torch.Size, str], torch.Tensor]:
+    """compressed-tensors' own decompressor, each module by the format of the config group that targets it (one group, or
+    ``mixed-precision``: its name or a ``re:`` pattern among the group's targets)."""
+    import re
+
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
     with open(os.path.join(export_dir, "config.json")) as f:
         qc = json.load(f)["quantization_config"]
-    groups = QuantizationConfig.model_validate(qc).config_groups
-    if len(groups) != 1:
-        raise PipelineError(f"check: the export has {len(groups)} compressed-tensors config groups; the check reads one")
-    scheme = next(iter(groups.values()))
-    compressor = BaseCompressor.get_value_from_registry(qc["format"])
-    return lambda t, shape: compressor.decompress(t, scheme)["weight"].float()
+    groups = list(QuantizationConfig.model_validate(qc).config_groups.values())
+
+    def dequantize(t: dict, shape: torch.Size, mod: str) -> torch.Tensor:
+        hits = groups if len(groups) == 1 else [g for g in groups if any(
+            x == mod or (x.startswith("re:") and re.match(x[3:], mod)) for x in g.targets)]
+        if len(hits) != 1:
+            raise PipelineError(f"check: {mod}: {len(hits)} compressed-tensors config groups target it; the check reads one")
+        compressor = BaseCompressor.get_value_from_registry(hits[0].format or qc["format"])
+        return compressor.decompress(t, hits[0])["weight"].float()
+
+    return dequantize
 
 
 def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
@@ -171,8 +180,28 @@ def modelopt_dequantize(fmt: str, t: dict[str, torch.Tensor], shape: torch.Size)
     return q.dequantize(dtype=torch.float32, scale=t["weight_scale"])
 
 
+#: ModelOpt quant_algo -> the single-algorithm format whose tensors a MIXED_PRECISION layer of it holds
+_MODELOPT_ALGOS = {"FP8": "modelopt_fp8", "FP8_PB_WO": "modelopt_fp8_pb", "NVFP4": "modelopt_nvfp4", "W4A16_NVFP4": "modelopt_nvfp4",
+                   "NVFP4_AWQ": "modelopt_nvfp4", "MXFP8": "modelopt_mxfp8", "W4A16_AWQ": "modelopt_int4_awq",
+                   "W4A8_AWQ": "modelopt_w4a8_awq"}
+
+
+def _mixed_dequantizer(export_dir: str) -> Callable[[dict, torch.Size, str], torch.Tensor]:
+    """ModelOpt MIXED_PRECISION: each layer dequantized by the algorithm ``quantized_layers`` names for it."""
+    with open(os.path.join(export_dir, "hf_quant_config.json")) as f:
+        layers = json.load(f)["quantization"]["quantized_layers"]
+
+    def dequantize(t: dict, shape: torch.Size, mod: str) -> torch.Tensor:
+        algo = layers.get(mod, {}).get("quant_algo")
+        if algo not in _MODELOPT_ALGOS:
+            raise PipelineError(f"check: {mod}: quantized_layers names {algo!r}, which the check cannot dequantize")
+        return modelopt_dequantize(_MODELOPT_ALGOS[algo], t, shape)
+
+    return dequantize
+
+
 def _dense_copy(
-    export_dir: str, dequantize: Callable[[dict, torch.Size], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str
+    export_dir: str, dequantize: Callable[[dict, torch.Size, str], torch.Tensor], shapes: dict[str, torch.Size], out_dir: str
 ) -> None:
     """A dense checkpoint of the export in ``out_dir``: each quantized weight dequantized by the consumer's own
     code, the other tensors as written; config.json without its quantization_config."""
@@ -181,7 +210,7 @@ def _dense_copy(
     dense = {}
     for mod, t in _read_modules(export_dir).items():
         if mod in shapes:
-            w = dequantize(t, shapes[mod])
+            w = dequantize(t, shapes[mod], mod)
             # a carried pre_quant_scale multiplies the input: x * p @ W^T == x @ (W * p)^T, as the consumer computes
             dense[f"{mod}.weight"] = w * t["pre_quant_scale"].float() if "pre_quant_scale" in t else w
             if "bias" in t:
@@ -217,8 +246,10 @@ def reload_export(
         else:
             import modelopt.torch.quantization.qtensor  # noqa: F401  (fail here, not per module)
 
-            dequantize, consumer = functools.partial(modelopt_dequantize, fmt), "ModelOpt qtensor dequantize"
-            if fmt == "modelopt_int4_awq":
+            dequantize, consumer = (lambda t, shape, _mod: modelopt_dequantize(fmt, t, shape)), "ModelOpt qtensor dequantize"
+            if fmt == "modelopt_mixed":
+                dequantize = _mixed_dequantizer(export_dir)
+            elif fmt == "modelopt_int4_awq":
                 consumer = "ModelOpt pack_int4_in_uint8 layout unpacked"
             elif fmt == "modelopt_w4a8_awq":
                 consumer = "ModelOpt pack_int4_in_uint8 layout unpacked, then ModelOpt's FP8 qtensor"

@@ -56,12 +56,13 @@ FAMILY_GROUPS = {
 }  # fmt: skip
 
 
-def build(family: str, tie: bool = False, seed: int = 0) -> nn.Module:
-    """A tiny ``family`` causal LM in eval mode (experts run eager, as the quantized model computes them)."""
+def build(family: str, tie: bool = False, seed: int = 0, **overrides) -> nn.Module:
+    """A tiny ``family`` causal LM in eval mode (experts run eager, as the quantized model computes them);
+    ``overrides`` replace config fields (e.g. ``hidden_size=128`` for formats with blocks of 128)."""
     import transformers
 
     cfg_cls, model_cls, extra = FAMILIES[family]
-    kwargs = {**_COMMON, **extra, "tie_word_embeddings": tie}
+    kwargs = {**_COMMON, **extra, "tie_word_embeddings": tie, **overrides}
     if family in FAMILIES and any(k in extra for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         kwargs["experts_implementation"] = "eager"
     torch.manual_seed(seed)
