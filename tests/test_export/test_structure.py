@@ -17,6 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, ModelLayout, export_checkpoint, layout_for, structural_layout  # noqa: E402
 from quantlib.export.structure import shared_inputs  # noqa: E402
+from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
 from quantlib.nn.tensor_quantizer import TensorQuantizer  # noqa: E402
 from tests.test_export._families import FAMILIES, build, tokens  # noqa: E402
 from tests.test_export.test_families import FAMILY_GROUPS, GROUPS  # noqa: E402
@@ -67,9 +68,12 @@ def test_structural_groups_are_vllms_packed_groups(family):
 
 
 def test_probe_in_calibration_mode_and_training_changes_nothing():
-    """Quantizers collecting statistics (calibration under way), a model in train mode with its KV cache on:
-    the probe collects nothing, quantizes nothing, and leaves every switch and flag as it was."""
-    model = _quantize(build("qwen2_moe"), lambda m: m(tokens(5)))
+    """Quantizers collecting statistics (calibration under way, KV-cache quantizers too), a model in train mode
+    with its KV cache on: the probe collects nothing, quantizes nothing, and leaves every switch and flag as it was."""
+    model = build("qwen2_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(model, merge_kv_config(ql.FP8_DEFAULT_CFG, FP8_KV_CFG), lambda m: m(tokens(5)))
     model.train()
     model.config.use_cache = True
     for q in (m for m in model.modules() if isinstance(m, TensorQuantizer)):
@@ -230,3 +234,42 @@ def test_a_failing_probe_is_refused_by_name():
     with pytest.raises(ExportError, match=r"Block: the structure probe .* failed: RuntimeError.*structural_layout"):
         structural_layout(model, lambda m: m(torch.zeros(1, 2, 7)))
     _same(before, _state(model))
+
+
+def test_gpt2_conv1d_has_no_siblings():
+    """GPT-2's Conv1D c_attn is q/k/v fused already: each linear reads its own input, nothing to share."""
+    from tests.test_export._families import gpt2
+
+    model = _quantize(gpt2(tie=False), lambda m: m(tokens(5)))
+    layout = layout_for(model)
+    assert "transformer.h.0.attn.c_attn" in layout.structure.seen
+    assert layout.structure.fused == {} and layout.structure.unknown == ()
+
+
+class Experts(nn.Module):
+    """Per-expert linears; the probe's tokens all go to expert 0, so expert 1 is never reached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.ModuleDict({n: nn.Linear(32, 16, bias=False) for n in ("gate_proj", "up_proj")}) for _ in range(2))
+        for i, p in enumerate(self.parameters()):
+            with torch.no_grad():
+                p.mul_(1 + i)
+        self.route_to = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.experts[self.route_to]
+        return e["gate_proj"](x) * e["up_proj"](x)
+
+
+def test_experts_the_probe_does_not_reach_keep_their_names():
+    from quantlib.export import share_sibling_amax
+
+    model = Experts()
+    _quantize(model, lambda m: [setattr(m, "route_to", e) or m(X) for e in (0, 1)])
+    model.route_to = 0
+    layout = structural_layout(model, lambda m: m(X[:1, :2]))
+    assert layout.structure.seen == {"experts.0.gate_proj", "experts.0.up_proj"}
+    assert layout.group_of("experts.1.up_proj", "up_proj") == ("gate_proj", "up_proj")  # by vLLM's names
+    assert set(share_sibling_amax(model, layout)) == {("experts.0.gate_proj", "experts.0.up_proj"),
+                                                      ("experts.1.gate_proj", "experts.1.up_proj")}
