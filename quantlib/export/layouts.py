@@ -26,7 +26,7 @@ from torch import nn
 
 from .hf_names import transformers_names
 from .modules import ModuleWalk
-from .structure import Structure, reconcile, shared_inputs
+from .structure import Structure, model_structure, reconcile, shared_inputs
 from .types import ExportError
 
 Shard = Optional[Union[str, int]]
@@ -192,8 +192,8 @@ def with_structure(model: nn.Module, layout: ModelLayout, walk: Optional[ModuleW
     model that is no transformers model, and for one with weights on ``meta``."""
     if layout.structure is not None or getattr(getattr(model, "config", None), "model_type", None) is None:
         return layout
-    groups = shared_inputs(model, walk)
-    return layout if groups is None else _reconciled(layout, groups)
+    found = model_structure(model, walk, layout.name, layout.siblings, layout.standalone)
+    return layout if found is None else dataclasses.replace(layout, structure=found)
 
 
 def structural_layout(model: nn.Module, forward: Callable[[nn.Module], Any], layout: Optional[ModelLayout] = None) -> ModelLayout:
@@ -207,8 +207,4 @@ def structural_layout(model: nn.Module, forward: Callable[[nn.Module], Any], lay
     groups = shared_inputs(model, None, forward)
     if groups is None:
         raise ExportError(f"{type(model).__name__}: weights on the meta device: the structure probe needs the model in memory")
-    return _reconciled(dataclasses.replace(layout, structure=None), groups)
-
-
-def _reconciled(layout: ModelLayout, groups: list[tuple[str, ...]]) -> ModelLayout:
     return dataclasses.replace(layout, structure=reconcile(groups, layout.name, layout.siblings, layout.standalone))

@@ -72,17 +72,33 @@ def shared_inputs(model: nn.Module, walk: Optional[ModuleWalk] = None,
     """Groups of linear module names (module order) called on one input tensor in one probe forward of ``model``
     (``forward(model)``; default :func:`transformers_forward`), every linear the probe reached in exactly one
     group; None where a weight is on ``meta``. Cached per model while its linears are the same modules."""
-    linears = probe_linears(ModuleWalk(model) if walk is None else walk)
-    if not linears or on_meta(linears):
-        return None
-    signature = [(n, id(m)) for n, m in linears]
+    walk = ModuleWalk(model) if walk is None else walk
+    signature = [(n, id(m)) for n, m, _ in walk.linears]  # what the groups depend on: the modules, not their weights' device
     hit = _CACHE.get(model)
     if hit is not None and hit[0] == signature and forward is None:
         return hit[1]
+    linears = probe_linears(walk)
+    if not linears or on_meta(linears):
+        return None
     groups = _probe(model, linears, forward or transformers_forward)
     if forward is None:
-        _CACHE[model] = (signature, groups)
+        _CACHE[model] = (signature, groups, {})
     return groups
+
+
+def model_structure(model: nn.Module, walk: Optional[ModuleWalk], layout_name: str, siblings: tuple[tuple[str, ...], ...],
+                    standalone: Optional[frozenset]) -> Optional[Structure]:
+    """:func:`reconcile` of :func:`shared_inputs` (default forward), cached with the probe: weight sync asks every
+    step, and a model of per-expert linears has tens of thousands."""
+    groups = shared_inputs(model, walk)
+    if groups is None:
+        return None
+    memo = _CACHE[model][2]
+    key = (layout_name, siblings, standalone)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = reconcile(groups, layout_name, siblings, standalone)
+    return found
 
 
 def _probe(model: nn.Module, linears: list[tuple[str, nn.Module]], forward: Callable[[nn.Module], Any]) -> list[tuple[str, ...]]:
