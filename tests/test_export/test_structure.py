@@ -84,13 +84,13 @@ def test_probe_in_calibration_mode_and_training_changes_nothing():
     _same(before, _state(model))
 
 
-def test_probe_runs_once_per_model():
+def test_probe_runs_once_per_model(tmp_path):
     model = _quantize(build("llama"), lambda m: m(tokens(5)))
     calls = []
     model.register_forward_pre_hook(lambda *a: calls.append(1))
     layout_for(model)
     layout_for(model)
-    export_checkpoint(model, "/tmp/sib27/once", "modelopt_fp8", unify_siblings=True, overwrite=True)
+    export_checkpoint(model, tmp_path / "q", "modelopt_fp8", unify_siblings=True)
     assert len(calls) == 1
 
 
