@@ -12,7 +12,7 @@ from .buckets import Bucket, BucketEntry, bucket_by_dtype
 from .export_checkpoint import export_checkpoint
 from .fold import share_pre_quant_scale
 from .iterate import iter_packed
-from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, TRANSFORMERS, ModelLayout, layout_for, register_layout
+from .layouts import GENERIC, LAYOUTS, LLAMA, QWEN3, QWEN3_MOE, TRANSFORMERS, ModelLayout, layout_for, register_layout, structural_layout
 from .siblings import share_sibling_amax
 from .sync_scales import Scales
 from .types import ExportError, ExportFormat, ExportManifest, PackedWeight
@@ -45,5 +45,6 @@ __all__ = [
     "serialize_weight",
     "share_pre_quant_scale",
     "share_sibling_amax",
+    "structural_layout",
     "sync_pairs",
 ]

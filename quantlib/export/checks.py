@@ -52,14 +52,19 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     unknown: dict[tuple[str, int], list[str]] = {}
     # what the layout can name: its standalone leaves and its siblings' (a leaf in no group is known if standalone)
     standalone = layout.standalone
+    structure = layout.structure
+    seen = structure.seen if structure is not None else frozenset()
     group_of: dict[str, Optional[tuple[str, ...]]] = {}  # a model repeats a handful of leaf names
     for name, module, enabled in linears:
         parent, _, leaf = name.rpartition(".")
-        group = group_of[leaf] if leaf in group_of else group_of.setdefault(leaf, layout.sibling_group(leaf))
+        if name in seen:  # the probe saw it: its group is what one input and the layout's names make it
+            group = structure.group_of(name)
+        else:
+            group = group_of[leaf] if leaf in group_of else group_of.setdefault(leaf, layout.sibling_group(leaf))
         if group is not None:
             groups.setdefault((parent, group), []).append((name, enabled))
-        elif standalone is not None and enabled and leaf not in standalone:
-            # only linears that read inputs of one width can be fused into one GEMM
+        elif standalone is not None and enabled and leaf not in standalone and name not in seen:
+            # not probed (weights on meta): only linears that read inputs of one width can be fused into one GEMM
             unknown.setdefault((parent, _in_features(module)), []).append(name)
     for (_parent, group), members in groups.items():
         on = [n for n, e in members if e]
@@ -69,10 +74,17 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
                               f"consumers fuse {group} into one GEMM "
                               "and refuse a group quantized in part (vLLM: 'some but not all shards are quantized'): quantize the whole "
                               "group or none of it")
-    for names in unknown.values():
+    enabled_names = {n for n, _, e in linears if e}
+    candidates = list(unknown.values())
+    for part in structure.unknown if structure is not None else ():  # one parent, one input, a leaf no layout names
+        on = [n for n in part if n in enabled_names]
+        if any(layout.sibling_group(leaf) is None and leaf not in standalone for leaf in (n.rpartition(".")[2] for n in on)):
+            candidates.append(on)
+    for names in candidates:
         if len(names) > 1:
-            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (leaf names it does not "
-                              "know); "
+            how = "read one input in the probe forward" if names[0] in seen else "read inputs of one width"
+            raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (they {how}, and "
+                              "quantlib does not know all their leaf names); "
                               f"fused siblings need one global scale, so say which are: {_HOW}")
     if walk.tied:  # else no weight has a second owner
         _refuse_tied(walk.modules)

@@ -4,8 +4,10 @@ A layout names what consumers fuse: siblings that a loader concatenates into one
 therefore share a per-tensor (global) scale, their shard ids, and which weights tensor parallelism
 splits by rows (column-parallel) or by columns (row-parallel). The siblings are vLLM's packed modules:
 ``q_proj`` / ``k_proj`` / ``v_proj`` (``qkv_proj``), ``gate_proj`` / ``up_proj`` (``gate_up_proj``),
-MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa`` (``fused_qkv_a_proj``) and ``w1`` / ``w3`` (``w13``), found
-by these leaf names within one parent module, for every transformers family.
+MLA's ``q_a_proj`` / ``kv_a_proj_with_mqa`` (``fused_qkv_a_proj``), ``w1`` / ``w3`` (``w13``) and BERT's
+``query`` / ``key`` / ``value``: linears of one parent module with these leaf names that read the very same
+input in a probe forward (:mod:`.structure`), for every transformers family; by the names alone where the
+model cannot run (weights on ``meta``).
 
 Checkpoint names are those transformers' own ``save_pretrained`` writes (:mod:`.hf_names` reads its
 conversion mapping): transformers 5's fused experts (``experts.gate_up_proj`` [E, 2I, H]) go per expert
@@ -18,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
 from .hf_names import transformers_names
 from .modules import ModuleWalk
+from .structure import Structure, model_structure, reconcile, shared_inputs
 from .types import ExportError
 
 Shard = Optional[Union[str, int]]
@@ -53,6 +56,9 @@ class ModelLayout:
     #: leaf names that no consumer fuses with a neighbour; with the siblings' leaves, what the layout can
     #: name (None: any leaf, as in a layout a user writes for their model)
     standalone: Optional[frozenset] = None
+    #: which linears read one input, as a probe forward found them (:mod:`.structure`); None: not probed (a model
+    #: on ``meta``, a model that is no transformers model)
+    structure: Optional[Structure] = None
 
     def checkpoint_name(self, module_name: str) -> str:
         """The checkpoint name of a module (its own name unless transformers renames it)."""
@@ -64,6 +70,14 @@ class ModelLayout:
             if leaf in group:
                 return group
         return None
+
+    def group_of(self, name: str, leaf: str) -> Optional[tuple[str, ...]]:
+        """The fused group of module ``name`` (leaf ``leaf``): as the probe found it where it reached the module,
+        else by leaf name (:meth:`sibling_group`)."""
+        s = self.structure
+        if s is not None and name in s.seen:
+            return s.fused.get(name)
+        return self.sibling_group(leaf)
 
     def tp_axis(self, leaf: str) -> Optional[int]:
         """Weight axis that tensor parallelism splits for a module of this leaf name (None: replicated)."""
@@ -100,10 +114,10 @@ _EXPERT_SPLIT = {
     "up_proj": (("up_proj", "w3"),),
     "down_proj": (("down_proj", "w2"),),
 }
-#: vLLM's packed modules (``packed_modules_mapping``): qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj, w13, and the Gated
-#: DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3.5)
+#: vLLM's packed modules (``packed_modules_mapping``): qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj, w13, the Gated
+#: DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3.5), and BERT / RoBERTa's qkv_proj of query / key / value
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"),
-                  ("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
+                  ("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"), ("query", "key", "value"))
 #: leaves of transformers' decoders that consumers load alone (output projections, routers, fused already)
 STANDALONE = frozenset({
     "o_proj", "down_proj", "w2", "q_b_proj", "kv_b_proj", "q_proj", "gate", "router", "shared_expert_gate", "lm_head", "c_attn",
@@ -112,9 +126,10 @@ STANDALONE = frozenset({
 _DECODER = dict(
     siblings=FUSED_SIBLINGS,
     shards={"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1, "q_a_proj": 0, "kv_a_proj_with_mqa": 1, "w1": 0,
-            "w3": 1, "in_proj_z": 3, "in_proj_b": 0, "in_proj_a": 1},  # vLLM loads in_proj_qkv as shards (0, 1, 2) of in_proj_qkvz
+            "w3": 1, "in_proj_z": 3, "in_proj_b": 0, "in_proj_a": 1,  # vLLM loads in_proj_qkv as shards (0, 1, 2) of in_proj_qkvz
+            "query": "q", "key": "k", "value": "v"},
     column=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "w1", "w3", "c_fc", "c_attn",
-                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}),
+                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "query", "key", "value"}),
     row=frozenset({"o_proj", "down_proj", "w2", "c_proj"}),
     expert_split=_EXPERT_SPLIT,
     standalone=STANDALONE,
@@ -151,7 +166,8 @@ def layout_for(model: nn.Module, walk: Optional[ModuleWalk] = None) -> ModelLayo
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return GENERIC
-    return with_checkpoint_names(model, LAYOUTS.get(model_type) or _transformers_layout(model_type), walk)
+    walk = ModuleWalk(model) if walk is None else walk  # one traversal for the names and the probe
+    return with_structure(model, with_checkpoint_names(model, LAYOUTS.get(model_type) or _transformers_layout(model_type), walk), walk)
 
 
 @functools.lru_cache(maxsize=None)  # one per model_type, shared as a registered layout is: a replace per call cost 5-10 us
@@ -169,3 +185,27 @@ def with_checkpoint_names(model: nn.Module, layout: ModelLayout, walk: Optional[
     if renames.keys() <= layout.renames.keys() and experts.keys() <= layout.experts.keys():
         return layout  # the merge below would change nothing: its own names take precedence
     return dataclasses.replace(layout, renames={**renames, **layout.renames}, experts={**experts, **layout.experts})
+
+
+def with_structure(model: nn.Module, layout: ModelLayout, walk: Optional[ModuleWalk] = None) -> ModelLayout:
+    """``layout`` checked against the linears that read one input in a probe forward of transformers model
+    ``model`` (:mod:`.structure`; cached per model); ``layout`` itself where it holds a structure already, for a
+    model that is no transformers model, and for one with weights on ``meta``."""
+    if layout.structure is not None or getattr(getattr(model, "config", None), "model_type", None) is None:
+        return layout
+    found = model_structure(model, walk, layout.name, layout.siblings, layout.standalone)
+    return layout if found is None else dataclasses.replace(layout, structure=found)
+
+
+def structural_layout(model: nn.Module, forward: Callable[[nn.Module], Any], layout: Optional[ModelLayout] = None) -> ModelLayout:
+    """The layout of any model (your own module included) with its fused siblings found by ``forward(model)`` (one
+    forward on a tiny input; quantizers off, the model left as it was): linears of one parent that read one input
+    and whose leaf names are vLLM's packed modules (q/k/v, gate/up, ...) or ``layout``'s siblings. Pass it to
+    the export as ``layout=``."""
+    if layout is None:
+        is_hf = getattr(getattr(model, "config", None), "model_type", None) is not None
+        layout = layout_for(model) if is_hf else dataclasses.replace(TRANSFORMERS, name=type(model).__name__)
+    groups = shared_inputs(model, None, forward)
+    if groups is None:
+        raise ExportError(f"{type(model).__name__}: weights on the meta device: the structure probe needs the model in memory")
+    return dataclasses.replace(layout, structure=reconcile(groups, layout.name, layout.siblings, layout.standalone))

@@ -20,7 +20,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
-from .layouts import ModelLayout, Shard, with_checkpoint_names
+from .layouts import ModelLayout, Shard, with_checkpoint_names, with_structure
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .types import ExportError
 from .writers import ConfigInfo, Packer
@@ -350,6 +350,11 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
                               f"{n / tp:g}, not a whole number of blocks of {b}")
 
 
+def _module(it: Item) -> str:
+    """The module name of a linear item (an expert item's checkpoint name, which names no module)."""
+    return f"{it.parent}.{it.leaf}" if it.parent else it.leaf
+
+
 def _shared(it: Item) -> Optional[torch.Tensor]:
     """The amax a sibling group shares when it has one element: a chain's second member's (W4A8's FP8), else the weight's."""
     return it.chain[1] if it.chain is not None else it.amax
@@ -403,6 +408,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
                           f"for model_type {sorted(packer.model_types)} only")
     mw = ModuleWalk(model) if modules is None else modules  # one traversal shared by every pass below
     layout = with_checkpoint_names(model, layout, mw)  # a layout passed by hand still gets transformers' names (cached)
+    layout = with_structure(model, layout, mw)  # and is checked against the probe forward (cached)
     check_structure(mw, layout, type(model).__name__)
     folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
@@ -424,7 +430,7 @@ def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
     ``pre_quant_scale`` and one input amax."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        group = it.group or layout.sibling_group(it.leaf)  # INT4 / W4A16 siblings share no global scale, so it.group is None
+        group = it.group or layout.group_of(_module(it), it.leaf)  # INT4 / W4A16 siblings share no global scale: it.group is None
         if it.spec is not None and group is not None:
             groups.setdefault((it.parent, group), []).append(it)
     for first, *rest in groups.values():
@@ -459,7 +465,7 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
         if it.spec is not spec or it.input_spec is not inp:
             spec, inp = it.spec, it.input_spec
             shares = packer.shares_global(spec, inp)
-        it.group = layout.sibling_group(it.leaf) if shares else None
+        it.group = layout.group_of(_module(it), it.leaf) if shares else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
     passed: set = set()

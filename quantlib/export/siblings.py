@@ -23,7 +23,7 @@ def share_sibling_amax(model: nn.Module, layout: Optional[ModelLayout] = None) -
         if isinstance(q, SequentialQuantizer) and q.is_enabled:
             q = q[-1]  # a chain's per-tensor member (W4A8's FP8) is what siblings share
         parent, _, leaf = name.rpartition(".")
-        group = layout.sibling_group(leaf)
+        group = layout.group_of(name, leaf)
         if group is None or not isinstance(q, TensorQuantizer) or not q.is_enabled or q.amax is None or q.amax.numel() != 1:
             continue
         groups.setdefault((parent, group), []).append((name, q))

@@ -148,7 +148,8 @@ def test_nvfp4_w4a4_without_forward_loop_is_refused(tmp_path):
         export_checkpoint(model, tmp_path / "q", "modelopt_nvfp4")
 
 
-def test_unknown_family_is_refused_and_register_layout_names_it(tmp_path, monkeypatch):
+def test_register_layout_names_a_family(tmp_path, monkeypatch):
+    # (BERT's query / key / value are vLLM's qkv_proj: known without it; unknown names: tests/test_export/test_structure.py)
     from transformers import BertConfig, BertModel
 
     from quantlib.export import LAYOUTS, ModelLayout, register_layout
@@ -160,10 +161,6 @@ def test_unknown_family_is_refused_and_register_layout_names_it(tmp_path, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ql.quantize(bert, ql.FP8_DEFAULT_CFG, lambda m: m(ids))
-    with pytest.raises(ExportError, match=r"cannot tell whether consumers fuse \['encoder.layer.0.attention.self.query', "
-                                          r"'encoder.layer.0.attention.self.key', "
-                                          r"'encoder.layer.0.attention.self.value'\].*register_layout"):
-        export_checkpoint(bert, tmp_path / "refused", "modelopt_fp8", unify_siblings=True)
     monkeypatch.setitem(LAYOUTS, "bert", LAYOUTS.get("bert"))  # restored after the test
     register_layout("bert", ModelLayout("bert", siblings=(("query", "key", "value"),), shards={"query": "q", "key": "k", "value": "v"}))
     export_checkpoint(bert, tmp_path / "q", "modelopt_fp8", unify_siblings=True)
