@@ -52,19 +52,26 @@ def _same(a: dict, b: dict) -> None:
     assert a["training"] == b["training"] and a["use_cache"] == b["use_cache"]
 
 
+#: groups the probe finds beyond those whose scales the family tests check (their table names layer 0's quantized groups only)
+UNCHECKED = {"qwen3_5_moe": {("model.layers.0.linear_attn", ("in_proj_b", "in_proj_a")),
+                             ("model.layers.1.mlp.shared_expert", ("gate_proj", "up_proj"))}}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_structural_groups_are_vllms_packed_groups(family):
     model = _quantize(build(family), lambda m: m(tokens(5)))
     before = _state(model)
     layout = layout_for(model)
     _same(before, _state(model))
-    expected = {(GROUPS[g][0].format("x").rpartition(".")[0], GROUPS[g][1]) for g in FAMILY_GROUPS[family]}
+    expected = {(GROUPS[g][0].format("x").rpartition(".")[0], GROUPS[g][1]) for g in FAMILY_GROUPS[family]} | UNCHECKED.get(family, set())
     assert _fused(layout) == expected
     assert layout.structure.unknown == ()
     # what the probe saw: every group of linears reading one input of two or more members holds those of vLLM's
     raw = [g for g in shared_inputs(model) if len(g) > 1]
-    assert {tuple(n.rpartition(".")[2] for n in g if n.rpartition(".")[0] == p) for p, _ in expected for g in raw} - {()} == \
-        {leaves for _, leaves in expected}
+    # (Qwen3.5's in_proj_qkv / z / b / a read one input: vLLM packs them as two pairs, the layout splits them)
+    seen = {tuple(n.rpartition(".")[2] for n in g if n.rpartition(".")[0] == p) for p, _ in expected for g in raw} - {()}
+    assert all(any(set(leaves) <= set(s) for s in seen) for _, leaves in expected)
+    assert all(set(s) == set().union(*(leaves for _, leaves in expected if set(leaves) <= set(s))) for s in seen)
 
 
 def test_probe_in_calibration_mode_and_training_changes_nothing():
