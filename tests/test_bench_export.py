@@ -18,3 +18,24 @@ def test_small_cpu_run_times_every_format_against_the_copy(tmp_path):
         assert any(n.startswith(label) and "iter_packed (memory)" in n for n in names), names
     assert all(t > 0 and gbs > 0 for _, t, gbs, _, _ in rows)
     assert "| what | ms | GB/s of bf16 weights | of the copy |" in out.read_text()
+
+
+def test_small_moe_run_reports_the_stacked_sync(tmp_path):
+    """``--model moe``: a Qwen3-MoE whose 3-D experts are packed; the copy counts them (expert weights dominate)."""
+    bench = load_benchmark("bench_export")
+    args = bench.parse(["--device", "cpu", "--small", "--model", "moe"])
+    model = bench.build(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, "cpu", args.experts,
+                        args.moe_intermediate)
+    weights = bench.linear_weights(model)
+    assert sum(w.dim() == 3 for w in weights) == 2 * args.layers  # gate_up_proj and down_proj of every layer
+    assert sum(w.numel() for w in weights if w.dim() == 3) > sum(w.numel() for w in weights if w.dim() == 2)
+    out = tmp_path / "r.md"
+    rows = bench.main(["--device", "cpu", "--small", "--model", "moe", "--runs", "1", "--no-modelopt", "--formats", "fp8_block",
+                       "--out", str(out)])
+    assert any("sync_pairs" in r[0] for r in rows)
+    assert "Qwen3-MoE hidden 256, 8 experts of 128" in out.read_text()
+
+
+def test_llama_refuses_expert_options():
+    with pytest.raises(SystemExit):
+        load_benchmark("bench_export").parse(["--experts", "4"])
