@@ -63,14 +63,14 @@ RECIPES = {
 def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, device: str,
           experts: int = 0, moe_intermediate: int = 0) -> torch.nn.Module:
     """A random bf16 Llama (``experts == 0``) or Qwen3-MoE (every layer ``experts`` experts of ``moe_intermediate``,
-    top 8) created on ``device`` (parameters are allocated and initialised there)."""
+    top 8, heads of 128 as every Qwen3) created on ``device`` (parameters are allocated and initialised there)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False)
     if experts:
-        cfg = Qwen3MoeConfig(**common, head_dim=hidden // heads, num_experts=experts, num_experts_per_tok=min(8, experts),
+        cfg = Qwen3MoeConfig(**common, head_dim=128, num_experts=experts, num_experts_per_tok=min(8, experts),
                              moe_intermediate_size=moe_intermediate, architectures=["Qwen3MoeForCausalLM"])
         cls = Qwen3MoeForCausalLM
     else:
