@@ -250,6 +250,23 @@ void run_blocks_1d(const BlockTask& t, const O& call_op, int64_t b0, int64_t b1)
   }
 }
 
+// c[k] = table[x[k]] for n 16-bit inputs: eight codes per 8-byte store (little endian, as pack_nibbles).
+QL_INLINE void table_codes(const uint8_t* __restrict table, const uint16_t* __restrict x, uint8_t* __restrict c, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    uint64_t a, b;  // inputs k..k+3 and k+4..k+7, input k in the low 16 bits
+    __builtin_memcpy(&a, x + k, 8);
+    __builtin_memcpy(&b, x + k + 4, 8);
+    uint64_t w = 0;
+    for (int q = 0; q < 4; ++q) {
+      w |= uint64_t(table[(a >> (16 * q)) & 0xFFFFu]) << (8 * q);
+      w |= uint64_t(table[(b >> (16 * q)) & 0xFFFFu]) << (8 * q + 32);
+    }
+    __builtin_memcpy(c + k, &w, 8);
+  }
+  for (; k < n; ++k) c[k] = table[x[k]];
+}
+
 // FP8 codes of rows [b0, b1) of K elements with the given scale of each row (fp8_cast). With one scale
 // for every row, 16-bit inputs take a table of the code of each of their 65536 values (built with the
 // same element function, so the codes are the same bits) once the rows hold 4x as many elements: a byte
@@ -265,10 +282,7 @@ void run_scaled_rows(const BlockTask& t, int64_t b0, int64_t b1) {
       alignas(64) uint8_t table[kValues];
       const float s = t.scale_in[0];
       for (int64_t v = 0; v < kValues; ++v) table[v] = uint8_t(op.code(T::load(S(v)), s, 0.0f));
-      const S* __restrict xs = x + b0 * t.K;
-      uint8_t* __restrict c = t.codes + b0 * t.K;
-      const int64_t n = (b1 - b0) * t.K;
-      for (int64_t k = 0; k < n; ++k) c[k] = table[xs[k]];
+      table_codes(table, x + b0 * t.K, t.codes + b0 * t.K, (b1 - b0) * t.K);
       return;
     }
   }
