@@ -88,7 +88,8 @@ def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
 def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights every recipe packs: the decoder's linear layers (lm_head stays bf16) and the experts' 3-D
     projections (the router is not quantized)."""
-    out = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n and not n.endswith("mlp.gate")]
+    out = [m.weight for n, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear) and "lm_head" not in n and not n.endswith("mlp.gate")]
     return out + [p for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n]
 
 
