@@ -2,7 +2,14 @@
 
     python benchmarks/bench_export.py                       # GPU: Llama hidden 8192 / 28672, 3 layers (5.1 GB)
     python benchmarks/bench_export.py --device cpu --small  # smoke run: a tiny Llama on the CPU
-    options: --layers N --hidden H --intermediate I --runs R --formats fp8_block,mxfp8,fp8,nvfp4 --disk --profile --out FILE
+    python benchmarks/bench_export.py --model moe           # GPU: Qwen3-MoE hidden 2048, 128 experts of 768, 4 layers (5.0 GB)
+    options: --layers N --hidden H --intermediate I --experts E --moe-intermediate I --runs R
+             --formats fp8_block,mxfp8,fp8,nvfp4 --disk --profile --out FILE
+
+``--model moe`` builds a Qwen3-MoE (every layer sparse, experts as transformers keeps them: 3-D
+``gate_up_proj`` / ``down_proj`` parameters) whose bf16 expert and attention weights are ~5 GB by default;
+the sync sends its experts as vLLM's stacked fused-MoE parameters (``w13_*`` / ``w2_*``), ModelOpt exports
+the same experts one by one.
 
 A transformers Llama is built in bf16 directly on ``--device`` (no CPU init of GBs, no downloads) and
 quantized by quantlib and, separately, by ModelOpt with the same recipe, calibrated on the same batch:
@@ -58,28 +65,37 @@ RECIPES = {
 AWQ = ("int4_awq",)
 
 
-def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, device: str) -> torch.nn.Module:
-    """A random bf16 Llama created on ``device`` (parameters are allocated and initialised there)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, device: str,
+          experts: int = 0, moe_intermediate: int = 0) -> torch.nn.Module:
+    """A random bf16 Llama (``experts == 0``) or Qwen3-MoE (every layer ``experts`` experts of ``moe_intermediate``,
+    top 8, heads of 128 as every Qwen3) created on ``device`` (parameters are allocated and initialised there)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False,
-                      architectures=["LlamaForCausalLM"])  # fmt: skip
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False)
+    if experts:
+        cfg = Qwen3MoeConfig(**common, head_dim=128, num_experts=experts, num_experts_per_tok=min(8, experts),
+                             moe_intermediate_size=moe_intermediate, architectures=["Qwen3MoeForCausalLM"])
+        cls = Qwen3MoeForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**common, architectures=["LlamaForCausalLM"]), LlamaForCausalLM
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype=torch.bfloat16).eval()
 
 
 def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The weights of the decoder's linear layers (what every recipe packs; lm_head stays bf16)."""
-    return [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    """The weights every recipe packs: the decoder's linear layers (lm_head stays bf16) and the experts' 3-D
+    projections (the router is not quantized)."""
+    out = [m.weight for n, m in model.named_modules()
+           if isinstance(m, torch.nn.Linear) and "lm_head" not in n and not n.endswith("mlp.gate")]
+    return out + [p for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n]
 
 
 def sync(device: str) -> None:
@@ -145,12 +161,24 @@ def copy_all(weights: list[torch.Tensor]) -> None:
 def peak_extra(model: torch.nn.Module, fmt: str, device: str) -> tuple[int, int]:
     """(peak device bytes allocated above the model while iterating, largest module's packed bytes)."""
     largest = max(pw.nbytes for pw in iter_packed(model, fmt))
+    return peak_of(lambda: drop_all(model, fmt), device), largest
+
+
+def sync_peak_extra(model: torch.nn.Module, fmt: str, device: str) -> tuple[int, int]:
+    """(peak device bytes above the model during :func:`sync_all`, the largest tensor it yields): the tensor a
+    sender's chunk must hold at least (stacked experts: one projection of every expert of a layer)."""
+    largest = max(t.nbytes for _, t in sync_pairs(model, fmt))
+    return peak_of(lambda: sync_all(model, fmt), device), largest
+
+
+def peak_of(fn: Callable[[], object], device: str) -> int:
+    """Peak device bytes allocated during ``fn()`` above what was allocated before it."""
     sync(device)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    drop_all(model, fmt)
+    fn()
     sync(device)
-    return torch.cuda.max_memory_allocated() - base, largest
+    return torch.cuda.max_memory_allocated() - base
 
 
 def kernel_seconds(fn: Callable[[], object], device: str) -> Optional[float]:
@@ -190,12 +218,15 @@ def modelopt_quantized(base: torch.nn.Module, cfg_name: str, ids: torch.Tensor) 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--small", action="store_true", help="a tiny Llama (hidden 256, 2 layers): a smoke run")
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--intermediate", type=int, default=28672)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--model", choices=("llama", "moe"), default="llama", help="dense Llama or Qwen3-MoE (3-D stacked experts)")
+    ap.add_argument("--small", action="store_true", help="a tiny model (hidden 256, 2 layers): a smoke run")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--intermediate", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--experts", type=int, help="experts per layer (--model moe)")
+    ap.add_argument("--moe-intermediate", type=int, help="each expert's intermediate size (--model moe)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--formats", default="fp8_block,mxfp8,fp8", help=f"comma-separated, of {sorted(RECIPES)}")
@@ -204,8 +235,17 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="print the summed device-kernel time of one iteration")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    # hidden, intermediate, layers, heads, kv heads, experts, expert intermediate: 5.1 GB Llama; Qwen3-30B-A3B's layers (5.0 GB)
+    sizes = {"llama": (8192, 28672, 3, 64, 8, 0, 0), "moe": (2048, 6144, 4, 32, 4, 128, 768)}[args.model]
     if args.small:
-        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab = 256, 512, 2, 2, 2, 512
+        sizes = (256, 512, 2, 2, 2, 8 if args.model == "moe" else 0, 128)
+        args.vocab = 512
+    names = ("hidden", "intermediate", "layers", "heads", "kv_heads", "experts", "moe_intermediate")
+    if args.model == "llama" and (args.experts or args.moe_intermediate):
+        ap.error("--experts / --moe-intermediate need --model moe")
+    for name, default in zip(names, sizes):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     return args
 
 
@@ -236,6 +276,9 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
         peak, largest = peak_extra(ours, fmt, dev)
         notes.append(f"{label}: peak device memory above the model while iterating {peak / 1e6:.1f} MB; largest module's packed tensors "
                      f"{largest / 1e6:.1f} MB")
+        peak, largest = sync_peak_extra(ours, fmt, dev)
+        notes.append(f"{label}: peak device memory above the model during sync_pairs {peak / 1e6:.1f} MB; largest tensor it yields "
+                     f"{largest / 1e6:.1f} MB ({peak / largest:.2f}x)")
     if args.profile:
         k = kernel_seconds(lambda: drop_all(ours, fmt), dev)
         if k is not None:
@@ -271,8 +314,11 @@ def main(argv: Optional[list[str]] = None) -> list[tuple]:
     """Run the benchmark; returns the rows (label, seconds, GB/s, ratio to copy, speed-up over ModelOpt)."""
     args = parse(argv)
     dev = args.device
-    base = build(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, dev)
-    ids = torch.randint(0, args.vocab, (2, 64), generator=torch.Generator().manual_seed(1)).to(dev)
+    base = build(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, dev, args.experts,
+                 args.moe_intermediate)
+    # MoE: enough tokens that every expert sees some (its input quantizers calibrate)
+    shape = (4, 256) if args.experts else (2, 64)
+    ids = torch.randint(0, args.vocab, shape, generator=torch.Generator().manual_seed(1)).to(dev)
     weights = linear_weights(base)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     copy_s = timed(copy_all, args.runs, lambda: weights, dev)
@@ -283,10 +329,11 @@ def main(argv: Optional[list[str]] = None) -> list[tuple]:
         rows += r
         notes += n
     gpu = f" ({torch.cuda.get_device_name()})" if dev.startswith("cuda") else ""
+    what = (f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts of {args.moe_intermediate}" if args.experts else
+            f"Llama hidden {args.hidden}, intermediate {args.intermediate}")
     lines = [
-        (f"{datetime.date.today()} {platform.node()} {dev}{gpu} torch {torch.__version__} threads {torch.get_num_threads()}; Llama hidden "
-         f"{args.hidden}, "
-         f"intermediate {args.intermediate}, {args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of "
+        (f"{datetime.date.today()} {platform.node()} {dev}{gpu} torch {torch.__version__} threads {torch.get_num_threads()}; {what}, "
+         f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 linear weights packed; median of "
          f"{args.runs} after three warm-ups (garbage collector paused), one device sync a run"),
         "",
         "| what | ms | GB/s of bf16 weights | of the copy | quantlib's speed-up |",

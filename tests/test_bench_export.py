@@ -26,3 +26,24 @@ def test_folded_awq_export_timed_against_the_same_model_without_pre_quant_scale(
     assert any(n.startswith("INT4 AWQ") and n.endswith("folded): quantlib iter_packed (memory)") for n in names), names
     assert any(n.startswith("INT4 AWQ") and "without pre_quant_scale, quantlib iter_packed" in n for n in names), names
     assert not any("ModelOpt" in n for n in names)
+
+
+def test_small_moe_run_reports_the_stacked_sync(tmp_path):
+    """``--model moe``: a Qwen3-MoE whose 3-D experts are packed; the copy counts them (expert weights dominate)."""
+    bench = load_benchmark("bench_export")
+    args = bench.parse(["--device", "cpu", "--small", "--model", "moe"])
+    model = bench.build(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, "cpu", args.experts,
+                        args.moe_intermediate)
+    weights = bench.linear_weights(model)
+    assert sum(w.dim() == 3 for w in weights) == 2 * args.layers  # gate_up_proj and down_proj of every layer
+    assert sum(w.numel() for w in weights if w.dim() == 3) > sum(w.numel() for w in weights if w.dim() == 2)
+    out = tmp_path / "r.md"
+    rows = bench.main(["--device", "cpu", "--small", "--model", "moe", "--runs", "1", "--no-modelopt", "--formats", "fp8_block",
+                       "--out", str(out)])
+    assert any("sync_pairs" in r[0] for r in rows)
+    assert "Qwen3-MoE hidden 256, 8 experts of 128" in out.read_text()
+
+
+def test_llama_refuses_expert_options():
+    with pytest.raises(SystemExit):
+        load_benchmark("bench_export").parse(["--experts", "4"])

@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_fake_quant_nvfp4", &qc::fake_quant_nvfp4, nogil, arg("x"), arg("global_amax"), arg("block"), arg("block_amax") = py::none());
   m.def("cpu_fp8_blockwise_cast", &qc::fp8_blockwise_cast, nogil, arg("x"), arg("block"), arg("eps"), arg("pow2"),
         arg("element"));
+  m.def("cpu_fp8_cast", &qc::fp8_cast, nogil, arg("x"), arg("scale"), arg("element"));
   m.def("cpu_mx_cast", &qc::mx_cast, nogil, arg("x"), arg("elem"), arg("block"), arg("floor"));
   m.def("cpu_nvfp4_cast", &qc::nvfp4_cast, nogil, arg("x"), arg("global_amax"), arg("block"), arg("block_amax") = py::none());
   m.def("cpu_isa", &qc::isa, "Instruction set the CPU kernels run with.");

@@ -27,7 +27,8 @@ enum class Op : int {
 
 enum class Mode : int {
   FAKE,       // write dequantize(quantize(x)) in x's dtype
-  CODES,      // write codes (FP8 bytes, or E2M1 packed two per byte) and per-block scales
+  CODES,      // write codes (FP8 bytes, or E2M1 packed two per byte) and per-block scales; FP8_E4M3 /
+              // FP8_E5M2: rows of K elements with the given scale_in (fp8_cast)
   AMAX_ONLY,  // write the per-block amax only
 };
 
@@ -54,6 +55,8 @@ struct BlockTask {
   const float* amax_in = nullptr;  // static amax per block, or null: computed from the block
   bool nan_groups = false;         // with amax_in: a block holding NaN gets a NaN scale (INT)
   const float* s2_rows = nullptr;  // NVFP4 with 1-D blocks: a global scale per row (null: ctx.s2)
+  const float* scale_in = nullptr; // FP8 per tensor / row codes (fp8_cast): each row's scale s = Q / a
+  bool one_scale = false;          // scale_in holds one scale for every row
   void* out = nullptr;             // FAKE: like x
   uint8_t* codes = nullptr;        // CODES: FP8 codes [L, M, K], or E2M1 packed [L, M, (K + 1) / 2]
   float* amax_out = nullptr;       // per block, each optional

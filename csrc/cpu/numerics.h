@@ -93,15 +93,17 @@ using E4M3 = Fp8Format<3, 121, 448>;    // min normal 2^-6, step 2^-9
 using E5M2 = Fp8Format<2, 113, 57344>;  // min normal 2^-14, step 2^-16
 
 // Subnormal steps of |y| (abs bits a below the format's min normal), rounded to nearest even; the
-// result 2^MBITS is the smallest normal, so it is also the right code. |y| = m * 2^(e-150); an fp32
-// subnormal (e = 0) rounds to 0 whatever its implicit bit; k saturates at 31 (and wraps to 31 for a
-// normal |y|, whose result is not used).
+// result 2^MBITS is the smallest normal, so it is also the right code. One fp32 addition does it:
+// M = 2^(kDrop + kMinf - 127) has the subnormal step as its ulp and |y| < min normal < M, so |y| + M
+// rounds |y| to a multiple of the step (RNE, exact IEEE: no fast-math in this build) and the bits above
+// M's count the steps (an fp32 subnormal |y| adds exactly and rounds to 0, as it must). Two variable
+// shifts and a select fewer per element than shifting the significand; every fp32 below the min normal
+// gives the shift's result (tests/test_kernels/test_fp8_subnormal_steps.py). A normal |y|'s result is
+// not used.
 template <class F>
 QL_INLINE uint32_t fp8_subnormal_steps(uint32_t a) {
-  const uint32_t e = a >> 23;
-  const uint32_t m = (a & 0x007FFFFFu) | 0x00800000u;
-  const uint32_t k0 = uint32_t(F::kDrop + F::kMinf) - e, k = k0 < 31u ? k0 : 31u;
-  return rne_shift(m, k);
+  constexpr uint32_t kMagic = uint32_t(F::kDrop + F::kMinf) << 23;
+  return f2u(u2f(a) + u2f(kMagic)) - kMagic;
 }
 
 // Abs bits of a normal |y| rounded to MBITS mantissa bits (RNE; a carry moves into the exponent).

@@ -397,6 +397,23 @@ std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x_, cons
   return {codes, scales};
 }
 
+at::Tensor fp8_cast(const at::Tensor& x_, const at::Tensor& scale, const std::vector<int64_t>& element) {
+  const at::Tensor x = x_.contiguous();
+  const DType dt = dtype_of(x, "fp8_cast");
+  const Op op = fp8_op(element, false, "fp8_cast");
+  const Layout g = row_layout(x);
+  const at::Tensor s = scale.to(at::kFloat).contiguous();
+  TORCH_CHECK_VALUE(s.device().is_cpu() && (s.numel() == 1 || s.numel() == g.M), "fp8_cast: scale must be one value or one per row (",
+                    g.M, ") on the CPU, got shape ", s.sizes(), " on ", s.device());
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(op == Op::FP8_E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2));
+  BlockTask t = block_task(x, dt, op, Mode::CODES, Ctx{}, g);
+  t.codes = static_cast<uint8_t*>(codes.data_ptr());
+  t.scale_in = s.data_ptr<float>();
+  t.one_scale = s.numel() == 1;
+  run(t);
+  return codes;
+}
+
 std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x_, const std::string& elem, int64_t block, bool floor_rounding) {
   const at::Tensor x = x_.contiguous();
   const DType dt = dtype_of(x, "mx_cast");

@@ -41,6 +41,10 @@ at::Tensor fake_quant_nvfp4(const at::Tensor& x, const std::optional<at::Tensor>
 std::tuple<at::Tensor, at::Tensor> fp8_blockwise_cast(const at::Tensor& x, const std::vector<int64_t>& block, double eps,
                                                       bool pow2, const std::vector<int64_t>& element);
 
+// FP8 codes (shape of x) of clamp(x * scale, -Q, Q): one fp32 quantization scale (Q / amax), or one per
+// row of the last dim (x.shape[:-1] + (1,)).
+at::Tensor fp8_cast(const at::Tensor& x, const at::Tensor& scale, const std::vector<int64_t>& element);
+
 // MX codes (float8_e4m3fn, uint8 with two E2M1 per byte, uint8 FP6 codes or int8) and uint8 E8M0 bytes per block.
 std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x, const std::string& elem, int64_t block,
                                            bool floor_rounding);

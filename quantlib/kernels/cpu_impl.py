@@ -112,6 +112,9 @@ def nvfp4_cast(x: torch.Tensor, global_amax: torch.Tensor | None, block: int = 1
     return _ext().cpu_nvfp4_cast(x, global_amax, block, block_amax)
 
 
-# No C++ kernel: one multiply, a clamp and a cast, which torch's vectorised CPU ops run in cache-sized
-# row chunks (the formula of the reference, chunked).
-register("fp8_cast", "cpu")(fp8_codes)
+@register("fp8_cast", "cpu")
+def fp8_cast(x: torch.Tensor, scale: torch.Tensor, element: tuple[int, int]) -> torch.Tensor:
+    ext = _ext()
+    if not hasattr(ext, "cpu_fp8_cast"):  # an extension built before this kernel: the reference formula, chunked
+        return fp8_codes(x, scale, element)
+    return ext.cpu_fp8_cast(x, scale, list(element))
