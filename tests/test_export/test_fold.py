@@ -15,57 +15,12 @@ pytest.importorskip("compressed_tensors")
 from safetensors.torch import load_file
 
 import quantlib as ql
-from quantlib.export import ExportError, export_checkpoint, share_pre_quant_scale, share_sibling_amax
+from quantlib.export import ExportError, export_checkpoint, share_pre_quant_scale
+from tests.test_export._awq_models import FAMILIES, _calibrated, _llama, _loop  # noqa: F401
 from tests.test_export._export_models import tokens
 
 INT4_AWQ_CLIP = {**ql.INT4_AWQ_CFG, "algorithm": {"method": "awq_clip"}}
 INT4_AWQ_FULL = {**ql.INT4_AWQ_CFG, "algorithm": {"method": "awq_full", "alpha_step": 0.25}}
-
-
-def _llama(kv_heads: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=kv_heads,
-                      max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32,
-                      max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
-    return Qwen3ForCausalLM(cfg).eval()
-
-
-def _opt():
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(2)
-    cfg = OPTConfig(vocab_size=256, hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-                    word_embed_proj_dim=128)
-    return OPTForCausalLM(cfg).eval()
-
-
-FAMILIES = {"llama": _llama, "llama_mha": lambda: _llama(4), "qwen3": _qwen3, "opt": _opt}
-
-
-def _loop(model):
-    model(tokens(5))
-
-
-def _calibrated(family: str, cfg: dict, share: bool = True):
-    model = FAMILIES[family]()
-    ql.quantize(model, cfg, _loop)
-    ql.disable_quantizer(model, "*lm_head*")
-    if share:
-        share_pre_quant_scale(model, _loop)
-        share_sibling_amax(model)
-    return model
 
 
 def _ct_logits(out_dir) -> torch.Tensor:

@@ -22,8 +22,8 @@ from safetensors.torch import load_file  # noqa: E402
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint, iter_packed  # noqa: E402
 from quantlib.pipeline.check import modelopt_dequantize  # noqa: E402
+from tests.test_export._awq_models import _calibrated  # noqa: E402
 from tests.test_export._export_models import tokens  # noqa: E402
-from tests.test_export.test_fold import _calibrated  # noqa: E402
 
 W4A8 = ql.W4A8_AWQ_BETA_CFG
 
