@@ -127,6 +127,17 @@ def _hooked(st: Structure) -> str:
     return ""
 
 
+class _Projection(nn.Module):
+    """One of the grouped projections as the module Megatron's ``MLP.forward`` calls."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self._fn = fn
+
+    def forward(self, x: torch.Tensor):
+        return self._fn(x)
+
+
 class _Experts:
     """What Megatron's ``MLP.forward`` reads of ``self``, for all local experts at once: expert 0's config
     and activation, and linears that are the grouped GEMMs over the rows of every expert."""
@@ -137,14 +148,16 @@ class _Experts:
         self.activation_func = self._first.activation_func
         self._offs, self._expert = group_rows(counts, rows)
         self._mlp, self._st, self._counts, self._probs = mlp, st, counts, probs
+        # Megatron >= 0.19 calls them through typed_torch.apply_module, which refuses what is not an nn.Module
+        self.linear_fc1, self.linear_fc2 = _Projection(self._fc1), _Projection(self._fc2)
 
     def __getattr__(self, name: str):  # anything else MLP.forward reads (other releases): expert 0's
         return getattr(self.__dict__["_first"], name)
 
-    def linear_fc1(self, x: torch.Tensor):
+    def _fc1(self, x: torch.Tensor):
         return self._linear("fc1", x), _bias_rows(self._st.fc1s, self._expert)
 
-    def linear_fc2(self, x: torch.Tensor):
+    def _fc2(self, x: torch.Tensor):
         out = self._linear("fc2", x)
         bias = _bias_rows(self._st.fc2s, self._expert)
         if bias is not None:  # what MLP.forward does with an expert's fc2 bias and its per-token scale

@@ -214,7 +214,8 @@ def test_quantized_moe_gpt_training_step_equals_megatrons_loop(preset):
     grouped, looped = res["reads"]
     assert not [r for r in grouped if "quantlib" in r or "experts.py" in r], grouped
     assert [r for r in looped if "experts.py" in r]  # (the recorder sees Megatron's loop read its counts)
-    assert set(grouped) <= {"aten.masked_select.default"}, grouped
+    # the dispatcher's own reads (masked_select; Megatron 0.19 also reads a scalar) are read in both runs
+    assert set(grouped) <= set(looped) and len(grouped) < len(looped), (grouped, looped)
 
 
 def _fallback_case(rank: int, world: int) -> dict:
