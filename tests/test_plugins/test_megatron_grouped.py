@@ -25,6 +25,14 @@ from tests.test_plugins.host_reads import HostReads  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
+def _on_a_fresh_rank(case, *args, timeout: float = 300.0):
+    """Run ``case`` on one spawned gloo rank. Not forked: a pytest worker that has compiled or run a backward
+    before (test_compile.py) forks children whose autograd refuses to run ("autograd's threading in combination
+    with fork") or whose inductor build hangs on the parent's compile pool (CI's newest line, Megatron-Core 0.19
+    compiles its fused swiglu); a fresh interpreter inherits neither."""
+    return shims.run_distributed(case, 1, *args, timeout=timeout, method="spawn")
+
+
 PRESETS = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG", "int4_block": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"}
 
 
@@ -128,7 +136,7 @@ def _grouped_case(rank: int, world: int, preset: str, model: str) -> dict:
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_forward_and_backward_read_nothing_back_and_equal_megatrons_loop(preset):
-    (res,) = shims.run_distributed(_grouped_case, 1, preset, "plain")
+    (res,) = _on_a_fresh_rank(_grouped_case, preset, "plain")
     assert res["refusal"] == ""
     assert res["reads"] == [], res["reads"]
     assert res["eval_equal"]
@@ -143,9 +151,7 @@ def test_forward_and_backward_read_nothing_back_and_equal_megatrons_loop(preset)
 @pytest.mark.parametrize("model", ["swiglu", "swiglu_fused"])
 def test_swiglu_experts_equal_megatrons_loop(model):
     """Gated experts through Megatron's own activation code: its glu, or its fused weighted-swiglu kernel."""
-    # Megatron-Core 0.19's fused swiglu is torch.compile'd (jit_fuser): a cold inductor build on 2 busy cores
-    # passed the 240 s default in CI (13 s alone); the compile test's limit
-    (res,) = shims.run_distributed(_grouped_case, 1, "fp8", model, timeout=600)
+    (res,) = _on_a_fresh_rank(_grouped_case, "fp8", model)
     assert res["refusal"] == "" and res["reads"] == [] and res["eval_equal"] and res["unequal"] == []
 
 
@@ -170,7 +176,7 @@ def test_expert_biases_follow_megatrons_activation_in_eval(model):
     """fc1's bias through Megatron's own activation code (swiglu, gelu), fc2's
     times the routing probability: the loop's bits. Trainable biases take the loop (their gradients
     would be summed in another order)."""
-    (res,) = shims.run_distributed(_bias_case, 1, model)
+    (res,) = _on_a_fresh_rank(_bias_case, model)
     assert res["eval_refusal"] == "" and res["reads"] == [] and res["equal"]
     assert "linear_fc1.bias: trainable" in res["train_refusal"]
 
@@ -210,7 +216,7 @@ def test_quantized_moe_gpt_training_step_equals_megatrons_loop(preset):
     """A whole quantized GPT's forward + backward: logits and every parameter's gradient equal those of
     Megatron's expert loop; the only host reads left are the allgather dispatcher's own (its token
     permutation), none from the experts."""
-    (res,) = shims.run_distributed(_gpt_case, 1, preset)
+    (res,) = _on_a_fresh_rank(_gpt_case, preset)
     assert res["refusals"] == ["", ""]  # both MoE layers grouped
     assert res["logits"] and res["grads"] and res["unequal"] == []
     grouped, looped = res["reads"]
@@ -241,7 +247,7 @@ def _fallback_case(rank: int, world: int) -> dict:
 
 
 def test_what_the_grouped_path_cannot_reproduce_takes_megatrons_loop():
-    (res,) = shims.run_distributed(_fallback_case, 1)
+    (res,) = _on_a_fresh_rank(_fallback_case)
     assert "local_experts.1.linear_fc1: forward hooks" in res["hook"]
     assert "output_quantizer" in res["output"]
     assert "local_experts.2.linear_fc1.input_quantizer" in res["uncalibrated"] and "no calibrated amax" in res["uncalibrated"]
@@ -280,7 +286,7 @@ def _input_amax_case(rank: int, world: int, preset: str, axis) -> dict:
 def test_calibration_collects_each_experts_amax_on_the_device(preset, axis):
     """Each expert's input amax from its own rows, reduced per expert on the device (no host read): the
     loop's amax bit for bit; an expert that no token reaches keeps no amax, as in the loop."""
-    (res,) = shims.run_distributed(_input_amax_case, 1, preset, axis)
+    (res,) = _on_a_fresh_rank(_input_amax_case, preset, axis)
     assert res["enabled"]
     grouped, looped = res["found"]
     assert [a is None for a in grouped] == [a is None for a in looped] == [False, True, False, False] * 2
@@ -307,7 +313,7 @@ def _calibration_case(rank: int, world: int) -> dict:
 
 
 def test_calibrating_a_quantized_moe_gpt_through_the_grouped_path_gives_the_loops_amax():
-    (res,) = shims.run_distributed(_calibration_case, 1)
+    (res,) = _on_a_fresh_rank(_calibration_case)
     (ga, gt, greads), (la, lt, lreads) = res["grouped"], res["loop"]
     assert sorted(ga) == sorted(la) and all(torch.equal(ga[n], la[n]) for n in ga)
     assert sorted(gt) == sorted(lt) and all(torch.equal(gt[n], lt[n]) for n in gt) and sum(int(t.sum()) for t in gt.values()) > 0
@@ -334,5 +340,5 @@ def _compile_case(rank: int, world: int, preset: str) -> list[bool]:
 def test_fullgraph_compile_of_the_experts_serves_every_routing_and_equals_eager(preset):
     """``torch.compile(fullgraph=True)`` of the quantized SequentialMLP: one graph (a host read would break
     it), no recompile when the tokens route elsewhere, eager's bits."""
-    (res,) = shims.run_distributed(_compile_case, 1, preset, timeout=600)
+    (res,) = _on_a_fresh_rank(_compile_case, preset, timeout=600)
     assert res == [True, True]
