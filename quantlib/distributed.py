@@ -19,7 +19,15 @@ from .collectives import agreement, all_gather_objects, all_reduce, device_for, 
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .parallel_state import GROUP_NAMES, PARALLEL_ROLES, LayoutError, ParallelState, ProcessGroup, discover_parallel_state, tp_shard_dim  # noqa: F401  (re-exported)
+from .parallel_state import (  # noqa: F401  (re-exported)
+    GROUP_NAMES,
+    PARALLEL_ROLES,
+    LayoutError,
+    ParallelState,
+    ProcessGroup,
+    discover_parallel_state,
+    tp_shard_dim,
+)
 from .traversal import applied_config, expert_group_key, iter_quantizers
 
 _CPU = torch.device("cpu")
