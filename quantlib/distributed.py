@@ -16,11 +16,20 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import agreement, all_gather_objects, all_reduce, device_for, pack_by_slot, slot, structure_digest
+from .errors import ConfigError
 from .nn.containers import GroupedQuantizer, QuantizerContainer
 from .nn.quant_module import QuantModule
 from .nn.tensor_quantizer import CalibrationError, TensorQuantizer
-from .parallel_state import GROUP_NAMES, PARALLEL_ROLES, LayoutError, ParallelState, ProcessGroup, discover_parallel_state, tp_shard_dim  # noqa: F401  (re-exported)
-from .traversal import applied_config, expert_group_key, iter_quantizers
+from .parallel_state import (  # noqa: F401  (re-exported)
+    GROUP_NAMES,
+    PARALLEL_ROLES,
+    LayoutError,
+    ParallelState,
+    ProcessGroup,
+    discover_parallel_state,
+    tp_shard_dim,
+)
+from .traversal import applied_config, expert_group_key, iter_quantizers, quant_modules
 
 _CPU = torch.device("cpu")
 _ROW_BYTES = 1024  # per-rank room for the error report exchanged when something is wrong
@@ -114,6 +123,18 @@ def _layer_base(module: QuantModule, module_name: str) -> str:
     if any(isinstance(getattr(module, n, None), GroupedQuantizer) for n in module.weight_quantizer_names):
         return module_name
     return expert_group_key(module_name) or module_name
+
+
+def _require_experts(model: nn.Module) -> None:
+    """``sync_expert_weight_amax=True`` on a model with no expert module quantlib recognizes would change nothing:
+    refused, naming the modules that look like experts (e.g. an ``nn.ModuleList`` of ``nn.Linear`` experts)."""
+    modules = list(quant_modules(model))
+    if any(m.is_expert for _, m in modules):
+        return
+    like = [n for n, _ in modules if "expert" in n and expert_group_key(n)]
+    hint = f"; {len(like)} module(s) named like experts are plain linears to quantlib: {like[:3]}" if like else ""
+    raise ConfigError(f"sync_expert_weight_amax=True: no module of {type(model).__name__} is an expert quantlib recognizes (fused "
+                      f"Hugging Face experts, Megatron-Core experts), so no expert weights would share an amax{hint}; set it False")
 
 
 def _collect(model: nn.Module, sync_expert_weights: bool) -> list[_Unit]:
@@ -463,6 +484,8 @@ def sync_amax(
     cfg = applied_config(model)
     policy = expert_input_policy or (cfg.expert_input_policy if cfg is not None else "max_of_peers")
     sync_w = sync_expert_weight_amax if sync_expert_weight_amax is not None else bool(cfg is not None and cfg.sync_expert_weight_amax)
+    if sync_w:
+        _require_experts(model)
     problems: list[str] = []
     units = _collect(model, sync_w)
     for u in units:

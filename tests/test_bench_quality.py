@@ -67,8 +67,10 @@ def test_static_variant_sweeps_static_weight_blocks_only():
 
 
 def test_summary_compares_each_draw_with_its_own_max():
-    rec = lambda algo, seed, ppl: {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": seed, "ppl": ppl,  # noqa: E731
-                                   "kl": 0.001, "calib_s": 1.0 + seed}
+    def rec(algo, seed, ppl):
+        return {"model": "m", "preset": "P", "algorithm": algo, "lib": "quantlib", "seed": seed, "ppl": ppl, "kl": 0.001,
+                "calib_s": 1.0 + seed}
+
     rows = bq.summarize([rec("max", 0, 10.0), rec("max", 1, 20.0), rec("awq_lite", 0, 9.9), rec("awq_lite", 1, 19.6)])
     awq = next(r for r in rows if r["algorithm"] == "awq_lite")
     assert awq["vs_max_pct"] == pytest.approx(-1.5) and awq["vs_max_std"] == pytest.approx(math.sqrt(0.5))
@@ -110,7 +112,9 @@ def test_op_count_counts_the_calibrations_aten_ops():
     awq_ops = bq.count_ops(bq.ql.quantize, model, {"quant_cfg": {"*weight_quantizer": {"num_bits": 4, "block_sizes": {-1: 16}}},
                                                    "algorithm": "awq_lite"}, data)
     assert 0 < max_ops < awq_ops  # the search runs the layers again per alpha
-    rec = lambda lib, ops: {"model": "m", "preset": "P", "algorithm": "max", "lib": lib, "seed": 0, "ppl": 1.0, "kl": 0.0, "ops": ops}  # noqa: E731
+    def rec(lib, ops):
+        return {"model": "m", "preset": "P", "algorithm": "max", "lib": lib, "seed": 0, "ppl": 1.0, "kl": 0.0, "ops": ops}
+
     assert "| m | P | max | 30 | 120 | 0.25 |" in bq.ops_table(bq.summarize([rec("quantlib", 30), rec("modelopt", 120)]))
     assert bq.ops_table(bq.summarize([{k: v for k, v in rec("quantlib", 1).items() if k != "ops"}])) == ""
 

@@ -177,7 +177,8 @@ def test_trace_sees_an_import_by_name() -> None:
     of a low layer, is reported (``exec`` with that module's globals stands in for its code)."""
     code = compile("importlib.import_module('quantlib.plugins')", "<nn code>", "exec")
     with trace_imports() as edges:
-        exec(code, {"__name__": "quantlib.nn.quant_module", "__package__": "quantlib.nn", "importlib": importlib})  # noqa: S102  (fixed code)
+        globs = {"__name__": "quantlib.nn.quant_module", "__package__": "quantlib.nn", "importlib": importlib}
+        exec(code, globs)  # noqa: S102  (fixed code)
     assert uphill(edges) == ["quantlib.nn.quant_module (nn) imports quantlib.plugins (plugins)"]
 
 

@@ -51,3 +51,28 @@ def test_dynamic_weight_sync_keeps_the_shared_expert_amax():
     ql.model_quant.applied_config(model).sync_expert_weight_amax = False
     s2 = dict(sync_pairs(model, "modelopt_nvfp4"))["model.layers.1.mlp.experts.w2_weight_scale_2"]
     assert len(set(s2.tolist())) == 4  # per expert without the flag
+
+
+class _ListMoE(torch.nn.Module):
+    """A hand-built MoE: an ``nn.ModuleList`` of ``nn.Linear`` experts, which quantlib quantizes as plain linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(32, 32, bias=False) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(x) for e in self.experts)
+
+
+def test_sync_expert_weight_amax_without_recognized_experts_is_refused():
+    """The flag changed nothing there (each linear kept its own amax) and said nothing: now a ConfigError naming it
+    and the modules that look like experts; the model is left as it was."""
+    cfg = copy.deepcopy(ql.NVFP4_DEFAULT_CFG)
+    cfg["sync_expert_weight_amax"] = True
+    model = torch.nn.Sequential(_ListMoE())
+    with pytest.raises(ql.ConfigError, match=r"sync_expert_weight_amax=True: no module of Sequential is an expert .*4 module\(s\) "
+                                             r"named like experts .*\['0\.experts\.0', '0\.experts\.1', '0\.experts\.2'\]"):
+        ql.quantize(model, cfg, lambda m: m(torch.randn(8, 32)))
+    assert not any(isinstance(m, ql.QuantModule) for m in model.modules())
+    cfg["sync_expert_weight_amax"] = False
+    ql.quantize(model, cfg, lambda m: m(torch.randn(8, 32)))

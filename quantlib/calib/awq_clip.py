@@ -49,8 +49,8 @@ from .shards import groups_span_shards
 _log = logging.getLogger("quantlib")
 
 #: largest number of weight elements (quantized copies included) one batched clip search holds; on the CPU
-#: too (unlike mse's elementwise search, its work is batched GEMMs, and a smaller chunk re-quantizes the
-#: copies on every call): 2^22..2^16 were no faster, 2^18 1.8x slower on bench_quality's dense LM (notes/gptq30)
+#: too: unlike mse's elementwise search, its work is batched GEMMs, and a smaller chunk re-quantizes the
+#: copies on every call (benchmarks/RESULTS.md, "awq_clip's chunk on the CPU")
 CHUNK_ELEMENTS = 1 << 24
 
 

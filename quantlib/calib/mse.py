@@ -55,7 +55,7 @@ _log = logging.getLogger("quantlib")
 CHUNK_ELEMENTS = 1 << 24
 #: the same on the CPU, where the stacked candidates and the error's temporaries (a few fp32 copies of a
 #: chunk, 1 MiB each) must stay in the cache: with 1 << 24 (tens of MB of temporaries) the search was
-#: memory-bound, 1.3-1.65x ModelOpt's time; 1 << 18 was the fastest of 2^18..2^24 on a GPT-NeoX (notes/calib-safety)
+#: memory-bound (benchmarks/RESULTS.md, "mse on the CPU")
 CPU_CHUNK_ELEMENTS = 1 << 18
 
 

@@ -431,7 +431,7 @@ def calibrate_sequential(model: nn.Module, algo: AlgorithmConfig, ctx: CalibCont
     opts = SequentialOptions.from_any(options)
     if algo.mutates_weights and (opts.offload_folder is not None or opts.resume_file is not None):  # neither keeps rewritten weights
         lost = "an offload_folder (read, never written) or a resume_file would lose"
-        raise ValueError(f"sequential calibration: algorithm {algo.method!r} rewrites the weights, which {lost}; calibrate without them")
+        raise ConfigError(f"sequential calibration: algorithm {algo.method!r} rewrites the weights, which {lost}; calibrate without them")
     device = torch.device(opts.device) if opts.device is not None else None
     name, layers = decoder_layers(model, opts.layers)
     run = runner(algo.method)

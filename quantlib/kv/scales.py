@@ -85,3 +85,9 @@ def modelopt_kv_algo(spec: Optional[FormatSpec]) -> Optional[str]:
     if spec is None:
         return None
     return "NVFP4" if is_nvfp4(spec) else "FP8"
+
+
+def modelopt_kv_scheme(kv_algo: Optional[str]) -> Optional[dict | str]:
+    """``kv_cache_scheme`` of the config.json form of ModelOpt's config for its ``kv_cache_quant_algo``: FP8 as
+    QuantizationArgs-like fields, other algorithms by name (None: KV cache not quantized)."""
+    return {"dynamic": False, "num_bits": 8, "type": "float"} if kv_algo == "FP8" else kv_algo

@@ -18,7 +18,6 @@ from typing import Callable, Hashable, Optional
 import torch
 from torch import nn
 
-from ..formats import Kind
 from ..nn.quant_module import _quantizer_token
 from ..nn.tensor_quantizer import TensorQuantizer, _raise_named
 
@@ -76,7 +75,7 @@ def _batched(members: list, stack: Callable[[], torch.Tensor]) -> Optional[torch
         return None
     spec = first.spec
     static = first.needs_calibration
-    if not static and (spec.kind == Kind.NVFP4 or not (spec.kind == Kind.MX or spec.dynamic)):
+    if not static and spec.calibrated_amax:
         return None  # type "dynamic" on a per-tensor / per-channel format or NVFP4: an amax from each expert's slice
     scales = first.pre_quant_scale is not None
     for m in members:

@@ -172,7 +172,8 @@ def test_layer_by_layer_equals_in_memory():
 
 @pytest.mark.parametrize("option", ["offload_folder", "resume_file"])
 def test_layer_by_layer_refuses_what_would_lose_the_updated_weights(option, tmp_path):
-    with pytest.raises(ValueError, match=f"'gptq' rewrites the weights.*{option}"):
+    """Two config values that cannot go together: a ConfigError (as every other config refusal)."""
+    with pytest.raises(ql.ConfigError, match=f"'gptq' rewrites the weights.*{option}"):
         ql.quantize(Blocks().eval(), _cfg("gptq"), loop(correlated()), sequential={option: str(tmp_path / "x")})
 
 

@@ -19,7 +19,15 @@ from safetensors.torch import load_file  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import export_checkpoint  # noqa: E402
-from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, reference_codes, tokens, weight_only  # noqa: E402
+from tests.test_export._export_models import (  # noqa: E402
+    fake_quant_weights,
+    llama,
+    quantized,
+    qwen3_moe,
+    reference_codes,
+    tokens,
+    weight_only,
+)
 
 INT8_W = {"quant_cfg": {"*weight_quantizer": {"num_bits": 8, "axis": 0}, "default": {"enable": False}}, "algorithm": "max"}
 CASES = {

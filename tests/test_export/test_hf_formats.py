@@ -16,7 +16,15 @@ from transformers.quantizers.auto import AutoQuantizationConfig  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import export_checkpoint  # noqa: E402
-from tests.test_export._export_models import fake_quant_weights, llama, loaded_weights, quantized, qwen3_moe, tokens, weight_only  # noqa: E402
+from tests.test_export._export_models import (  # noqa: E402
+    fake_quant_weights,
+    llama,
+    loaded_weights,
+    quantized,
+    qwen3_moe,
+    tokens,
+    weight_only,
+)
 
 FP8_POW2 = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
 FP8_POW2["quant_cfg"]["*weight_quantizer"] = {**FP8_POW2["quant_cfg"]["*weight_quantizer"], "pow2_scale": True}

@@ -26,51 +26,57 @@ pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 FMT = "hf_mxfp8"
 
 
-def _export(rank: int, world: int, tmp: str, overrides: dict) -> dict:
+def _export(rank: int, world: int, tmp: str, overrides: dict, fmt: str = FMT, preset: str = "MXFP8_DEFAULT_CFG") -> dict:
     from quantlib.export.megatron_export import export_megatron_checkpoint
     from quantlib.export.megatron_sync import megatron_sync_pairs
 
     shims.set_layout(1, 1)
-    model = quantized(1, 1, overrides, weight_only(ql.MXFP8_DEFAULT_CFG))
+    model = quantized(1, 1, overrides, weight_only(getattr(ql, preset)))
     tokens = shims.token_batches(1, 7)[0]
-    export_megatron_checkpoint(model, os.path.join(tmp, "export"), FMT)
-    stream = {k: t.clone() for k, t in megatron_sync_pairs(model, FMT, experts="per_expert")}
+    export_megatron_checkpoint(model, os.path.join(tmp, "export"), fmt)
+    stream = {k: t.clone() for k, t in megatron_sync_pairs(model, fmt, experts="per_expert")}
     return {"tokens": tokens, "logits": shims.gpt_logits(model, tokens), "stream": stream}
 
 
-def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
+def _hf_logits(path: str, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
         return model(tokens).logits
 
 
-def _check(tmp_path, overrides: dict, model_type: str, keys: tuple) -> None:
+def _exported(tmp_path, overrides: dict, model_type: str, fmt: str = FMT, preset: str = "MXFP8_DEFAULT_CFG") -> tuple[dict, dict]:
+    """The TP1 export and stream of the Megatron GPT of ``overrides``: (what ``_export`` returns, the export's
+    tensors); ``AutoConfig`` reads the family, the stream holds the file's tensors bit for bit, and the stream
+    alone is written beside the export's config.json in ``tmp_path / "stream"``."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    out = shims.run_distributed(_export, 1, str(tmp_path), overrides, timeout=300)[0]
+    out = shims.run_distributed(_export, 1, str(tmp_path), overrides, fmt, preset, timeout=300)[0]
     path = str(tmp_path / "export")
     assert AutoConfig.from_pretrained(path).model_type == model_type
     files = load_file(os.path.join(path, "model.safetensors"))
-    for key in keys:
-        assert key in files, key
-    assert files["lm_head.weight"].dtype == torch.float8_e4m3fn and "lm_head.weight_scale_inv" in files
     assert not [k for k in files if "linear_" in k or "shared_experts" in k]
-    # the file and the TP1 stream carry the same tensors
     assert sorted(out["stream"]) == sorted(files)
     assert [k for k in files if not bit_equal(files[k], out["stream"][k])] == []
-    torch.testing.assert_close(_hf_logits(path, out["tokens"]), out["logits"], rtol=1e-4, atol=1e-4)
-    # the stream alone, written beside the export's config.json, loads the same
     stream_dir = str(tmp_path / "stream")
     os.makedirs(stream_dir)
     save_file(
         {k: t.contiguous() for k, t in out["stream"].items()}, os.path.join(stream_dir, "model.safetensors"), metadata={"format": "pt"}
     )
     shutil.copy(os.path.join(path, "config.json"), stream_dir)
-    torch.testing.assert_close(_hf_logits(stream_dir, out["tokens"]), out["logits"], rtol=1e-4, atol=1e-4)
-    assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]["quant_method"] == "mxfp8"
+    return out, files
+
+
+def _check(tmp_path, overrides: dict, model_type: str, keys: tuple) -> None:
+    out, files = _exported(tmp_path, overrides, model_type)
+    for key in keys:
+        assert key in files, key
+    assert files["lm_head.weight"].dtype == torch.float8_e4m3fn and "lm_head.weight_scale_inv" in files
+    for path in (tmp_path / "export", tmp_path / "stream"):  # the file export, and the stream alone
+        torch.testing.assert_close(_hf_logits(str(path), out["tokens"]), out["logits"], rtol=1e-4, atol=1e-4)
+    assert json.load(open(tmp_path / "export" / "config.json"))["quantization_config"]["quant_method"] == "mxfp8"
 
 
 def test_qwen2_moe_export_and_stream_give_megatron_logits(tmp_path):
@@ -91,6 +97,21 @@ def test_llama_with_biases_export_and_stream_give_megatron_logits(tmp_path):
     keys = ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.o_proj.bias", "model.layers.1.mlp.gate_proj.bias",
             "model.layers.1.mlp.up_proj.bias", "model.layers.1.mlp.down_proj.bias")  # fmt: skip
     _check(tmp_path, DENSE, "llama", keys)
+
+
+def test_llama_with_biases_ct_int8_export_and_stream_through_compressed_tensors_give_megatron_logits(tmp_path):
+    """compressed-tensors' own loader (transformers' CT path, decompressed): INT8 per channel with the output layer
+    quantized and biases on every linear."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import CompressedTensorsConfig
+
+    out, files = _exported(tmp_path, DENSE, "llama", "ct_int8", "INT8_WEIGHT_ONLY_CFG")
+    assert files["lm_head.weight"].dtype == torch.int8 and files["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float32
+    qc = json.load(open(tmp_path / "export" / "config.json"))["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    for path in (tmp_path / "export", tmp_path / "stream"):
+        ct = CompressedTensorsConfig(run_compressed=False, dequantize=True)
+        torch.testing.assert_close(_hf_logits(str(path), out["tokens"], quantization_config=ct), out["logits"], rtol=1e-4, atol=1e-4)
 
 
 def _export_layouts(rank: int, world: int, tmp: str) -> dict:

@@ -147,7 +147,24 @@ def test_serialize_weight_nvfp4_w4a4_carries_the_input_global_scale(moe_nvfp4_w4
     pairs = dict(serialize_weight("model.layers.0.mlp.experts.gate_up_proj", experts.gate_up_proj, experts, "ct_nvfp4",
                                   batched_experts=True))
     gs = pairs["model.layers.0.mlp.experts.gate_up_proj.input_global_scale"]
-    assert gs.shape == (4, 1) and torch.equal(gs[0], 448 * 6 / experts.gate_up_proj_input_quantizer.amax.float().reshape(1))
+    assert gs.shape == (4, 1) and torch.equal(gs, (torch.full((4, 1), 448.0 * 6) / experts.gate_up_proj_input_quantizer.amax.float()))
+
+
+def test_serialize_weight_nvfp4_w4a4_dense_carries_the_input_scale():
+    """A dense linear's W4A4 activation scale in both NVFP4 formats (compressed-tensors: the divisor ``2688 / amax``,
+    as its own ``generate_gparam``), as the whole model's sync sends it."""
+    from quantlib.export import sync_pairs
+    from quantlib.formats.nvfp4 import nvfp4_global_scale
+
+    model = quantized(llama(), ql.NVFP4_DEFAULT_CFG)
+    q, name = model.model.layers[0].self_attn.q_proj, "model.layers.0.self_attn.q_proj"
+    amax = q.input_quantizer.amax.float()
+    for fmt, key, want in (("ct_nvfp4", "input_global_scale", (torch.full_like(amax, 448.0 * 6) / amax).reshape(1)),
+                           ("modelopt_nvfp4", "input_scale", nvfp4_global_scale(amax).reshape(()))):  # fmt: skip
+        pairs = dict(serialize_weight(f"{name}.weight", q.weight, q, fmt))
+        assert torch.equal(pairs[f"{name}.{key}"], want), fmt
+        synced = dict(sync_pairs(model, fmt))
+        assert all(bit_equal(synced[k], t) for k, t in pairs.items()), fmt
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...kv.scales import modelopt_kv_algo
+from ...kv.scales import modelopt_kv_algo, modelopt_kv_scheme
 from .base import ConfigInfo
 
 _FP8 = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -60,9 +60,9 @@ def config_json_form(hf_quant: dict) -> dict:
         out["config_groups"], out["quantized_layers"] = groups, quant["quantized_layers"]
     out["ignore"] = list(quant["exclude_modules"])
     out["quant_algo"] = algo
-    kv = quant["kv_cache_quant_algo"]
-    if kv is not None:  # ModelOpt's config.json form: FP8 as QuantizationArgs-like fields, other algorithms by name
-        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"} if kv == "FP8" else kv
+    kv = modelopt_kv_scheme(quant["kv_cache_quant_algo"])
+    if kv is not None:
+        out["kv_cache_scheme"] = kv
     out["producer"] = hf_quant["producer"]
     out["quant_method"] = "modelopt"
     return out
