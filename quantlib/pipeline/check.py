@@ -68,6 +68,15 @@ def iter_weights(model: nn.Module, quantized: bool = True) -> Iterator[tuple[str
             yield name, m.weight, m.quantize_weight(m.weight) if quantized else None
 
 
+def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Checkpoint name -> (out, in) of every quantized weight of ``model`` as an export writes it (the family's own names:
+    Mixtral's experts are ``block_sparse_moe.experts.{e}.w1``), for :func:`reload_export`'s dequantizers."""
+    from ..export.layouts import layout_for
+    from ..export.plan import walk
+
+    return {it.name: torch.Size(it.shape) for it in walk(model, layout_for(model)) if it.spec is not None}
+
+
 def loaded_weight(model: nn.Module, name: str) -> torch.Tensor:
     """The weight a loaded transformers model holds under checkpoint name ``name`` (experts from their fused tensors)."""
     parts = name.split(".")
