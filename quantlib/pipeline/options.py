@@ -246,9 +246,13 @@ def refuse_pre_quant_scale_pair(recipe: str, qcfg: QuantizeConfig, fmt: str) -> 
 
 def refuse_expert_scales(model: Any, recipe: str, qcfg: QuantizeConfig, fmt: str) -> None:
     """Refuse, once the model is loaded and before it calibrates, SmoothQuant / AWQ on fused experts (one scale
-    per expert, which no export folds or carries), unless the recipe leaves the experts unquantized."""
+    per expert: gate/up's folds nowhere) in a format without pre_quant_scale tensors (ModelOpt's AWQ formats carry
+    one per expert), unless the recipe leaves the experts unquantized."""
+    from ..export.fold_experts import CARRYING
+    from ..export.writers import packer
+
     method = qcfg.algorithm_name
-    if fmt == NO_EXPORT or method not in PRE_QUANT_SCALE_ALGORITHMS:
+    if fmt == NO_EXPORT or method not in PRE_QUANT_SCALE_ALGORITHMS or packer(fmt).carries_pre_quant_scale:
         return
     for name, m in model.named_modules():
         w = getattr(m, "down_proj", None)
@@ -257,5 +261,6 @@ def refuse_expert_scales(model: Any, recipe: str, qcfg: QuantizeConfig, fmt: str
             if turns_on(attrs, enable):
                 raise PipelineError(
                     f"recipe {recipe}: {method} gives the fused experts {name} one pre_quant_scale per expert, which format "
-                    f"{fmt} can neither fold nor carry; pass --exclude '*experts*', --algorithm max, or --export-format none"
+                    f"{fmt} can neither fold nor carry; pass --export-format with a format that carries it ({CARRYING}), "
+                    "--exclude '*experts*', --algorithm max, or --export-format none"
                 )
