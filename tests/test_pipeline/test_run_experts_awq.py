@@ -27,3 +27,14 @@ def test_experts_awq_exported_and_checked(disk, tmp_path, family):
     leaf = "w1" if family == "mixtral" else "gate_proj"
     assert len(carried) == 2 * 4 * 3 and any(k.endswith(f".experts.3.{leaf}.pre_quant_scale") for k in carried)
     assert report["perplexity"]["reloaded"]["perplexity"] > 1
+
+
+def test_experts_down_scale_folded_and_checked(disk, tmp_path):
+    """gate/up excluded, down_proj AWQ'd: compressed-tensors (no pre_quant_scale) takes each expert's down scale in its up
+    rows, and the check compares those rows (unquantized: a slice of the fused tensor, no module) with the scaled ones."""
+    model_dir = write_model(tmp_path, "mixtral")
+    opts = dict(FAST, data=str(disk["text"]), out=str(tmp_path / "out"), preset="INT4_AWQ_CFG", algorithm=FAST_AWQ,
+                exclude=["*experts.gate_up_proj*"])
+    report = ql.oneshot(str(model_dir), **opts)
+    assert report["export"]["format"] == "ct_int_pack" and report["check"]["passed"] is True, report["check"]
+    assert not any(k.endswith("pre_quant_scale") for k in _keys(tmp_path / "out"))
