@@ -48,7 +48,7 @@ def part_name(module: str, proj: str, e: int, r0: int) -> str:
 
 
 def _parts(module: str, proj: str, e: int) -> list[str]:
-    return [f"{module}.{e}.gate_proj", f"{module}.{e}.up_proj"] if proj == "gate_up_proj" else [f"{module}.{e}.{proj}"]
+    return [part_name(module, proj, e, r0) for r0 in ((0, 1) if proj == "gate_up_proj" else (0,))]
 
 
 def plan_experts(name: str, module: nn.Module, carries: bool, fmt: str) -> tuple[dict, dict, dict]:
@@ -103,7 +103,7 @@ def plan_experts(name: str, module: nn.Module, carries: bool, fmt: str) -> tuple
                    else f"{type(module).__name__}'s activation is not act(gate) * up")
             if why is None:
                 for e in range(num):
-                    out[f"{name}.{e}.up_proj"] = rows[e].detach().clone()
+                    out[part_name(name, up, e, 1)] = rows[e].detach().clone()  # up: the second half of gate_up
                 continue
         raise ExportError(f"{where}: pre_quant_scale of shape {tuple(p.shape)} (one row per expert, SmoothQuant / AWQ) on a "
                           f"{type(module).__name__} folds nowhere ({why}); format {fmt} has no pre_quant_scale tensor: export to a "
