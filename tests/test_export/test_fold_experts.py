@@ -154,3 +154,13 @@ def test_down_scale_refused_where_up_rows_cannot_take_it(calibrated, tmp_path):
     with pytest.raises(ExportError, match=rf"^{re.escape(name)}: pre_quant_scale of shape \(4, 128\) .*"
                                           r"gate_up_proj_weight_quantizer\[0\] \(nvfp4\) has no scale per output row"):
         export_checkpoint(model, tmp_path / "c", "ct_nvfp4")
+
+
+def test_smoothquant_down_scale_folds_into_up_rows(calibrated, tmp_path):
+    """SmoothQuant on the experts' down_proj (gate/up excluded): INT8 per-channel compressed-tensors takes each expert's
+    scale in its up rows and gives the fake-quant logits (no format carries SmoothQuant's gate/up scales: INT8 has no
+    ModelOpt AWQ format)."""
+    model = calibrated("qwen3_moe", "int8_smoothquant", **{"*experts.gate_up_proj*": {"enable": False}})
+    assert model.model.layers[0].mlp.experts.down_proj_input_quantizer.pre_quant_scale.dim() == 2
+    export_checkpoint(model, tmp_path / "c", "ct_int8")
+    _assert_logits(model, "qwen3_moe", tmp_path / "c", "ct_int8")
