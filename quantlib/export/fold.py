@@ -17,7 +17,8 @@ float rounding), as llm-compressor and ModelOpt do for vLLM:
   codes stay and whose row scales take ``p``.
 
 What folds nowhere is carried as a ``pre_quant_scale`` tensor where the format has one (ModelOpt's AWQ
-formats), else refused by name. Nothing in the model changes: folds are applied to the export's getters.
+formats), else refused by name. Fused MoE experts (one scale per expert) are planned per expert part by
+:mod:`.fold_experts`. Nothing in the model changes: folds are applied to the export's getters.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..kv.presets import ATTENTION_QUANTIZER_NAMES
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .fold_experts import fused_experts_class, plan_experts
 from .layouts import layout_for
 from .types import ExportError
 
@@ -103,9 +105,8 @@ class Folds:
     def apply(self, items: list) -> None:
         """Rewrite the getters of the plan's items (:class:`~quantlib.export.plan.Item`) by these folds."""
         for it in items:
-            name = f"{it.parent}.{it.leaf}" if it.parent else it.leaf
-            if it.expert is not None:
-                continue
+            # an expert's part by quantlib's name (fold_experts.part_name), as its folds are planned
+            name = it.part if it.expert is not None else f"{it.parent}.{it.leaf}" if it.parent else it.leaf
             if name in self.weight and it.spec is not None:
                 it.pre = lambda w, p=self.weight[name]: w * p.to(w.device, w.dtype)  # the weight quantizer's own pre_scale, bit for bit
             if name in self.out:
@@ -199,8 +200,13 @@ def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: 
     ``pre_quant_scale`` tensors. Raises ExportError naming what neither can express."""
     folds = Folds()
     linears: dict[str, _Linear] = {}
+    experts = fused_experts_class()
     for name, m in modules if quantized is None else quantized:
         if isinstance(m, QuantModule) and holds_pre_quant_scale(m):
+            if isinstance(m, experts):
+                for mine, theirs in zip((folds.weight, folds.out, folds.carried), plan_experts(name, m, carries, fmt)):
+                    mine.update(theirs)
+                continue
             linears[name] = lin = _effective(name, m)
             if lin.weight is not None:
                 folds.weight[name] = lin.weight

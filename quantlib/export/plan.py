@@ -20,6 +20,7 @@ from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
+from .fold_experts import fused_experts_class, part_name
 from .layouts import ModelLayout, Shard, with_checkpoint_names, with_structure
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .types import ExportError
@@ -54,6 +55,7 @@ class Item:
     pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
     post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
     chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
+    part: str = ""  # an expert item's quantlib name, "<experts>.{e}.gate_proj" (fold_experts.part_name): its folds' key
 
 
 @dataclass
@@ -69,13 +71,6 @@ class Plan:
     def quantized(self) -> list[str]:
         """Checkpoint names of the quantized items, each once (a stored-fused experts module has one item per projection)."""
         return list(dict.fromkeys(i.name for i in self.items if i.spec is not None))
-
-
-def _fused_experts_class() -> type:
-    # the HF plugin (importing no transformers code) owns the quantized fused-experts class
-    from ..plugins.huggingface import QuantFusedExperts
-
-    return QuantFusedExperts
 
 
 def _live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:
@@ -140,7 +135,7 @@ def walk(
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
     :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one.
     ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
-    fused_cls = _fused_experts_class()
+    fused_cls = fused_experts_class()
     mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
     base_groups = QuantModule.weight_groups
@@ -217,10 +212,11 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                     items.append(Item(full, "expert", where, get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
                                       parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]),
                                       rows=(r0, r1, rows), fused=fused, input_where=f"{name}.{proj}_input_quantizer",
-                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1), chain=chain))
+                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1), chain=chain,
+                                      part=part_name(name, proj, e, r0)))
                 else:
                     items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
-                                      leaf=leaf))
+                                      leaf=leaf, part=part_name(name, proj, e, r0)))
     return items
 
 

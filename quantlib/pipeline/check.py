@@ -68,10 +68,25 @@ def iter_weights(model: nn.Module, quantized: bool = True) -> Iterator[tuple[str
             yield name, m.weight, m.quantize_weight(m.weight) if quantized else None
 
 
+def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Checkpoint name -> (out, in) of every quantized weight of ``model`` as an export writes it (the family's own names:
+    Mixtral's experts are ``block_sparse_moe.experts.{e}.w1``), for :func:`reload_export`'s dequantizers."""
+    from ..export.layouts import layout_for
+    from ..export.plan import walk
+
+    return {it.name: torch.Size(it.shape) for it in walk(model, layout_for(model)) if it.spec is not None}
+
+
+def _expert_part(name: str) -> bool:
+    """Whether ``name`` names one expert's part of a fused-experts module (``<experts>.{e}.gate_proj``)."""
+    parts = name.split(".")
+    return len(parts) > 3 and parts[-1] in ("gate_proj", "up_proj", "down_proj") and parts[-3] == "experts"
+
+
 def loaded_weight(model: nn.Module, name: str) -> torch.Tensor:
     """The weight a loaded transformers model holds under checkpoint name ``name`` (experts from their fused tensors)."""
     parts = name.split(".")
-    if len(parts) > 3 and parts[-1] in ("gate_proj", "up_proj", "down_proj") and parts[-3] == "experts":
+    if _expert_part(name):
         experts, e = model.get_submodule(".".join(parts[:-2])), int(parts[-2])
         if parts[-1] == "down_proj":
             return hf_experts.expert_weight(experts, "down_proj", e)
@@ -303,6 +318,12 @@ def check_folded_ops(res: CheckResult, model: nn.Module, folds: Folds, loaded: n
     tensors must be the export's own ``tensor * p`` per output channel, bit for bit."""
     for name, p in folds.out.items():
         if name in quantized:
+            continue
+        if _expert_part(name):  # an unquantized expert's up rows (fold_experts): a slice of the fused tensor, no module
+            res.compared += 1
+            if not torch.equal(loaded_weight(loaded, name).detach().cpu().float(),
+                               times_rows(lambda n=name: loaded_weight(model, n).detach(), p)().cpu().float()):
+                res.mismatched.append(f"{name}.weight (a folded pre_quant_scale)")
             continue
         mine, theirs = model.get_submodule(name), loaded.get_submodule(name)
         for k in ("weight", "bias"):

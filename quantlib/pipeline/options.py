@@ -245,17 +245,23 @@ def refuse_pre_quant_scale_pair(recipe: str, qcfg: QuantizeConfig, fmt: str) -> 
 
 
 def refuse_expert_scales(model: Any, recipe: str, qcfg: QuantizeConfig, fmt: str) -> None:
-    """Refuse, once the model is loaded and before it calibrates, SmoothQuant / AWQ on fused experts (one scale
-    per expert, which no export folds or carries), unless the recipe leaves the experts unquantized."""
+    """Refuse, once the model is loaded and before it calibrates, SmoothQuant / AWQ on fused experts' gate/up (one scale
+    per expert, which folds nowhere) in a format without pre_quant_scale tensors (ModelOpt's AWQ formats carry one per
+    expert), unless the recipe leaves gate/up unquantized (down_proj's scale then folds into the up rows)."""
+    from ..export.fold_experts import CARRYING
+    from ..export.writers import packer
+
     method = qcfg.algorithm_name
-    if fmt == NO_EXPORT or method not in PRE_QUANT_SCALE_ALGORITHMS:
+    if fmt == NO_EXPORT or method not in PRE_QUANT_SCALE_ALGORITHMS or packer(fmt).carries_pre_quant_scale:
         return
     for name, m in model.named_modules():
         w = getattr(m, "down_proj", None)
         if getattr(w, "dim", lambda: 0)() == 3:  # transformers' fused experts: [experts, out, in]
-            attrs, enable = qcfg.resolve(f"{name}.down_proj_weight_quantizer", (type(m).__name__,))
+            up = "gate_up_proj" if getattr(m, "gate_up_proj", None) is not None else "up_proj"
+            attrs, enable = qcfg.resolve(f"{name}.{up}_weight_quantizer", (type(m).__name__,))
             if turns_on(attrs, enable):
                 raise PipelineError(
-                    f"recipe {recipe}: {method} gives the fused experts {name} one pre_quant_scale per expert, which format "
-                    f"{fmt} can neither fold nor carry; pass --exclude '*experts*', --algorithm max, or --export-format none"
+                    f"recipe {recipe}: {method} gives the fused experts {name} one pre_quant_scale per expert on {up}, which format "
+                    f"{fmt} can neither fold (the norm before it feeds the router and every expert) nor carry; pass --export-format "
+                    f"with a format that carries it ({CARRYING}), --exclude '*experts*', --algorithm max, or --export-format none"
                 )

@@ -306,7 +306,7 @@ def _stages(
         tok.save_pretrained(export_dir)
         stage.advance()
         stage = stages.begin("check", total=len(held_out) + 2)
-        shapes = {n: raw.shape for n, raw, _ in check_mod.iter_weights(model, quantized=False)}
+        shapes = check_mod.checkpoint_shapes(model)
         with quiet_transformers():
             loaded, consumer, why = check_mod.reload_export(export_dir, fmt, shapes, opts.trust_remote_code)
         stage.advance()

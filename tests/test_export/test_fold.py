@@ -257,7 +257,9 @@ def test_fused_experts_scale_refused_by_name(tmp_path):
     model = qwen3_moe()
     ql.quantize(model, cfg, _loop)
     with pytest.raises(ExportError, match=r"^model.layers.0.mlp.experts.gate_up_proj_input_quantizer: pre_quant_scale of shape \(4, 256\) "
-                                          r"is set on a QuantQwen3MoeExperts, which export can fold only for plain linears"):
+                                          r"\(one row per expert, SmoothQuant / AWQ\) on a QuantQwen3MoeExperts folds nowhere .*"
+                                          r"format ct_int_pack has no pre_quant_scale tensor: export to a ModelOpt AWQ format "
+                                          r"\(modelopt_int4_awq, "):
         export_checkpoint(model, tmp_path / "c", "ct_int_pack")
 
 

@@ -35,6 +35,9 @@ def build(family: str):
             intermediate_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON
         )
         return tf.Qwen3MoeForCausalLM(cfg)
+    if family == "mixtral":  # experts under other checkpoint names: block_sparse_moe.experts.{e}.w1 / w3 / w2
+        cfg = tf.MixtralConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON)
+        return tf.MixtralForCausalLM(cfg)
     raise ValueError(family)
 
 
