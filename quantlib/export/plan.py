@@ -444,6 +444,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     items = walk(model, layout, mw, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    plan.info.ignore += [layout.renames.get(n, n) for n in _tied_linears(mw)]
     _refuse_split_inputs(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
@@ -451,6 +452,16 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
         raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} "
                           f"cannot carry it ({why})")
     return plan
+
+
+def _tied_linears(mw: ModuleWalk) -> list[str]:
+    """Linears whose weight the checkpoint holds under another module's name (a tied ``lm_head``): left unquantized
+    (check_structure refuses a quantized one), so they are listed as such; else vLLM's ModelOpt loaders quantize a tied
+    head and run it on the embedding's weight with scales nothing loaded."""
+    if not mw.tied:
+        return []
+    owned = {n for n, _, direct in mw.owners if "weight" in direct}
+    return [n for n, m, _ in mw.linears if n not in owned and isinstance(m._parameters.get("weight"), torch.Tensor)]
 
 
 def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:

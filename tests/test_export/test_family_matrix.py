@@ -10,6 +10,7 @@ once. Needs transformers, accelerate, compressed-tensors and nvidia-modelopt (te
 from __future__ import annotations
 
 import copy
+import json
 import re
 import warnings
 from typing import Optional
@@ -188,7 +189,7 @@ def gpt2_calibrated():
 
     def get(recipe: str):
         if recipe not in cache:
-            model = gpt2(tie=False)
+            model = gpt2(tie=True)  # as GPT-2's checkpoints: lm_head is wte
             cfg, acts = RECIPES[recipe]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -212,9 +213,12 @@ def test_gpt2_conv1d_as_consumers_read_it(gpt2_calibrated, tmp_path, fmt):
         return
     export_checkpoint(model, tmp_path / "q", fmt)
     modules = exported_modules(tmp_path / "q")
-    ref = save_pretrained_shapes(gpt2(tie=False), tmp_path / "ref")
+    ref = save_pretrained_shapes(gpt2(tie=True), tmp_path / "ref")
     assert dense_keys(modules) == set(ref)  # GPT-2's own save_pretrained names
     assert quantized_names(modules) == GPT2_LINEARS
+    # the tied head is listed unquantized (vLLM's ModelOpt loaders would quantize it, with scales nothing loads)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in (qc.get("ignore") or qc.get("ignored_layers") or qc.get("modules_to_not_convert")), qc
     for m in GPT2_LINEARS:  # codes under ``weight`` (in, out) as GPT-2 stores them; packed codes and scales (out, ...) as a linear's
         t, (n_in, n_out) = modules[m], ref[f"{m}.weight"]
         assert t["weight"].shape[-1] == n_out if "weight" in t else t["weight_packed"].shape[0] == n_out, (m, {k: v.shape for k, v in t.items()})
