@@ -55,7 +55,7 @@ class Item:
     pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
     post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
     chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
-    transposed: bool = False  # the checkpoint stores the module's weight (in, out) (GPT-2's Conv1D): packed as (out, in), ``weight`` swapped
+    transposed: bool = False  # the checkpoint stores the weight (in, out) (GPT-2's Conv1D): packed as (out, in), ``weight`` swapped
 
 
 @dataclass

