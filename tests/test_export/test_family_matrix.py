@@ -256,3 +256,29 @@ def test_conv1d_outside_gpt2_is_refused(tmp_path):
     with pytest.raises(ExportError, match=r"transformer\.h\.0\.attn\.c_attn: a quantized QuantConv1D stores its weight \(in, out\), .* "
                                           r"config\.model_type 'openai-gpt'"):
         export_checkpoint(model, tmp_path / "q", "ct_fp8_block")
+
+
+@pytest.mark.parametrize("fmt, mlp", [("ct_mixed", "int4"), ("ct_mixed", "nvfp4"), ("modelopt_mixed", "nvfp4"), ("modelopt_mixed", "int4")])
+def test_gpt2_mixed_precision(tmp_path, fmt, mlp):
+    """GPT-2 in several schemes at once (FP8 128x128 attention, INT4 or NVFP4 MLP): each Conv1D is packed by its member format
+    and read back by that member's dequantizer (quantlib.pipeline.check); ModelOpt's INT4 member (W4A16_AWQ) is refused by name."""
+    from quantlib.pipeline import check
+    from tests.test_export.test_mixed import FP8_BLOCK, INT4, NVFP4, _cfg
+
+    model = gpt2(tie=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(model, _cfg(mlp=INT4 if mlp == "int4" else NVFP4, attn=FP8_BLOCK), None)
+    if fmt == "modelopt_mixed" and mlp == "int4":
+        with pytest.raises(ExportError, match=r"transformer\.h\.0\.mlp\.c_fc stores its weight \(in, out\) \(GPT-2's Conv1D\), and format "
+                                              r"modelopt_mixed reaches no consumer"):
+            export_checkpoint(model, tmp_path / "q", fmt)
+        return
+    export_checkpoint(model, tmp_path / "q", fmt)
+    shapes = {n: raw.shape for n, raw, _ in check.iter_weights(model, quantized=False)}
+    loaded, consumer, why = check.reload_export(str(tmp_path / "q"), fmt, shapes, False)
+    assert loaded is not None, why
+    res = check.CheckResult(consumer, "bf16ulp1" if fmt == "ct_mixed" and mlp == "nvfp4" else "ulp1" if mlp == "int4" else "exact")
+    for name, _raw, ref in check.iter_weights(model):
+        check.check_weight(res, name, ref, loaded)
+    assert res.passed and res.compared == 4, res
