@@ -257,7 +257,8 @@ def reload_export(
 ) -> tuple[Optional[nn.Module], str, str]:
     """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
     (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
-    dense weights then loaded by transformers); None and the reason when the consumer is not installed.
+    dense weights then loaded by transformers; weights stored (in, out), GPT-2's, read as vLLM's GPT-2 loader lays
+    them out, HF ones by transformers' own FP8 dequantization op); None and the reason when the consumer is not installed.
     ``load``: more ``from_pretrained`` arguments (e.g. ``experts_implementation``)."""
     from transformers import AutoModelForCausalLM
 
