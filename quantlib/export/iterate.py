@@ -14,6 +14,7 @@ from .modules import ModuleWalk
 from .plan import Item, Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
+from .transposed import swap_weight
 from .types import ExportError, ExportFormat, PackedWeight
 from .writers import Packer, as_format, packer as get_packer
 
@@ -32,6 +33,8 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
         tensors.update(p.pack_experts(it.leaf, q) if it.role == "experts" else p.pack(q))
         if it.chain is not None:
             tensors.update(p.pack_chain(*it.chain))
+        if it.transposed:
+            tensors = swap_weight(tensors)
         if it.input_spec is not None:
             tensors.update(p.pack_input(it.input_spec, it.input_amax))
     for k, get in it.extras.items():

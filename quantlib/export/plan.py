@@ -23,6 +23,7 @@ from .fold import plan_folds
 from .fold_experts import fused_experts_class, part_name
 from .layouts import ModelLayout, Shard, with_checkpoint_names, with_structure
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
+from .transposed import stored_transposed
 from .types import ExportError
 from .writers import ConfigInfo, Packer
 from .writers.base import Scheme
@@ -56,6 +57,7 @@ class Item:
     post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
     chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
     part: str = ""  # an expert item's quantlib name, "<experts>.{e}.gate_proj" (fold_experts.part_name): its folds' key
+    transposed: bool = False  # the checkpoint stores the weight (in, out) (GPT-2's Conv1D): packed as (out, in), ``weight`` swapped
 
 
 @dataclass
@@ -150,10 +152,9 @@ def walk(
                 items += _stored_items(module, name, layout)
                 direct = {k: t for k, t in direct.items() if k not in module.projections}
         elif quant and "weight" in direct:
+            swap = False
             if type(module).weight_groups is not base_groups:  # the base yields this module's weight alone
-                groups = list(module.weight_groups())
-                if [g for g, _ in groups] != ["weight_quantizer"] or groups[0][1][0] is not direct["weight"]:
-                    raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {[g for g, _ in groups]})")
+                swap = _swapped(model, name, module, direct["weight"])
             q = _child(module, "weight_quantizer")
             chain = _chain(q, f"{name}.weight_quantizer") if isinstance(q, SequentialQuantizer) and q.is_enabled else None
             if chain is not None:
@@ -164,14 +165,37 @@ def walk(
                 extras = {k: _live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
                 spec = q.spec
                 block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
-                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", _live(module, "weight"), spec, q.amax,
-                                  ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
-                                  shape=tuple(w.shape), input_where=f"{name}.input_quantizer", block_amax=block_amax, chain=chain))
+                get = _live(module, "weight")
+                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", (lambda g=get: g().t()) if swap else get, spec,
+                                  q.amax, ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
+                                  shape=tuple(w.shape[::-1] if swap else w.shape), input_where=f"{name}.input_quantizer",
+                                  block_amax=block_amax, chain=chain, transposed=swap))
                 continue
         if direct:
             items.append(Item(renamed(name, name), "unquantized", name, extras={k: _live(module, k) for k in direct},
                               parent=parent, leaf=leaf))
     return items
+
+
+def _swapped(model: nn.Module, name: str, module: nn.Module, weight: torch.Tensor) -> bool:
+    """True where ``module`` shows its weight to its quantizer transposed and checkpoints of ``model``'s family store
+    that module's weight (in, out) (GPT-2's ``Conv1D``: :mod:`.transposed`); False where it shows the weight itself;
+    any other layout is refused by name."""
+    groups = list(module.weight_groups())
+    keys = [g for g, _ in groups]
+    if keys != ["weight_quantizer"]:
+        raise ExportError(f"{name}: no export layout for {type(module).__name__} (weights {keys})")
+    shown = groups[0][1][0]
+    if shown is weight:
+        return False
+    if not (shown.dim() == 2 and shown._base is weight and shown.shape == weight.shape[::-1]):  # else not the transpose
+        raise ExportError(f"{name}: no export layout for {type(module).__name__} (its weight quantizer sees another tensor than .weight)")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not stored_transposed(model_type, name):
+        raise ExportError(f"{name}: a quantized {type(module).__name__} stores its weight (in, out), and no consumer is known to read that "
+                          f"quantized for config.model_type {model_type!r} (vLLM transposes the weights of GPT-2's c_attn / c_proj / c_fc "
+                          "only); disable its quantizer")
+    return True
 
 
 def _chain(q: SequentialQuantizer, where: str) -> tuple[FormatSpec, Optional[torch.Tensor]]:
@@ -297,6 +321,11 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
         raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
     if packer.roles is not None and it.role not in packer.roles:
         raise ExportError(f"{where}: format {packer.fmt.value} quantizes no {it.role} weight ({packer.roles_why}); disable this quantizer")
+    if it.transposed:
+        why = packer.transposed_ok(spec)
+        if why is not None:
+            raise ExportError(f"{where}: {it.name} stores its weight (in, out) (GPT-2's Conv1D), and format {packer.fmt.value} reaches no "
+                              f"consumer that reads it ({why}); export GPT-2 in another format, or disable this quantizer")
     if len(it.shape) != 2:
         raise ExportError(f"{where}: a {len(it.shape)}-D weight {it.shape}; export formats carry 2-D linear weights (disable this "
                           "quantizer)")
@@ -411,6 +440,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     items = walk(model, layout, mw, packer.stores_fused_experts)
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    plan.info.ignore += [layout.renames.get(n, n) for n in _tied_linears(mw)]
     _refuse_split_inputs(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
@@ -418,6 +448,16 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
         raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} "
                           f"cannot carry it ({why})")
     return plan
+
+
+def _tied_linears(mw: ModuleWalk) -> list[str]:
+    """Linears whose weight the checkpoint holds under another module's name (a tied ``lm_head``): left unquantized
+    (check_structure refuses a quantized one), so they are listed as such; else vLLM's ModelOpt loaders quantize a tied
+    head and run it on the embedding's weight with scales nothing loaded."""
+    if not mw.tied:
+        return []
+    owned = {n for n, _, direct in mw.owners if "weight" in direct}
+    return [n for n, m, _ in mw.linears if n not in owned and isinstance(m._parameters.get("weight"), torch.Tensor)]
 
 
 def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:

@@ -8,12 +8,13 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from ..export.fold import Folds, plan_folds, times_rows
+from ..export.transposed import stored_transposed, swap_weight
 from ..nn.quant_module import QuantModule
 from ..plugins import hf_experts
 from .model import NO_HUB_KERNELS
@@ -65,7 +66,10 @@ def iter_weights(model: nn.Module, quantized: bool = True) -> Iterator[tuple[str
                     else:
                         yield f"{name}.{e}.{proj}", raw, w if quantized else None
         elif isinstance(m, QuantModule) and hasattr(m, "weight") and m.weight_quantizer.is_enabled:
-            yield name, m.weight, m.quantize_weight(m.weight) if quantized else None
+            # the weight as its quantizer sees it, (out, in), quantized then laid out as the module holds it (GPT-2's Conv1D: (in, out))
+            shown = next(iter(m.weight_groups()))[1][0] if type(m).weight_groups is not QuantModule.weight_groups else m.weight
+            w = (m.quantize_weight(shown) if shown is m.weight else m.quantize_weight(shown).t()) if quantized else None
+            yield name, m.weight, w
 
 
 def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
@@ -222,9 +226,17 @@ def _dense_copy(
     code, the other tensors as written; config.json without its quantization_config."""
     from safetensors.torch import save_file
 
+    with open(os.path.join(export_dir, "config.json")) as f:
+        config = json.load(f)
     dense = {}
     for mod, t in _read_modules(export_dir).items():
-        if mod in shapes:
+        if mod in shapes and stored_transposed(config.get("model_type"), mod):
+            # read as vLLM's GPT-2 loader reads it (``weight`` transposed, the rest as a linear's), held (in, out) again
+            w = dequantize(swap_weight(t), shapes[mod][::-1], mod).t().contiguous()
+            dense[f"{mod}.weight"] = w * t["pre_quant_scale"].float()[:, None] if "pre_quant_scale" in t else w
+            if "bias" in t:
+                dense[f"{mod}.bias"] = t["bias"]
+        elif mod in shapes:
             w = dequantize(t, shapes[mod], mod)
             # a carried pre_quant_scale multiplies the input: x * p @ W^T == x @ (W * p)^T, as the consumer computes
             dense[f"{mod}.weight"] = w * t["pre_quant_scale"].float() if "pre_quant_scale" in t else w
@@ -233,11 +245,26 @@ def _dense_copy(
         else:
             dense.update({f"{mod}.{k}": v for k, v in t.items() if k not in ("k_scale", "v_scale")})
     save_file(dense, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(export_dir, "config.json")) as f:
-        config = json.load(f)
     config.pop("quantization_config", None)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+def _any_transposed(export_dir: str, modules: Iterable[str]) -> bool:
+    """Whether the export stores any of ``modules``' weights (in, out) (GPT-2's Conv1D), by its config's model_type."""
+    modules = list(modules)
+    if not modules:
+        return False
+    with open(os.path.join(export_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    return any(stored_transposed(model_type, mod) for mod in modules)
+
+
+def _hf_fp8_dequantize(t: dict[str, torch.Tensor], _shape: torch.Size, _mod: str) -> torch.Tensor:
+    """One module of a Hugging Face FP8 export as transformers' own dequantization op (its CPU path) computes it, in fp32."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(t["weight"], t["weight_scale_inv"], torch.float32)
 
 
 def reload_export(
@@ -245,18 +272,21 @@ def reload_export(
 ) -> tuple[Optional[nn.Module], str, str]:
     """(model, consumer, why-skipped): the export loaded by its consumer as a dense fp32 transformers model
     (HF formats: transformers itself; compressed-tensors and ModelOpt formats: their own dequantization, the
-    dense weights then loaded by transformers); None and the reason when the consumer is not installed.
+    dense weights then loaded by transformers; weights stored (in, out), GPT-2's, read as vLLM's GPT-2 loader lays
+    them out, HF ones by transformers' own FP8 dequantization op); None and the reason when the consumer is not installed.
     ``load``: more ``from_pretrained`` arguments (e.g. ``experts_implementation``)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = dict(dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code, **NO_HUB_KERNELS, **load)
-    if fmt.startswith("hf_"):
+    if fmt.startswith("hf_") and not _any_transposed(export_dir, shapes):
         try:
             return AutoModelForCausalLM.from_pretrained(export_dir, **kwargs).eval(), "transformers from_pretrained", ""
         except ImportError as exc:  # transformers' FP8 loader asks for accelerate when it loads, not when it imports
             return None, fmt, f"its consumer cannot run here ({exc}; pip install quantlib[export])"
     try:
-        if fmt.startswith("ct_"):
+        if fmt.startswith("hf_"):  # GPT-2's Conv1D, which transformers' FP8 loader does not convert (it fails to load)
+            dequantize, consumer = _hf_fp8_dequantize, "transformers' Fp8Dequantize (tensors as vLLM's GPT-2 loader reads them)"
+        elif fmt.startswith("ct_"):
             dequantize, consumer = _ct_dequantizer(export_dir), "compressed-tensors decompressor"
         else:
             import modelopt.torch.quantization.qtensor  # noqa: F401  (fail here, not per module)

@@ -62,7 +62,7 @@ def quantized(model: nn.Module, cfg: dict, lm_head: bool = False, share_siblings
     from quantlib.export import share_sibling_amax
 
     model = copy.deepcopy(model)
-    ids = tokens(5)
+    ids = tokens(5) % model.config.vocab_size  # the same ids for the 256-token models, in range for smaller ones (GPT-2's 128)
     ql.quantize(model, cfg, lambda m: m(ids))
     if not lm_head:
         ql.disable_quantizer(model, "*lm_head*")

@@ -10,6 +10,7 @@ once. Needs transformers, accelerate, compressed-tensors and nvidia-modelopt (te
 from __future__ import annotations
 
 import copy
+import json
 import re
 import warnings
 from typing import Optional
@@ -176,12 +177,108 @@ def test_consumer_reads_the_fake_quantized_weights(calibrated, references, tmp_p
                 assert torch.equal(ct(tokens()).logits, logits)
 
 
-def test_gpt2_conv1d_is_refused_by_every_format(tmp_path):
-    # GPT-2's Conv1D stores its weight (in, out): no format writes it transposed yet, and each says so
+#: formats in which no consumer reads GPT-2's quantized Conv1D (README): refused by name, module and format
+GPT2_REFUSED = {"hf_mxfp8", "modelopt_int4_awq", "modelopt_w4a8_awq"}
+#: GPT-2's quantized linears (the presets leave lm_head unquantized)
+GPT2_LINEARS = {f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+
+
+@pytest.fixture(scope="module")
+def gpt2_calibrated():
+    cache: dict = {}
+
+    def get(recipe: str):
+        if recipe not in cache:
+            model = gpt2(tie=True)  # as GPT-2's checkpoints: lm_head is wte
+            cfg, acts = RECIPES[recipe]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ql.quantize(model, cfg, (lambda m: m(tokens(5))) if acts else None)
+            cache[recipe] = model, *_expected(model, acts)
+        return cache[recipe]
+
+    return get
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_gpt2_conv1d_as_consumers_read_it(gpt2_calibrated, tmp_path, fmt):
+    """GPT-2's Conv1D linears store their weight (in, out). vLLM's GPT-2 loader transposes ``<m>.weight`` and reads the rest
+    as a linear's (tests/test_vllm/test_vllm_gpt2.py): the consumer's dequantizer, given the tensors so laid out, reads
+    ``weight_quantizer(weight)``; a format no consumer reads GPT-2 in is refused naming the module and the format."""
+    model, fakes, logits = gpt2_calibrated(FORMATS[fmt])
+    if fmt in GPT2_REFUSED:
+        with pytest.raises(ExportError, match=rf"transformer\.h\.0\.attn\.c_attn\.weight_quantizer: transformer\.h\.0\.attn\.c_attn stores "
+                                              rf"its weight \(in, out\) \(GPT-2's Conv1D\), and format {fmt} reaches no consumer"):
+            export_checkpoint(model, tmp_path / "refused", fmt)
+        return
+    export_checkpoint(model, tmp_path / "q", fmt)
+    modules = exported_modules(tmp_path / "q")
+    ref = save_pretrained_shapes(gpt2(tie=True), tmp_path / "ref")
+    assert dense_keys(modules) == set(ref)  # GPT-2's own save_pretrained names
+    assert quantized_names(modules) == GPT2_LINEARS
+    # the tied head is listed unquantized (vLLM's ModelOpt loaders would quantize it, with scales nothing loads)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in (qc.get("ignore") or qc.get("ignored_layers") or qc.get("modules_to_not_convert")), qc
+    for m in GPT2_LINEARS:  # codes under ``weight`` (in, out) as GPT-2 stores them; packed codes and scales (out, ...) as a linear's
+        t, n_out = modules[m], ref[f"{m}.weight"][1]
+        shapes = {k: v.shape for k, v in t.items()}
+        assert t["weight"].shape[-1] == n_out if "weight" in t else t["weight_packed"].shape[0] == n_out, (m, shapes)
+        assert all(v.dim() < 2 or v.shape[0] in (n_out, -(-n_out // 128)) for k, v in t.items() if k.startswith("weight_s")), m
+    loaded = consumer_model(tmp_path / "q", fmt, {m: ref[f"{m}.weight"] for m in GPT2_LINEARS})
+    assert not mismatches({name: (fake, consumer_weight(loaded, name)) for name, fake in fakes.items()}, RULES.get(fmt, "exact"))
+    if fmt in SHARED_SCALE:  # c_attn is q/k/v fused on disk: one scale, which vLLM's QKVParallelLinear gives every shard
+        assert modules["transformer.h.0.attn.c_attn"][SHARED_SCALE[fmt]].numel() == 1
+    if RULES.get(fmt, "exact") == "exact" and logits is not None:
+        with torch.no_grad():
+            assert torch.equal(loaded(tokens()).logits, logits)
+
+
+def test_gpt2_quantized_formats_fail_to_load_in_transformers(gpt2_calibrated, tmp_path):
+    """transformers' quantizers convert nn.Linear only: a quantized GPT-2 fails to load, loudly (so it is no consumer of
+    these exports; vLLM is). A transformers that loads one fails this test: then check what it reads."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    for fmt, kwargs in (("hf_fp8_block", {}), ("ct_int8", {"quantization_config": CompressedTensorsConfig(run_compressed=False,
+                                                                                                        dequantize=True)})):
+        export_checkpoint(gpt2_calibrated(FORMATS[fmt])[0], tmp_path / fmt, fmt)
+        with warnings.catch_warnings(), pytest.raises(RuntimeError, match="conversion of the weights"):
+            warnings.simplefilter("ignore")
+            AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32, **kwargs)
+
+
+def test_conv1d_outside_gpt2_is_refused(tmp_path):
+    """Only vLLM's GPT-2 loader transposes checkpoint weights: a quantized Conv1D of another family is refused by name."""
+    model = gpt2(tie=False)
+    model.config.model_type = "openai-gpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(model, weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG), None)
+    with pytest.raises(ExportError, match=r"transformer\.h\.0\.attn\.c_attn: a quantized QuantConv1D stores its weight \(in, out\), .* "
+                                          r"config\.model_type 'openai-gpt'"):
+        export_checkpoint(model, tmp_path / "q", "ct_fp8_block")
+
+
+@pytest.mark.parametrize("fmt, mlp", [("ct_mixed", "int4"), ("ct_mixed", "nvfp4"), ("modelopt_mixed", "nvfp4"), ("modelopt_mixed", "int4")])
+def test_gpt2_mixed_precision(tmp_path, fmt, mlp):
+    """GPT-2 in several schemes at once (FP8 128x128 attention, INT4 or NVFP4 MLP): each Conv1D is packed by its member format
+    and read back by that member's dequantizer (quantlib.pipeline.check); ModelOpt's INT4 member (W4A16_AWQ) is refused by name."""
+    from quantlib.pipeline import check
+    from tests.test_export.test_mixed import FP8_BLOCK, INT4, NVFP4, _cfg
+
     model = gpt2(tie=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ql.quantize(model, weight_only(ql.MXFP8_DEFAULT_CFG), None)
-    for fmt in sorted(FORMATS):
-        with pytest.raises(ExportError, match=r"transformer\.h\.0\.attn\.c_attn: no export layout for QuantConv1D"):
-            export_checkpoint(model, tmp_path / fmt, fmt)
+        ql.quantize(model, _cfg(mlp=INT4 if mlp == "int4" else NVFP4, attn=FP8_BLOCK), None)
+    if fmt == "modelopt_mixed" and mlp == "int4":
+        with pytest.raises(ExportError, match=r"transformer\.h\.0\.mlp\.c_fc stores its weight \(in, out\) \(GPT-2's Conv1D\), and format "
+                                              r"modelopt_mixed reaches no consumer"):
+            export_checkpoint(model, tmp_path / "q", fmt)
+        return
+    export_checkpoint(model, tmp_path / "q", fmt)
+    shapes = {n: raw.shape for n, raw, _ in check.iter_weights(model, quantized=False)}
+    loaded, consumer, why = check.reload_export(str(tmp_path / "q"), fmt, shapes, False)
+    assert loaded is not None, why
+    res = check.CheckResult(consumer, "bf16ulp1" if fmt == "ct_mixed" and mlp == "nvfp4" else "ulp1" if mlp == "int4" else "exact")
+    for name, _raw, ref in check.iter_weights(model):
+        check.check_weight(res, name, ref, loaded)
+    assert res.passed and res.compared == 4, res

@@ -31,11 +31,11 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference(model, logits: Callable = hf_logits) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """quantlib's prompt log-probs (position i: log p(token i | tokens < i), i >= 1) and greedy continuations;
-    ``logits(model, ids)``: the model's [len(ids), vocab] logits."""
+def reference(model, logits: Callable = hf_logits, prompts: list[list[int]] = PROMPTS) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """quantlib's prompt log-probs (position i: log p(token i | tokens < i), i >= 1) and greedy continuations of
+    ``prompts``; ``logits(model, ids)``: the model's [len(ids), vocab] logits."""
     logprobs, greedy = [], []
-    for ids in PROMPTS:
+    for ids in prompts:
         lp = torch.log_softmax(logits(model, ids).double(), -1)
         logprobs.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
         seq = list(ids)
@@ -45,19 +45,19 @@ def reference(model, logits: Callable = hf_logits) -> tuple[list[torch.Tensor], 
     return logprobs, greedy
 
 
-def run_vllm(ckpt_dir, dtype: str) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """vLLM's prompt log-probs and greedy continuations of PROMPTS (token ids in, no tokenizer)."""
+def run_vllm(ckpt_dir, dtype: str, prompts: list[list[int]] = PROMPTS) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """vLLM's prompt log-probs and greedy continuations of ``prompts`` (token ids in, no tokenizer)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(ckpt_dir), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=64, seed=0)
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     finally:
         del llm
         gc.collect()
     logprobs = [torch.tensor([o.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))], dtype=torch.float64)
-                for o, ids in zip(outs, PROMPTS)]
+                for o, ids in zip(outs, prompts)]
     return logprobs, [list(o.outputs[0].token_ids) for o in outs]
 
 

@@ -58,6 +58,9 @@ class Packer:
     roles_why: str = ""
     #: the ``config.model_type`` values the format's consumers read it for (None: any)
     model_types: Optional[frozenset] = None
+    #: why no consumer reads this format's weights of a module the checkpoint stores (in, out) (GPT-2's ``Conv1D``;
+    #: None: vLLM's GPT-2 loader does, :mod:`quantlib.export.transposed`)
+    transposed_why: Optional[str] = None
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""
@@ -88,6 +91,10 @@ class Packer:
     def shares_global(self, spec: FormatSpec, inp: Optional[FormatSpec]) -> bool:
         """Whether the consumer fuses siblings of this scheme under one per-tensor (global) scale."""
         return self.siblings_share_global
+
+    def transposed_ok(self, spec: FormatSpec) -> Optional[str]:
+        """None if a consumer reads weights of ``spec`` of a module stored (in, out) in this format; else why not."""
+        return self.transposed_why
 
     def pre_quant_scale_ok(self, info: ConfigInfo) -> Optional[str]:
         """None if the format carries ``pre_quant_scale`` tensors in an export of ``info``; else why not."""

@@ -15,6 +15,8 @@ from .base import ConfigInfo, MXFP8Packer
 
 class HFMXFP8(MXFP8Packer):
     fmt = ExportFormat.HF_MXFP8
+    transposed_why = ("its one consumer, transformers, converts nn.Linear weights only and fails on GPT-2's Conv1D, and vLLM reads "
+                      "MXFP8 as ct_mxfp8 / modelopt_mxfp8 only")
     scale_key = "weight_scale_inv"
     input_why = "activations are MXFP8, quantized dynamically by the consumer"
 

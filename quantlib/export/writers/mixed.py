@@ -58,6 +58,10 @@ class MixedPacker(Packer):
         m = self.member(spec, (), inp)
         return m is not None and m.shares_global(spec, inp)
 
+    def transposed_ok(self, spec: FormatSpec) -> Optional[str]:
+        m = self._packing(spec)
+        return None if m is None else m.transposed_ok(spec)
+
     def kv_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         return self.members[0].kv_ok(spec, amax_shape)
 

@@ -25,6 +25,8 @@ def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
 class ModelOptInt4AWQ(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_INT4_AWQ
     carries_pre_quant_scale = True
+    transposed_why = ("vLLM, the consumer that reads GPT-2's (in, out) weights, has no W4A16_AWQ / W4A8_AWQ, and ModelOpt's own export "
+                      "writes a quantized Conv1D (out, in), as its quantized model holds it, unlike GPT-2's checkpoints")
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         if spec.kind != Kind.INT or spec.num_bits != 4 or spec.unsigned or spec.block is None or len(spec.block) != 1:
