@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors
 
-from ..formats import FormatSpec, QuantizedTensor
+from ..formats import FormatSpec, QuantizedTensor, blocked_shape
 from ..formats.spec import describe
 from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
@@ -336,6 +336,7 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
     rows, cols = it.shape
     bm, bk = (block[0], block[1]) if len(block) == 2 else (1, block[0] if block else 1)
     where = it.where
+    _check_amax_fits(it, spec)
     if rows % bm or cols % bk:
         raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the "
                           "scale grid and load it wrong")
@@ -348,6 +349,22 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
         if n % tp or (n // tp) % b:
             raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of "
                               f"{n / tp:g}, not a whole number of blocks of {b}")
+
+
+def _check_amax_fits(it: Item, spec: FormatSpec) -> None:
+    """Refuse a weight whose shape is not the one its quantizer's amax was calibrated on (a tensor of other rows
+    passed to serialize_weight, a weight resized after calibration): its scales would belong to other rows."""
+    got = [("amax", it.amax)] if it.amax is not None and it.amax.numel() > 1 else []
+    got += [("block amax", it.block_amax)] if it.block_amax is not None else []
+    for what, amax in got:
+        have = tuple(amax.shape)
+        if what == "block amax" or spec.per_block_amax:
+            fits = have == blocked_shape(it.shape, spec.block)
+        else:  # per channel: each dimension the weight's or 1
+            fits = len(have) == len(it.shape) and all(a in (1, s) for a, s in zip(have, it.shape))
+        if not fits:
+            raise ExportError(f"{it.where}: weight {it.name} of shape {tuple(it.shape)} does not match its quantizer's {what} of shape "
+                              f"{have} (calibrated on another shape); recalibrate it, or pass the weight it was calibrated on")
 
 
 def _module(it: Item) -> str:
