@@ -433,6 +433,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     folds.apply(items)
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     _refuse_split_inputs(plan.items, layout)
+    if packer.mixed:
+        _refuse_mixed_siblings(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
@@ -441,16 +443,33 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     return plan
 
 
-def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
-    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
-    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
-    ``pre_quant_scale`` and one input amax."""
+def _sibling_groups(items: list[Item], layout: ModelLayout) -> list[list[Item]]:
+    """The quantized items of each fused sibling group (q/k/v, gate/up, ...), whatever their format shares."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
         group = it.group or layout.group_of(_module(it), it.leaf)  # INT4 / W4A16 siblings share no global scale: it.group is None
         if it.spec is not None and group is not None:
             groups.setdefault((it.parent, group), []).append(it)
-    for first, *rest in groups.values():
+    return list(groups.values())
+
+
+def _refuse_mixed_siblings(items: list[Item], layout: ModelLayout) -> None:
+    """A mixed-precision export gives each module its own scheme, but a consumer runs a fused group as one GEMM of
+    one scheme (vLLM: "Mixed quant_algo within fused layer", "different quantization schemes for the shards")."""
+    for first, *rest in _sibling_groups(items, layout):
+        scheme = (_key(first.spec), _key(first.input_spec), _key(first.chain and first.chain[0]))
+        for m in rest:
+            if (_key(m.spec), _key(m.input_spec), _key(m.chain and m.chain[0])) != scheme:
+                raise ExportError(f"{m.where} and {first.where}: siblings fused by consumers into one GEMM need one scheme, but "
+                                  f"{m.name} is weight {describe(m.spec)} / input {describe(m.input_spec)} and {first.name} weight "
+                                  f"{describe(first.spec)} / input {describe(first.input_spec)}; quantize the group alike")
+
+
+def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
+    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
+    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
+    ``pre_quant_scale`` and one input amax."""
+    for first, *rest in _sibling_groups(items, layout):
         if not any(m.chain is not None or "pre_quant_scale" in m.extras for m in (first, *rest)):
             continue
         for m in rest:
