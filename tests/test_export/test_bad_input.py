@@ -153,12 +153,13 @@ def test_static_block_siblings_with_other_global_amax_refused_even_with_unify(tm
     refused(tmp_path, model, "modelopt_nvfp4", r"q_proj.weight_quantizer has static NVFP4 block scales", unify_siblings=True)
 
 
-@pytest.mark.parametrize("cfg,fmt,scales,amax", [(FP8_BLOCK_W, "hf_fp8_block", "calibrated", r"amax of shape \(4, 2\)"),
-                                                 (FP8_BLOCK_W, "ct_fp8_block", "static", r"amax of shape \(4, 2\)"),
-                                                 (ql.INT8_WEIGHT_ONLY_CFG, "ct_int8", "dynamic", r"amax of shape \(512, 1\)"),
-                                                 (ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, "ct_int_pack", "calibrated", r"amax of shape \(512, 2\)"),
-                                                 (ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG, "modelopt_nvfp4", "calibrated",
-                                                  r"block amax of shape \(512, 16\)")])  # fmt: skip
+@pytest.mark.parametrize("cfg,fmt,scales,amax", [
+    (FP8_BLOCK_W, "hf_fp8_block", "calibrated", r"amax of shape \(4, 2\)"),
+    (FP8_BLOCK_W, "ct_fp8_block", "static", r"amax of shape \(4, 2\)"),
+    (ql.INT8_WEIGHT_ONLY_CFG, "ct_int8", "dynamic", r"amax of shape \(512, 1\)"),
+    (ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, "ct_int_pack", "calibrated", r"amax of shape \(512, 2\)"),
+    (ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG, "modelopt_nvfp4", "calibrated", r"block amax of shape \(512, 16\)"),
+])  # fmt: skip
 def test_tensor_rows_not_the_quantizers_refused(tmp_path, cfg, fmt, scales, amax):
     # a tensor of other rows than the weight its quantizer's per-row / per-block amax was calibrated on: those scales
     # belong to other rows (before: a raw RuntimeError / ValueError from the cast, or half an export written)
