@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ._scripts import load_benchmark
@@ -20,12 +22,16 @@ def test_small_cpu_run_times_every_format_against_the_copy(tmp_path):
     assert "| what | ms | GB/s of bf16 weights | of the copy |" in out.read_text()
 
 
-def test_folded_awq_export_timed_against_the_same_model_without_pre_quant_scale():
+def test_folded_awq_export_timed_against_the_same_model_without_pre_quant_scale(capsys):
     rows = load_benchmark("bench_export").main(["--device", "cpu", "--small", "--runs", "1", "--formats", "int4_awq"])
     names = [r[0] for r in rows]
     assert any(n.startswith("INT4 AWQ") and n.endswith("folded): quantlib iter_packed (memory)") for n in names), names
     assert any(n.startswith("INT4 AWQ") and "without pre_quant_scale, quantlib iter_packed" in n for n in names), names
     assert not any("ModelOpt" in n for n in names)
+    # issue #27: a folded AWQ export costs at most one extra pass over the weights (each weight times its scale, once)
+    out = capsys.readouterr().out
+    m = re.search(r"extra traffic on weight-sized tensors: ([\d.-]+)x the bf16 weight bytes read, ([\d.-]+)x written", out)
+    assert m is not None and 0.95 <= float(m.group(1)) <= 1.05 and 0.95 <= float(m.group(2)) <= 1.05, m and m.groups()
 
 
 def test_small_moe_run_reports_the_stacked_sync(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import safetensors_io
-from .iterate import iter_plan
+from .iterate import check_arguments, iter_plan
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
 from .offload import meta_modules, read_offloaded
@@ -61,23 +61,6 @@ def _base_config(model: nn.Module, hf_config: Any) -> dict:
         # a model built from its config (never saved) has none; vLLM then picks a pooling model without lm_head
         out["architectures"] = [type(model).__name__]
     return out
-
-
-def check_arguments(**kwargs: Any) -> None:
-    """Refuse export arguments of the wrong type or value, naming the argument and the value."""
-    for name in ("overwrite", "unify_siblings"):
-        if name in kwargs and not isinstance(kwargs[name], bool):
-            raise ExportError(f"{name}={kwargs[name]!r}: expected True or False")
-    if "progress" in kwargs and kwargs["progress"] is not None and not isinstance(kwargs["progress"], bool):
-        raise ExportError(f"progress={kwargs['progress']!r}: expected None (automatic), True or False")
-    if "tp" in kwargs:
-        tp = kwargs["tp"]
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ExportError(f"tp={tp!r}: expected a tensor-parallel degree, an int >= 1")
-    if "layout" in kwargs and kwargs["layout"] is not None and not isinstance(kwargs["layout"], ModelLayout):
-        raise ExportError(f"layout={kwargs['layout']!r}: expected a quantlib.export.ModelLayout or None")
-    if "out_dir" in kwargs and not isinstance(kwargs["out_dir"], (str, os.PathLike)):
-        raise ExportError(f"out_dir={kwargs['out_dir']!r}: expected a path")
 
 
 def _resolve_out_dir(out_dir: Union[str, os.PathLike]) -> str:

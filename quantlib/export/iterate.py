@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Literal, Optional, TypeVar, Union
+import os
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import nn
@@ -103,6 +104,27 @@ def _tp_part(key: str, t: torch.Tensor, dim: int, tp: tuple[int, int], where: st
     return t.narrow(dim, rank * n, n).contiguous()
 
 
+def check_arguments(**kwargs: Any) -> None:
+    """Refuse export arguments of the wrong type or value, naming the argument and the value."""
+    for name in ("overwrite", "unify_siblings"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ExportError(f"{name}={kwargs[name]!r}: expected True or False")
+    if "progress" in kwargs and kwargs["progress"] is not None and not isinstance(kwargs["progress"], bool):
+        raise ExportError(f"progress={kwargs['progress']!r}: expected None (automatic), True or False")
+    if "tp" in kwargs:
+        tp = kwargs["tp"]
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ExportError(f"tp={tp!r}: expected a tensor-parallel degree, an int >= 1")
+    if kwargs.get("tp_rank") is not None:
+        rank, tp = kwargs["tp_rank"], kwargs.get("tp", 1)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < tp:
+            raise ExportError(f"tp_rank={rank!r}: expected None or a rank of tp={tp}, an int in [0, {tp})")
+    if "layout" in kwargs and kwargs["layout"] is not None and not isinstance(kwargs["layout"], ModelLayout):
+        raise ExportError(f"layout={kwargs['layout']!r}: expected a quantlib.export.ModelLayout or None")
+    if "out_dir" in kwargs and not isinstance(kwargs["out_dir"], (str, os.PathLike)):
+        raise ExportError(f"out_dir={kwargs['out_dir']!r}: expected a path")
+
+
 def iter_packed(
     model: nn.Module,
     format: Union[ExportFormat, str],
@@ -129,6 +151,7 @@ def iter_packed(
     """
     fmt = as_format(format)
     source = as_scales(scales)
+    check_arguments(unify_siblings=unify_siblings, tp=tp, tp_rank=tp_rank, layout=layout)
     if experts not in ("per_expert", "stacked"):
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
     if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors
 
-from ..formats import FormatSpec, QuantizedTensor
+from ..formats import FormatSpec, QuantizedTensor, blocked_shape
 from ..formats.spec import describe
 from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
@@ -361,6 +361,7 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
     rows, cols = it.shape
     bm, bk = (block[0], block[1]) if len(block) == 2 else (1, block[0] if block else 1)
     where = it.where
+    _check_amax_fits(it, spec)
     if rows % bm or cols % bk:
         raise ExportError(f"{where}: weight {rows}x{cols} is not a whole number of {bm}x{bk} blocks; consumers derive the block from the "
                           "scale grid and load it wrong")
@@ -373,6 +374,22 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
         if n % tp or (n // tp) % b:
             raise ExportError(f"{where}: at tensor parallel {tp} the {'rows' if it.tp_axis == 0 else 'columns'} ({n}) split into shards of "
                               f"{n / tp:g}, not a whole number of blocks of {b}")
+
+
+def _check_amax_fits(it: Item, spec: FormatSpec) -> None:
+    """Refuse a weight whose shape is not the one its quantizer's amax was calibrated on (a tensor of other rows
+    passed to serialize_weight, a weight resized after calibration): its scales would belong to other rows."""
+    got = [("amax", it.amax)] if it.amax is not None and it.amax.numel() > 1 else []
+    got += [("block amax", it.block_amax)] if it.block_amax is not None else []
+    for what, amax in got:
+        have = tuple(amax.shape)
+        if what == "block amax" or spec.per_block_amax:
+            fits = have == blocked_shape(it.shape, spec.block)
+        else:  # per channel: each dimension the weight's or 1
+            fits = len(have) == len(it.shape) and all(a in (1, s) for a, s in zip(have, it.shape))
+        if not fits:
+            raise ExportError(f"{it.where}: weight {it.name} of shape {tuple(it.shape)} does not match its quantizer's {what} of shape "
+                              f"{have} (calibrated on another shape); recalibrate it, or pass the weight it was calibrated on")
 
 
 def _module(it: Item) -> str:
@@ -442,6 +459,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
     plan.info.ignore += [layout.renames.get(n, n) for n in _tied_linears(mw)]
     _refuse_split_inputs(plan.items, layout)
+    if packer.mixed:
+        _refuse_mixed_siblings(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
     if why is not None:
@@ -460,16 +479,33 @@ def _tied_linears(mw: ModuleWalk) -> list[str]:
     return [n for n, m, _ in mw.linears if n not in owned and isinstance(m._parameters.get("weight"), torch.Tensor)]
 
 
-def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
-    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
-    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
-    ``pre_quant_scale`` and one input amax."""
+def _sibling_groups(items: list[Item], layout: ModelLayout) -> list[list[Item]]:
+    """The quantized items of each fused sibling group (q/k/v, gate/up, ...), whatever their format shares."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
         group = it.group or layout.group_of(_module(it), it.leaf)  # INT4 / W4A16 siblings share no global scale: it.group is None
         if it.spec is not None and group is not None:
             groups.setdefault((it.parent, group), []).append(it)
-    for first, *rest in groups.values():
+    return list(groups.values())
+
+
+def _refuse_mixed_siblings(items: list[Item], layout: ModelLayout) -> None:
+    """A mixed-precision export gives each module its own scheme, but a consumer runs a fused group as one GEMM of
+    one scheme (vLLM: "Mixed quant_algo within fused layer", "different quantization schemes for the shards")."""
+    for first, *rest in _sibling_groups(items, layout):
+        scheme = (_key(first.spec), _key(first.input_spec), _key(first.chain and first.chain[0]))
+        for m in rest:
+            if (_key(m.spec), _key(m.input_spec), _key(m.chain and m.chain[0])) != scheme:
+                raise ExportError(f"{m.where} and {first.where}: siblings fused by consumers into one GEMM need one scheme, but "
+                                  f"{m.name} is weight {describe(m.spec)} / input {describe(m.input_spec)} and {first.name} weight "
+                                  f"{describe(first.spec)} / input {describe(first.input_spec)}; quantize the group alike")
+
+
+def _refuse_split_inputs(items: list[Item], layout: ModelLayout) -> None:
+    """A fused sibling group is one GEMM for its consumer, as ModelOpt's exporter makes it (resmoothed, one input amax):
+    where a member carries a ``pre_quant_scale`` (ModelOpt's AWQ formats) or a chain (W4A8), they must all carry one
+    ``pre_quant_scale`` and one input amax."""
+    for first, *rest in _sibling_groups(items, layout):
         if not any(m.chain is not None or "pre_quant_scale" in m.extras for m in (first, *rest)):
             continue
         for m in rest:

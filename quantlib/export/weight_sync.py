@@ -106,6 +106,9 @@ def serialize_weight(
 
 
 def _given(global_amax: torch.Tensor, items: list[Item], name: str) -> dict[int, torch.Tensor]:
+    if not isinstance(global_amax, torch.Tensor):
+        raise ExportError(f"{name}: global_amax={global_amax!r} ({type(global_amax).__name__}): expected a tensor of one amax, or one per "
+                          "expert")
     flat = global_amax.detach().float().reshape(-1)
     if flat.numel() not in (1, len(items)):
         raise ExportError(f"{name}: global_amax has {flat.numel()} values; expected one, or one per expert ({len(items)})")

@@ -206,12 +206,14 @@ _MODELOPT_ALGOS = {"FP8": "modelopt_fp8", "FP8_PB_WO": "modelopt_fp8_pb", "NVFP4
 
 
 def _mixed_dequantizer(export_dir: str) -> Callable[[dict, torch.Size, str], torch.Tensor]:
-    """ModelOpt MIXED_PRECISION: each layer dequantized by the algorithm ``quantized_layers`` names for it."""
+    """ModelOpt MIXED_PRECISION: each layer dequantized by the algorithm ``quantized_layers`` names for it (an export of one
+    scheme is the plain config: its ``quant_algo`` for every layer)."""
     with open(os.path.join(export_dir, "hf_quant_config.json")) as f:
-        layers = json.load(f)["quantization"]["quantized_layers"]
+        quant = json.load(f)["quantization"]
+    layers = quant.get("quantized_layers")
 
     def dequantize(t: dict, shape: torch.Size, mod: str) -> torch.Tensor:
-        algo = layers.get(mod, {}).get("quant_algo")
+        algo = quant["quant_algo"] if layers is None else layers.get(mod, {}).get("quant_algo")
         if algo not in _MODELOPT_ALGOS:
             raise PipelineError(f"check: {mod}: quantized_layers names {algo!r}, which the check cannot dequantize")
         return modelopt_dequantize(_MODELOPT_ALGOS[algo], t, shape)

@@ -16,10 +16,10 @@ from quantlib.plugins import huggingface as hf
 
 #: how the consumer's weight compares with quantlib's fake-quantized one (docs/numerics.md): bit for bit; equal after
 #: rounding to bf16 (compressed-tensors' NVFP4 multiplies in bf16); INT: within 1 ulp (consumers multiply by 1 / s)
-RULES = {"ct_nvfp4": "bf16", "ct_int_pack": "ulp1", "ct_int8": "ulp1", "modelopt_int4_awq": "ulp1"}
-#: the per-tensor / global scale that siblings fused into one GEMM must share, per format
+RULES = {"ct_nvfp4": "bf16", "ct_int_pack": "ulp1", "ct_int8": "ulp1", "modelopt_int4_awq": "ulp1", "ct_mixed": "bf16"}
+#: the per-tensor / global scale that siblings fused into one GEMM must share, per format (mixed: that of its NVFP4 scheme)
 SHARED_SCALE = {"modelopt_fp8": "weight_scale", "modelopt_nvfp4": "weight_scale_2", "ct_nvfp4": "weight_global_scale",
-                "modelopt_w4a8_awq": "weight_scale_2"}  # fmt: skip
+                "modelopt_w4a8_awq": "weight_scale_2", "ct_mixed": "weight_global_scale", "modelopt_mixed": "weight_scale_2"}  # fmt: skip
 
 
 def exported_modules(export_dir) -> dict[str, dict[str, torch.Tensor]]:

@@ -151,3 +151,23 @@ def test_static_block_siblings_with_other_global_amax_refused_even_with_unify(tm
     q = model.model.layers[0].self_attn.q_proj.weight_quantizer
     q.amax = q.amax * 2  # as if changed after the search: its block scales were chosen against another one
     refused(tmp_path, model, "modelopt_nvfp4", r"q_proj.weight_quantizer has static NVFP4 block scales", unify_siblings=True)
+
+
+@pytest.mark.parametrize("cfg,fmt,scales,amax", [
+    (FP8_BLOCK_W, "hf_fp8_block", "calibrated", r"amax of shape \(4, 2\)"),
+    (FP8_BLOCK_W, "ct_fp8_block", "static", r"amax of shape \(4, 2\)"),
+    (ql.INT8_WEIGHT_ONLY_CFG, "ct_int8", "dynamic", r"amax of shape \(512, 1\)"),
+    (ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, "ct_int_pack", "calibrated", r"amax of shape \(512, 2\)"),
+    (ql.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG, "modelopt_nvfp4", "calibrated", r"block amax of shape \(512, 16\)"),
+])  # fmt: skip
+def test_tensor_rows_not_the_quantizers_refused(tmp_path, cfg, fmt, scales, amax):
+    # a tensor of other rows than the weight its quantizer's per-row / per-block amax was calibrated on: those scales
+    # belong to other rows (before: a raw RuntimeError / ValueError from the cast, or half an export written)
+    from quantlib.export.weight_sync import serialize_weight
+
+    torch.manual_seed(0)
+    model = ql.quantize(nn.Sequential(nn.Linear(256, 512)), cfg, lambda m: m(torch.randn(4, 256)))
+    with pytest.raises(ExportError, match=rf"^0.weight_quantizer: weight 0 of shape \(384, 256\) does not match its quantizer's {amax}"):
+        list(serialize_weight("0.weight", torch.randn(384, 256), model[0], fmt, scales=scales))
+    model[0].weight = nn.Parameter(torch.randn(384, 256))  # resized after calibration
+    refused(tmp_path, model, fmt, rf"^0.weight_quantizer: weight 0 of shape \(384, 256\) does not match its quantizer's {amax}")

@@ -122,3 +122,17 @@ def test_nvfp4_w4a4_input_global_scale(bases, tmp_path):
     sd = load_file(tmp_path / "c" / "model.safetensors")
     q = model.model.layers[0].self_attn.q_proj.input_quantizer
     assert torch.equal(sd["model.layers.0.self_attn.q_proj.input_global_scale"], torch.tensor([2688.0]) / q.amax.reshape(1))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
+def test_pack_int32_is_compressed_tensors_packing(bits):
+    # every width (those that divide 32 pack word by word, the others as a bit stream), odd lengths, both extremes
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from quantlib.export.writers.ct_int_pack import pack_int32
+
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    for n in (1, 31, 33, 100, 256):
+        codes = torch.randint(lo, hi + 1, (3, n), generator=torch.Generator().manual_seed(n), dtype=torch.int8)
+        codes[0, 0], codes[1, -1] = lo, hi
+        assert torch.equal(pack_int32(codes, bits), pack_to_int32(codes, bits)), (bits, n)

@@ -88,6 +88,32 @@ def test_bad_arguments_refused_by_name(tmp_path, kwargs, match):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "fn, kwargs, match",
+    [
+        ("iter_packed", {"tp": "2"}, r"tp='2': expected a tensor-parallel degree, an int >= 1"),
+        ("iter_packed", {"tp": 0}, r"tp=0: expected a tensor-parallel degree"),
+        ("iter_packed", {"tp": 2, "tp_rank": 5}, r"tp_rank=5: expected None or a rank of tp=2, an int in \[0, 2\)"),
+        ("iter_packed", {"tp": 2, "tp_rank": "0"}, r"tp_rank='0': expected None or a rank"),
+        ("iter_packed", {"layout": "llama"}, r"layout='llama': expected a quantlib.export.ModelLayout"),
+        ("iter_packed", {"unify_siblings": "yes"}, r"unify_siblings='yes': expected True or False"),
+        ("sync_pairs", {"tp": "2"}, r"tp='2': expected a tensor-parallel degree"),
+        ("serialize_weight", {"global_amax": "1"}, r"^0.weight: global_amax='1' \(str\): expected a tensor"),
+    ],
+)
+def test_bad_arguments_of_the_iterators_refused_by_name(fn, kwargs, match):
+    # the in-memory paths take the same arguments as export_checkpoint and refuse them alike (before: raw TypeError /
+    # AttributeError, or accepted: tp=0, tp=2.0, a tp_rank outside the degree)
+    import quantlib.export as qe
+
+    model = mlp()
+    with pytest.raises(ExportError, match=match):
+        if fn == "serialize_weight":
+            list(qe.serialize_weight("0.weight", model[0].weight, model[0], "hf_fp8_block", **kwargs))
+        else:
+            list(getattr(qe, fn)(model, "hf_fp8_block", **kwargs))
+
+
 def _llama():
     pytest.importorskip("transformers")
     from tests.test_export._export_models import llama

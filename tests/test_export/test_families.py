@@ -194,3 +194,22 @@ def test_group_member_never_converted_is_refused(tmp_path):
     attn.v_proj = plain
     with pytest.raises(ExportError, match=r"model.layers.0.self_attn.v_proj: not quantized .* but its fused siblings"):
         export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+
+
+def test_gated_deltanet_b_a_and_every_layers_shared_expert_carry_one_scale(tmp_path):
+    # the presets leave Qwen3.5's in_proj_b / in_proj_a unquantized, so no other test exports them: quantized, they are vLLM's
+    # in_proj_ba (one GEMM, one scale), as layer 1's shared expert gate / up are its gate_up_proj
+    cfg = {**ql.FP8_DEFAULT_CFG, "quant_cfg": {k: v for k, v in ql.FP8_DEFAULT_CFG["quant_cfg"].items() if "in_proj" not in k}}
+    model = quantized(build("qwen3_5_moe"), cfg)
+    groups = [("model.layers.0.linear_attn.{}", ("in_proj_b", "in_proj_a")),
+              ("model.layers.1.mlp.shared_expert.{}", ("gate_proj", "up_proj"))]
+    assert model.get_submodule("model.layers.0.linear_attn.in_proj_b").weight_quantizer.is_enabled
+    with pytest.raises(ExportError, match=r"siblings .* need one global amax"):
+        export_checkpoint(model, tmp_path / "refused", "modelopt_fp8")
+    man = export_checkpoint(model, tmp_path / "q", "modelopt_fp8", unify_siblings=True)
+    assert {tuple(p.format(leaf) for leaf in leaves) for p, leaves in groups} <= set(man.unified_siblings)  # they differed
+    sd = load_file(tmp_path / "q" / "model.safetensors")
+    for parent, leaves in groups:
+        for key in ("weight_scale", "input_scale"):
+            scales = [sd[f"{parent.format(leaf)}.{key}"] for leaf in leaves]
+            assert all(torch.equal(s, scales[0]) for s in scales), (parent, key, scales)

@@ -45,6 +45,10 @@ from tests.test_export._families import FAMILIES, FAMILY_GROUPS, GROUPS, build, 
 _FP8_POW2 = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
 _FP8_POW2["quant_cfg"]["*weight_quantizer"] = {**_FP8_POW2["quant_cfg"]["*weight_quantizer"], "pow2_scale": True}
 _W4A8_MAX = {**ql.W4A8_AWQ_BETA_CFG, "algorithm": "max"}  # AWQ's own export is tested in test_fold / test_modelopt_w4a8
+#: mixed precision as vLLM / SGLang serve large MoE models: NVFP4 MLP and experts (the presets' routers and gates stay off), FP8
+#: 128x128 attention
+_MIXED = weight_only(ql.NVFP4_DEFAULT_CFG)
+_MIXED["quant_cfg"]["*self_attn*weight_quantizer"] = {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}}
 #: recipe -> (config, whether it quantizes activations); weight-only recipes keep the presets' rules (routers, gates off)
 RECIPES = {
     "fp8_block": (weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG), False),
@@ -56,16 +60,20 @@ RECIPES = {
     "int8": (ql.INT8_WEIGHT_ONLY_CFG, False),
     "fp8": (ql.FP8_DEFAULT_CFG, True),
     "w4a8": (_W4A8_MAX, True),
+    "mixed": (_MIXED, False),
 }
 #: format -> the recipe it carries
 FORMATS = {
     "hf_fp8_block": "fp8_block", "hf_fp8_block_ue8m0": "fp8_block_pow2", "hf_mxfp8": "mxfp8", "ct_fp8_block": "fp8_block",
     "ct_mxfp8": "mxfp8", "ct_mxfp4": "mxfp4", "ct_nvfp4": "nvfp4", "ct_int_pack": "int4", "ct_int8": "int8", "modelopt_fp8": "fp8",
     "modelopt_fp8_pb": "fp8_block", "modelopt_nvfp4": "nvfp4", "modelopt_mxfp8": "mxfp8", "modelopt_int4_awq": "int4",
-    "modelopt_w4a8_awq": "w4a8",
+    "modelopt_w4a8_awq": "w4a8", "ct_mixed": "mixed", "modelopt_mixed": "mixed",
 }  # fmt: skip
 #: row -> (family, tied lm_head)
-ROWS = {**{f: (f, False) for f in sorted(FAMILIES)}, "llama_tied": ("llama", True), "gemma_tied": ("gemma", True)}
+ROWS = {**{f: (f, False) for f in sorted(FAMILIES)}, "llama_tied": ("llama", True), "gemma_tied": ("gemma", True),
+        "llama_lm_head": ("llama", False)}
+#: rows whose (untied) lm_head is quantized too (the presets leave it unquantized; a tied one is refused: test_families)
+QUANTIZED_HEAD = {"llama_lm_head"}
 _MOE = {f for f, (_, _, extra) in FAMILIES.items() if {"num_experts", "num_local_experts", "n_routed_experts"} & set(extra)}
 _EXPERTS = "*mlp.experts*"  # routed experts only (DeepSeek's mlp.shared_experts are linears)
 
@@ -93,11 +101,14 @@ def calibrated():
                 cache[family, tie] = build(family, tie=tie)
             model = copy.deepcopy(cache[family, tie])
             cfg, acts = RECIPES[recipe]
+            if row in QUANTIZED_HEAD:
+                cfg = {**cfg, "quant_cfg": {k: v for k, v in cfg["quant_cfg"].items() if k != "*lm_head*"}}
             ids = tokens(5)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # weight-only: max calibration reads the weights, no forward pass needed
                 ql.quantize(model, cfg, (lambda m: m(ids)) if acts else None)
             share_sibling_amax(model)  # q/k/v, gate/up, q_a/kv_a, in_proj_qkv/z: one per-tensor / global amax
+            assert model.lm_head.weight_quantizer.is_enabled == (row in QUANTIZED_HEAD)
             cache[row, recipe] = model, *_expected(model, acts)
         return cache[row, recipe]
 
@@ -157,14 +168,19 @@ def test_consumer_reads_the_fake_quantized_weights(calibrated, references, tmp_p
     pairs = {name: (fake, consumer_weight(loaded, name)) for name, fake in fakes.items()}
     assert len(pairs) >= 4 and len(quantized) >= len(pairs), (len(pairs), len(quantized))
     assert not mismatches(pairs, RULES.get(fmt, "exact"))
-    if fmt in SHARED_SCALE:
+    if row in QUANTIZED_HEAD:
+        assert "lm_head" in quantized and "lm_head" in pairs
+    for key in (SHARED_SCALE.get(fmt), "input_scale", "input_global_scale"):  # one weight scale; and one activation scale
         for group in _sibling_groups(family, quantized):
-            scales = [modules[m][SHARED_SCALE[fmt]] for m in group]
-            assert all(torch.equal(s, scales[0]) for s in scales), (group, scales)
+            scales = [modules[m].get(key) for m in group]
+            if key is not None and scales[0] is not None:  # (a mixed export: the groups of its schemes with such a scale)
+                assert all(s is not None and torch.equal(s, scales[0]) for s in scales), (group, key, scales)
     if RULES.get(fmt, "exact") == "exact" and logits is not None:
         with torch.no_grad():
             assert torch.equal(loaded(tokens()).logits, logits)
-    if fmt.startswith("ct_") and family not in _MOE:  # transformers' own compressed-tensors path (its MoE path is broken upstream)
+    # transformers' own compressed-tensors path (its MoE path is broken upstream; with dequantize=True it takes one scheme for all dense
+    # modules, and ct_mixed's two dense schemes load in its compressed mode instead: test_mixed_consumers)
+    if fmt.startswith("ct_") and fmt != "ct_mixed" and family not in _MOE:
         from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
         with warnings.catch_warnings():

@@ -131,3 +131,18 @@ def test_modelopt_mixed_one_scheme_is_the_plain_config(tmp_path):
     export_checkpoint(model, tmp_path / "m", "modelopt_mixed")
     export_checkpoint(model, tmp_path / "p", "modelopt_fp8_pb")
     assert (tmp_path / "m" / "hf_quant_config.json").read_text() == (tmp_path / "p" / "hf_quant_config.json").read_text()
+
+
+@pytest.mark.parametrize("fmt,rules,member,first", [
+    ("ct_mixed", dict(mlp=INT4, up_proj=FP8_BLOCK), "model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"),
+    ("modelopt_mixed", dict(q_proj=NVFP4, k_proj=FP8_BLOCK, v_proj=FP8_BLOCK), "model.layers.0.self_attn.k_proj",
+     "model.layers.0.self_attn.q_proj"),
+])  # fmt: skip
+def test_siblings_of_other_schemes_refused(tmp_path, fmt, rules, member, first):
+    # vLLM runs q/k/v (gate/up) as one GEMM of one scheme and refuses the load ("Mixed quant_algo within fused layer"):
+    # before, the mixed formats wrote each sibling in its own scheme without a word
+    model = quantized(llama(), _cfg(**rules))
+    with pytest.raises(ExportError, match=rf"^{member}.weight_quantizer and {first}.weight_quantizer: siblings fused by consumers into "
+                                          r"one GEMM need one scheme, but .* is weight (fp8_block|int) .* and .* weight (int|nvfp4)"):
+        export_checkpoint(model, tmp_path / "c", fmt)
+    assert not (tmp_path / "c").exists()

@@ -25,6 +25,13 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     v = codes.to(torch.int64) + (1 << (bits - 1))
     pad = -n % 32  # 32 elements always fill exactly ``bits`` words
     v = F.pad(v, (0, pad))
+    if 32 % bits == 0:  # no element straddles a word: each word is its elements shifted into place (not a bit stream of 8x n*bits bytes)
+        v = v.reshape(rows, -1, 32 // bits)
+        words = v[..., 0].clone()
+        for k in range(1, 32 // bits):
+            words |= v[..., k] << (k * bits)
+        words = torch.where(words >= 2**31, words - 2**32, words)
+        return words[:, : -(-n * bits // 32)].to(torch.int32).contiguous()
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int64)
     stream = ((v.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1, 32)  # bit i of the row, 32 per word
     words = (stream << torch.arange(32, device=codes.device, dtype=torch.int64)).sum(-1)
