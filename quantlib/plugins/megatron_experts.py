@@ -169,8 +169,8 @@ class _Experts:
         cache = None if torch.compiler.is_compiling() else self._mlp.__dict__.setdefault("_weight_cache", {}).setdefault(("rows", key), {})
         x = quantize_rows(inputs, x, self._expert, self._counts, cache)
         params = tuple(lin._parameters["weight"] for lin in linears)
-        w = stacked_fake_quant(self._mlp, ("stacked", key), weight_quantizers, params,
-                               lambda: torch.stack(params), lambda e: linears[e].quantize_weight(params[e]))
+        w = stacked_fake_quant(self._mlp, ("stacked", key), weight_quantizers, params, lambda: torch.stack(params),
+                               (len(params),) + tuple(params[0].shape), lambda e: linears[e].quantize_weight(params[e]))
         # (E, out, in) -> the (E, in, out) operand: x @ W^T per expert, as Megatron's matmul(x, weight.t())
         return grouped_mm(x, w.transpose(1, 2), self._offs)
 
