@@ -174,7 +174,7 @@ def _bias_case(rank: int, world: int, model: str) -> dict:
         fc2.bias.add_(0.25)
         changed = experts(x, counts, probs)[0]
         res["in_place_seen"] = not torch.equal(changed, out) and torch.equal(changed, _megatron_loop(experts, x, counts, probs)[0])
-        experts.local_experts[3].linear_fc1.bias = torch.nn.Parameter(experts.local_experts[3].linear_fc1.bias * 2)  # (expert 2 gets no row)
+        experts.local_experts[3].linear_fc1.bias = torch.nn.Parameter(experts.local_experts[3].linear_fc1.bias * 2)  # (expert 2: no row)
         replaced = experts(x, counts, probs)[0]
         res["replaced_seen"] = not torch.equal(replaced, changed) and torch.equal(replaced, _megatron_loop(experts, x, counts, probs)[0])
         # the two modules MLP.forward calls are the structure's, built once, holding nothing after the forward
