@@ -77,3 +77,22 @@ def test_combine_backward_writes_nothing_of_tokens_by_k_by_hidden():
         out.backward(torch.ones_like(out))
     assert rec.shapes and all(shape != (tokens, k, hidden) for _, shape in rec.shapes), rec.shapes
     assert torch.equal(rows.grad, d.weight.unsqueeze(-1).expand(-1, hidden))
+
+
+def test_combine_compiles_whole_with_its_backward():
+    tokens, k, experts, hidden = 6, 2, 4, 8
+    g = torch.Generator().manual_seed(2)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights, rows = torch.rand(tokens, k, generator=g), torch.randn(tokens * k, hidden, generator=g)
+    grad = torch.randn(tokens, hidden, generator=g)
+
+    def step(i, w, r):
+        return combine(dispatch(i, w, experts, False), r, torch.float32)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        r = rows.clone().requires_grad_()
+        out = fn(idx, weights, r)
+        out.backward(grad)
+        results.append((out.detach(), r.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
