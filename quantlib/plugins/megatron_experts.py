@@ -57,8 +57,8 @@ class Structure:
         self.refusal: tuple = (None, "")  # (key, why) of the last check
         #: per projection: (key of the biases' identities and versions, their (E, out) stack)
         self.bias_stacks: dict = {}
-        #: the two modules Megatron's MLP.forward calls as linear_fc1 / linear_fc2 (see _Experts)
-        self.calls = (_Projection(), _Projection())
+        #: the two modules Megatron's MLP.forward calls as linear_fc1 / linear_fc2 in eager forwards (see _Experts)
+        self.calls: Optional[tuple] = None
 
 
 def structure(mlp: nn.Module, local: Callable[[list, list], bool]) -> Structure:
@@ -158,6 +158,8 @@ class _Experts:
         if torch.compiler.is_compiling():
             self.linear_fc1, self.linear_fc2 = _Projection(self._fc1), _Projection(self._fc2)
         else:
+            if st.calls is None:  # (built in eager only: a structure may be made while torch.compile traces)
+                st.calls = (_Projection(), _Projection())
             self.linear_fc1, self.linear_fc2 = st.calls
             self.linear_fc1.__dict__["fn"], self.linear_fc2.__dict__["fn"] = self._fc1, self._fc2
 
@@ -207,10 +209,13 @@ def grouped_forward(mlp: nn.Module, st: Structure, x: torch.Tensor, tokens_per_e
     each) through every expert's grouped GEMMs (after :func:`grouped_refusal` said it can)."""
     # Megatron's allgather dispatcher hands the counts on the host: copied without waiting for the stream
     counts = tokens_per_expert.to(x.device, non_blocking=True)
+    if torch.compiler.is_compiling():
+        output, _ = MLP.forward(_Experts(mlp, st, counts, probs, x.shape[0]), x, probs)
+        return output, None
     try:
         output, _ = MLP.forward(_Experts(mlp, st, counts, probs, x.shape[0]), x, probs)
     finally:  # the structure's projections keep no forward's tensors alive
-        for call in st.calls:
+        for call in st.calls or ():
             call.__dict__["fn"] = None
     return output, None
 
