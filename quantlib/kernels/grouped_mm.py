@@ -4,8 +4,10 @@
 Why an op of our own: torch 2.13's ``_grouped_mm`` runs on the CPU in any float dtype, but its autograd
 formula fails there ("Invalid strides/sizes") and its meta kernel refuses anything but bf16 under
 torch.compile; as an opaque op with a fake kernel the same kernel runs eagerly and compiled (bit for bit),
-and the backward is two more grouped GEMMs. The offsets stay on the device: no host read. On the CPU
-each group's rows get the bits of ``F.linear`` on those rows (what the per-expert loop computed).
+and the backward is two more grouped GEMMs. Eager calls run the same kernels without the op's dispatch
+(directly, or through an autograd.Function where autograd records): the op is for torch.compile and
+torch.func. The offsets stay on the device: no host read. On the CPU each group's rows get the bits of
+``F.linear`` on those rows (what the per-expert loop computed).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ NVFP4: its global amax (E, 1, 1), which the kernels take one per row, and its st
 (E, out, blocks)). Every format's scale is a function of its group's amax alone, so this is bit for bit
 the per-expert call. Otherwise each member quantizes its own
 slice and the results are stacked. Neither reads anything back to the host. Outside autograd and
-torch.compile the result is cached until the parameter or a member's state changes.
+torch.compile the result is cached until the parameter or a member's state changes; under autograd (QAT)
+the members' stacked scales are kept likewise, and only the weights are fake-quantized each step.
 """
 
 from __future__ import annotations
