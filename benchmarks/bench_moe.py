@@ -5,13 +5,22 @@ The layer is transformers' ``Qwen3MoeSparseMoeBlock`` (router + fused experts, `
 layer runs transformers' own experts implementation (``grouped_mm`` on an accelerator, ``eager`` on the
 CPU, or ``--baseline``: the name is in the table). Each preset is applied to a copy by ``quantlib.quantize`` and by
 ModelOpt's ``mtq.quantize`` (same preset name, max calibration on one batch, not timed). Timed, median of
-``--reps``: forward without grad (quantlib reuses its fake-quantized weights: the weight cache) and
-forward + backward (QAT: weights fake-quantized every step). Ratios: to the unquantized layer, and
-ModelOpt's time over quantlib's. ModelOpt runs in a child process per preset (its plugin re-registers
-transformers' experts class process-wide).
+``--reps`` (each a call then a device sync):
 
-    python benchmarks/bench_moe.py --device cuda --json moe.json      # E=64 and E=128, top-8, bf16
-    python benchmarks/bench_moe.py --small --json moe_cpu.json        # CPU-sized layer, fp32
+- ``fwd``: eval forward without grad; quantlib reuses its fake-quantized weights (the weight cache), and
+  quantizes the activations as the preset says;
+- ``fwd_w``: the same with the input quantizers disabled: weight-only with the weight cache (the preset's
+  own number for a weight-only preset);
+- ``fwd_qat``: training-mode forward with autograd recording (QAT: the weights fake-quantized every call);
+- ``fwd_bwd``: that forward and its backward.
+
+Ratios: to the unquantized layer's same column, and ModelOpt's time over quantlib's. ModelOpt runs last, in
+one child process for all its rows (its plugin re-registers transformers' experts class process-wide),
+with fewer repetitions and a time limit per row and for the whole child (``--modelopt-limit``): it is 11-38x
+slower. The JSON (``--json``) is rewritten after every row, so a run cut short keeps what it measured.
+
+    python benchmarks/bench_moe.py --device cuda --json moe.json        # E=64 and E=128, top-8, bf16: ~4 min on an H100
+    python benchmarks/bench_moe.py --small --device cpu --json moe_cpu.json   # CPU-sized layers, fp32
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -57,9 +67,11 @@ def build_layer(experts: int, hidden: int, width: int, top_k: int, impl: str, dt
     return layer.to(device=device, dtype=dtype)
 
 
-def timed(fn, device: str, reps: int, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs (device-synchronised)."""
+def timed(fn, device: str, reps: int, warmup: int = 2, limit_s: float = float("inf")) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs (device-synchronised); fewer (at least one) where the
+    warm-ups and runs would pass ``limit_s``."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    start = time.perf_counter()
     for _ in range(warmup):
         fn()
     sync()
@@ -69,12 +81,16 @@ def timed(fn, device: str, reps: int, warmup: int = 2) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t)
+        if time.perf_counter() - start + times[-1] > limit_s:
+            break
     return statistics.median(times)
 
 
-def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int) -> dict:
-    """Forward (no grad) and forward + backward seconds of ``layer`` on ``x``."""
-    layer.eval()
+def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int, limit_s: float = float("inf"),
+            weight_only: Optional[Callable[[], object]] = None, qat_forward: bool = True) -> dict:
+    """Seconds of ``layer`` on ``x``: ``fwd`` (eval, no grad), ``fwd_w`` (the same after ``weight_only()`` disabled
+    the input quantizers), ``fwd_qat`` (train mode, autograd recording; if ``qat_forward``) and ``fwd_bwd``;
+    each column within ``limit_s`` (see :func:`timed`)."""
 
     def fwd():
         with torch.no_grad():
@@ -84,10 +100,17 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int) -> 
         layer.zero_grad(set_to_none=True)
         layer(x).float().square().mean().backward()
 
-    out = {"fwd": timed(fwd, device, reps)}
-    layer.train()
-    out["fwd_bwd"] = timed(fwd_bwd, device, reps)
     layer.eval()
+    out = {"fwd": timed(fwd, device, reps, limit_s=limit_s)}
+    layer.train()
+    if qat_forward:
+        out["fwd_qat"] = timed(lambda: layer(x), device, reps, limit_s=limit_s)
+    out["fwd_bwd"] = timed(fwd_bwd, device, reps, limit_s=limit_s)
+    layer.zero_grad(set_to_none=True)
+    layer.eval()
+    if weight_only is not None:
+        weight_only()
+        out["fwd_w"] = timed(fwd, device, reps, limit_s=limit_s)
     return out
 
 
@@ -103,38 +126,67 @@ def baseline(shape: tuple, args, x: torch.Tensor) -> tuple[str, dict]:
         except RuntimeError as exc:
             print(f"  unquantized {impl}: backward fails here ({str(exc)[:80]}); next implementation")
             continue
-        return impl, measure(layer, x, args.device, args.reps)
+        times = measure(layer, x, args.device, args.reps)
+        return impl, {**times, "fwd_w": times["fwd"]}
     raise RuntimeError("no experts implementation of transformers runs forward + backward here")
 
 
-def run_quantlib(shape: tuple, args, name: str, x: torch.Tensor) -> dict:
+def run_quantlib(shape: tuple, args, name: str, x: torch.Tensor, weight_only: bool) -> dict:
     layer = build_layer(*shape, args.top_k, "eager", args.dtype, args.device)
     ql.quantize(layer, ql.PRESETS[name], lambda m: m(x))
-    return measure(layer, x, args.device, args.reps)
+    inputs_off = None if weight_only else (lambda: ql.disable_quantizer(layer, "*input_quantizer"))
+    times = measure(layer, x, args.device, args.reps, weight_only=inputs_off)
+    return times if not weight_only else {**times, "fwd_w": times["fwd"]}
 
 
-def run_modelopt(shape: tuple, args, name: str, x: torch.Tensor) -> dict:
-    """ModelOpt's numbers, measured in a child process: its HF plugin re-registers transformers' experts
-    class process-wide, which would change every layer built after it in this process."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--modelopt-child", name, ",".join(map(str, shape)), "--device", args.device,
-           "--top-k", str(args.top_k), "--reps", str(args.reps), "--tokens", str(x.shape[1])]  # fmt: skip
+#: ModelOpt presets whose fake quant runs on CUDA only (its NVFP4 kernels)
+MODELOPT_CUDA_ONLY = {"NVFP4_DEFAULT_CFG"}
+
+
+def run_modelopt(jobs: list[tuple], args) -> dict:
+    """ModelOpt's numbers for ``jobs`` ((shape, preset name) pairs), measured in one child process: its HF
+    plugin re-registers transformers' experts class process-wide, which would change every layer built after
+    it in this process. Rows print as they finish; what the time limit cut off is reported by name."""
+    spec = ";".join(f"{','.join(map(str, shape))}:{name}" for shape, name in jobs)
+    cmd = [sys.executable, os.path.abspath(__file__), "--modelopt-child", spec, "--device", args.device, "--top-k", str(args.top_k),
+           "--reps", str(args.modelopt_reps), "--tokens", str(args.tokens), "--row-limit", str(args.row_limit)]  # fmt: skip
     cmd += ["--small"] if args.small else []
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("MODELOPT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
-    return json.loads(lines[-1][len("MODELOPT ") :])
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.modelopt_limit)
+        stdout, why = done.stdout, "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no output"])[-1]
+    except subprocess.TimeoutExpired as exc:
+        stdout, why = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), \
+            f"time limit {args.modelopt_limit:.0f} s of the ModelOpt child"
+    results = {}
+    for line in stdout.splitlines():
+        if line.startswith("MODELOPT "):
+            row = json.loads(line[len("MODELOPT "):])
+            results[(tuple(row.pop("shape")), row.pop("preset"))] = row
+    for job in jobs:
+        results.setdefault((tuple(job[0]), job[1]), {"error": why or "no output"})
+    return results
 
 
 def modelopt_child(args) -> None:
-    """In the child process: quantize the layer with ModelOpt and print its times."""
+    """In the child process: quantize each (shape, preset) layer with ModelOpt and print its times."""
     import modelopt.torch.quantization as mtq
 
-    shape = tuple(int(v) for v in args.shape.split(","))
-    x = torch.randn(1, args.tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
-    layer = build_layer(*shape, args.top_k, "eager", args.dtype, args.device)
-    mtq.quantize(layer, copy.deepcopy(getattr(mtq, args.modelopt_child)), lambda m: m(x))
-    print("MODELOPT " + json.dumps(measure(layer, x, args.device, args.reps)))
+    for job in args.modelopt_child.split(";"):
+        shape_s, name = job.split(":")
+        shape = tuple(int(v) for v in shape_s.split(","))
+        row = {"shape": shape, "preset": name}
+        if args.device != "cuda" and name in MODELOPT_CUDA_ONLY:
+            row["error"] = f"skipped: ModelOpt's {name} fake quant needs CUDA"
+        else:
+            x = torch.randn(1, args.tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
+            layer = build_layer(*shape, args.top_k, "eager", args.dtype, args.device)
+            try:
+                mtq.quantize(layer, copy.deepcopy(getattr(mtq, name)), lambda m, x=x: m(x))
+                row.update(measure(layer, x, args.device, args.reps, limit_s=args.row_limit, qat_forward=False))
+            except Exception as exc:  # report and go on: one library's failure is a result too
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            del layer
+        print("MODELOPT " + json.dumps(row), flush=True)
 
 
 def layer_args(doc: str) -> argparse.ArgumentParser:
@@ -155,64 +207,82 @@ def main() -> None:
     p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation "
                                                                                                    "of the unquantized layer")
     p.add_argument("--no-modelopt", action="store_true")
+    p.add_argument("--modelopt-reps", type=int, default=5, help="timed repetitions of ModelOpt's layers")
+    p.add_argument("--row-limit", type=float, default=20.0, help="seconds for each of ModelOpt's timed columns (fewer reps past it)")
+    p.add_argument("--modelopt-limit", type=float, default=240.0, help="seconds for the whole ModelOpt child process")
     p.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("shape", nargs="?", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.dtype = torch.float32 if args.small else torch.bfloat16
-    tokens = args.tokens or (128 if args.small else 4096)
+    args.tokens = args.tokens or (128 if args.small else 4096)
     args.reps = args.reps or (5 if args.small else 20)
     if args.modelopt_child:
-        args.tokens = tokens
         modelopt_child(args)
         return
+    meta = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "top_k": args.top_k, "tokens": args.tokens, "dtype": str(args.dtype)}
     rows = []
     for shape in SMALL_SHAPES if args.small else SHAPES:
-        x = torch.randn(1, tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
+        x = torch.randn(1, args.tokens, shape[1], generator=torch.Generator().manual_seed(1)).to(args.device, args.dtype)
         impl, base = baseline(shape, args, x)
-        print(f"E={shape[0]} H={shape[1]} I={shape[2]} top-{args.top_k} tokens={tokens} {args.dtype} {args.device}: unquantized ({impl}) "
-              f"fwd {base['fwd'] * 1e3:.2f} ms, fwd+bwd {base['fwd_bwd'] * 1e3:.2f} ms")
+        print(f"E={shape[0]} H={shape[1]} I={shape[2]} top-{args.top_k} tokens={args.tokens} {args.dtype} {args.device}: unquantized "
+              f"({impl}) " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in base.items()), flush=True)
         for preset in args.presets:
             ours_name, theirs_name, weight_only = PRESETS[preset]
-            row = {"experts": shape[0], "hidden": shape[1], "width": shape[2], "top_k": args.top_k, "tokens": tokens,
-                   "dtype": str(args.dtype), "device": args.device,
-                   "preset": preset, "weight_only": weight_only, "baseline_impl": impl, "unquantized": base}  # fmt: skip
-            row["quantlib"] = run_quantlib(shape, args, ours_name, x)
-            if not args.no_modelopt:
-                try:
-                    row["modelopt"] = run_modelopt(shape, args, theirs_name, x)
-                except Exception as exc:  # report and go on: one library's failure is a result too
-                    print(f"  ModelOpt {preset}: {type(exc).__name__}: {str(exc)[:200]}")
-                    row["modelopt_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row = {"experts": shape[0], "hidden": shape[1], "width": shape[2], "preset": preset, "modelopt_name": theirs_name,
+                   "weight_only": weight_only, "baseline_impl": impl, "unquantized": base}  # fmt: skip
+            try:
+                row["quantlib"] = run_quantlib(shape, args, ours_name, x, weight_only)
+            except Exception as exc:  # report and go on: the other rows still count
+                row["quantlib_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"  {preset}: quantlib failed: {row['quantlib_error']}", flush=True)
             rows.append(row)
-            report(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "rows": rows}, f, indent=1)
+            if "quantlib" in row:
+                report(row)
+            dump(args.json, meta, rows)
+    if not args.no_modelopt:
+        theirs = run_modelopt([((r["experts"], r["hidden"], r["width"]), r["modelopt_name"]) for r in rows], args)
+        for r in rows:
+            got = theirs[((r["experts"], r["hidden"], r["width"]), r["modelopt_name"])]
+            r["modelopt" if "error" not in got else "modelopt_error"] = got if "error" not in got else got["error"]
+        dump(args.json, meta, rows)
     print_table(rows)
+
+
+def dump(path: Optional[str], meta: dict, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+
+
+#: (column, its heading): the times every row reports, in the table's order
+COLUMNS = (("fwd", "fwd W+A (cache)"), ("fwd_w", "fwd W only (cache)"), ("fwd_qat", "fwd QAT"), ("fwd_bwd", "fwd+bwd QAT"))
 
 
 def report(row: dict) -> None:
     q, b = row["quantlib"], row["unquantized"]
-    mo = row.get("modelopt")
-    extra = (f", ModelOpt fwd {mo['fwd'] * 1e3:.2f} / fwd+bwd {mo['fwd_bwd'] * 1e3:.2f} ms" if mo
-             else f", ModelOpt: {row.get('modelopt_error', 'not run')}")
-    print(f"  {row['preset']}: quantlib fwd {q['fwd'] * 1e3:.2f} ms ({q['fwd'] / b['fwd']:.2f}x), fwd+bwd {q['fwd_bwd'] * 1e3:.2f} ms "
-          f"({q['fwd_bwd'] / b['fwd_bwd']:.2f}x){extra}")
+    print(f"  {row['preset']}: quantlib " + ", ".join(f"{k} {q[k] * 1e3:.2f} ms ({q[k] / b[k]:.2f}x)" for k, _ in COLUMNS), flush=True)
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| E | H | I | preset | unquantized fwd / fwd+bwd ms | quantlib fwd / fwd+bwd ms | vs unquantized | ModelOpt fwd / fwd+bwd ms "
-          "| ModelOpt / quantlib |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        b, q, mo = r["unquantized"], r["quantlib"], r.get("modelopt")
-        mo_t = f"{mo['fwd'] * 1e3:.2f} / {mo['fwd_bwd'] * 1e3:.2f}" if mo else r.get("modelopt_error", "-")[:40]
-        mo_r = f"{mo['fwd'] / q['fwd']:.2f}x / {mo['fwd_bwd'] / q['fwd_bwd']:.2f}x" if mo else "-"
-        print(f"| {r['experts']} | {r['hidden']} | {r['width']} | {r['preset']}{' (W only)' if r['weight_only'] else ''} | "
-              f"{b['fwd'] * 1e3:.2f} / {b['fwd_bwd'] * 1e3:.2f} ({r['baseline_impl']}) "
-              f"| {q['fwd'] * 1e3:.2f} / {q['fwd_bwd'] * 1e3:.2f} | {q['fwd'] / b['fwd']:.2f}x / {q['fwd_bwd'] / b['fwd_bwd']:.2f}x | "
-              f"{mo_t} | {mo_r} |")  # fmt: skip
+    """Markdown tables: quantlib against the unquantized layer, then against ModelOpt."""
+    print("\n| E | H | I | preset | " + " | ".join(f"{h} ms: unquantized / quantlib (x)" for _, h in COLUMNS) + " |")
+    print("|---|---|---|---|" + "---|" * len(COLUMNS))
+    for r in (r for r in rows if "quantlib" in r):
+        b, q = r["unquantized"], r["quantlib"]
+        cells = [f"{b[k] * 1e3:.2f} / {q[k] * 1e3:.2f} ({q[k] / b[k]:.2f}x)" for k, _ in COLUMNS]
+        print(f"| {r['experts']} | {r['hidden']} | {r['width']} | {r['preset']}{' (W only)' if r['weight_only'] else ''} "
+              f"({r['baseline_impl']}) | " + " | ".join(cells) + " |")
+    print("\n| E | H | I | preset | ModelOpt fwd / fwd+bwd ms | quantlib fwd / fwd+bwd ms | ModelOpt / quantlib fwd, fwd+bwd |")
+    print("|---|---|---|---|---|---|---|")
+    for r in (r for r in rows if "quantlib" in r):
+        q, mo = r["quantlib"], r.get("modelopt")
+        if mo is None:
+            theirs, ratio = str(r.get("modelopt_error", "not run"))[:60], "-"
+        else:
+            theirs = f"{mo['fwd'] * 1e3:.2f} / {mo['fwd_bwd'] * 1e3:.2f}"
+            ratio = f"{mo['fwd'] / q['fwd']:.1f}x, {mo['fwd_bwd'] / q['fwd_bwd']:.1f}x"
+        print(f"| {r['experts']} | {r['hidden']} | {r['width']} | {r['preset']} | {theirs} | {q['fwd'] * 1e3:.2f} / "
+              f"{q['fwd_bwd'] * 1e3:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ class Structure:
             for key, lins in (("fc1", self.fc1s), ("fc2", self.fc2s)) if lins is not None
         }
         self.refusal: tuple = (None, "")  # (key, why) of the last check
+        #: per projection: (key of the biases' identities and versions, their (E, out) stack)
+        self.bias_stacks: dict = {}
+        #: the two modules Megatron's MLP.forward calls as linear_fc1 / linear_fc2 in eager forwards (see _Experts)
+        self.calls: Optional[tuple] = None
 
 
 def structure(mlp: nn.Module, local: Callable[[list, list], bool]) -> Structure:
@@ -128,14 +132,15 @@ def _hooked(st: Structure) -> str:
 
 
 class _Projection(nn.Module):
-    """One of the grouped projections as the module Megatron's ``MLP.forward`` calls."""
+    """One of the grouped projections as the module Megatron's ``MLP.forward`` calls; ``fn`` is the forward's
+    (set for the forward's duration: the modules are built once per :class:`Structure`)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Optional[Callable] = None):
         super().__init__()
-        self._fn = fn
+        self.__dict__["fn"] = fn
 
     def forward(self, x: torch.Tensor):
-        return self._fn(x)
+        return self.__dict__["fn"](x)
 
 
 class _Experts:
@@ -148,18 +153,25 @@ class _Experts:
         self.activation_func = self._first.activation_func
         self._offs, self._expert = group_rows(counts, rows)
         self._mlp, self._st, self._counts, self._probs = mlp, st, counts, probs
-        # Megatron >= 0.19 calls them through typed_torch.apply_module, which refuses what is not an nn.Module
-        self.linear_fc1, self.linear_fc2 = _Projection(self._fc1), _Projection(self._fc2)
+        # Megatron >= 0.19 calls them through typed_torch.apply_module, which refuses what is not an nn.Module;
+        # eager forwards reuse the structure's two (their __init__ costs more than the rest of this one)
+        if torch.compiler.is_compiling():
+            self.linear_fc1, self.linear_fc2 = _Projection(self._fc1), _Projection(self._fc2)
+        else:
+            if st.calls is None:  # (built in eager only: a structure may be made while torch.compile traces)
+                st.calls = (_Projection(), _Projection())
+            self.linear_fc1, self.linear_fc2 = st.calls
+            self.linear_fc1.__dict__["fn"], self.linear_fc2.__dict__["fn"] = self._fc1, self._fc2
 
     def __getattr__(self, name: str):  # anything else MLP.forward reads (other releases): expert 0's
         return getattr(self.__dict__["_first"], name)
 
     def _fc1(self, x: torch.Tensor):
-        return self._linear("fc1", x), _bias_rows(self._st.fc1s, self._expert)
+        return self._linear("fc1", x), _bias_rows(self._st, "fc1", self._expert)
 
     def _fc2(self, x: torch.Tensor):
         out = self._linear("fc2", x)
-        bias = _bias_rows(self._st.fc2s, self._expert)
+        bias = _bias_rows(self._st, "fc2", self._expert)
         if bias is not None:  # what MLP.forward does with an expert's fc2 bias and its per-token scale
             out += bias * self._probs.unsqueeze(-1)
         return out, None
@@ -169,17 +181,26 @@ class _Experts:
         cache = None if torch.compiler.is_compiling() else self._mlp.__dict__.setdefault("_weight_cache", {}).setdefault(("rows", key), {})
         x = quantize_rows(inputs, x, self._expert, self._counts, cache)
         params = tuple(lin._parameters["weight"] for lin in linears)
-        w = stacked_fake_quant(self._mlp, ("stacked", key), weight_quantizers, params,
-                               lambda: torch.stack(params), lambda e: linears[e].quantize_weight(params[e]))
+        w = stacked_fake_quant(self._mlp, ("stacked", key), weight_quantizers, params, lambda: torch.stack(params),
+                               (len(params),) + tuple(params[0].shape), lambda e: linears[e].quantize_weight(params[e]))
         # (E, out, in) -> the (E, in, out) operand: x @ W^T per expert, as Megatron's matmul(x, weight.t())
         return grouped_mm(x, w.transpose(1, 2), self._offs)
 
 
-def _bias_rows(linears: list, expert: torch.Tensor) -> Optional[torch.Tensor]:
-    """Each row's expert's bias (rows, out), or None without biases."""
-    if linears[0]._parameters.get("bias") is None:
+def _bias_rows(st: Structure, key: str, expert: torch.Tensor) -> Optional[torch.Tensor]:
+    """Each row's expert's bias (rows, out) in projection ``key``, or None without biases. The (E, out) stack
+    is kept while every bias is the same tensor at the same version (eval: trainable biases take the loop)."""
+    biases = [lin._parameters.get("bias") for lin in st.projections[key][0]]
+    if biases[0] is None:
         return None
-    return torch.stack([lin._parameters["bias"] for lin in linears])[expert]
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(b.requires_grad for b in biases)):
+        return torch.stack(biases)[expert]
+    ident = tuple((id(b), b._version, b.data_ptr(), b.dtype, b.device) for b in biases)
+    hit = st.bias_stacks.get(key)
+    if hit is None or hit[0] != ident:
+        # the entry keeps the biases alive, whose id() are in its key
+        hit = st.bias_stacks[key] = (ident, torch.stack(biases), biases)
+    return hit[1][expert]
 
 
 def grouped_forward(mlp: nn.Module, st: Structure, x: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -188,7 +209,14 @@ def grouped_forward(mlp: nn.Module, st: Structure, x: torch.Tensor, tokens_per_e
     each) through every expert's grouped GEMMs (after :func:`grouped_refusal` said it can)."""
     # Megatron's allgather dispatcher hands the counts on the host: copied without waiting for the stream
     counts = tokens_per_expert.to(x.device, non_blocking=True)
-    output, _ = MLP.forward(_Experts(mlp, st, counts, probs, x.shape[0]), x, probs)
+    if torch.compiler.is_compiling():
+        output, _ = MLP.forward(_Experts(mlp, st, counts, probs, x.shape[0]), x, probs)
+        return output, None
+    try:
+        output, _ = MLP.forward(_Experts(mlp, st, counts, probs, x.shape[0]), x, probs)
+    finally:  # the structure's projections keep no forward's tensors alive
+        for call in st.calls or ():
+            call.__dict__["fn"] = None
     return output, None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from quantlib.kernels.grouped_mm import grouped_mm
 
@@ -90,3 +91,37 @@ def test_weight_gradient_comes_in_the_weights_layout(layout):
         assert seen[0].transpose(1, 2).is_contiguous()
     compiled, _ = run(torch.compile(grouped_mm, fullgraph=True, backend="aot_eager"))
     assert torch.equal(compiled, want)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "autograd"])
+def test_eager_calls_run_the_kernels_directly_with_the_ops_bits(grad):
+    """Eager calls skip the custom op's dispatch (host time before the GPU gets the GEMM) and give the op's
+    bits, forward and backward; the op itself stays for torch.compile (test above)."""
+    from quantlib.kernels.grouped_mm import _grouped_mm
+
+    x, w = _data()
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    results = []
+    for fn in (grouped_mm, _grouped_mm):
+        a, b = x.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+        rec = _Ops()
+        with rec:
+            out = fn(a, b.transpose(1, 2), offs)
+            if grad:
+                out[:12].square().sum().backward()
+        results.append((out[:12].detach(), a.grad, b.grad, rec.names))
+    eager, op = results
+    for got, want in zip(eager[:3], op[:3]):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert "quantlib.grouped_mm" in op[3] and not any(n.startswith("quantlib.") for n in eager[3]), eager[3]
+    assert "aten._grouped_mm" in eager[3]

@@ -94,3 +94,38 @@ def test_generations_are_never_shared():
     before = max(q.generation, twin.generation, other.generation)
     q.disable()
     assert q.generation > before
+
+
+PLAN = ("plan", KEY)
+
+
+@pytest.mark.parametrize("mutation", ["amax setter", "amax written in place", "reset_amax", "disable_quant", "pre_quant_scale",
+                                      "member replaced by a copy, then changed"])
+def test_qat_reuses_the_members_stacked_scales_until_one_changes(mutation):
+    """Under autograd (QAT) the weights are fake-quantized every step, but the members' stacked amax are kept
+    (E reshapes, a stack and E checks per step otherwise): reused while nothing changed, rebuilt after any
+    change, and the forward and its gradients equal those of a module with no cache."""
+    model = ql.quantize(tiny_model("qwen3_moe"), ql.FP8_DEFAULT_CFG, lambda mm: mm(input_ids(seed=5)))
+    m = [e for _, e in expert_modules(model)][0]
+    m.train()
+    idx, w = _routing(m.num_experts, seed=3)
+    hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(4))
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        out = m(hidden, idx, w)
+        out.square().sum().backward()
+        return out.detach(), m.gate_up_proj.grad
+
+    step()
+    plan = m._weight_cache[PLAN]
+    entry = next(iter(plan.values()))
+    assert entry[1] is not None and entry[1][1].shape[0] == m.num_experts  # the stacked amax (E, 1, 1)
+    step()
+    assert next(iter(m._weight_cache[PLAN].values())) is entry  # reused while nothing changed
+    MUTATIONS[mutation](m, m.gate_up_proj_weight_quantizer[1])
+    got = step()
+    assert next(iter(m._weight_cache[PLAN].values())) is not entry
+    m.__dict__.pop("_weight_cache")
+    want = step()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -166,6 +166,19 @@ def _bias_case(rank: int, world: int, model: str) -> dict:
         # (under autograd Megatron 0.16's loop itself fails on an expert's fc2 bias: an in-place add on a view)
         res = {"reads": reads.seen, "equal": torch.equal(out, _megatron_loop(experts, x, counts, probs)[0])}
         res["eval_refusal"] = _refusal(experts, x, probs)
+        # the experts' stacked biases are kept between forwards: a bias written in place, or replaced, is seen
+        from quantlib.plugins import megatron as qm
+
+        st = qm.structure(experts, qm._local)
+        calls, fc2 = st.calls, experts.local_experts[1].linear_fc2
+        fc2.bias.add_(0.25)
+        changed = experts(x, counts, probs)[0]
+        res["in_place_seen"] = not torch.equal(changed, out) and torch.equal(changed, _megatron_loop(experts, x, counts, probs)[0])
+        experts.local_experts[3].linear_fc1.bias = torch.nn.Parameter(experts.local_experts[3].linear_fc1.bias * 2)  # (expert 2: no row)
+        replaced = experts(x, counts, probs)[0]
+        res["replaced_seen"] = not torch.equal(replaced, changed) and torch.equal(replaced, _megatron_loop(experts, x, counts, probs)[0])
+        # the two modules MLP.forward calls are the structure's, built once, holding nothing after the forward
+        res["calls_kept"] = qm.structure(experts, qm._local).calls is calls and all(c.__dict__["fn"] is None for c in calls)
     with torch.enable_grad():
         res["train_refusal"] = _refusal(experts, x, probs)
     return res
@@ -178,6 +191,7 @@ def test_expert_biases_follow_megatrons_activation_in_eval(model):
     would be summed in another order)."""
     (res,) = _on_a_fresh_rank(_bias_case, model)
     assert res["eval_refusal"] == "" and res["reads"] == [] and res["equal"]
+    assert res["in_place_seen"] and res["replaced_seen"] and res["calls_kept"]
     assert "linear_fc1.bias: trainable" in res["train_refusal"]
 
 

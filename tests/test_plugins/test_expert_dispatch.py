@@ -1,0 +1,98 @@
+"""The combine of the grouped MoE forward (:func:`quantlib.plugins.expert_dispatch.combine`): its output and
+its backward against transformers' eager loop (``index_add_`` expert by expert), and the size of what its
+backward writes (no (tokens, k, H) tensors: one gather of the output's gradient)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from quantlib.plugins.expert_dispatch import combine, dispatch
+
+
+class _Outputs(TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append((func.__name__, tuple(t.shape)))
+        return out
+
+
+def _loop(rows: torch.Tensor, d, idx: torch.Tensor, dtype: torch.dtype, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, gradient of ``rows``) of transformers' eager combine: expert by expert, ``index_add_`` of its
+    weighted rows (a tensor of their own, as each expert's GEMM output is) into zeros."""
+    out = torch.zeros(idx.shape[0], rows.shape[1], dtype=dtype)
+    slot_of = torch.argsort(torch.argsort(idx, dim=1, stable=True), dim=1)  # each slot's place in ascending expert order
+    leaves = []
+    for e in range(int(idx.max()) + 1):
+        token, slot = torch.where(idx == e)
+        sorted_rows = d.combine_index[token, slot_of[token, slot]]
+        h = rows[sorted_rows].detach().requires_grad_()
+        leaves.append((sorted_rows, h))
+        out.index_add_(0, token, (h * d.weight[sorted_rows, None]).to(dtype))
+    out.backward(grad)
+    gr = torch.empty_like(rows)
+    for sorted_rows, h in leaves:
+        gr[sorted_rows] = h.grad
+    return out.detach(), gr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_combine_gradient_is_the_loops_index_add_backward_bit_for_bit(dtype):
+    """Signed zeros included: autograd over the adds turned a -0 gradient into +0 (0 + -0), the loop keeps it."""
+    g = torch.Generator().manual_seed(0)
+    tokens, k, experts, hidden = 10, 3, 5, 8
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    d = dispatch(idx, torch.rand(tokens, k, generator=g), experts, False)
+    rows = torch.randn(tokens * k, hidden, generator=g).to(dtype)
+    grad = torch.randn(tokens, hidden, generator=g).to(dtype)
+    grad[::2, ::3] = -0.0
+    r = rows.clone().requires_grad_()
+    out = combine(d, r, dtype)
+    out.backward(grad)
+    out_loop, gr_loop = _loop(rows, d, idx, dtype, grad)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.detach().view(bits), out_loop.view(bits))
+    assert torch.equal(r.grad.view(bits), gr_loop.view(bits))
+    assert ((gr_loop == 0) & torch.signbit(gr_loop)).any()  # -0 among them, kept
+
+
+def test_combine_backward_writes_nothing_of_tokens_by_k_by_hidden():
+    tokens, k, experts, hidden = 6, 4, 8, 16
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    d = dispatch(idx, torch.rand(tokens, k, generator=g), experts, False)
+    rows = torch.randn(tokens * k, hidden, generator=g, requires_grad=True)
+    out = combine(d, rows, torch.float32)
+    rec = _Outputs()
+    with rec:
+        out.backward(torch.ones_like(out))
+    assert rec.shapes and all(shape != (tokens, k, hidden) for _, shape in rec.shapes), rec.shapes
+    assert torch.equal(rows.grad, d.weight.unsqueeze(-1).expand(-1, hidden))
+
+
+def test_combine_compiles_whole_with_its_backward():
+    tokens, k, experts, hidden = 6, 2, 4, 8
+    g = torch.Generator().manual_seed(2)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights, rows = torch.rand(tokens, k, generator=g), torch.randn(tokens * k, hidden, generator=g)
+    grad = torch.randn(tokens, hidden, generator=g)
+
+    def step(i, w, r):
+        return combine(dispatch(i, w, experts, False), r, torch.float32)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        r = rows.clone().requires_grad_()
+        out = fn(idx, weights, r)
+        out.backward(grad)
+        results.append((out.detach(), r.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
