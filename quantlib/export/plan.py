@@ -54,6 +54,9 @@ class Item:
     pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
     post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
     chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
+    # a stacked projection of ``experts`` experts (:mod:`~quantlib.export.expert_stacks`): its vLLM shards (leaf, shard id, r0, r1)
+    parts: tuple[tuple[str, Shard, int, int], ...] = ()
+    experts: int = 0
 
 
 @dataclass
@@ -134,12 +137,18 @@ def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int,
     return amax[r0:r1] if amax.shape[0] == rows else amax
 
 
+#: builds the stacked items of one fused-experts module (module, name, layout, packer), or None: per expert
+StackItems = Callable[[nn.Module, str, ModelLayout, Packer], Optional[list["Item"]]]
+
+
 def walk(
-    model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False
+    model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False,
+    stacks: Optional[tuple[StackItems, Packer]] = None
 ) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
     :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one.
-    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
+    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection.
+    ``stacks``: (builder, packer) of an RL sync of stacked experts, whose projections are planned whole where they can be."""
     fused_cls = _fused_experts_class()
     mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
@@ -149,7 +158,8 @@ def walk(
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls):
             if not stored_fused(module, name, layout, carried=stored_experts):
-                items += _fused_items(module, name, layout, direct)
+                whole = None if stacks is None else stacks[0](module, name, layout, stacks[1])
+                items += _fused_items(module, name, layout, direct) if whole is None else whole
                 direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
             elif stored_experts:
                 items += _stored_items(module, name, layout)
@@ -206,9 +216,7 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
             bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
             ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
             for full, leaf, shard, r0, r1 in layout.expert_parts(name, proj, e, rows):
-                # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
-                head, _, idx = full.rpartition(".")[0].rpartition(".")
-                fused = head if idx == str(e) else layout.checkpoint_name(name)
+                fused = fused_name(full, e, name, layout)
                 extras = {} if bias is None else {
                     "bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
                 get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
@@ -222,6 +230,13 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                     items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
                                       leaf=leaf))
     return items
+
+
+def fused_name(full: str, e: int, name: str, layout: ModelLayout) -> str:
+    """The stacked (weight-sync) name of expert ``e``'s checkpoint module ``full`` of the fused experts ``name``: the
+    checkpoint's experts module, "<fused>.{e}.<leaf>"."""
+    head, _, idx = full.rpartition(".")[0].rpartition(".")
+    return head if idx == str(e) else layout.checkpoint_name(name)
 
 
 def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Item]:
@@ -350,6 +365,16 @@ def _check_blocks(it: Item, spec: FormatSpec, tp: int) -> None:
                               f"{n / tp:g}, not a whole number of blocks of {b}")
 
 
+def _part_views(it: Item, layout: ModelLayout) -> list[Item]:
+    """Expert 0's item of each shard of a stacked projection, as the per-expert plan checks it (the checks read
+    the shape, rows, block grid and tensor-parallel axis, which every expert shares)."""
+    rows, cols = it.shape
+    amax = None if it.amax is None else it.amax[0]
+    return [dataclasses.replace(it, shape=(r1 - r0, cols), rows=(r0, r1, rows), leaf=leaf, shard=shard, tp_axis=layout.tp_axis(leaf),
+                                amax=row_part(amax, it.spec, rows, r0, r1), expert=0, parts=(), experts=0)
+            for leaf, shard, r0, r1 in it.parts]
+
+
 def _module(it: Item) -> str:
     """The module name of a linear item (an expert item's checkpoint name, which names no module)."""
     return f"{it.parent}.{it.leaf}" if it.parent else it.leaf
@@ -399,9 +424,11 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "",
-              modules: Optional[ModuleWalk] = None) -> Plan:
+              modules: Optional[ModuleWalk] = None, stacks: Optional[StackItems] = None) -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer.
-    ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout)."""
+    ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout).
+    ``stacks``: plans fused-experts projections whole where it can (:func:`~quantlib.export.expert_stacks.stacked_items`: the RL
+    sync of stacked experts)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if packer.model_types is not None and model_type not in packer.model_types:
         raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers "
@@ -412,9 +439,18 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     check_structure(mw, layout, type(model).__name__)
     folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
-    items = walk(model, layout, mw, packer.stores_fused_experts)
+    items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer))
     folds.apply(items)
-    plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    refused = None
+    try:
+        plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    except ExportError as exc:
+        if not any(it.parts for it in items):
+            raise
+        refused = exc
+    if refused is not None:  # the per-expert plan refuses it naming the expert (a stacked item stands for all of them)
+        make_plan(model, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, modules=mw)
+        raise refused
     _refuse_split_inputs(plan.items, layout)
     plan.kv, plan.info.kv_spec, plan.info.pre_quant_scale = kv, kv_spec, bool(folds.carried)
     why = packer.pre_quant_scale_ok(plan.info) if folds.carried else None
@@ -468,12 +504,15 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
         it.group = layout.group_of(_module(it), it.leaf) if shares else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
+    if not finite and any(it.parts for it in quantized):  # a stacked item checks expert 0's amax: make_plan names the expert
+        raise ExportError(f"{what}: an expert's weight amax is not finite; recalibrate")
     passed: set = set()
     first_chain = first.chain and first.chain[0]
     scheme = _key(first.spec), _key(first.input_spec), _key(first_chain)
     mixed = packer.mixed
     for it in quantized:
-        _check_item(it, packer, tp, finite_known=finite, passed=passed)
+        for one in _part_views(it, layout) if it.parts else (it,):
+            _check_item(one, packer, tp, finite_known=finite, passed=passed)
         # the same spec objects: the same scheme (a model's quantizers share one spec object)
         chain = it.chain and it.chain[0]
         other = it.spec is not first.spec or it.input_spec is not first.input_spec or chain is not first_chain
