@@ -8,20 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-C = pytest.importorskip("quantlib._C", reason="the C++ extension quantlib._C is not built")
+pytest.importorskip("quantlib._C", reason="the C++ extension quantlib._C is not built")
 
 from quantlib.kernels import cpu_impl as CPU, reference_impl as REF  # noqa: E402
 
 from ._compare import assert_same  # noqa: E402
-
-ISAS = tuple(C.cpu_available_isas())
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    C.cpu_set_isa(request.param)
-    yield request.param
-    C.cpu_set_isa(ISAS[0])
+from .test_cpu_kernels import isa  # noqa: E402,F401 - the fixture: each compiled variant of the kernels
 
 
 def wide_range(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -40,7 +32,8 @@ def wide_range(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.T
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[1])
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), (1, 32), (1, 100), (16, 48)], ids=lambda b: "x".join(map(str, b)))
 @pytest.mark.parametrize("pow2", [False, True])
-def test_fp8_block_codes_equal_the_reference_bytes(dtype, block, pow2, isa):
+@pytest.mark.usefixtures("isa")
+def test_fp8_block_codes_equal_the_reference_bytes(dtype, block, pow2):
     for seed, shape in ((0, (256, 384)), (1, (130, 1000))):
         x = wide_range(shape, dtype, seed)
         codes, d = CPU.fp8_blockwise_cast(x, block, 1e-10, pow2)
