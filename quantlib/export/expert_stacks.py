@@ -2,6 +2,7 @@
 (the (E, out, in) parameter), cast in one kernel call and split into vLLM's shards (w1 / w3 rows of ``gate_up_proj``,
 w2), instead of one item, one cast and one stack per expert and shard. The tensors are those of the per-expert
 plan, byte for byte: FP8-block and MX blocks never cross experts (rows of whole blocks are checked per shard).
+``serialize_weight(batched_experts=True)`` casts its stack in one call on the same terms (:func:`one_cast`).
 
 A projection is planned whole only where every expert's quantizer is the same enabled FP8-block or MX quantizer
 without a chain, a ``pre_quant_scale`` or a bias, and the format packs a 3-D stack as the stack of its 2-D tensors
@@ -63,3 +64,10 @@ def stacked_items(module: nn.Module, name: str, layout: ModelLayout, packer: Pac
     return items
 
 
+def one_cast(items: list[Item], packer: Packer) -> bool:
+    """Whether the per-expert ``items`` of one (E, out, in) tensor pack as one cast of the whole stack: one FP8-block or
+    MX spec, every amax absent or all of one shape, no chain, fold or static block amax, a format that packs stacks."""
+    first = items[0]
+    alike = all(it.spec == first.spec and it.chain is None and it.pre is None and it.post is None and it.block_amax is None for it in items)
+    return packer.packs_stacks and first.spec.kind in _KINDS and alike and len({None if it.amax is None else tuple(it.amax.shape)
+                                                                                 for it in items}) == 1

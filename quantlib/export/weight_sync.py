@@ -18,9 +18,11 @@ from ..nn.containers import GroupedQuantizer, QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .buckets import chunks_by_dtype
+from .expert_stacks import one_cast
 from .iterate import iter_packed, pack_item
 from .layouts import ModelLayout
 from .plan import Item, _active_input, _check_item, read_amax, refuse_pre_quant_scale
+from .quantize import real_quantize
 from .sync_scales import Scales, as_scales, dynamic_items, refuse_clipped
 from .types import ExportError, ExportFormat
 from .vllm_names import ExpertNames, named_pairs
@@ -96,6 +98,14 @@ def serialize_weight(
     elif source is Scales.STATIC:
         refuse_clipped(items)
     with torch.no_grad():
+        if batched_experts and one_cast(items, p):  # every expert in one kernel call: the stack of the per-expert tensors
+            q = real_quantize(tensor.detach(), items[0].spec, None if items[0].amax is None else torch.stack([it.amax for it in items]))
+            tensors = p.pack(q)
+            if ispec is not None:  # one input quantizer for every expert
+                tensors.update((k, torch.stack([t] * len(items))) for k, t in p.pack_input(ispec, iamax).items())
+            for k, t in tensors.items():
+                yield f"{prefix}.{k}", t
+            return
         packed = [pack_item(it, p).tensors for it in items]
     if batched_experts:
         for k in packed[0]:

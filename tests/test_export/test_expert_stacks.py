@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib import kernels  # noqa: E402
-from quantlib.export import ExportError, iter_packed, layout_for, sync_pairs  # noqa: E402
+from quantlib.export import ExportError, iter_packed, layout_for, serialize_weight, sync_pairs  # noqa: E402
 from quantlib.export.expert_stacks import stacked_items  # noqa: E402
 from quantlib.export.iterate import iter_plan  # noqa: E402
 from quantlib.export.modules import ModuleWalk  # noqa: E402
@@ -120,3 +120,21 @@ def test_stacked_refusal_names_the_expert():
     with pytest.raises(ExportError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_weight_quantizer\[2\]: amax holds NaN") as info:
         list(sync_pairs(model, "hf_fp8_block", scales="calibrated"))
     assert info.value.__context__ is None  # the per-expert plan's message alone
+
+
+@pytest.mark.parametrize("fmt", ["hf_fp8_block", "hf_mxfp8"])
+@pytest.mark.parametrize("scales", ["dynamic", "static", "calibrated"])
+def test_serialize_weight_casts_a_batch_of_experts_once(models, fmt, scales, monkeypatch):
+    model = model_of(models, "qwen3_moe", fmt)
+    experts = model.model.layers[1].mlp.experts
+    name, w, wq = "model.layers.1.mlp.experts.down_proj", experts.down_proj, experts.down_proj_weight_quantizer
+    ref: dict[str, list] = {}
+    for e in range(E):  # each expert alone, then stacked: what the batched call returned before
+        for k, t in serialize_weight(name, w[e], wq[e], fmt, input_quantizer=experts.down_proj_input_quantizer, scales=scales):
+            ref.setdefault(k, []).append(t)
+    cast = "mx_cast" if fmt == "hf_mxfp8" else "fp8_blockwise_cast"
+    calls, real = [], getattr(kernels, cast)
+    monkeypatch.setattr(kernels, cast, lambda x, *a, **k: calls.append(tuple(x.shape)) or real(x, *a, **k))
+    ours = list(serialize_weight(name, w, experts, fmt, batched_experts=True, scales=scales))
+    assert calls == [(E, 256, 128)]
+    assert_same(ours, [(k, torch.stack(v)) for k, v in ref.items()])
