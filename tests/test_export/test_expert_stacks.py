@@ -138,3 +138,17 @@ def test_serialize_weight_casts_a_batch_of_experts_once(models, fmt, scales, mon
     ours = list(serialize_weight(name, w, experts, fmt, batched_experts=True, scales=scales))
     assert calls == [(E, 256, 128)]
     assert_same(ours, [(k, torch.stack(v)) for k, v in ref.items()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["hf_fp8_block", "hf_mxfp8"])
+def test_stacked_stream_on_the_gpu_equals_the_per_expert_stream(models, fmt):
+    """The CUDA casts of a 3-D stack: the same bytes as per expert, on the device, and the CPU's."""
+    import copy
+
+    model = copy.deepcopy(model_of(models, "mixtral", fmt)).cuda()
+    ours = flat(iter_packed(model, fmt, experts="stacked", scales="dynamic"))
+    assert_same(ours, flat(per_expert(model, fmt)))
+    cpu = flat(iter_packed(model_of(models, "mixtral", fmt), fmt, experts="stacked", scales="dynamic"))
+    assert_same([(k, t.cpu()) for k, t in ours], cpu)
