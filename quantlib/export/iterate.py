@@ -157,12 +157,14 @@ def iter_packed(
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
     mw = ModuleWalk(model)  # one traversal for the layout and the plan
     unify = unify_siblings or source is Scales.DYNAMIC
+    config = applied_config(model)
+    share = bool(config is not None and config.sync_expert_weight_amax)
     # stacked experts are planned per projection (one cast each) where the scales need no per-expert comparison
-    whole = experts == "stacked" and source is not Scales.STATIC
+    # or sharing (static scales check each expert; a shared expert amax may span one-block experts)
+    whole = experts == "stacked" and source is not Scales.STATIC and not share
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw,
                      stacks=stacked_items if whole else None)
-    config = applied_config(model)
-    plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
+    plan.items = apply_scales(plan.items, source, share_experts=share)
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:
         yield from stream
