@@ -152,3 +152,16 @@ def test_stacked_stream_on_the_gpu_equals_the_per_expert_stream(models, fmt):
     assert_same(ours, flat(per_expert(model, fmt)))
     cpu = flat(iter_packed(model_of(models, "mixtral", fmt), fmt, experts="stacked", scales="dynamic"))
     assert_same([(k, t.cpu()) for k, t in ours], cpu)
+
+
+def test_a_shared_expert_amax_keeps_per_expert_items():
+    """sync_expert_weight_amax: one-block experts share their layer's max amax, which only the per-expert items carry."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=128, num_experts=3, num_experts_per_tok=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = quantized(Qwen3MoeForCausalLM(cfg).eval(), {**FP8_BLOCK, "sync_expert_weight_amax": True})
+    w2 = dict(sync_pairs(model, "hf_fp8_block"))["model.layers.0.mlp.experts.w2_weight_scale_inv"]
+    assert w2.shape == (3, 1, 1) and torch.unique(w2).numel() == 1  # one scale: the max over the experts
