@@ -1,4 +1,6 @@
 // Kernels compiled for AVX2; used only where the CPU has it (see runnable_isas in kernels_base.cpp).
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "kernel_api.h"
@@ -10,7 +12,9 @@ namespace cpu {
 #pragma GCC target("avx2,f16c,bmi,bmi2,popcnt")
 namespace avx2 {
 #define QL_ISA_NAME "avx2"
+#define QL_HAS_AVX2 1  // kernels_impl.h's intrinsic loops
 #include "kernels_impl.h"
+#undef QL_HAS_AVX2
 }  // namespace avx2
 #pragma GCC pop_options
 

@@ -103,7 +103,7 @@ class Folds:
     carried: dict[str, torch.Tensor] = field(default_factory=dict)  # written as the module's pre_quant_scale
 
     def apply(self, items: list) -> None:
-        """Rewrite the getters of the plan's items (:class:`~quantlib.export.plan.Item`) by these folds."""
+        """Rewrite the getters of the plan's items (:class:`~quantlib.export.items.Item`) by these folds."""
         for it in items:
             # an expert's part by quantlib's name (fold_experts.part_name), as its folds are planned
             name = it.part if it.expert is not None else f"{it.parent}.{it.leaf}" if it.parent else it.leaf

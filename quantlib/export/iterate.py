@@ -10,9 +10,11 @@ from torch import nn
 
 from ..formats import Kind
 from ..traversal import applied_config
+from .expert_stacks import stacked_items
+from .items import Item
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
-from .plan import Item, Plan, make_plan
+from .plan import Plan, make_plan
 from .quantize import real_quantize, static_scales
 from .sync_scales import Scales, apply_scales, as_scales
 from .transposed import swap_weight
@@ -54,6 +56,12 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[in
         scales = dict(zip(map(id, fp8), static_scales([(it.spec, it.amax) for it in fp8])))
         pending: list[Item] = []
         for it in plan.items:
+            if it.parts:  # a stacked projection planned whole (stacked plans only)
+                if pending:
+                    yield from _stack(pending, p, tp, scales)
+                    pending = []
+                yield from _stacked(it, p, tp)
+                continue
             if stacked and it.role == "expert":
                 if pending and pending[0].fused != it.fused:
                     yield from _stack(pending, p, tp, scales)
@@ -83,6 +91,22 @@ def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional
         tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where)
                    for k in packed[0].tensors}
         yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
+
+
+def _stacked(it: Item, fmt: Packer, tp: tuple[int, int]) -> Iterator[PackedWeight]:
+    """A projection of every expert planned whole: one cast of the (E, out, in) stack, then each vLLM shard's rows
+    (w1 / w3 of ``gate_up_proj``) as :func:`_stack` yields them: its tensors with every expert on dim 0."""
+    q = real_quantize(it.weight(), it.spec, it.amax, backend="auto")
+    weight = fmt.pack(q)
+    inputs = {} if it.input_spec is None else fmt.pack_input(it.input_spec, it.input_amax)
+    rows = it.shape[0]
+    for _, shard, r0, r1 in it.parts:
+        prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
+        tensors = {k: t if (r0, r1) == (0, rows) else t.narrow(1, r0 * t.shape[1] // rows, (r1 - r0) * t.shape[1] // rows).contiguous()
+                   for k, t in weight.items()}
+        tensors.update((k, torch.stack([t] * it.experts)) for k, t in inputs.items())  # one input quantizer for every expert
+        yield PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None,
+                           shard)
 
 
 def _tp_part(key: str, t: torch.Tensor, dim: int, tp: tuple[int, int], where: str) -> torch.Tensor:
@@ -160,9 +184,14 @@ def iter_packed(
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
     mw = ModuleWalk(model)  # one traversal for the layout and the plan
     unify = unify_siblings or source is Scales.DYNAMIC
-    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw)
     config = applied_config(model)
-    plan.items = apply_scales(plan.items, source, share_experts=bool(config is not None and config.sync_expert_weight_amax))
+    share = bool(config is not None and config.sync_expert_weight_amax)
+    # stacked experts are planned per projection (one cast each) where the scales need no per-expert comparison
+    # or sharing (static scales check each expert; a shared expert amax may span one-block experts)
+    whole = experts == "stacked" and source is not Scales.STATIC and not share
+    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw,
+                     stacks=stacked_items if whole else None)
+    plan.items = apply_scales(plan.items, source, share_experts=share)
     stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
     if chunk_bytes is None:
         yield from stream

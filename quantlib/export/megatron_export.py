@@ -27,9 +27,10 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .export_checkpoint import check_arguments, parse_size, write_plan
+from .items import Item, module_quantizers, refuse_pre_quant_scale
 from .megatron_config import megatron_hf_config
 from .megatron_names import LINEARS, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
-from .plan import Item, check_items, module_quantizers, refuse_pre_quant_scale
+from .plan import check_items
 from .types import ExportError, ExportFormat, ExportManifest
 from .writers import Packer, as_format, packer as get_packer
 

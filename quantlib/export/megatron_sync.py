@@ -41,9 +41,10 @@ from ..formats import Kind
 from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import applied_config
+from .items import Item, active_input, refuse_pre_quant_scale
 from .iterate import _stack, pack_item
 from .megatron_names import COLUMN, LAYER_NAMES, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
-from .plan import Item, _active_input, check_items, refuse_pre_quant_scale
+from .plan import check_items
 from .sync_scales import Scales, as_scales, current_amax, dynamic_items, refuse_clipped
 from .types import ExportError, ExportFormat, PackedWeight
 from .vllm_names import ExpertNames, named_pairs
@@ -245,7 +246,7 @@ class _Walk:
             refuse_pre_quant_scale([(wq, q), (f"{where}.input_quantizer", module._modules.get("input_quantizer"))])
         elif q is not None and not isinstance(q, TensorQuantizer) and q.is_enabled:
             raise ExportError(f"{wq} = {type(q).__name__}: the Megatron sync takes one TensorQuantizer per linear")
-        ispec, iamax = _active_input(module._modules.get("input_quantizer")) if quantized else (None, None)
+        ispec, iamax = active_input(module._modules.get("input_quantizer")) if quantized else (None, None)
         for leaf, idx, shard in split_rows(generic, rows, self.config, groups):
             name = f"{hf}.{leaf}" if leaf else hf
             get = lambda w=w, idx=idx: w.detach()[idx] if len(idx) < w.shape[0] else w.detach()  # noqa: E731

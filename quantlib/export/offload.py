@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from ..calib.sequential import decoder_layers, offloaded_layer
+from .items import Item
 from .modules import named_modules
-from .plan import Item, Plan
+from .plan import Plan
 from .types import ExportError
 
 

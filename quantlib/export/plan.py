@@ -15,49 +15,19 @@ from torch._utils import _flatten_dense_tensors
 from ..formats import FormatSpec, QuantizedTensor, blocked_shape
 from ..formats.spec import describe
 from ..kv.export_plan import KVItem, plan_kv
-from ..nn.containers import QuantizerContainer, SequentialQuantizer
+from ..nn.containers import SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .checks import check_structure, stored_fused
 from .fold import plan_folds
 from .fold_experts import fused_experts_class, part_name
-from .layouts import ModelLayout, Shard, with_checkpoint_names, with_structure
+from .items import Item, active_input, child, live, refuse_pre_quant_scale, row_part
+from .layouts import ModelLayout, with_checkpoint_names, with_structure
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
 from .transposed import stored_transposed
 from .types import ExportError
 from .writers import ConfigInfo, Packer
 from .writers.base import Scheme
-
-
-@dataclass
-class Item:
-    """One checkpoint module: a quantized weight (``spec`` set) or tensors passed through."""
-
-    name: str
-    role: str
-    where: str  # the quantizer, for messages: "model.layers.0.mlp.experts.gate_up_proj_weight_quantizer[3]"
-    weight: Optional[Callable[[], torch.Tensor]] = None
-    spec: Optional[FormatSpec] = None
-    amax: Optional[torch.Tensor] = None
-    input_spec: Optional[FormatSpec] = None
-    input_amax: Optional[torch.Tensor] = None
-    extras: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
-    expert: Optional[int] = None
-    shard: Shard = None
-    parent: str = ""
-    leaf: str = ""
-    tp_axis: Optional[int] = None
-    shape: tuple[int, ...] = ()
-    rows: Optional[tuple[int, int, int]] = None  # (r0, r1, rows) of a split fused-expert weight
-    group: Optional[tuple[str, ...]] = None  # sibling group sharing a global amax in this format
-    fused: str = ""  # checkpoint name of the fused-experts module an expert item comes from
-    input_where: str = ""  # the input quantizer, for messages
-    block_amax: Optional[torch.Tensor] = None  # NVFP4 static blocks: the stored block amax (amax: the global one)
-    pre: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # applied to the weight before packing (pre_quant_scale, 3-D as 2-D)
-    post: Optional[Callable[[QuantizedTensor], QuantizedTensor]] = None  # applied to the packed weight (a fold; 3-D experts' shape)
-    chain: Optional[tuple[FormatSpec, Optional[torch.Tensor]]] = None  # a chained weight quantizer's second member (spec, amax): W4A8's FP8
-    part: str = ""  # an expert item's quantlib name, "<experts>.{e}.gate_proj" (fold_experts.part_name): its folds' key
-    transposed: bool = False  # the checkpoint stores the weight (in, out) (GPT-2's Conv1D): packed as (out, in), ``weight`` swapped
 
 
 @dataclass
@@ -75,68 +45,18 @@ class Plan:
         return list(dict.fromkeys(i.name for i in self.items if i.spec is not None))
 
 
-def _live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:
-    """The module's tensor ``key`` as it is when called, not when planned: a layer read back from an offload
-    folder gets new parameter objects (:mod:`~quantlib.export.offload`)."""
-    return lambda: (module._parameters[key] if key in module._parameters else module._buffers[key]).detach()
-
-
-def _active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optional[torch.Tensor]]:
-    if not (type(q) is TensorQuantizer or isinstance(q, TensorQuantizer)) or not q.is_enabled:
-        return None, None
-    return q.spec, q.amax
-
-
-_PQS = "_pre_quant_scale"  # TensorQuantizer's buffer behind pre_quant_scale
-
-
-def _pqs_slot(leaf: TensorQuantizer) -> bool:
-    # an unset pre_quant_scale is in neither dict: this skips the attribute lookup, whose miss raises
-    # inside nn.Module
-    return _PQS in leaf._buffers or _PQS in leaf.__dict__
-
-
-def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
-    """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
-    ``pre_quant_scale`` (SmoothQuant / AWQ), for the paths that see no model graph to fold it into (one
-    weight's serialization, Megatron's export): packed without it, the weights would not compute what the
-    calibrated model computes."""
-    for name, q in quantizers:
-        for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
-            if _pqs_slot(leaf) and leaf.pre_quant_scale is not None:
-                raise ExportError(
-                    f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which this path cannot fold into the op before it "
-                    "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with "
-                    "'max' or 'mse'"
-                )
-
-
-def _child(module: nn.Module, name: str) -> Optional[nn.Module]:
-    # quantizers are submodules: nn.Module.__getattr__ finds them only after missing three dicts
-    sub = module._modules
-    return sub[name] if name in sub else getattr(module, name, None)
-
-
-def module_quantizers(module: QuantModule, name: str) -> list[tuple[str, Optional[nn.Module]]]:
-    """(full name, quantizer) of every quantizer of the quantized module ``name``."""
-    return [(f"{name}.{qn}", _child(module, qn)) for qn in module.quantizer_names]
-
-
-def row_part(amax: Optional[torch.Tensor], spec: FormatSpec, rows: int, r0: int, r1: int) -> Optional[torch.Tensor]:
-    """The amax of rows ``r0:r1`` of a weight of ``rows`` rows."""
-    if amax is None or amax.dim() == 0 or amax.shape[0] == 1:
-        return amax
-    if spec.block is not None and len(spec.block) == 2:
-        return amax[r0 // spec.block[0] : -(-r1 // spec.block[0])]
-    return amax[r0:r1] if amax.shape[0] == rows else amax
+#: builds the stacked items of one fused-experts module (module, name, layout, packer), or None: per expert
+StackItems = Callable[[nn.Module, str, ModelLayout, Packer], Optional[list["Item"]]]
 
 
 def walk(
-    model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False
+    model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False,
+    stacks: Optional[tuple[StackItems, Packer]] = None
 ) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
     :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one.
-    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection."""
+    ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection.
+    ``stacks``: (builder, packer) of an RL sync of stacked experts, whose projections are planned whole where they can be."""
     fused_cls = fused_experts_class()
     mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
@@ -146,7 +66,8 @@ def walk(
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls):
             if not stored_fused(module, name, layout, carried=stored_experts):
-                items += _fused_items(module, name, layout, direct)
+                whole = None if stacks is None else stacks[0](module, name, layout, stacks[1])
+                items += _fused_items(module, name, layout, direct) if whole is None else whole
                 direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
             elif stored_experts:
                 items += _stored_items(module, name, layout)
@@ -155,24 +76,24 @@ def walk(
             swap = False
             if type(module).weight_groups is not base_groups:  # the base yields this module's weight alone
                 swap = _swapped(model, name, module, direct["weight"])
-            q = _child(module, "weight_quantizer")
+            q = child(module, "weight_quantizer")
             chain = _chain(q, f"{name}.weight_quantizer") if isinstance(q, SequentialQuantizer) and q.is_enabled else None
             if chain is not None:
                 q = q[0]  # the item is the first member's; its second packs beside it (Packer.chain_ok)
             if isinstance(q, TensorQuantizer) and q.is_enabled:
                 w = direct["weight"]  # the walk's dict is shared: read, not popped
-                ispec, iamax = _active_input(_child(module, "input_quantizer"))
-                extras = {k: _live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
+                ispec, iamax = active_input(child(module, "input_quantizer"))
+                extras = {k: live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
                 spec = q.spec
                 block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
-                get = _live(module, "weight")
+                get = live(module, "weight")
                 items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", (lambda g=get: g().t()) if swap else get, spec,
                                   q.amax, ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
                                   shape=tuple(w.shape[::-1] if swap else w.shape), input_where=f"{name}.input_quantizer",
                                   block_amax=block_amax, chain=chain, transposed=swap))
                 continue
         if direct:
-            items.append(Item(renamed(name, name), "unquantized", name, extras={k: _live(module, k) for k in direct},
+            items.append(Item(renamed(name, name), "unquantized", name, extras={k: live(module, k) for k in direct},
                               parent=parent, leaf=leaf))
     return items
 
@@ -223,11 +144,9 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
             w = expert_weight(module, proj, e)
             rows = w.shape[0]
             bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
-            ispec, iamax = _active_input(getattr(module, f"{proj}_input_quantizer", None))
+            ispec, iamax = active_input(getattr(module, f"{proj}_input_quantizer", None))
             for full, leaf, shard, r0, r1 in layout.expert_parts(name, proj, e, rows):
-                # the stacked (weight-sync) name: the checkpoint's experts module, "<fused>.{e}.<leaf>"
-                head, _, idx = full.rpartition(".")[0].rpartition(".")
-                fused = head if idx == str(e) else layout.checkpoint_name(name)
+                fused = fused_name(full, e, name, layout)
                 extras = {} if bias is None else {
                     "bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
                 get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
@@ -242,6 +161,13 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
                     items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
                                       leaf=leaf, part=part_name(name, proj, e, r0)))
     return items
+
+
+def fused_name(full: str, e: int, name: str, layout: ModelLayout) -> str:
+    """The stacked (weight-sync) name of expert ``e``'s checkpoint module ``full`` of the fused experts ``name``: the
+    checkpoint's experts module, "<fused>.{e}.<leaf>"."""
+    head, _, idx = full.rpartition(".")[0].rpartition(".")
+    return head if idx == str(e) else layout.checkpoint_name(name)
 
 
 def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Item]:
@@ -270,7 +196,7 @@ def _stored_items(module: nn.Module, name: str, layout: ModelLayout) -> list[Ite
         get = (lambda proj=proj, swap=swap: getattr(module, proj).detach().transpose(1, 2) if swap else getattr(module, proj).detach())  # noqa: E731
         post = functools.partial(_as_experts, shape=shape)
         amax = None if any(q.amax is None for q in members) else torch.stack([q.amax for q in members])
-        ispec, iamax = _active_input(inp)
+        ispec, iamax = active_input(inp)
         items.append(Item(layout.checkpoint_name(name), "experts", f"{name}.{qname}", get, members[0].spec, amax, ispec, iamax, parent=name,
                           leaf=proj, shape=(shape[0] * shape[1], shape[2]), input_where=f"{name}.{proj}_input_quantizer",
                           pre=lambda w: w.reshape(-1, w.shape[-1]), post=post))
@@ -392,6 +318,16 @@ def _check_amax_fits(it: Item, spec: FormatSpec) -> None:
                               f"{have} (calibrated on another shape); recalibrate it, or pass the weight it was calibrated on")
 
 
+def _part_views(it: Item, layout: ModelLayout) -> list[Item]:
+    """Expert 0's item of each shard of a stacked projection, as the per-expert plan checks it (the checks read
+    the shape, rows, block grid and tensor-parallel axis, which every expert shares)."""
+    rows, cols = it.shape
+    amax = None if it.amax is None else it.amax[0]
+    return [dataclasses.replace(it, shape=(r1 - r0, cols), rows=(r0, r1, rows), leaf=leaf, shard=shard, tp_axis=layout.tp_axis(leaf),
+                                amax=row_part(amax, it.spec, rows, r0, r1), expert=0, parts=(), experts=0)
+            for leaf, shard, r0, r1 in it.parts]
+
+
 def _module(it: Item) -> str:
     """The module name of a linear item (an expert item's checkpoint name, which names no module)."""
     return f"{it.parent}.{it.leaf}" if it.parent else it.leaf
@@ -441,9 +377,11 @@ def _unify(items: list[Item], unify: bool, read: dict[int, float]) -> dict[tuple
 
 
 def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_siblings: bool = False, tp: int = 1, version: str = "",
-              modules: Optional[ModuleWalk] = None) -> Plan:
+              modules: Optional[ModuleWalk] = None, stacks: Optional[StackItems] = None) -> Plan:
     """Walk ``model`` and check everything; raises :class:`ExportError` naming the module and quantizer.
-    ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout)."""
+    ``modules``: the model's :class:`ModuleWalk` as it is now, when the caller has one (it gave the layout).
+    ``stacks``: plans fused-experts projections whole where it can (:func:`~quantlib.export.expert_stacks.stacked_items`: the RL
+    sync of stacked experts)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if packer.model_types is not None and model_type not in packer.model_types:
         raise ExportError(f"{type(model).__name__} (config.model_type {model_type!r}): format {packer.fmt.value} is read by its consumers "
@@ -454,9 +392,18 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     check_structure(mw, layout, type(model).__name__)
     folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
-    items = walk(model, layout, mw, packer.stores_fused_experts)
+    items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer))
     folds.apply(items)
-    plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    refused = None
+    try:
+        plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
+    except ExportError as exc:
+        if not any(it.parts for it in items):
+            raise
+        refused = exc
+    if refused is not None:  # the per-expert plan refuses it naming the expert (a stacked item stands for all of them)
+        make_plan(model, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, modules=mw)
+        raise refused
     plan.info.ignore += [layout.renames.get(n, n) for n in _tied_linears(mw)]
     _refuse_split_inputs(plan.items, layout)
     if packer.mixed:
@@ -540,12 +487,15 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
         it.group = layout.group_of(_module(it), it.leaf) if shares else None
     # every amax value the checks need in one read; the per-item check (one read each) only runs to name a bad one
     finite, read = read_amax(quantized, _grouped(quantized))
+    if not finite and any(it.parts for it in quantized):  # a stacked item checks expert 0's amax: make_plan names the expert
+        raise ExportError(f"{what}: an expert's weight amax is not finite; recalibrate")
     passed: set = set()
     first_chain = first.chain and first.chain[0]
     scheme = _key(first.spec), _key(first.input_spec), _key(first_chain)
     mixed = packer.mixed
     for it in quantized:
-        _check_item(it, packer, tp, finite_known=finite, passed=passed)
+        for one in _part_views(it, layout) if it.parts else (it,):
+            _check_item(one, packer, tp, finite_known=finite, passed=passed)
         # the same spec objects: the same scheme (a model's quantizers share one spec object)
         chain = it.chain and it.chain[0]
         other = it.spec is not first.spec or it.input_spec is not first.input_spec or chain is not first_chain

@@ -18,7 +18,7 @@ import torch
 from ..formats import FormatSpec, Kind
 from ..kernels import block_amax
 from ..nn.max_collector import abs_max
-from .plan import Item
+from .items import Item
 from .types import ExportError
 
 

@@ -18,9 +18,12 @@ from ..nn.containers import GroupedQuantizer, QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .buckets import chunks_by_dtype
+from .expert_stacks import one_cast
+from .items import Item, active_input, refuse_pre_quant_scale
 from .iterate import iter_packed, pack_item
 from .layouts import ModelLayout
-from .plan import Item, _active_input, _check_item, read_amax, refuse_pre_quant_scale
+from .plan import _check_item, read_amax
+from .quantize import real_quantize
 from .sync_scales import Scales, as_scales, dynamic_items, refuse_clipped
 from .types import ExportError, ExportFormat
 from .vllm_names import ExpertNames, named_pairs
@@ -75,7 +78,7 @@ def serialize_weight(
     wq, iq, where = _quantizers(module, prefix, input_quantizer)
     input_where = where[: -len("weight_quantizer")] + "input_quantizer"
     refuse_pre_quant_scale([(input_where, iq)])  # a smoothing scale on the input changes what the weight must be
-    ispec, iamax = _active_input(iq)
+    ispec, iamax = active_input(iq)
     if batched_experts:
         if not isinstance(wq, GroupedQuantizer) or tensor.dim() != 3 or len(wq) != tensor.shape[0]:
             raise ExportError(
@@ -96,6 +99,14 @@ def serialize_weight(
     elif source is Scales.STATIC:
         refuse_clipped(items)
     with torch.no_grad():
+        if batched_experts and one_cast(items, p):  # every expert in one kernel call: the stack of the per-expert tensors
+            q = real_quantize(tensor.detach(), items[0].spec, None if items[0].amax is None else torch.stack([it.amax for it in items]))
+            tensors = p.pack(q)
+            if ispec is not None:  # one input quantizer for every expert
+                tensors.update((k, torch.stack([t] * len(items))) for k, t in p.pack_input(ispec, iamax).items())
+            for k, t in tensors.items():
+                yield f"{prefix}.{k}", t
+            return
         packed = [pack_item(it, p).tensors for it in items]
     if batched_experts:
         for k in packed[0]:

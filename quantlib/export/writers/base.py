@@ -53,6 +53,9 @@ class Packer:
     mixed: bool = False
     #: True where the format carries a quantized fused-experts module whole, as the checkpoint stores it (3-D)
     stores_fused_experts: bool = False
+    #: True where ``pack`` of a 3-D (E, out, in) weight gives each expert's 2-D tensors stacked on dim 0, rows on dim 1 (the RL
+    #: sync then casts a stacked projection in one call)
+    packs_stacks: bool = False
     #: the item roles the format quantizes (None: any) and why it takes no others
     roles: Optional[frozenset] = None
     roles_why: str = ""
@@ -154,6 +157,7 @@ class MXFP8Packer(Packer):
     a format names its scale tensor (``scale_key``) and says how it takes activations (``input_why``)."""
 
     scale_key: str = "weight_scale"
+    packs_stacks = True
     input_why: str = "activations must be MXFP8 (dynamic, per 32)"
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:

@@ -19,6 +19,7 @@ from .base import ConfigInfo, Packer, fp8_block_weight_ok
 
 class CTFP8Block(CTKVCache, Packer):
     fmt = ExportFormat.CT_FP8_BLOCK
+    packs_stacks = True
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         return fp8_block_weight_ok(spec)

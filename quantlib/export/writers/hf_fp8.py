@@ -24,6 +24,7 @@ from .base import ConfigInfo, Packer, fp8_block_weight_ok
 class HFFP8Block(Packer):
     fmt = ExportFormat.HF_FP8_BLOCK
     ue8m0 = False
+    packs_stacks = True
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         why = fp8_block_weight_ok(spec)
