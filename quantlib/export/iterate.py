@@ -10,7 +10,7 @@ from torch import nn
 
 from ..formats import Kind
 from ..traversal import applied_config
-from .expert_stacks import stacked_items
+from .expert_stacks import shard_tensors, stacked_items
 from .items import Item
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
@@ -94,19 +94,17 @@ def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional
 
 
 def _stacked(it: Item, fmt: Packer, tp: tuple[int, int]) -> Iterator[PackedWeight]:
-    """A projection of every expert planned whole: one cast of the (E, out, in) stack, then each vLLM shard's rows
-    (w1 / w3 of ``gate_up_proj``) as :func:`_stack` yields them: its tensors with every expert on dim 0."""
-    q = real_quantize(it.weight(), it.spec, it.amax, backend="auto")
-    weight = fmt.pack(q)
+    """A projection of every expert planned whole: each vLLM shard (w1 / w3 rows of ``gate_up_proj``, w2) cast from its
+    rows of the (E, out, in) stack as :func:`_stack` yields it (its tensors with every expert on dim 0); a shard's tensors
+    are dropped here before the next is cast."""
     inputs = {} if it.input_spec is None else fmt.pack_input(it.input_spec, it.input_amax)
-    rows = it.shape[0]
-    for _, shard, r0, r1 in it.parts:
+    for shard, tensors in shard_tensors(it, fmt):
         prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
-        tensors = {k: t if (r0, r1) == (0, rows) else t.narrow(1, r0 * t.shape[1] // rows, (r1 - r0) * t.shape[1] // rows).contiguous()
-                   for k, t in weight.items()}
         tensors.update((k, torch.stack([t] * it.experts)) for k, t in inputs.items())  # one input quantizer for every expert
-        yield PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None,
-                           shard)
+        pw = PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None, shard)
+        del tensors
+        yield pw
+        del pw
 
 
 def _tp_part(key: str, t: torch.Tensor, dim: int, tp: tuple[int, int], where: str) -> torch.Tensor:

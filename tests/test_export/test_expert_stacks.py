@@ -4,8 +4,12 @@ shapes, strides, bytes; TP shards; vLLM's flat and nested names)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("transformers")
 
@@ -69,7 +73,7 @@ def flat(stream: list) -> list[tuple[str, torch.Tensor]]:
     return [(f"{pw.name}|{pw.role}|{pw.shard}|{k}", t) for pw in stream for k, t in pw.tensors.items()]
 
 
-def test_stacked_plan_has_one_item_and_one_cast_per_projection(monkeypatch):
+def test_stacked_plan_has_one_item_per_projection_and_casts_no_more_than_a_shard(monkeypatch):
     model = quantized(qwen3_moe(), FP8_BLOCK)
     mw = ModuleWalk(model)
     plan = make_plan(model, packer("hf_fp8_block"), layout_for(model, mw), modules=mw, stacks=stacked_items)
@@ -80,8 +84,9 @@ def test_stacked_plan_has_one_item_and_one_cast_per_projection(monkeypatch):
     real = kernels.fp8_blockwise_cast
     monkeypatch.setattr(kernels, "fp8_blockwise_cast", lambda x, *a, **k: casts.append(tuple(x.shape)) or real(x, *a, **k))
     pairs = dict(sync_pairs(model, "hf_fp8_block"))
-    assert [s for s in casts if len(s) == 3] == [(E, 256, 256), (E, 256, 128)] * 2  # gate_up_proj, down_proj of each layer
-    assert len(casts) == 2 * 2 + 2 * 4  # and the four attention linears of each layer, nothing per expert
+    # gate_up_proj's w1 then w3 rows (strided in the stack: a group of experts a call, here one), down_proj whole
+    assert [s for s in casts if len(s) == 3] == ([(1, 128, 256)] * 2 * E + [(E, 256, 128)]) * 2
+    assert len(casts) == 2 * (2 * E + 1) + 2 * 4  # and the four attention linears of each layer
     assert pairs["model.layers.1.mlp.experts.w13_weight"].shape == (E, 256, 256)
 
 
@@ -90,6 +95,57 @@ def test_formats_without_stacked_packing_keep_per_expert_items():
     mw = ModuleWalk(model)
     plan = make_plan(model, packer("modelopt_nvfp4"), layout_for(model, mw), modules=mw, stacks=stacked_items)
     assert sum(it.role == "expert" for it in plan.items) == 2 * E * 3 and not any(it.parts for it in plan.items)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the CPU storages that ops under it made, while a tensor those ops returned refers to them (``now``),
+    and their peak; views and in-place results of tensors made outside (the model's weights) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, list] = {}  # storage pointer -> [tensors alive, bytes]
+        self.now = self.peak = 0
+
+    def _gone(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[0] -= 1
+        if not entry[0]:
+            self.now -= entry[1]
+            del self.refs[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.refs:
+                    if ptr in inputs:
+                        continue
+                    self.refs[ptr] = [0, storage.nbytes()]
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                self.refs[ptr][0] += 1
+                weakref.finalize(t, self._gone, ptr)
+        return out
+
+
+@pytest.mark.parametrize("family, fmt", [("qwen3_moe", "hf_fp8_block"), ("mixtral", "hf_mxfp8")])
+def test_stacked_sync_holds_about_one_shard(models, family, fmt):
+    """Peak bytes the sync makes while it produces each expert shard, the consumer dropping each before the next: the
+    shard's own tensors and one group of experts' codes (here one expert), not the projection's codes (was 3-4x)."""
+    model, peaks = model_of(models, family, fmt), []
+    with torch.no_grad(), LiveBytes() as live:
+        for pw in iter_packed(model, fmt, experts="stacked", scales="dynamic"):
+            peaks.append((pw.shard, pw.nbytes, live.peak))
+            del pw
+            live.peak = live.now
+    experts = model.model.layers[0].mlp.experts.num_experts
+    shards = [(s, n, peak) for s, n, peak in peaks if s in ("w1", "w3", "w2")]
+    assert [s for s, _, _ in shards] == ["w1", "w3", "w2"] * len(model.model.layers)
+    for shard, n, peak in shards:
+        assert n <= peak <= n * (1 + 1.1 / experts), (shard, n, peak)  # + a group's packed tensors (and raw scales)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
