@@ -81,16 +81,33 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[in
 def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional[dict] = None) -> Iterator[PackedWeight]:
     """One fused-experts module's quantized experts as vLLM's fused-MoE parameters take them whole: per
     shard (w1 gate, w3 up, w2 down) every expert stacked on dim 0, named ``w13_<suffix>`` / ``w2_<suffix>``,
-    TP rank ``tp[0]``'s rows of w1 / w3 and columns of w2 (vLLM's 3-D load does not narrow them)."""
+    TP rank ``tp[0]``'s rows of w1 / w3 and columns of w2 (vLLM's 3-D load does not narrow them). Each expert is
+    packed into its slot of the shard's tensors and dropped, so a shard is held once, not also as its experts."""
     by_shard: dict = {}
     for it in items:
         by_shard.setdefault(it.shard, []).append(it)
     for shard, group in by_shard.items():
-        packed = [pack_item(it, fmt, (scales or {}).get(id(it))) for it in sorted(group, key=lambda i: i.expert)]
-        prefix = "w2" if shard == "w2" else "w13"
-        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where)
-                   for k in packed[0].tensors}
-        yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
+        group = sorted(group, key=lambda i: i.expert)
+        out: dict[str, torch.Tensor] = {}
+        for j, it in enumerate(group):
+            packed = pack_item(it, fmt, (scales or {}).get(id(it))).tensors
+            if j and packed.keys() != out.keys():
+                raise ExportError(f"{it.where}: packed keys {sorted(packed)} differ from expert {group[0].expert}'s {sorted(out)}")
+            for k, t in packed.items():
+                if not j:
+                    out[k] = t.new_empty((len(group), *t.shape))
+                elif (t.shape, t.dtype) != (out[k].shape[1:], out[k].dtype):
+                    raise ExportError(f"{it.where}: packed {k} {tuple(t.shape)} {t.dtype} does not stack on expert {group[0].expert}'s "
+                                      f"{tuple(out[k].shape[1:])} {out[k].dtype}")
+                out[k][j] = t
+            del packed
+        prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
+        tensors = {f"{prefix}_{k}": _tp_part(k, t, dim, tp, group[0].where) for k, t in out.items()}
+        del out
+        pw = PackedWeight(group[0].fused, tensors, "expert", None, shard)
+        del tensors
+        yield pw
+        del pw
 
 
 def _stacked(it: Item, fmt: Packer, tp: tuple[int, int]) -> Iterator[PackedWeight]:

@@ -26,7 +26,8 @@ from quantlib.export.writers import as_format, packer  # noqa: E402
 from tests.test_export._export_models import E, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
-CFG = {"hf_fp8_block": FP8_BLOCK, "ct_fp8_block": FP8_BLOCK, "hf_mxfp8": ql.MXFP8_DEFAULT_CFG, "ct_mxfp8": ql.MXFP8_DEFAULT_CFG}
+CFG = {"hf_fp8_block": FP8_BLOCK, "ct_fp8_block": FP8_BLOCK, "hf_mxfp8": ql.MXFP8_DEFAULT_CFG, "ct_mxfp8": ql.MXFP8_DEFAULT_CFG,
+       "modelopt_nvfp4": weight_only(ql.NVFP4_DEFAULT_CFG)}
 
 
 def mixtral(seed: int = 0) -> torch.nn.Module:
@@ -46,7 +47,7 @@ def models():
 
 
 def model_of(models: dict, family: str, fmt: str) -> torch.nn.Module:
-    key = (family, CFG[fmt] is FP8_BLOCK)
+    key = (family, id(CFG[fmt]))
     if key not in models:
         models[key] = quantized(qwen3_moe() if family == "qwen3_moe" else mixtral(), CFG[fmt])
     return models[key]
@@ -131,10 +132,12 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family, fmt", [("qwen3_moe", "hf_fp8_block"), ("mixtral", "hf_mxfp8")])
-def test_stacked_sync_holds_about_one_shard(models, family, fmt):
+@pytest.mark.parametrize("family, fmt, slack", [("qwen3_moe", "hf_fp8_block", 1.1), ("mixtral", "hf_mxfp8", 1.1),
+                                                ("qwen3_moe", "modelopt_nvfp4", 2)])
+def test_stacked_sync_holds_about_one_shard(models, family, fmt, slack):
     """Peak bytes the sync makes while it produces each expert shard, the consumer dropping each before the next: the
-    shard's own tensors and one group of experts' codes (here one expert), not the projection's codes (was 3-4x)."""
+    shard's own tensors and one group of experts' (here one expert's) codes and cast temporaries, not the projection's
+    codes (was 3-4x) nor, for the per-expert items of NVFP4, every expert's packed tensors besides their stack (2-3x)."""
     model, peaks = model_of(models, family, fmt), []
     with torch.no_grad(), LiveBytes() as live:
         for pw in iter_packed(model, fmt, experts="stacked", scales="dynamic"):
@@ -145,7 +148,7 @@ def test_stacked_sync_holds_about_one_shard(models, family, fmt):
     shards = [(s, n, peak) for s, n, peak in peaks if s in ("w1", "w3", "w2")]
     assert [s for s, _, _ in shards] == ["w1", "w3", "w2"] * len(model.model.layers)
     for shard, n, peak in shards:
-        assert n <= peak <= n * (1 + 1.1 / experts), (shard, n, peak)  # + a group's packed tensors (and raw scales)
+        assert n <= peak <= n * (1 + slack / experts), (shard, n, peak)  # + a group's packed tensors (and raw scales)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
