@@ -224,3 +224,40 @@ def test_a_shared_expert_amax_keeps_per_expert_items():
     model = quantized(Qwen3MoeForCausalLM(cfg).eval(), {**FP8_BLOCK, "sync_expert_weight_amax": True})
     w2 = dict(sync_pairs(model, "hf_fp8_block"))["model.layers.0.mlp.experts.w2_weight_scale_inv"]
     assert w2.shape == (3, 1, 1) and torch.unique(w2).numel() == 1  # one scale: the max over the experts
+
+
+def test_a_static_block_amax_split_inside_a_block_is_refused():
+    """A shard boundary inside a 128-row block of a static per-block amax cannot take its rows of the amax: refused by name."""
+    import dataclasses
+
+    from quantlib.export.expert_stacks import shard_tensors
+
+    model = quantized(qwen3_moe(), FP8_BLOCK)
+    mw = ModuleWalk(model)
+    plan = make_plan(model, packer("hf_fp8_block"), layout_for(model, mw), modules=mw, stacks=stacked_items)
+    item = next(it for it in plan.items if it.leaf == "gate_up_proj")
+    assert item.amax is not None and item.amax.shape[1] == 2 and not item.spec.dynamic  # one amax per 128 rows
+    bad = dataclasses.replace(item, parts=(("gate_up_proj", "w1", 0, 64), ("gate_up_proj", "w3", 64, 256)))
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer: static block amax \(4, 2, 2\) "
+                                          r"of block \(128, 128\) does not split at the shard rows \[0, 64\) "
+                                          r"of the stack \(4, 256, 256\)"):
+        list(shard_tensors(bad, packer("hf_fp8_block")))
+
+
+def test_per_expert_packs_that_do_not_stack_are_refused(monkeypatch):
+    """An expert whose packed tensors differ from expert 0's (keys here) is refused naming it, as torch.stack refused."""
+    import quantlib.export.iterate as iterate
+
+    model = quantized(qwen3_moe(), weight_only(ql.NVFP4_DEFAULT_CFG))
+    real = iterate.pack_item
+
+    def odd(it, *args):
+        pw = real(it, *args)
+        if it.expert == 2:
+            pw.tensors["extra"] = pw.tensors["weight"]
+        return pw
+
+    monkeypatch.setattr(iterate, "pack_item", odd)
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[2\]: packed keys "
+                                          r"\['extra', 'weight', 'weight_scale', 'weight_scale_2'\] differ from expert 0's"):
+        list(iter_packed(model, "modelopt_nvfp4", experts="stacked"))
