@@ -1,7 +1,8 @@
 """Stacked experts planned whole for the RL weight sync: one plan item per projection of a fused-experts module
-(the (E, out, in) parameter), cast in one kernel call and split into vLLM's shards (w1 / w3 rows of ``gate_up_proj``,
-w2), instead of one item, one cast and one stack per expert and shard. The tensors are those of the per-expert
-plan, byte for byte: FP8-block and MX blocks never cross experts (rows of whole blocks are checked per shard).
+(the (E, out, in) parameter), cast per vLLM shard (w1 / w3 rows of ``gate_up_proj``, w2) from that shard's rows of
+the stack, instead of one item, one cast and one stack per expert and shard. The tensors are those of the per-expert
+plan, byte for byte: FP8-block and MX blocks never cross experts, and each shard is cast alone as each expert's is.
+The sync holds one shard's tensors at a time (and a group of experts' codes where the shard's rows are strided).
 ``serialize_weight(batched_experts=True)`` casts its stack in one call on the same terms (:func:`one_cast`).
 
 A projection is planned whole only where every expert's quantizer is the same enabled FP8-block or MX quantizer
@@ -11,7 +12,7 @@ without a chain, a ``pre_quant_scale`` or a bias, and the format packs a 3-D sta
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -21,10 +22,15 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from .items import Item, active_input, has_pqs_slot
 from .layouts import ModelLayout
 from .plan import fused_name
+from .quantize import real_quantize
+from .types import ExportError
 from .writers import Packer
 
 #: the kinds whose kernels take an (E, out, in) stack whole, every expert's blocks its own
 _KINDS = (Kind.FP8_BLOCK, Kind.MX)
+#: a shard whose rows are strided in the stack (w1 / w3 of ``gate_up_proj``) is cast in at most this many groups of
+#: experts: the kernel's contiguous copy of a group's rows is then at most a sixteenth of the shard
+_GROUPS = 16
 
 
 def stacked_items(module: nn.Module, name: str, layout: ModelLayout, packer: Packer) -> Optional[list[Item]]:
@@ -72,3 +78,47 @@ def one_cast(items: list[Item], packer: Packer) -> bool:
     alike = all(it.spec == first.spec and it.chain is None and it.pre is None and it.post is None and it.block_amax is None for it in items)
     return packer.packs_stacks and first.spec.kind in _KINDS and alike and len({None if it.amax is None else tuple(it.amax.shape)
                                                                                  for it in items}) == 1
+
+
+def shard_tensors(it: Item, packer: Packer) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Each vLLM shard of the stacked item ``it`` and its packed tensors (every expert on dim 0), cast from the shard's
+    own rows of the stack one shard at a time (as each expert's shard is cast alone), so the sync holds one shard's
+    tensors, not the projection's."""
+    w = it.weight()
+    for _, shard, r0, r1 in it.parts:
+        yield shard, _cast_rows(it, packer, w, r0, r1)
+
+
+def _cast_rows(it: Item, packer: Packer, w: torch.Tensor, r0: int, r1: int) -> dict[str, torch.Tensor]:
+    """The packed tensors of rows [r0, r1) of every expert of the stack ``w``: one cast where those rows are contiguous,
+    else a cast per group of experts written into the shard's tensors (the pack of a stack is the stack of its packs)."""
+    x, n = w.narrow(1, r0, r1 - r0), it.experts
+    step = n if x.is_contiguous() else -(-n // _GROUPS)
+    out: dict[str, torch.Tensor] = {}
+    for e0 in range(0, n, step):
+        k = min(step, n - e0)
+        packed = packer.pack(real_quantize(x.narrow(0, e0, k), it.spec, _static_amax(it, e0, k, r0, r1), backend="auto"))
+        if k == n:
+            return packed
+        for key, t in packed.items():
+            if t.dim() == 0 or t.shape[0] != k:
+                raise ExportError(f"{it.where}: packed {key} {tuple(t.shape)} of experts [{e0}, {e0 + k}) does not stack them on dim 0")
+            if key not in out:
+                out[key] = t.new_empty((n, *t.shape[1:]))
+            out[key][e0:e0 + k] = t
+        del packed  # before the next group's cast
+    return out
+
+
+def _static_amax(it: Item, e0: int, k: int, r0: int, r1: int) -> Optional[torch.Tensor]:
+    """The static FP8-block amax of experts [e0, e0 + k) and rows [r0, r1) of the stack (None: the cast takes none);
+    refused where those rows are not whole blocks of an amax given per block row."""
+    a = it.amax
+    if a is None or it.spec.kind != Kind.FP8_BLOCK or it.spec.dynamic:
+        return None  # MX and dynamic blocks take their scales from the weight
+    br, rows = (it.spec.block[0] if len(it.spec.block) == 2 else 1), it.shape[0]
+    if a.dim() != 3 or a.shape[1] not in (1, -(-rows // br)) or (a.shape[1] > 1 and (r0 % br or (r1 % br and r1 != rows))):
+        raise ExportError(f"{it.where}: static block amax {tuple(a.shape)} of block {tuple(it.spec.block)} does not split at the shard "
+                          f"rows [{r0}, {r1}) of the stack {(it.experts, *it.shape)}")
+    a = a.narrow(0, e0, k)
+    return a if a.shape[1] == 1 else a.narrow(1, r0 // br, -(-(r1 - r0) // br))

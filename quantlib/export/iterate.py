@@ -10,7 +10,7 @@ from torch import nn
 
 from ..formats import Kind
 from ..traversal import applied_config
-from .expert_stacks import stacked_items
+from .expert_stacks import shard_tensors, stacked_items
 from .items import Item
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
@@ -81,32 +81,47 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[in
 def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional[dict] = None) -> Iterator[PackedWeight]:
     """One fused-experts module's quantized experts as vLLM's fused-MoE parameters take them whole: per
     shard (w1 gate, w3 up, w2 down) every expert stacked on dim 0, named ``w13_<suffix>`` / ``w2_<suffix>``,
-    TP rank ``tp[0]``'s rows of w1 / w3 and columns of w2 (vLLM's 3-D load does not narrow them)."""
+    TP rank ``tp[0]``'s rows of w1 / w3 and columns of w2 (vLLM's 3-D load does not narrow them). Each expert is
+    packed into its slot of the shard's tensors and dropped, so a shard is held once, not also as its experts."""
     by_shard: dict = {}
     for it in items:
         by_shard.setdefault(it.shard, []).append(it)
     for shard, group in by_shard.items():
-        packed = [pack_item(it, fmt, (scales or {}).get(id(it))) for it in sorted(group, key=lambda i: i.expert)]
-        prefix = "w2" if shard == "w2" else "w13"
-        tensors = {f"{prefix}_{k}": _tp_part(k, torch.stack([p.tensors[k] for p in packed]), 2 if shard == "w2" else 1, tp, group[0].where)
-                   for k in packed[0].tensors}
-        yield PackedWeight(group[0].fused, tensors, "expert", None, shard)
+        group = sorted(group, key=lambda i: i.expert)
+        out: dict[str, torch.Tensor] = {}
+        for j, it in enumerate(group):
+            packed = pack_item(it, fmt, (scales or {}).get(id(it))).tensors
+            if j and packed.keys() != out.keys():
+                raise ExportError(f"{it.where}: packed keys {sorted(packed)} differ from expert {group[0].expert}'s {sorted(out)}")
+            for k, t in packed.items():
+                if not j:
+                    out[k] = t.new_empty((len(group), *t.shape))
+                elif (t.shape, t.dtype) != (out[k].shape[1:], out[k].dtype):
+                    raise ExportError(f"{it.where}: packed {k} {tuple(t.shape)} {t.dtype} does not stack on expert {group[0].expert}'s "
+                                      f"{tuple(out[k].shape[1:])} {out[k].dtype}")
+                out[k][j] = t
+            del packed
+        prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
+        tensors = {f"{prefix}_{k}": _tp_part(k, t, dim, tp, group[0].where) for k, t in out.items()}
+        del out
+        pw = PackedWeight(group[0].fused, tensors, "expert", None, shard)
+        del tensors
+        yield pw
+        del pw
 
 
 def _stacked(it: Item, fmt: Packer, tp: tuple[int, int]) -> Iterator[PackedWeight]:
-    """A projection of every expert planned whole: one cast of the (E, out, in) stack, then each vLLM shard's rows
-    (w1 / w3 of ``gate_up_proj``) as :func:`_stack` yields them: its tensors with every expert on dim 0."""
-    q = real_quantize(it.weight(), it.spec, it.amax, backend="auto")
-    weight = fmt.pack(q)
+    """A projection of every expert planned whole: each vLLM shard (w1 / w3 rows of ``gate_up_proj``, w2) cast from its
+    rows of the (E, out, in) stack as :func:`_stack` yields it (its tensors with every expert on dim 0); a shard's tensors
+    are dropped here before the next is cast."""
     inputs = {} if it.input_spec is None else fmt.pack_input(it.input_spec, it.input_amax)
-    rows = it.shape[0]
-    for _, shard, r0, r1 in it.parts:
+    for shard, tensors in shard_tensors(it, fmt):
         prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
-        tensors = {k: t if (r0, r1) == (0, rows) else t.narrow(1, r0 * t.shape[1] // rows, (r1 - r0) * t.shape[1] // rows).contiguous()
-                   for k, t in weight.items()}
         tensors.update((k, torch.stack([t] * it.experts)) for k, t in inputs.items())  # one input quantizer for every expert
-        yield PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None,
-                           shard)
+        pw = PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None, shard)
+        del tensors
+        yield pw
+        del pw
 
 
 def _tp_part(key: str, t: torch.Tensor, dim: int, tp: tuple[int, int], where: str) -> torch.Tensor:

@@ -4,8 +4,12 @@ shapes, strides, bytes; TP shards; vLLM's flat and nested names)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("transformers")
 
@@ -22,7 +26,8 @@ from quantlib.export.writers import as_format, packer  # noqa: E402
 from tests.test_export._export_models import E, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
-CFG = {"hf_fp8_block": FP8_BLOCK, "ct_fp8_block": FP8_BLOCK, "hf_mxfp8": ql.MXFP8_DEFAULT_CFG, "ct_mxfp8": ql.MXFP8_DEFAULT_CFG}
+CFG = {"hf_fp8_block": FP8_BLOCK, "ct_fp8_block": FP8_BLOCK, "hf_mxfp8": ql.MXFP8_DEFAULT_CFG, "ct_mxfp8": ql.MXFP8_DEFAULT_CFG,
+       "modelopt_nvfp4": weight_only(ql.NVFP4_DEFAULT_CFG)}
 
 
 def mixtral(seed: int = 0) -> torch.nn.Module:
@@ -42,7 +47,7 @@ def models():
 
 
 def model_of(models: dict, family: str, fmt: str) -> torch.nn.Module:
-    key = (family, CFG[fmt] is FP8_BLOCK)
+    key = (family, id(CFG[fmt]))
     if key not in models:
         models[key] = quantized(qwen3_moe() if family == "qwen3_moe" else mixtral(), CFG[fmt])
     return models[key]
@@ -69,7 +74,7 @@ def flat(stream: list) -> list[tuple[str, torch.Tensor]]:
     return [(f"{pw.name}|{pw.role}|{pw.shard}|{k}", t) for pw in stream for k, t in pw.tensors.items()]
 
 
-def test_stacked_plan_has_one_item_and_one_cast_per_projection(monkeypatch):
+def test_stacked_plan_has_one_item_per_projection_and_casts_no_more_than_a_shard(monkeypatch):
     model = quantized(qwen3_moe(), FP8_BLOCK)
     mw = ModuleWalk(model)
     plan = make_plan(model, packer("hf_fp8_block"), layout_for(model, mw), modules=mw, stacks=stacked_items)
@@ -80,8 +85,9 @@ def test_stacked_plan_has_one_item_and_one_cast_per_projection(monkeypatch):
     real = kernels.fp8_blockwise_cast
     monkeypatch.setattr(kernels, "fp8_blockwise_cast", lambda x, *a, **k: casts.append(tuple(x.shape)) or real(x, *a, **k))
     pairs = dict(sync_pairs(model, "hf_fp8_block"))
-    assert [s for s in casts if len(s) == 3] == [(E, 256, 256), (E, 256, 128)] * 2  # gate_up_proj, down_proj of each layer
-    assert len(casts) == 2 * 2 + 2 * 4  # and the four attention linears of each layer, nothing per expert
+    # gate_up_proj's w1 then w3 rows (strided in the stack: a group of experts a call, here one), down_proj whole
+    assert [s for s in casts if len(s) == 3] == ([(1, 128, 256)] * 2 * E + [(E, 256, 128)]) * 2
+    assert len(casts) == 2 * (2 * E + 1) + 2 * 4  # and the four attention linears of each layer
     assert pairs["model.layers.1.mlp.experts.w13_weight"].shape == (E, 256, 256)
 
 
@@ -90,6 +96,59 @@ def test_formats_without_stacked_packing_keep_per_expert_items():
     mw = ModuleWalk(model)
     plan = make_plan(model, packer("modelopt_nvfp4"), layout_for(model, mw), modules=mw, stacks=stacked_items)
     assert sum(it.role == "expert" for it in plan.items) == 2 * E * 3 and not any(it.parts for it in plan.items)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the CPU storages that ops under it made, while a tensor those ops returned refers to them (``now``),
+    and their peak; views and in-place results of tensors made outside (the model's weights) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, list] = {}  # storage pointer -> [tensors alive, bytes]
+        self.now = self.peak = 0
+
+    def _gone(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[0] -= 1
+        if not entry[0]:
+            self.now -= entry[1]
+            del self.refs[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.refs:
+                    if ptr in inputs:
+                        continue
+                    self.refs[ptr] = [0, storage.nbytes()]
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                self.refs[ptr][0] += 1
+                weakref.finalize(t, self._gone, ptr)
+        return out
+
+
+@pytest.mark.parametrize("family, fmt, slack", [("qwen3_moe", "hf_fp8_block", 1.1), ("mixtral", "hf_mxfp8", 1.1),
+                                                ("qwen3_moe", "modelopt_nvfp4", 2)])
+def test_stacked_sync_holds_about_one_shard(models, family, fmt, slack):
+    """Peak bytes the sync makes while it produces each expert shard, the consumer dropping each before the next: the
+    shard's own tensors and one group of experts' (here one expert's) codes and cast temporaries, not the projection's
+    codes (was 3-4x) nor, for the per-expert items of NVFP4, every expert's packed tensors besides their stack (2-3x)."""
+    model, peaks = model_of(models, family, fmt), []
+    with torch.no_grad(), LiveBytes() as live:
+        for pw in iter_packed(model, fmt, experts="stacked", scales="dynamic"):
+            peaks.append((pw.shard, pw.nbytes, live.peak))
+            del pw
+            live.peak = live.now
+    experts = model.model.layers[0].mlp.experts.num_experts
+    shards = [(s, n, peak) for s, n, peak in peaks if s in ("w1", "w3", "w2")]
+    assert [s for s, _, _ in shards] == ["w1", "w3", "w2"] * len(model.model.layers)
+    for shard, n, peak in shards:
+        assert n <= peak <= n * (1 + slack / experts), (shard, n, peak)  # + a group's packed tensors (and raw scales)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -165,3 +224,40 @@ def test_a_shared_expert_amax_keeps_per_expert_items():
     model = quantized(Qwen3MoeForCausalLM(cfg).eval(), {**FP8_BLOCK, "sync_expert_weight_amax": True})
     w2 = dict(sync_pairs(model, "hf_fp8_block"))["model.layers.0.mlp.experts.w2_weight_scale_inv"]
     assert w2.shape == (3, 1, 1) and torch.unique(w2).numel() == 1  # one scale: the max over the experts
+
+
+def test_a_static_block_amax_split_inside_a_block_is_refused():
+    """A shard boundary inside a 128-row block of a static per-block amax cannot take its rows of the amax: refused by name."""
+    import dataclasses
+
+    from quantlib.export.expert_stacks import shard_tensors
+
+    model = quantized(qwen3_moe(), FP8_BLOCK)
+    mw = ModuleWalk(model)
+    plan = make_plan(model, packer("hf_fp8_block"), layout_for(model, mw), modules=mw, stacks=stacked_items)
+    item = next(it for it in plan.items if it.leaf == "gate_up_proj")
+    assert item.amax is not None and item.amax.shape[1] == 2 and not item.spec.dynamic  # one amax per 128 rows
+    bad = dataclasses.replace(item, parts=(("gate_up_proj", "w1", 0, 64), ("gate_up_proj", "w3", 64, 256)))
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer: static block amax \(4, 2, 2\) "
+                                          r"of block \(128, 128\) does not split at the shard rows \[0, 64\) "
+                                          r"of the stack \(4, 256, 256\)"):
+        list(shard_tensors(bad, packer("hf_fp8_block")))
+
+
+def test_per_expert_packs_that_do_not_stack_are_refused(monkeypatch):
+    """An expert whose packed tensors differ from expert 0's (keys here) is refused naming it, as torch.stack refused."""
+    import quantlib.export.iterate as iterate
+
+    model = quantized(qwen3_moe(), weight_only(ql.NVFP4_DEFAULT_CFG))
+    real = iterate.pack_item
+
+    def odd(it, *args):
+        pw = real(it, *args)
+        if it.expert == 2:
+            pw.tensors["extra"] = pw.tensors["weight"]
+        return pw
+
+    monkeypatch.setattr(iterate, "pack_item", odd)
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[2\]: packed keys "
+                                          r"\['extra', 'weight', 'weight_scale', 'weight_scale_2'\] differ from expert 0's"):
+        list(iter_packed(model, "modelopt_nvfp4", experts="stacked"))
