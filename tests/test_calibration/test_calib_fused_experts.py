@@ -328,5 +328,5 @@ def test_export_refuses_per_expert_scales_by_name(data):
     from quantlib.export import ExportError, iter_packed
 
     model = ql.quantize(build(), _cfg("awq_lite", INT4, None), loop(data))
-    with pytest.raises(ExportError, match=r"mlp\.experts\.gate_up_proj_input_quantizer: pre_quant_scale of shape \(\d+, \d+\) is set"):
+    with pytest.raises(ExportError, match=r"experts\.gate_up_proj_input_quantizer: pre_quant_scale of shape \(\d+, \d+\) .* folds nowhere"):
         list(iter_packed(model, "ct_int_pack"))
