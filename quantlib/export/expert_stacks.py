@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from ..formats import Kind
+from ..formats import FormatSpec, Kind
 from ..nn.tensor_quantizer import TensorQuantizer
 from .items import Item, active_input, has_pqs_slot
 from .layouts import ModelLayout
@@ -78,6 +78,14 @@ def one_cast(items: list[Item], packer: Packer) -> bool:
     alike = all(it.spec == first.spec and it.chain is None and it.pre is None and it.post is None and it.block_amax is None for it in items)
     return packer.packs_stacks and first.spec.kind in _KINDS and alike and len({None if it.amax is None else tuple(it.amax.shape)
                                                                                  for it in items}) == 1
+
+
+def input_stacks(packer: Packer, spec: Optional[FormatSpec], amax: Optional[torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
+    """The input quantizer's packed tensors, one row per expert (a fused-experts module has one input quantizer for
+    every expert), as the per-expert tensors stacked; none without an input quantizer."""
+    if spec is None:
+        return {}
+    return {k: torch.stack([t] * experts) for k, t in packer.pack_input(spec, amax).items()}
 
 
 def shard_tensors(it: Item, packer: Packer) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..formats import Kind
 from ..traversal import applied_config
-from .expert_stacks import shard_tensors, stacked_items
+from .expert_stacks import input_stacks, shard_tensors, stacked_items
 from .items import Item
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
@@ -114,10 +114,10 @@ def _stacked(it: Item, fmt: Packer, tp: tuple[int, int]) -> Iterator[PackedWeigh
     """A projection of every expert planned whole: each vLLM shard (w1 / w3 rows of ``gate_up_proj``, w2) cast from its
     rows of the (E, out, in) stack as :func:`_stack` yields it (its tensors with every expert on dim 0); a shard's tensors
     are dropped here before the next is cast."""
-    inputs = {} if it.input_spec is None else fmt.pack_input(it.input_spec, it.input_amax)
+    inputs = input_stacks(fmt, it.input_spec, it.input_amax, it.experts)
     for shard, tensors in shard_tensors(it, fmt):
         prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
-        tensors.update((k, torch.stack([t] * it.experts)) for k, t in inputs.items())  # one input quantizer for every expert
+        tensors.update(inputs)
         pw = PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None, shard)
         del tensors
         yield pw
@@ -193,7 +193,7 @@ def iter_packed(
     check_arguments(unify_siblings=unify_siblings, tp=tp, tp_rank=tp_rank, layout=layout)
     if experts not in ("per_expert", "stacked"):
         raise ExportError(f"experts={experts!r}: expected 'per_expert' or 'stacked'")
-    if experts == "stacked" and tp > 1 and (tp_rank is None or not 0 <= tp_rank < tp):
+    if experts == "stacked" and tp > 1 and tp_rank is None:  # (a tp_rank outside [0, tp): check_arguments)
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); "
                           f"pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter

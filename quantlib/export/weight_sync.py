@@ -18,7 +18,7 @@ from ..nn.containers import GroupedQuantizer, QuantizerContainer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .buckets import chunks_by_dtype
-from .expert_stacks import one_cast
+from .expert_stacks import input_stacks, one_cast
 from .items import Item, active_input, refuse_pre_quant_scale
 from .iterate import iter_packed, pack_item
 from .layouts import ModelLayout
@@ -101,9 +101,7 @@ def serialize_weight(
     with torch.no_grad():
         if batched_experts and one_cast(items, p):  # every expert in one kernel call: the stack of the per-expert tensors
             q = real_quantize(tensor.detach(), items[0].spec, None if items[0].amax is None else torch.stack([it.amax for it in items]))
-            tensors = p.pack(q)
-            if ispec is not None:  # one input quantizer for every expert
-                tensors.update((k, torch.stack([t] * len(items))) for k, t in p.pack_input(ispec, iamax).items())
+            tensors = {**p.pack(q), **input_stacks(p, ispec, iamax, len(items))}
             for k, t in tensors.items():
                 yield f"{prefix}.{k}", t
             return
