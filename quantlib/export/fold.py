@@ -35,10 +35,9 @@ from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .fold_experts import fused_experts_class, plan_experts
+from .items import has_pqs_slot
 from .layouts import layout_for
 from .types import ExportError
-
-_PQS = "_pre_quant_scale"  # TensorQuantizer's buffer behind pre_quant_scale
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def scale_rows(q: QuantizedTensor, p: torch.Tensor) -> QuantizedTensor:
 
 
 def _slot(q: TensorQuantizer) -> Optional[torch.Tensor]:
-    return q.pre_quant_scale if _PQS in q._buffers or _PQS in q.__dict__ else None
+    return q.pre_quant_scale if has_pqs_slot(q) else None
 
 
 def _leaves(q: Optional[nn.Module]) -> list[TensorQuantizer]:
@@ -155,7 +154,7 @@ def holds_pre_quant_scale(module: QuantModule) -> bool:
     every export: a plain quantizer is answered from its dicts, without a lookup or a list)."""
     for q in module._modules.values():
         if type(q) is TensorQuantizer:
-            if _PQS in q._buffers or _PQS in q.__dict__:
+            if has_pqs_slot(q):
                 return True
         elif isinstance(q, (TensorQuantizer, QuantizerContainer)) and any(_slot(leaf) is not None for leaf in _leaves(q)):
             return True

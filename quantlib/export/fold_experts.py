@@ -22,15 +22,15 @@ from torch import nn
 from ..formats import Kind
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
+from .items import has_pqs_slot
 from .types import ExportError
 
-_PQS = "_pre_quant_scale"
 #: the formats that carry a pre_quant_scale per expert part
 CARRYING = "modelopt_int4_awq, modelopt_nvfp4 (NVFP4_AWQ), modelopt_w4a8_awq"
 
 
 def _slot(q: Optional[nn.Module]) -> Optional[torch.Tensor]:
-    return q.pre_quant_scale if isinstance(q, TensorQuantizer) and (_PQS in q._buffers or _PQS in q.__dict__) else None
+    return q.pre_quant_scale if isinstance(q, TensorQuantizer) and has_pqs_slot(q) else None
 
 
 def fused_experts_class() -> type:
