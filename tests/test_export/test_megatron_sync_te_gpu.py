@@ -43,7 +43,8 @@ def _gpt(experts, grouped: bool = False, **overrides):
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     moe = {} if experts is None else dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=grouped,
-                                          moe_token_dispatcher_type="allgather")  # fmt: skip
+                                          moe_token_dispatcher_type="allgather", gated_linear_unit=True,
+                                          activation_func=torch.nn.functional.silu)  # fmt: skip (SwiGLU experts: gate_proj / up_proj)
     kwargs = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, bf16=True, params_dtype=torch.bfloat16,
                   add_bias_linear=experts is None, hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="transformer_engine",
                   **moe)  # fmt: skip
