@@ -88,13 +88,49 @@ def input_stacks(packer: Packer, spec: Optional[FormatSpec], amax: Optional[torc
     return {k: torch.stack([t] * experts) for k, t in packer.pack_input(spec, amax).items()}
 
 
-def shard_tensors(it: Item, packer: Packer) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+def shard_tensors(it: Item, packer: Packer, joined: bool = False) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Each vLLM shard of the stacked item ``it`` and its packed tensors (every expert on dim 0), cast from the shard's
     own rows of the stack one shard at a time (as each expert's shard is cast alone), so the sync holds one shard's
-    tensors, not the projection's."""
+    tensors, not the projection's.
+
+    ``joined``: where no block spans two shards (:func:`rows_apart`), one cast of the whole contiguous stack, each
+    shard's tensors views of its rows: the stack is read once and its codes written once, and a consumer that
+    concatenates the shards again (vLLM's ``w13``, :func:`~quantlib.export.vllm_names.named_pairs`) gets the cast's
+    tensors back without a copy; the views are not contiguous where the stack has several shards."""
     w = it.weight()
+    if joined and rows_apart(it):
+        packed = packer.pack(real_quantize(w, it.spec, _static_amax(it, 0, it.experts, 0, it.shape[0]), backend="auto"))
+        for _, shard, r0, r1 in it.parts:
+            yield shard, {k: _row_part(it, k, t, r0, r1) for k, t in packed.items()}
+        return
     for _, shard, r0, r1 in it.parts:
         yield shard, _cast_rows(it, packer, w, r0, r1)
+
+
+def _row_block(it: Item) -> int:
+    """Rows of the stacked item's weight blocks: 2-D FP8 blocks' first side, 1 where every row has its own scales."""
+    block = it.spec.block or ()
+    return block[0] if it.spec.kind == Kind.FP8_BLOCK and len(block) == 2 else 1
+
+
+def rows_apart(it: Item) -> bool:
+    """Whether every shard of the stacked item ``it`` starts on a block row, so that casting the whole stack gives each
+    shard the bytes its own cast gives (MX and 1xN blocks: always; 128x128: shards of whole 128-row blocks)."""
+    br = _row_block(it)
+    return all(r0 % br == 0 for _, _, r0, _ in it.parts)
+
+
+def _row_part(it: Item, key: str, t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of the stack's packed tensor ``t`` (codes: one row each; scales: one per row or per block row)."""
+    rows, br = it.shape[0], _row_block(it)
+    if r0 == 0 and r1 == rows:
+        return t
+    if t.dim() >= 2 and t.shape[0] == it.experts and t.shape[1] == rows:
+        return t.narrow(1, r0, r1 - r0)
+    if t.dim() >= 2 and t.shape[0] == it.experts and t.shape[1] == -(-rows // br) and r0 % br == 0:
+        return t.narrow(1, r0 // br, -(-(r1 - r0) // br))
+    raise ExportError(f"{it.where}: packed {key} {tuple(t.shape)} of the stack {(it.experts, *it.shape)} has no rows [{r0}, {r1}) "
+                      f"on dim 1 (one per row or per {br} rows)")
 
 
 def _cast_rows(it: Item, packer: Packer, w: torch.Tensor, r0: int, r1: int) -> dict[str, torch.Tensor]:

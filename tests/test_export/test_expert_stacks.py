@@ -85,10 +85,14 @@ def test_stacked_plan_has_one_item_per_projection_and_casts_no_more_than_a_shard
     real = kernels.fp8_blockwise_cast
     monkeypatch.setattr(kernels, "fp8_blockwise_cast", lambda x, *a, **k: casts.append(tuple(x.shape)) or real(x, *a, **k))
     pairs = dict(sync_pairs(model, "hf_fp8_block"))
-    # gate_up_proj's w1 then w3 rows (strided in the stack: a group of experts a call, here one), down_proj whole
-    assert [s for s in casts if len(s) == 3] == ([(1, 128, 256)] * 2 * E + [(E, 256, 128)]) * 2
-    assert len(casts) == 2 * (2 * E + 1) + 2 * 4  # and the four attention linears of each layer
+    # the sync joins w1 and w3 into w13: gate_up_proj cast whole (its shards are whole 128-row blocks), down_proj whole
+    assert [s for s in casts if len(s) == 3] == [(E, 256, 256), (E, 256, 128)] * 2
+    assert len(casts) == 2 * 2 + 2 * 4  # and the four attention linears of each layer
     assert pairs["model.layers.1.mlp.experts.w13_weight"].shape == (E, 256, 256)
+    casts.clear()
+    list(iter_packed(model, "hf_fp8_block", experts="stacked", scales="dynamic"))
+    # iter_packed yields w1 and w3 apart, each contiguous: their rows are strided in the stack (a group of experts a call, here one)
+    assert [s for s in casts if len(s) == 3] == ([(1, 128, 256)] * 2 * E + [(E, 256, 128)]) * 2
 
 
 def test_formats_without_stacked_packing_keep_per_expert_items():
