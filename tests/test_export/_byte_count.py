@@ -29,7 +29,8 @@ class ByteCount(TorchDispatchMode):
     """``moved``: bytes every aten op under it read and wrote (its tensor inputs plus the outputs that are not an input
     written in place; views, allocations and tensors under ``floor`` bytes move nothing). ``peak``: the most bytes of CPU
     storages made under it alive at once (views and in-place results of tensors made outside, e.g. the model's weights,
-    not counted). ``cast_inputs``: bytes of the weights cast. Use with :func:`counting_casts`, which counts the cast kernels the dispatcher does not see."""
+    not counted). ``cast_inputs``: bytes of the weights cast. Use with :func:`counting_casts`, which counts the cast kernels
+    the dispatcher does not see."""
 
     def __init__(self, floor: int = 4096):
         super().__init__()
