@@ -59,8 +59,8 @@ def qwen3_moe_of(moe_intermediate: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=moe_intermediate,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=3, num_experts_per_tok=2,
-                         max_position_embeddings=64, tie_word_embeddings=False)
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=3,
+                         num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
     return Qwen3MoeForCausalLM(cfg).eval()
 
 
