@@ -42,20 +42,13 @@ def stacked_items(module: nn.Module, name: str, layout: ModelLayout, packer: Pac
         return None
     items = []
     for proj in module.projections:
-        group = getattr(module, f"{proj}_weight_quantizer")
-        members = [group[e] for e in range(module.num_experts)]
+        members = list(getattr(module, f"{proj}_weight_quantizer"))[: module.num_experts]  # not group[e]: ModuleList's index is slow
+        amaxes = _alike(members, module.num_experts)
+        if amaxes is None:
+            return None
         first = members[0]
-        if not (isinstance(first, TensorQuantizer) and first.is_enabled and first.spec.kind in _KINDS):
-            return None
-        if not all(type(q) is type(first) and q.is_enabled and (q.spec is first.spec or q.spec == first.spec) for q in members):
-            return None
-        if any(has_pqs_slot(q) and q.pre_quant_scale is not None for q in members):
-            return None
         ispec, iamax = active_input(getattr(module, f"{proj}_input_quantizer", None))
         if packer.shares_global(first.spec, ispec):
-            return None
-        amaxes = [q.amax for q in members]
-        if len({None if a is None else tuple(a.shape) for a in amaxes}) > 1:
             return None
         rows, cols = expert_weight(module, proj, 0).shape
         parts, last = (layout.expert_parts(name, proj, e, rows) for e in (0, module.num_experts - 1))
@@ -69,6 +62,24 @@ def stacked_items(module: nn.Module, name: str, layout: ModelLayout, packer: Pac
                           shape=(rows, cols), fused=fused, input_where=f"{name}.{proj}_input_quantizer",
                           parts=tuple((leaf, shard, r0, r1) for _, leaf, shard, r0, r1 in parts), experts=module.num_experts))
     return items
+
+
+def _alike(members: list, experts: int) -> Optional[list[Optional[torch.Tensor]]]:
+    """The amax of each of the ``experts`` quantizers ``members`` where they are one enabled FP8-block or MX quantizer
+    without a pre_quant_scale, every amax absent or all of one shape; else None. One pass (run at every sync)."""
+    first = members[0] if len(members) == experts else None
+    if not (isinstance(first, TensorQuantizer) and first.is_enabled and first.spec.kind in _KINDS):
+        return None
+    kind, spec, amaxes = type(first), first.spec, []
+    shape = None if first.amax is None else first.amax.shape
+    for q in members:
+        a = q.amax
+        if type(q) is not kind or not q.is_enabled or (has_pqs_slot(q) and q.pre_quant_scale is not None):
+            return None
+        if (None if a is None else a.shape) != shape or not (q.spec is spec or q.spec == spec):
+            return None
+        amaxes.append(a)
+    return amaxes
 
 
 def one_cast(items: list[Item], packer: Packer) -> bool:
