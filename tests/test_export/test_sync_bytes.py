@@ -77,3 +77,20 @@ def test_sync_pairs_equal_the_per_expert_pairs(family, fmt, tp):
     for rank in range(tp):
         ref = list(named_pairs(iter(per_expert(model, fmt, tp=tp, rank=rank)), "flat"))
         assert_same(list(sync_pairs(model, fmt, tp=tp, tp_rank=rank)), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["hf_fp8_block", "hf_mxfp8"])
+def test_sync_pairs_on_the_gpu_equal_the_per_expert_pairs(fmt):
+    """The CUDA casts of a whole (E, 2I, H) stack joined into w13: the per-expert pairs on the device, and the CPU's."""
+    import copy
+
+    from quantlib.export.vllm_names import named_pairs
+    from tests.test_export.test_expert_stacks import assert_same, per_expert
+
+    cpu = bf16(quantized(mixtral(), CFG[fmt]))
+    model = copy.deepcopy(cpu).cuda()
+    ours = list(sync_pairs(model, fmt))
+    assert_same(ours, list(named_pairs(iter(per_expert(model, fmt)), "flat")))
+    assert_same([(k, t.cpu()) for k, t in ours], list(sync_pairs(cpu, fmt)))
