@@ -4,12 +4,8 @@ shapes, strides, bytes; TP shards; vLLM's flat and nested names)."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("transformers")
 
@@ -23,6 +19,7 @@ from quantlib.export.plan import make_plan  # noqa: E402
 from quantlib.export.sync_scales import apply_scales, as_scales  # noqa: E402
 from quantlib.export.vllm_names import named_pairs  # noqa: E402
 from quantlib.export.writers import as_format, packer  # noqa: E402
+from tests.test_export._byte_count import ByteCount  # noqa: E402
 from tests.test_export._export_models import E, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
@@ -102,40 +99,6 @@ def test_formats_without_stacked_packing_keep_per_expert_items():
     assert sum(it.role == "expert" for it in plan.items) == 2 * E * 3 and not any(it.parts for it in plan.items)
 
 
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the CPU storages that ops under it made, while a tensor those ops returned refers to them (``now``),
-    and their peak; views and in-place results of tensors made outside (the model's weights) are not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, list] = {}  # storage pointer -> [tensors alive, bytes]
-        self.now = self.peak = 0
-
-    def _gone(self, ptr: int) -> None:
-        entry = self.refs[ptr]
-        entry[0] -= 1
-        if not entry[0]:
-            self.now -= entry[1]
-            del self.refs[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self.refs:
-                    if ptr in inputs:
-                        continue
-                    self.refs[ptr] = [0, storage.nbytes()]
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                self.refs[ptr][0] += 1
-                weakref.finalize(t, self._gone, ptr)
-        return out
-
-
 @pytest.mark.parametrize("family, fmt, slack", [("qwen3_moe", "hf_fp8_block", 1.1), ("mixtral", "hf_mxfp8", 1.1),
                                                 ("qwen3_moe", "modelopt_nvfp4", 2)])
 def test_stacked_sync_holds_about_one_shard(models, family, fmt, slack):
@@ -143,7 +106,7 @@ def test_stacked_sync_holds_about_one_shard(models, family, fmt, slack):
     shard's own tensors and one group of experts' (here one expert's) codes and cast temporaries, not the projection's
     codes (was 3-4x) nor, for the per-expert items of NVFP4, every expert's packed tensors besides their stack (2-3x)."""
     model, peaks = model_of(models, family, fmt), []
-    with torch.no_grad(), LiveBytes() as live:
+    with torch.no_grad(), ByteCount() as live:
         for pw in iter_packed(model, fmt, experts="stacked", scales="dynamic"):
             peaks.append((pw.shard, pw.nbytes, live.peak))
             del pw
