@@ -38,8 +38,8 @@ def vllm_param(key: str) -> str:
                                          ("mixtral", "ct_fp8_block")])
 def test_stacked_sync_moves_each_byte_once_and_holds_one_parameter(monkeypatch, family, fmt):
     """w1 / w3 rows are strided in the (E, 2I, H) stack: cast per shard they were copied contiguous, cast, copied into the
-    shard and concatenated into w13 (~1.25x the ideal bytes here, 11 bytes an element instead of 3 on bf16 experts) and w1,
-    w3 and w13 were held at once (2.5x w13)."""
+    shard and concatenated into w13 (1.6x the ideal bytes here; 11 bytes a bf16 element of gate_up_proj instead of 3) and
+    w1, w3 and w13 were held at once (2.5x w13)."""
     model = bf16(quantized(qwen3_moe() if family == "qwen3_moe" else mixtral(), CFG[fmt]))
     count, made, params = ByteCount(), 0, {}
     with torch.no_grad(), count, counting_casts(monkeypatch, count):
