@@ -12,6 +12,7 @@ without a chain, a ``pre_quant_scale`` or a bias, and the format packs a 3-D sta
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -42,11 +43,10 @@ def stacked_items(module: nn.Module, name: str, layout: ModelLayout, packer: Pac
         return None
     items = []
     for proj in module.projections:
-        members = list(getattr(module, f"{proj}_weight_quantizer"))[: module.num_experts]  # not group[e]: ModuleList's index is slow
-        amaxes = _alike(members, module.num_experts)
+        amaxes = _alike_cached(getattr(module, f"{proj}_weight_quantizer"), module.num_experts)
         if amaxes is None:
             return None
-        first = members[0]
+        first = getattr(module, f"{proj}_weight_quantizer")[0]
         ispec, iamax = active_input(getattr(module, f"{proj}_input_quantizer", None))
         if packer.shares_global(first.spec, ispec):
             return None
@@ -62,6 +62,23 @@ def stacked_items(module: nn.Module, name: str, layout: ModelLayout, packer: Pac
                           shape=(rows, cols), fused=fused, input_where=f"{name}.{proj}_input_quantizer",
                           parts=tuple((leaf, shard, r0, r1) for _, leaf, shard, r0, r1 in parts), experts=module.num_experts))
     return items
+
+
+#: a weight-quantizer group -> (its members' generations, what :func:`_alike` answered for them)
+_ALIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _alike_cached(group: nn.Module, experts: int) -> Optional[list[Optional[torch.Tensor]]]:
+    """:func:`_alike` of the group's members, asked again only when one of them changed: every change but in-place
+    writes into a buffer (which keep its shape) changes a quantizer's ``generation``, which is never reused."""
+    members = list(group)[:experts]  # not group[e]: ModuleList's index is slow
+    key = (experts, tuple(getattr(q, "generation", None) for q in members))
+    hit = _ALIKE.get(group)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    amaxes = _alike(members, experts)
+    _ALIKE[group] = (key, amaxes)
+    return amaxes
 
 
 def _alike(members: list, experts: int) -> Optional[list[Optional[torch.Tensor]]]:

@@ -228,3 +228,22 @@ def test_per_expert_packs_that_do_not_stack_are_refused(monkeypatch):
     with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[2\]: packed keys "
                                           r"\['extra', 'weight', 'weight_scale', 'weight_scale_2'\] differ from expert 0's"):
         list(iter_packed(model, "modelopt_nvfp4", experts="stacked"))
+
+
+def test_a_changed_expert_quantizer_is_seen_by_the_next_stacked_plan():
+    """The stacked plan's per-expert check is kept per quantizer group until a member changes (its ``generation``): a
+    member disabled, or given a new amax, after a plan shows in the next one."""
+    model = quantized(qwen3_moe(), FP8_BLOCK)
+    mw = ModuleWalk(model)
+
+    def plan():
+        return make_plan(model, packer("hf_fp8_block"), layout_for(model, mw), modules=mw, stacks=stacked_items).items
+
+    group = model.model.layers[1].mlp.experts.down_proj_weight_quantizer
+    assert sum(it.role == "expert" for it in plan()) == 4
+    group[2].amax = group[2].amax * 2
+    down = next(it for it in plan() if it.name == "model.layers.1.mlp.experts" and it.leaf == "down_proj")
+    assert torch.equal(down.amax[2], group[2].amax)
+    group[2].disable()
+    layer1 = [it for it in plan() if it.role == "expert" and it.name.startswith("model.layers.1.")]
+    assert len(layer1) == 2 * E + E - 1 and not any(it.parts for it in layer1)  # planned per expert, expert 2's down_proj unquantized
