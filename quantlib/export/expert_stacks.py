@@ -2,7 +2,10 @@
 (the (E, out, in) parameter), cast per vLLM shard (w1 / w3 rows of ``gate_up_proj``, w2) from that shard's rows of
 the stack, instead of one item, one cast and one stack per expert and shard. The tensors are those of the per-expert
 plan, byte for byte: FP8-block and MX blocks never cross experts, and each shard is cast alone as each expert's is.
-The sync holds one shard's tensors at a time (and a group of experts' codes where the shard's rows are strided).
+``iter_packed`` holds one shard's tensors at a time (and a group of experts' codes where the shard's rows are strided).
+``sync_pairs``, which joins w1 and w3 into vLLM's w13, casts ``gate_up_proj`` whole where no block spans both shards
+(always, for the shapes the FP8-block checks accept): one read of the bf16 stack, one write of its codes and scales,
+the shards views of them, and nothing held beyond the w13 tensors it yields.
 ``serialize_weight(batched_experts=True)`` casts its stack in one call on the same terms (:func:`one_cast`).
 
 A projection is planned whole only where every expert's quantizer is the same enabled FP8-block or MX quantizer
