@@ -156,7 +156,9 @@ def holds_pre_quant_scale(module: QuantModule) -> bool:
         if type(q) is TensorQuantizer:
             if has_pqs_slot(q):
                 return True
-        elif isinstance(q, (TensorQuantizer, QuantizerContainer)) and any(_slot(leaf) is not None for leaf in _leaves(q)):
+        elif isinstance(q, QuantizerContainer) and any(has_pqs_slot(leaf) and leaf.pre_quant_scale is not None for leaf in q.leaves()):
+            return True  # (every expert's quantizer of a fused-experts module: no list, no call a leaf)
+        elif isinstance(q, TensorQuantizer) and _slot(q) is not None:
             return True
     return False
 

@@ -45,9 +45,11 @@ def pack_item(it: Item, fmt: Union[ExportFormat, Packer], scale: Optional[torch.
     return PackedWeight(it.name, tensors, it.role, it.expert, it.shard)
 
 
-def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[int, int] = (0, 1)) -> Iterator[PackedWeight]:
+def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[int, int] = (0, 1),
+              joined: bool = False) -> Iterator[PackedWeight]:
     """Pack the plan's items in order; ``stacked`` gathers each fused-experts module's experts (3-D),
-    as TP rank ``tp[0]`` of ``tp[1]`` holds them."""
+    as TP rank ``tp[0]`` of ``tp[1]`` holds them; ``joined``: a stacked projection's shards may be views of
+    one cast (:func:`~quantlib.export.expert_stacks.shard_tensors`)."""
     p = get_packer(fmt)
     with torch.no_grad():
         # FP8 per-tensor scales in one pass per device, not a handful of small ops per weight (FP8 blocks
@@ -60,7 +62,7 @@ def iter_plan(plan: Plan, fmt: ExportFormat, stacked: bool = False, tp: tuple[in
                 if pending:
                     yield from _stack(pending, p, tp, scales)
                     pending = []
-                yield from _stacked(it, p, tp)
+                yield from _stacked(it, p, tp, joined)
                 continue
             if stacked and it.role == "expert":
                 if pending and pending[0].fused != it.fused:
@@ -110,12 +112,12 @@ def _stack(items: list[Item], fmt: Packer, tp: tuple[int, int], scales: Optional
         del pw
 
 
-def _stacked(it: Item, fmt: Packer, tp: tuple[int, int]) -> Iterator[PackedWeight]:
+def _stacked(it: Item, fmt: Packer, tp: tuple[int, int], joined: bool) -> Iterator[PackedWeight]:
     """A projection of every expert planned whole: each vLLM shard (w1 / w3 rows of ``gate_up_proj``, w2) cast from its
     rows of the (E, out, in) stack as :func:`_stack` yields it (its tensors with every expert on dim 0); a shard's tensors
     are dropped here before the next is cast."""
     inputs = input_stacks(fmt, it.input_spec, it.input_amax, it.experts)
-    for shard, tensors in shard_tensors(it, fmt):
+    for shard, tensors in shard_tensors(it, fmt, joined):
         prefix, dim = ("w2", 2) if shard == "w2" else ("w13", 1)
         tensors.update(inputs)
         pw = PackedWeight(it.fused, {f"{prefix}_{k}": _tp_part(k, t, dim, tp, it.where) for k, t in tensors.items()}, "expert", None, shard)
@@ -188,6 +190,29 @@ def iter_packed(
     sync after optimizer steps) or "static" (calibrated, refusing by name a weight that outgrew it); see
     :class:`~quantlib.export.sync_scales.Scales`.
     """
+    stream = packed_stream(model, format, layout=layout, experts=experts, unify_siblings=unify_siblings, tp=tp, tp_rank=tp_rank,
+                           scales=scales)
+    if chunk_bytes is None:
+        yield from stream
+    else:
+        yield from chunked(stream, lambda pw: pw.nbytes, chunk_bytes)
+
+
+def packed_stream(
+    model: nn.Module,
+    format: Union[ExportFormat, str],
+    *,
+    layout: Optional[ModelLayout] = None,
+    experts: Literal["per_expert", "stacked"] = "per_expert",
+    unify_siblings: bool = False,
+    tp: int = 1,
+    tp_rank: Optional[int] = None,
+    scales: Union[Scales, str] = Scales.CALIBRATED,
+    joined: bool = False,
+) -> Iterator[PackedWeight]:
+    """:func:`iter_packed` unchunked; ``joined``: the w1 / w3 shards of a stacked projection may be non-contiguous
+    views of one cast of the whole stack, for a consumer that joins them again (vLLM's ``w13``, see
+    :func:`~quantlib.export.weight_sync.sync_pairs`)."""
     fmt = as_format(format)
     source = as_scales(scales)
     check_arguments(unify_siblings=unify_siblings, tp=tp, tp_rank=tp_rank, layout=layout)
@@ -207,11 +232,7 @@ def iter_packed(
     plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw,
                      stacks=stacked_items if whole else None)
     plan.items = apply_scales(plan.items, source, share_experts=share)
-    stream = iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp))
-    if chunk_bytes is None:
-        yield from stream
-    else:
-        yield from chunked(stream, lambda pw: pw.nbytes, chunk_bytes)
+    yield from iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp), joined=joined)
 
 
 def chunked(items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:

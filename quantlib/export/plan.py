@@ -134,31 +134,35 @@ def _fused_items(module: nn.Module, name: str, layout: ModelLayout, direct: dict
     from ..plugins.huggingface import expert_weight
 
     items = []
+    # what every expert of a projection shares, read once per projection (a layer has 128 experts and more)
+    shared = {}
+    for proj in module.projections:
+        rows, cols = expert_weight(module, proj, 0).shape
+        bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
+        shared[proj] = (list(getattr(module, f"{proj}_weight_quantizer")), rows, cols, bias is not None,
+                        active_input(getattr(module, f"{proj}_input_quantizer", None)), f"{name}.{proj}_input_quantizer")
     for e in range(module.num_experts):
         for proj in module.projections:
-            q = getattr(module, f"{proj}_weight_quantizer")[e]
+            members, rows, cols, has_bias, (ispec, iamax), input_where = shared[proj]
+            q = members[e]
             where = f"{name}.{proj}_weight_quantizer[{e}]"
             chain = _chain(q, where) if isinstance(q, SequentialQuantizer) and q.is_enabled else None
             if chain is not None:  # W4A8: the item is the INT4 member's, the FP8 member (one per expert) packs beside it
                 q = q[0]
-            w = expert_weight(module, proj, e)
-            rows = w.shape[0]
-            bias = getattr(module, f"{proj}_bias", None) if getattr(module, "has_bias", False) else None
-            ispec, iamax = active_input(getattr(module, f"{proj}_input_quantizer", None))
+            quantized = isinstance(q, TensorQuantizer) and q.is_enabled
+            spec, amax, block_amax = (q.spec, q.amax, q.block_amax) if quantized else (None, None, None)
             for full, leaf, shard, r0, r1 in layout.expert_parts(name, proj, e, rows):
-                fused = fused_name(full, e, name, layout)
-                extras = {} if bias is None else {
+                extras = {} if not has_bias else {
                     "bias": (lambda b=f"{proj}_bias", e=e, r0=r0, r1=r1: getattr(module, b).detach()[e, r0:r1])}
                 get = (lambda proj=proj, e=e, r0=r0, r1=r1: expert_weight(module, proj, e).detach()[r0:r1])  # noqa: E731
-                if isinstance(q, TensorQuantizer) and q.is_enabled:
-                    amax = row_part(q.amax, q.spec, rows, r0, r1)
-                    items.append(Item(full, "expert", where, get, q.spec, amax, ispec, iamax, extras, expert=e, shard=shard,
-                                      parent=full.rpartition(".")[0], leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, w.shape[1]),
-                                      rows=(r0, r1, rows), fused=fused, input_where=f"{name}.{proj}_input_quantizer",
-                                      block_amax=row_part(q.block_amax, q.spec, rows, r0, r1), chain=chain,
-                                      part=part_name(name, proj, e, r0)))
+                parent = full.rpartition(".")[0]
+                if quantized:
+                    items.append(Item(full, "expert", where, get, spec, row_part(amax, spec, rows, r0, r1), ispec, iamax, extras, expert=e,
+                                      shard=shard, parent=parent, leaf=leaf, tp_axis=layout.tp_axis(leaf), shape=(r1 - r0, cols),
+                                      rows=(r0, r1, rows), fused=fused_name(full, e, name, layout), input_where=input_where,
+                                      block_amax=row_part(block_amax, spec, rows, r0, r1), chain=chain, part=part_name(name, proj, e, r0)))
                 else:
-                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=full.rpartition(".")[0],
+                    items.append(Item(full, "unquantized", full, extras={"weight": get, **extras}, expert=e, parent=parent,
                                       leaf=leaf, part=part_name(name, proj, e, r0)))
     return items
 

@@ -63,8 +63,20 @@ def _merge_w13(parts: list[PackedWeight]) -> dict[str, torch.Tensor]:
         elif k.endswith("weight_shape"):
             out[k] = torch.stack([t[:, 0] + u[:, 0], t[:, 1]], 1)
         else:
-            out[k] = torch.stack([t, u], 1) if t.dim() == 1 else torch.cat([t, u], 1)
+            out[k] = torch.stack([t, u], 1) if t.dim() == 1 else _join_rows(t, u)
     return out
+
+
+def _join_rows(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([t, u], 1)``: without a copy where ``u``'s rows follow ``t``'s in one contiguous tensor (the shards of
+    one cast of the whole stack, :func:`~quantlib.export.expert_stacks.shard_tensors`), the same values and strides."""
+    if (t.dtype, t.device, t.stride(), t.shape[:1], t.shape[2:]) == (u.dtype, u.device, u.stride(), u.shape[:1], u.shape[2:]) and \
+            t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr() and \
+            u.storage_offset() == t.storage_offset() + t.shape[1] * t.stride(1):
+        whole = t.as_strided((t.shape[0], t.shape[1] + u.shape[1], *t.shape[2:]), t.stride())
+        if whole.is_contiguous():
+            return whole
+    return torch.cat([t, u], 1)
 
 
 def named_pairs(stream: Iterable[PackedWeight], style: Union[ExpertNames, str] = ExpertNames.FLAT) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,8 +97,11 @@ def named_pairs(stream: Iterable[PackedWeight], style: Union[ExpertNames, str] =
             yield from pw.items()
         elif pw.shard in ("w1", "w3"):
             pending.append(pw)
+            if len(pending) == 2:  # gate and up: joined now, before the stream casts the next projection
+                yield from flush()
         else:
             yield from ((f"{pw.name}{sub}{k}", t) for k, t in _per_expert(pw.tensors).items())
+        del pw  # not held while the stream casts the next weight
     yield from flush()
 
 

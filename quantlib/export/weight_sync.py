@@ -20,7 +20,7 @@ from ..nn.tensor_quantizer import TensorQuantizer
 from .buckets import chunks_by_dtype
 from .expert_stacks import input_stacks, one_cast
 from .items import Item, active_input, refuse_pre_quant_scale
-from .iterate import iter_packed, pack_item
+from .iterate import pack_item, packed_stream
 from .layouts import ModelLayout
 from .plan import _check_item, read_amax
 from .quantize import real_quantize
@@ -149,7 +149,8 @@ def sync_pairs(
     device: :func:`~quantlib.export.iter_packed` with dynamic weight scales by default, stacked experts
     in vLLM's fused-MoE parameters named in ``expert_names`` style ("flat" or "nested", see
     :mod:`quantlib.export.vllm_names`; check them with :func:`check_receiver`)."""
-    stream = iter_packed(model, format, layout=layout, experts=experts, tp=tp, tp_rank=tp_rank, scales=scales)
+    # the w1 / w3 shards of a stacked projection come as views of one cast, which named_pairs joins into w13 without a copy
+    stream = packed_stream(model, format, layout=layout, experts=experts, tp=tp, tp_rank=tp_rank, scales=scales, joined=True)
     yield from named_pairs(stream, expert_names)
 
 

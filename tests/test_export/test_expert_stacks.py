@@ -4,12 +4,8 @@ shapes, strides, bytes; TP shards; vLLM's flat and nested names)."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("transformers")
 
@@ -23,6 +19,7 @@ from quantlib.export.plan import make_plan  # noqa: E402
 from quantlib.export.sync_scales import apply_scales, as_scales  # noqa: E402
 from quantlib.export.vllm_names import named_pairs  # noqa: E402
 from quantlib.export.writers import as_format, packer  # noqa: E402
+from tests.test_export._byte_count import ByteCount  # noqa: E402
 from tests.test_export._export_models import E, quantized, qwen3_moe, weight_only  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
@@ -85,10 +82,14 @@ def test_stacked_plan_has_one_item_per_projection_and_casts_no_more_than_a_shard
     real = kernels.fp8_blockwise_cast
     monkeypatch.setattr(kernels, "fp8_blockwise_cast", lambda x, *a, **k: casts.append(tuple(x.shape)) or real(x, *a, **k))
     pairs = dict(sync_pairs(model, "hf_fp8_block"))
-    # gate_up_proj's w1 then w3 rows (strided in the stack: a group of experts a call, here one), down_proj whole
-    assert [s for s in casts if len(s) == 3] == ([(1, 128, 256)] * 2 * E + [(E, 256, 128)]) * 2
-    assert len(casts) == 2 * (2 * E + 1) + 2 * 4  # and the four attention linears of each layer
+    # the sync joins w1 and w3 into w13: gate_up_proj cast whole (its shards are whole 128-row blocks), down_proj whole
+    assert [s for s in casts if len(s) == 3] == [(E, 256, 256), (E, 256, 128)] * 2
+    assert len(casts) == 2 * 2 + 2 * 4  # and the four attention linears of each layer
     assert pairs["model.layers.1.mlp.experts.w13_weight"].shape == (E, 256, 256)
+    casts.clear()
+    list(iter_packed(model, "hf_fp8_block", experts="stacked", scales="dynamic"))
+    # iter_packed yields w1 and w3 apart, each contiguous: their rows are strided in the stack (a group of experts a call, here one)
+    assert [s for s in casts if len(s) == 3] == ([(1, 128, 256)] * 2 * E + [(E, 256, 128)]) * 2
 
 
 def test_formats_without_stacked_packing_keep_per_expert_items():
@@ -98,40 +99,6 @@ def test_formats_without_stacked_packing_keep_per_expert_items():
     assert sum(it.role == "expert" for it in plan.items) == 2 * E * 3 and not any(it.parts for it in plan.items)
 
 
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the CPU storages that ops under it made, while a tensor those ops returned refers to them (``now``),
-    and their peak; views and in-place results of tensors made outside (the model's weights) are not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, list] = {}  # storage pointer -> [tensors alive, bytes]
-        self.now = self.peak = 0
-
-    def _gone(self, ptr: int) -> None:
-        entry = self.refs[ptr]
-        entry[0] -= 1
-        if not entry[0]:
-            self.now -= entry[1]
-            del self.refs[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self.refs:
-                    if ptr in inputs:
-                        continue
-                    self.refs[ptr] = [0, storage.nbytes()]
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                self.refs[ptr][0] += 1
-                weakref.finalize(t, self._gone, ptr)
-        return out
-
-
 @pytest.mark.parametrize("family, fmt, slack", [("qwen3_moe", "hf_fp8_block", 1.1), ("mixtral", "hf_mxfp8", 1.1),
                                                 ("qwen3_moe", "modelopt_nvfp4", 2)])
 def test_stacked_sync_holds_about_one_shard(models, family, fmt, slack):
@@ -139,7 +106,7 @@ def test_stacked_sync_holds_about_one_shard(models, family, fmt, slack):
     shard's own tensors and one group of experts' (here one expert's) codes and cast temporaries, not the projection's
     codes (was 3-4x) nor, for the per-expert items of NVFP4, every expert's packed tensors besides their stack (2-3x)."""
     model, peaks = model_of(models, family, fmt), []
-    with torch.no_grad(), LiveBytes() as live:
+    with torch.no_grad(), ByteCount() as live:
         for pw in iter_packed(model, fmt, experts="stacked", scales="dynamic"):
             peaks.append((pw.shard, pw.nbytes, live.peak))
             del pw
@@ -261,3 +228,22 @@ def test_per_expert_packs_that_do_not_stack_are_refused(monkeypatch):
     with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_weight_quantizer\[2\]: packed keys "
                                           r"\['extra', 'weight', 'weight_scale', 'weight_scale_2'\] differ from expert 0's"):
         list(iter_packed(model, "modelopt_nvfp4", experts="stacked"))
+
+
+def test_a_changed_expert_quantizer_is_seen_by_the_next_stacked_plan():
+    """The stacked plan's per-expert check is kept per quantizer group until a member changes (its ``generation``): a
+    member disabled, or given a new amax, after a plan shows in the next one."""
+    model = quantized(qwen3_moe(), FP8_BLOCK)
+    mw = ModuleWalk(model)
+
+    def plan():
+        return make_plan(model, packer("hf_fp8_block"), layout_for(model, mw), modules=mw, stacks=stacked_items).items
+
+    group = model.model.layers[1].mlp.experts.down_proj_weight_quantizer
+    assert sum(it.role == "expert" for it in plan()) == 4
+    group[2].amax = group[2].amax * 2
+    down = next(it for it in plan() if it.name == "model.layers.1.mlp.experts" and it.leaf == "down_proj")
+    assert torch.equal(down.amax[2], group[2].amax)
+    group[2].disable()
+    layer1 = [it for it in plan() if it.role == "expert" and it.name.startswith("model.layers.1.")]
+    assert len(layer1) == 2 * E + E - 1 and not any(it.parts for it in layer1)  # planned per expert, expert 2's down_proj unquantized
