@@ -25,9 +25,14 @@ class Dispatch:
     expert: torch.Tensor  #: (S,) expert of each sorted row (expert-parallel sentinels clamped to E - 1)
     weight: torch.Tensor  #: (S,) routing weight of each sorted row
     offs: torch.Tensor  #: (E,) int32 end row of each expert's group
-    counts: torch.Tensor  #: (E,) int64 rows per expert
     combine_index: torch.Tensor  #: (tokens, top_k) sorted row of each token's k-th smallest expert
     valid: torch.Tensor | None  #: (S, 1) False at sentinel rows (expert index == E); None: no sentinels
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """(E,) int64 rows per expert (calibration's count; the forward itself needs only ``offs``)."""
+        ends = self.offs.long()
+        return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, sentinels: bool) -> Dispatch:
@@ -39,17 +44,18 @@ def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts
     # torch.where(expert_mask[e]) over (k, tokens); a GEMM's row results depend on their place in a tile
     flat = top_k_index.t().reshape(-1)
     expert, order = torch.sort(flat, stable=True)
-    bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)  # the last takes the sentinels
-    counts = bins.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))[:num_experts]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    # the rows sort by expert: expert e's group ends after the rows of experts <= e (sentinels, == E, after all)
+    bounds = torch.arange(num_experts, dtype=expert.dtype, device=expert.device)
+    offs = torch.searchsorted(expert, bounds, right=True, out_int32=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # each token's slots in ascending expert order (sentinels, == num_experts, last)
-    by_expert = torch.sort(top_k_index, dim=1, stable=True).indices
-    combine_index = inverse[by_expert * tokens + torch.arange(tokens, device=flat.device).unsqueeze(1)]
+    # a token's sorted rows, ascending, are its slots in ascending expert order (equal experts, i.e.
+    # sentinels, by slot): the order in which the loop adds them
+    combine_index = torch.sort(inverse.view(k, tokens).t(), dim=1).values
     valid = (expert < num_experts).unsqueeze(-1) if sentinels else None
     if sentinels:
         expert = expert.clamp(max=num_experts - 1)
-    return Dispatch(order % tokens, expert, top_k_weights.t().reshape(-1)[order], offs, counts, combine_index, valid)
+    token = order % tokens
+    return Dispatch(token, expert, top_k_weights[token, order // tokens], offs, combine_index, valid)
 
 
 def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,8 +73,8 @@ def _add_picked(rows: torch.Tensor, combine_index: torch.Tensor) -> torch.Tensor
     """The k adds of each token's rows in ascending expert order, from zeros: the loop's ``index_add_`` bits."""
     picked = rows[combine_index]  # (tokens, k, H)
     out = torch.zeros(picked.shape[0], picked.shape[2], dtype=rows.dtype, device=rows.device)
-    for j in range(picked.shape[1]):
-        out = out + picked[:, j]
+    for row in picked.unbind(1):
+        out = out + row
     return out
 
 

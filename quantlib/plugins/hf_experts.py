@@ -196,7 +196,7 @@ class QuantFusedExperts(QuantModule):
         up_input, down_input = getattr(self, f"{up}_input_quantizer"), getattr(self, f"{down}_input_quantizer")
         with torch.no_grad():
             d = dispatch(top_k_index, top_k_weights, self.num_experts, bool(getattr(self, "_is_expert_parallel", False)))
-        count_tokens(self, d.counts, up_input, calibrating)
+        count_tokens(self, d.counts if calibrating else None, up_input, calibrating)
         # one pre_quant_scale row per expert (AWQ / SmoothQuant): each row is scaled by its expert's row,
         # then quantized with the shared amax; otherwise every token is quantized once
         if up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2:
