@@ -71,9 +71,11 @@ def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def _add_picked(rows: torch.Tensor, combine_index: torch.Tensor) -> torch.Tensor:
     """The k adds of each token's rows in ascending expert order, from zeros: the loop's ``index_add_`` bits."""
-    picked = rows[combine_index]  # (tokens, k, H)
-    out = torch.zeros(picked.shape[0], picked.shape[2], dtype=rows.dtype, device=rows.device)
-    for row in picked.unbind(1):
+    picked = rows[combine_index].unbind(1)  # k (tokens, H) rows
+    if not picked:
+        return rows.new_zeros(combine_index.shape[0], rows.shape[1])
+    out = picked[0] + 0  # zeros + row: a -0 becomes +0, as in the loop's first index_add_
+    for row in picked[1:]:
         out = out + row
     return out
 
