@@ -5,7 +5,9 @@ Nothing here reads a value back to the host or makes a shape that depends on the
 built on it runs without a device-to-host sync and compiles into one graph that serves every routing.
 The combine adds each token's expert outputs in ascending expert order, starting from zeros, in the
 output dtype: the order of the per-expert loop of transformers' eager experts (``index_add_`` expert by
-expert), hence its bits.
+expert), hence its bits. On CUDA (eager, triton installed) one Triton kernel does the weighting, the cast
+and the k adds in one pass with the same roundings (:mod:`quantlib.kernels.triton.combine`); the torch ops
+(:func:`combine_torch`) serve the CPU, torch.compile, torch.func and the backward.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.backends import triton_available
 from ..kernels.ops import _functorch_active
 
 
@@ -60,6 +63,15 @@ def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts
 
 def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(tokens, H) sum of each token's weighted expert rows (``rows`` (S, H), sorted), in ``dtype``."""
+    if not (torch.is_grad_enabled() and rows.requires_grad):
+        fused = _fused(rows, d.weight, dtype)
+        if fused is not None:  # one pass, the same bits
+            return fused.combine_rows(rows, d.weight, d.valid, d.combine_index, dtype)
+    return combine_torch(d, rows, dtype)
+
+
+def combine_torch(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`combine` by torch ops (the CPU's, torch.compile's and autograd's; the reference of the fused kernel)."""
     rows = rows * d.weight.unsqueeze(-1)
     if d.valid is not None:
         rows = torch.where(d.valid, rows, 0)  # sentinel rows are unset by the grouped GEMM: NaN * 0 is NaN
@@ -67,6 +79,16 @@ def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     if torch.is_grad_enabled() and rows.requires_grad and not _functorch_active():
         return _Combine.apply(rows, d.combine_index, d.token)
     return _add_picked(rows, d.combine_index)  # (torch.func transforms: autograd over the adds, same values)
+
+
+def _fused(rows: torch.Tensor, weight: torch.Tensor | None, dtype: torch.dtype):
+    """The Triton combine module where it runs these: CUDA tensors, triton installed, eager (torch.compile
+    fuses the torch ops by itself); else None."""
+    if not rows.is_cuda or torch.compiler.is_compiling() or _functorch_active() or not triton_available():
+        return None
+    from ..kernels.triton import combine as fused
+
+    return fused if fused.supported(rows, weight, dtype) else None
 
 
 def _add_picked(rows: torch.Tensor, combine_index: torch.Tensor) -> torch.Tensor:
@@ -90,7 +112,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, combine_index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(token)
-        return _add_picked(rows, combine_index)
+        fused = _fused(rows, None, rows.dtype)
+        return _add_picked(rows, combine_index) if fused is None else fused.combine_rows(rows, None, None, combine_index, rows.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -107,4 +130,4 @@ def group_rows(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     return offs, group.clamp_(max=counts.shape[0] - 1)
 
 
-__all__ = ["Dispatch", "combine", "dispatch", "group_rows"]
+__all__ = ["Dispatch", "combine", "combine_torch", "dispatch", "group_rows"]
