@@ -37,7 +37,7 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def combine_kernel(rows_ptr, w_ptr, valid_ptr, idx_ptr, out_ptr, H,
+def combine_kernel(rows_ptr, w_ptr, valid_ptr, idx_ptr, out_ptr, H, idx_st, idx_sj,
                    K: tl.constexpr, BLOCK_H: tl.constexpr, ROW_DT: tl.constexpr, W_DT: tl.constexpr, PROD_RND: tl.constexpr,
                    OUT_RND: tl.constexpr, OUT_DT: tl.constexpr, HAS_W: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -45,7 +45,7 @@ def combine_kernel(rows_ptr, w_ptr, valid_ptr, idx_ptr, out_ptr, H,
     mask = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
-        r = tl.load(idx_ptr + t * K + j).to(tl.int64)
+        r = tl.load(idx_ptr + t * idx_st + j * idx_sj).to(tl.int64)
         v = load_f32(rows_ptr, r * H + cols, mask, ROW_DT)
         if HAS_W:
             v = _round(v * load_f32(w_ptr, r + cols * 0, mask, W_DT), PROD_RND)
@@ -79,10 +79,11 @@ def combine_rows(rows: torch.Tensor, weight: Optional[torch.Tensor], valid: Opti
     valid_v = rows_v if valid is None else valid.reshape(-1).contiguous()
     consts = {"K": k, "ROW_DT": row_dt, "W_DT": w_dt, "PROD_RND": _ROUND[prod], "OUT_RND": _ROUND[dtype], "OUT_DT": out_dt,
               "HAS_W": weight is not None, "HAS_VALID": valid is not None}
-    block = next_pow2(h) if not rows.is_cuda else min(next_pow2(h), 1024)
-    candidates = [{"BLOCK_H": block, "num_warps": 4}] + ([{"BLOCK_H": min(block, 512), "num_warps": 4}] if block > 512 else [])
+    # one config, not tuned: a memory-bound gather whose tuning key would hold the token count (via the strides)
+    candidates = [{"BLOCK_H": next_pow2(h) if not rows.is_cuda else min(next_pow2(h), 1024), "num_warps": 4}]
     launch(combine_kernel, lambda meta: (tokens, triton.cdiv(h, meta["BLOCK_H"])),
-           (rows_v, w_v, valid_v, combine_index.contiguous(), out_v, h), consts, candidates, rows.device, rows.numel())
+           (rows_v, w_v, valid_v, combine_index, out_v, h, combine_index.stride(0), combine_index.stride(1)), consts, candidates,
+           rows.device, rows.numel())  # combine_index as dispatch makes it: (tokens, k) of strides (1, tokens), no copy
     return out
 
 
