@@ -59,3 +59,25 @@ def test_combine_rows_refuses_float64():
     d, rows = routed(3, 2, 4, 8, (torch.float32,) * 3, False, 0)
     with pytest.raises(TypeError, match="float64"):
         combine_rows(rows.double(), d.weight, None, d.combine_index, torch.float64)
+
+
+@pytest.mark.parametrize("sentinels", [False, True], ids=["local", "sentinels"])
+def test_combine_takes_the_kernel_where_offered_with_the_same_output_and_gradient(sentinels, monkeypatch):
+    """The glue of :func:`combine` (eval) and of the autograd combine's forward, run here by offering the
+    interpreted kernel for CPU tensors (on the GPU it is offered for CUDA tensors)."""
+    from quantlib.kernels.triton import combine as fused
+    from quantlib.plugins import expert_dispatch
+
+    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16)
+    d, rows = routed(8, 3, 5, 24, dtypes, sentinels, 4)
+    grad = torch.randn(8, 24).to(torch.bfloat16)
+    want = combine_torch(d, rows, dtypes[2])
+    r = rows.clone().requires_grad_()
+    want_grad = torch.autograd.grad(combine_torch(d, r, dtypes[2]), r, grad)[0]
+    calls = []
+    monkeypatch.setattr(expert_dispatch, "_fused", lambda *a: calls.append(a) or fused)
+    assert same_bits(expert_dispatch.combine(d, rows, dtypes[2]), want)
+    got = expert_dispatch.combine(d, r, dtypes[2])
+    assert same_bits(got.detach(), want)
+    assert same_bits(torch.autograd.grad(got, r, grad)[0], want_grad)
+    assert len(calls) == 2  # the eval combine, the autograd combine's forward
