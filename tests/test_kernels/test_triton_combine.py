@@ -19,6 +19,7 @@ from quantlib.plugins.expert_dispatch import _add_picked, combine_torch  # noqa:
 
 from ._combine_cases import CASES, routed, same_bits  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def interpreted(request):
     _interpreted.skip_unless_fresh(request, _FRESH)
