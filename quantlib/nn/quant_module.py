@@ -4,6 +4,7 @@ that builds the quantized class of an original module class."""
 from __future__ import annotations
 
 import copy
+import operator
 from collections import OrderedDict
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
 
@@ -186,24 +187,31 @@ def _leaves(q: nn.Module) -> list[TensorQuantizer]:
     return list(q.leaves()) if hasattr(q, "leaves") else [q]
 
 
-def _quantizer_token(leaves) -> Optional[tuple]:
+_GEN = operator.attrgetter("_gen")
+_VERSION = operator.attrgetter("_version")
+
+
+def _quantizer_token(leaves, memo: Optional[dict] = None) -> Optional[tuple]:
     """Everything the output of a quantizer with these leaves depends on besides its input: each leaf's
     :attr:`~TensorQuantizer.generation` (config, switches, which buffers; never reused) and the sum of its
     buffers' version counters (in-place writes: with the generations equal no buffer was replaced, so
     the sum only grows); None while one calibrates or where a buffer has no version counter (an
-    inference tensor). Built on every forward of a quantized module: a few attribute reads per leaf."""
-    gens, versions = [], 0
-    for leaf in leaves:
-        if leaf._if_calib and not leaf._disabled:
-            return None
-        gens.append(leaf._gen)
-        try:
-            for t in leaf._buffers.values():
-                if t is not None:
-                    versions += t._version
-        except RuntimeError:  # "Inference tensors do not track version counter"
-            return None
-    return tuple(gens), versions
+    inference tensor). ``memo``: a dict of the caller's where what follows from the generations alone (whether
+    one calibrates, the buffers) is kept, so that a call over many leaves is two C-level passes."""
+    gens = tuple(map(_GEN, leaves))
+    parts = None if memo is None else memo.get("token_parts")
+    if parts is None or parts[0] != gens:
+        # the switches and the buffer set are attributes: a change of either bumped a generation
+        calibrating = any(leaf._if_calib and not leaf._disabled for leaf in leaves)
+        parts = (gens, calibrating, tuple(t for leaf in leaves for t in leaf._buffers.values() if t is not None))
+        if memo is not None:
+            memo["token_parts"] = parts
+    if parts[1]:
+        return None
+    try:
+        return gens, sum(map(_VERSION, parts[2]))
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 class QuantModuleRegistry:

@@ -5,7 +5,9 @@ Nothing here reads a value back to the host or makes a shape that depends on the
 built on it runs without a device-to-host sync and compiles into one graph that serves every routing.
 The combine adds each token's expert outputs in ascending expert order, starting from zeros, in the
 output dtype: the order of the per-expert loop of transformers' eager experts (``index_add_`` expert by
-expert), hence its bits.
+expert), hence its bits. On CUDA (eager, triton installed) one Triton kernel does the weighting, the cast
+and the k adds in one pass with the same roundings (:mod:`quantlib.kernels.triton.combine`); the torch ops
+(:func:`combine_torch`) serve the CPU, torch.compile, torch.func and the backward.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.backends import triton_available
 from ..kernels.ops import _functorch_active
 
 
@@ -25,9 +28,14 @@ class Dispatch:
     expert: torch.Tensor  #: (S,) expert of each sorted row (expert-parallel sentinels clamped to E - 1)
     weight: torch.Tensor  #: (S,) routing weight of each sorted row
     offs: torch.Tensor  #: (E,) int32 end row of each expert's group
-    counts: torch.Tensor  #: (E,) int64 rows per expert
     combine_index: torch.Tensor  #: (tokens, top_k) sorted row of each token's k-th smallest expert
     valid: torch.Tensor | None  #: (S, 1) False at sentinel rows (expert index == E); None: no sentinels
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """(E,) int64 rows per expert (calibration's count; the forward itself needs only ``offs``)."""
+        ends = self.offs.long()
+        return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, sentinels: bool) -> Dispatch:
@@ -39,21 +47,31 @@ def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts
     # torch.where(expert_mask[e]) over (k, tokens); a GEMM's row results depend on their place in a tile
     flat = top_k_index.t().reshape(-1)
     expert, order = torch.sort(flat, stable=True)
-    bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)  # the last takes the sentinels
-    counts = bins.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))[:num_experts]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    # the rows sort by expert: expert e's group ends after the rows of experts <= e (sentinels, == E, after all)
+    bounds = torch.arange(num_experts, dtype=expert.dtype, device=expert.device)
+    offs = torch.searchsorted(expert, bounds, right=True, out_int32=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # each token's slots in ascending expert order (sentinels, == num_experts, last)
-    by_expert = torch.sort(top_k_index, dim=1, stable=True).indices
-    combine_index = inverse[by_expert * tokens + torch.arange(tokens, device=flat.device).unsqueeze(1)]
+    # a token's sorted rows, ascending, are its slots in ascending expert order (equal experts, i.e.
+    # sentinels, by slot): the order in which the loop adds them
+    combine_index = torch.sort(inverse.view(k, tokens).t(), dim=1).values
     valid = (expert < num_experts).unsqueeze(-1) if sentinels else None
     if sentinels:
         expert = expert.clamp(max=num_experts - 1)
-    return Dispatch(order % tokens, expert, top_k_weights.t().reshape(-1)[order], offs, counts, combine_index, valid)
+    token = order % tokens
+    return Dispatch(token, expert, top_k_weights[token, order // tokens], offs, combine_index, valid)
 
 
 def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(tokens, H) sum of each token's weighted expert rows (``rows`` (S, H), sorted), in ``dtype``."""
+    if not (torch.is_grad_enabled() and rows.requires_grad):
+        fused = _fused(rows, d.weight, dtype)
+        if fused is not None:  # one pass, the same bits
+            return fused.combine_rows(rows, d.weight, d.valid, d.combine_index, dtype)
+    return combine_torch(d, rows, dtype)
+
+
+def combine_torch(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`combine` by torch ops (the CPU's, torch.compile's and autograd's; the reference of the fused kernel)."""
     rows = rows * d.weight.unsqueeze(-1)
     if d.valid is not None:
         rows = torch.where(d.valid, rows, 0)  # sentinel rows are unset by the grouped GEMM: NaN * 0 is NaN
@@ -63,12 +81,24 @@ def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return _add_picked(rows, d.combine_index)  # (torch.func transforms: autograd over the adds, same values)
 
 
+def _fused(rows: torch.Tensor, weight: torch.Tensor | None, dtype: torch.dtype):
+    """The Triton combine module where it runs these: CUDA tensors, triton installed, eager (torch.compile
+    fuses the torch ops by itself); else None."""
+    if not rows.is_cuda or torch.compiler.is_compiling() or _functorch_active() or not triton_available():
+        return None
+    from ..kernels.triton import combine as fused
+
+    return fused if fused.supported(rows, weight, dtype) else None
+
+
 def _add_picked(rows: torch.Tensor, combine_index: torch.Tensor) -> torch.Tensor:
     """The k adds of each token's rows in ascending expert order, from zeros: the loop's ``index_add_`` bits."""
-    picked = rows[combine_index]  # (tokens, k, H)
-    out = torch.zeros(picked.shape[0], picked.shape[2], dtype=rows.dtype, device=rows.device)
-    for j in range(picked.shape[1]):
-        out = out + picked[:, j]
+    picked = rows[combine_index].unbind(1)  # k (tokens, H) rows
+    if not picked:
+        return rows.new_zeros(combine_index.shape[0], rows.shape[1])
+    out = picked[0] + 0  # zeros + row: a -0 becomes +0, as in the loop's first index_add_
+    for row in picked[1:]:
+        out = out + row
     return out
 
 
@@ -82,7 +112,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, combine_index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(token)
-        return _add_picked(rows, combine_index)
+        fused = _fused(rows, None, rows.dtype)
+        return _add_picked(rows, combine_index) if fused is None else fused.combine_rows(rows, None, None, combine_index, rows.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -99,4 +130,4 @@ def group_rows(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     return offs, group.clamp_(max=counts.shape[0] - 1)
 
 
-__all__ = ["Dispatch", "combine", "dispatch", "group_rows"]
+__all__ = ["Dispatch", "combine", "combine_torch", "dispatch", "group_rows"]

@@ -39,14 +39,15 @@ def stacked_fake_quant(owner: nn.Module, key: Hashable, members: list, params: t
     made from ``params``): one call where the members agree, else ``per_member(e)`` stacked. Cached in
     ``owner``'s weight cache under ``key`` until a parameter, a member or ``extra`` changes."""
     leaves = members  # hasattr(m, "leaves") on a TensorQuantizer costs a formatted AttributeError: only for containers
-    if any(type(m) is not TensorQuantizer for m in members):
+    if set(map(type, members)) != {TensorQuantizer}:
         leaves = [leaf for m in members for leaf in (m.leaves() if hasattr(m, "leaves") else (m,))]
     if all(leaf._disabled for leaf in leaves):
         return stack()
     compiling = torch.compiler.is_compiling()
-    token = None if compiling else _quantizer_token(leaves)
+    weight_cache = None if compiling else owner.__dict__.setdefault("_weight_cache", {})
+    token = None if compiling else _quantizer_token(leaves, weight_cache.setdefault(("token", key), {}))
     # the members' stacked scales, kept while their states are the same (QAT stacks E amax per step otherwise)
-    plans = None if token is None else owner.__dict__.setdefault("_weight_cache", {}).setdefault(("plan", key), {})
+    plans = None if token is None else weight_cache.setdefault(("plan", key), {})
     if compiling or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
         return _quantize(members, stack, shape, per_member, plans, token)
     if token is None or any(p.is_inference() for p in params):
@@ -54,13 +55,12 @@ def stacked_fake_quant(owner: nn.Module, key: Hashable, members: list, params: t
     first = params[0]
     cache_key = (tuple((id(p), p.data_ptr(), p._version) for p in params), first.dtype, first.device, extra, token)
     # in the module's weight cache, which copies and pickles leave behind (QuantModule.__getstate__)
-    cache = owner.__dict__.setdefault("_weight_cache", {})
-    hit = cache.get(key)
+    hit = weight_cache.get(key)
     if hit is not None and hit[0] == cache_key:
         return hit[1]
     out = _quantize(members, stack, shape, per_member, plans, token)
     # the entry keeps the parameters alive, whose id() are in its key (see QuantModule.quantize_weight)
-    cache[key] = (cache_key, out, params)
+    weight_cache[key] = (cache_key, out, params)
     return out
 
 

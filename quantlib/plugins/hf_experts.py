@@ -196,7 +196,7 @@ class QuantFusedExperts(QuantModule):
         up_input, down_input = getattr(self, f"{up}_input_quantizer"), getattr(self, f"{down}_input_quantizer")
         with torch.no_grad():
             d = dispatch(top_k_index, top_k_weights, self.num_experts, bool(getattr(self, "_is_expert_parallel", False)))
-        count_tokens(self, d.counts, up_input, calibrating)
+        count_tokens(self, d.counts if calibrating else None, up_input, calibrating)
         # one pre_quant_scale row per expert (AWQ / SmoothQuant): each row is scaled by its expert's row,
         # then quantized with the shared amax; otherwise every token is quantized once
         if up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2:
@@ -215,10 +215,21 @@ class QuantFusedExperts(QuantModule):
         w = quantize_stacked(self, f"{proj}_weight_quantizer", getattr(self, proj), transposed)  # (E, out, in)
         # the (E, in, out) operand as the loop multiplies: a transposed view of (out, in) slices (F.linear),
         # or row-major (in, out) slices for transposed layouts (x @ W, as transformers holds W)
-        h = grouped_mm(x, w.transpose(1, 2).contiguous() if transposed else w.transpose(1, 2), d.offs)
+        h = grouped_mm(x, self._row_major(proj, w) if transposed else w.transpose(1, 2), d.offs)
         if flag(self, "has_bias"):  # transposed layouts add the bias after the GEMM (see _linear)
             h = h + getattr(self, f"{proj}_bias")[d.expert]
         return h
+
+    def _row_major(self, proj: str, w: torch.Tensor) -> torch.Tensor:
+        """``w`` (E, out, in) as row-major (E, in, out) slices; the copy kept while the weight cache returns the
+        same ``w`` (an eval forward would otherwise copy every expert's weights again)."""
+        if torch.compiler.is_compiling() or w.requires_grad or w.is_inference():
+            return w.transpose(1, 2).contiguous()
+        cache = self.__dict__.setdefault("_weight_cache", {})
+        hit = cache.get(("row_major", proj))
+        if hit is None or hit[0] is not w or hit[1] != w._version:  # the entry holds w: its id is not reused
+            hit = cache[("row_major", proj)] = (w, w._version, w.transpose(1, 2).contiguous())
+        return hit[2]
 
     def _loop_forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, calibrating: bool

@@ -8,7 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from quantlib.plugins.expert_dispatch import combine, dispatch
+from quantlib.kernels import backends
+from quantlib.plugins.expert_dispatch import combine, combine_torch, dispatch
+
+from ..test_kernels._combine_cases import CASES, routed, same_bits
 
 
 class _Outputs(TorchDispatchMode):
@@ -96,3 +99,29 @@ def test_combine_compiles_whole_with_its_backward():
         out.backward(grad)
         results.append((out.detach(), r.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+_CUDA_TRITON = torch.cuda.is_available() and backends.triton_available()
+_COMBINE_ROWS = None
+if _CUDA_TRITON:
+    from quantlib.kernels.triton.combine import combine_rows as _COMBINE_ROWS
+
+
+@pytest.mark.skipif(not _CUDA_TRITON, reason="the fused combine runs on CUDA tensors with triton installed")
+@pytest.mark.parametrize("sentinels", [False, True], ids=["local", "sentinels"])
+@pytest.mark.parametrize("dtypes", CASES, ids=lambda c: "-".join(str(t).removeprefix("torch.") for t in c))
+def test_cuda_combine_is_fused_and_the_torch_combine_bit_for_bit(dtypes, sentinels, monkeypatch):
+    """Compiled (no interpreter), with FMA contraction off: the eval combine and the autograd combine's forward."""
+    import quantlib.kernels.triton.combine as fused
+
+    calls = []
+    monkeypatch.setattr(fused, "combine_rows", lambda *a: calls.append(a) or _COMBINE_ROWS(*a))
+    for seed, (tokens, k, experts, hidden) in enumerate([(300, 8, 64, 2048), (5, 1, 3, 7), (37, 4, 16, 200)]):
+        d, rows = routed(tokens, k, experts, hidden, dtypes, sentinels, seed, "cuda")
+        want = combine_torch(d, rows, dtypes[2])
+        assert same_bits(combine(d, rows, dtypes[2]), want), seed
+        r = rows.clone().requires_grad_()
+        got = combine(d, r, dtypes[2])  # autograd: the torch weighting, then _Combine (fused adds forward)
+        assert same_bits(got.detach(), want), seed
+        got.float().sum().backward()
+    assert len(calls) == 6
