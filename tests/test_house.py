@@ -270,3 +270,43 @@ def test_no_environment_variable_read_in_quantlib() -> None:
     reads = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted(PACKAGE.rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if _ENVIRON.search(line)]  # fmt: skip
     assert not reads, "environment variables read in quantlib/:\n" + "\n".join(reads)
+
+
+
+def _cuda_skip(mark: str) -> bool:
+    return "skipif" in mark and "cuda" in mark.lower()
+
+
+def _cuda_skips_without_gpu_mark(path: Path) -> list[str]:
+    """The tests of ``path`` (or the file) skipped without CUDA (a ``skipif`` whose condition names cuda) that carry
+    no ``gpu`` mark, so that ``-m gpu`` never selects them."""
+    tree = ast.parse(path.read_text())
+    module = []
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets):
+            module += [ast.unparse(m) for m in (n.value.elts if isinstance(n.value, (ast.List, ast.Tuple)) else [n.value])]
+    if any(m.endswith("mark.gpu") for m in module):
+        return []
+    if any(_cuda_skip(m) for m in module):
+        return [path.name]
+    return [f"{path.name}::{node.name}" for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+            and any(_cuda_skip(ast.unparse(d)) for d in node.decorator_list)
+            and not any(ast.unparse(d).endswith("mark.gpu") for d in node.decorator_list)]  # fmt: skip
+
+
+def test_every_test_skipped_without_cuda_is_marked_gpu() -> None:
+    """scripts/gpu_suite.sh selects ``-m gpu``: a CUDA test without the mark runs nowhere (three did, 2026-12-06)."""
+    lonely = [t for p in sorted((ROOT / "tests").rglob("test_*.py")) for t in _cuda_skips_without_gpu_mark(p)]
+    assert not lonely, "tests skipped without CUDA but not marked gpu (the GPU suite never runs them):\n" + "\n".join(lonely)
+
+
+def test_the_gpu_mark_check_sees_an_unmarked_cuda_test(tmp_path: Path) -> None:
+    probe, skip = tmp_path / "test_probe.py", "pytest.mark.skipif(not torch.cuda.is_available(), reason='x')"
+    probe.write_text(f"@{skip}\ndef test_a():\n    pass\n")
+    assert _cuda_skips_without_gpu_mark(probe) == ["test_probe.py::test_a"]
+    probe.write_text(f"pytestmark = {skip}\n")
+    assert _cuda_skips_without_gpu_mark(probe) == ["test_probe.py"]
+    probe.write_text(f"@pytest.mark.gpu\n@{skip}\ndef test_a():\n    pass\n")
+    assert _cuda_skips_without_gpu_mark(probe) == []
+    probe.write_text(f"pytestmark = [pytest.mark.gpu, {skip}]\n")
+    assert _cuda_skips_without_gpu_mark(probe) == []

@@ -15,7 +15,7 @@ import quantlib as ql
 from ._models import loop
 from .test_calib_gptq import WEIGHTS, _cfg, correlated, linear
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("weight", list(WEIGHTS))

@@ -239,6 +239,7 @@ def test_cli_algorithm_awq_clip(disk, tmp_path):
     assert report["algorithm"] == "awq_clip" and report["check"]["passed"] and "pre_quant_scale" not in report["check"]["summary"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("sequential", ["off", "on"])
 def test_on_cuda_equals_the_check(disk, tmp_path, sequential):

@@ -107,6 +107,7 @@ if _CUDA_TRITON:
     from quantlib.kernels.triton.combine import combine_rows as _COMBINE_ROWS
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA_TRITON, reason="the fused combine runs on CUDA tensors with triton installed")
 @pytest.mark.parametrize("sentinels", [False, True], ids=["local", "sentinels"])
 @pytest.mark.parametrize("dtypes", CASES, ids=lambda c: "-".join(str(t).removeprefix("torch.") for t in c))
