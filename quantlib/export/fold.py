@@ -35,7 +35,7 @@ from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .fold_experts import fused_experts_class, plan_experts
-from .items import has_pqs_slot
+from .items import has_pqs_slot, pre_quant_scale_of
 from .layouts import layout_for
 from .types import ExportError
 
@@ -139,10 +139,6 @@ def scale_rows(q: QuantizedTensor, p: torch.Tensor) -> QuantizedTensor:
     return replace(q, scale=scaled)
 
 
-def _slot(q: TensorQuantizer) -> Optional[torch.Tensor]:
-    return q.pre_quant_scale if has_pqs_slot(q) else None
-
-
 def _leaves(q: Optional[nn.Module]) -> list[TensorQuantizer]:
     if isinstance(q, TensorQuantizer):
         return [q]
@@ -157,8 +153,8 @@ def holds_pre_quant_scale(module: QuantModule) -> bool:
             if has_pqs_slot(q):
                 return True
         elif isinstance(q, QuantizerContainer) and any(has_pqs_slot(leaf) and leaf.pre_quant_scale is not None for leaf in q.leaves()):
-            return True  # (every expert's quantizer of a fused-experts module: no list, no call a leaf)
-        elif isinstance(q, TensorQuantizer) and _slot(q) is not None:
+            return True  # (every expert's quantizer of a fused-experts module: no list and no call per leaf)
+        elif isinstance(q, TensorQuantizer) and pre_quant_scale_of(q) is not None:
             return True
     return False
 
@@ -180,18 +176,18 @@ def _effective(name: str, module: QuantModule) -> _Linear:
     plain = isinstance(iq, TensorQuantizer) and isinstance(first, TensorQuantizer) and isinstance(w, torch.Tensor) and w.dim() == 2
     for qn in module.quantizer_names:
         for leaf in _leaves(module._modules.get(qn)):
-            p = _slot(leaf)
+            p = pre_quant_scale_of(leaf)
             if p is not None and not (plain and (qn == "input_quantizer" or leaf is first)):
                 raise ExportError(f"{name}.{qn}: pre_quant_scale of shape {tuple(p.shape)} is set on a {type(module).__name__}, which "
                                   "export can fold only for plain linears (input and weight quantizer)")
     if module.quantizers_off():
         return _Linear(module, None, None)  # the original forward: no scale applies
-    pin = _slot(iq)
+    pin = pre_quant_scale_of(iq)
     if pin is not None and pin.dim() != 1:
         raise ExportError(f"{name}.input_quantizer: pre_quant_scale of shape {tuple(pin.shape)} (one row per expert); export folds 1-D "
                           "scales only")
     # a disabled weight quantizer returns the weight untouched (QuantModule.quantize_weight)
-    return _Linear(module, pin, _slot(first) if wq.is_enabled else None)
+    return _Linear(module, pin, pre_quant_scale_of(first) if wq.is_enabled else None)
 
 
 def plan_folds(model: nn.Module, modules: list[tuple[str, nn.Module]], carries: bool, fmt: str,

@@ -22,15 +22,11 @@ from torch import nn
 from ..formats import Kind
 from ..nn.containers import QuantizerContainer, SequentialQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
-from .items import has_pqs_slot
+from .items import pre_quant_scale_of
 from .types import ExportError
 
 #: the formats that carry a pre_quant_scale per expert part
 CARRYING = "modelopt_int4_awq, modelopt_nvfp4 (NVFP4_AWQ), modelopt_w4a8_awq"
-
-
-def _slot(q: Optional[nn.Module]) -> Optional[torch.Tensor]:
-    return q.pre_quant_scale if isinstance(q, TensorQuantizer) and has_pqs_slot(q) else None
 
 
 def fused_experts_class() -> type:
@@ -69,16 +65,16 @@ def plan_experts(name: str, module: nn.Module, carries: bool, fmt: str) -> tuple
             member = group[e]
             first = member[0] if isinstance(member, SequentialQuantizer) else member
             for leaf in list(member.leaves()) if isinstance(member, QuantizerContainer) else [member]:
-                p = _slot(leaf)
+                p = pre_quant_scale_of(leaf)
                 if p is not None and leaf is not first:
                     raise ExportError(f"{name}.{proj}_weight_quantizer[{e}]: a pre_quant_scale of shape {tuple(p.shape)} on a chain's "
                                       "second member, which no format carries")
-            p = _slot(first)
+            p = pre_quant_scale_of(first)
             if p is not None and member.is_enabled:  # a disabled member returns the weight untouched
                 for part in _parts(name, proj, e):
                     weight[part] = p
         iq = module._modules[f"{proj}_input_quantizer"]
-        p = _slot(iq)
+        p = pre_quant_scale_of(iq)
         if p is None:
             continue
         where = f"{name}.{proj}_input_quantizer"

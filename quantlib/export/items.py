@@ -72,6 +72,11 @@ def has_pqs_slot(leaf: TensorQuantizer) -> bool:
     return _PQS in leaf._buffers or _PQS in leaf.__dict__
 
 
+def pre_quant_scale_of(q: Optional[nn.Module]) -> Optional[torch.Tensor]:
+    """The ``pre_quant_scale`` (SmoothQuant / AWQ) that ``q`` holds; None for anything but a quantizer holding one."""
+    return q.pre_quant_scale if isinstance(q, TensorQuantizer) and has_pqs_slot(q) else None
+
+
 def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) -> None:
     """Raise ExportError naming the first of ``quantizers`` ((name, quantizer or container)) that holds a
     ``pre_quant_scale`` (SmoothQuant / AWQ), for the paths that see no model graph to fold it into (one
@@ -79,7 +84,7 @@ def refuse_pre_quant_scale(quantizers: list[tuple[str, Optional[nn.Module]]]) ->
     calibrated model computes."""
     for name, q in quantizers:
         for leaf in [q] if isinstance(q, TensorQuantizer) else list(q.leaves()) if isinstance(q, QuantizerContainer) else []:
-            if has_pqs_slot(leaf) and leaf.pre_quant_scale is not None:
+            if pre_quant_scale_of(leaf) is not None:
                 raise ExportError(
                     f"{name}: pre_quant_scale is set (SmoothQuant / AWQ calibration), which this path cannot fold into the op before it "
                     "(it sees no model graph); export the whole transformers model (export_checkpoint / iter_packed), or calibrate with "
