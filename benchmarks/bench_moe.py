@@ -9,6 +9,9 @@ ModelOpt's ``mtq.quantize`` (same preset name, max calibration on one batch, not
 
 - ``fwd``: eval forward without grad; quantlib reuses its fake-quantized weights (the weight cache), and
   quantizes the activations as the preset says;
+- ``fwd_host``: of ``fwd``, the time until the call returned, before the device sync: the host's share
+  (where it is near ``fwd``, the layer is bound by its launches, not by the device);
+- ``fwd_graph``: ``fwd`` captured once in a CUDA graph and replayed (CUDA only): the device time alone;
 - ``fwd_w``: the same with the input quantizers disabled: weight-only with the weight cache (the preset's
   own number for a weight-only preset);
 - ``fwd_qat``: training-mode forward with autograd recording (QAT: the weights fake-quantized every call);
@@ -67,9 +70,10 @@ def build_layer(experts: int, hidden: int, width: int, top_k: int, impl: str, dt
     return layer.to(device=device, dtype=dtype)
 
 
-def timed(fn, device: str, reps: int, warmup: int = 2, limit_s: float = float("inf")) -> float:
+def timed(fn, device: str, reps: int, warmup: int = 2, limit_s: float = float("inf"), host: Optional[list] = None) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs (device-synchronised); fewer (at least one) where the
-    warm-ups and runs would pass ``limit_s``."""
+    warm-ups and runs would pass ``limit_s``. ``host`` gets each run's seconds until ``fn`` returned (the
+    launches, before the device caught up)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     start = time.perf_counter()
     for _ in range(warmup):
@@ -79,6 +83,8 @@ def timed(fn, device: str, reps: int, warmup: int = 2, limit_s: float = float("i
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        if host is not None:
+            host.append(time.perf_counter() - t)
         sync()
         times.append(time.perf_counter() - t)
         if time.perf_counter() - start + times[-1] > limit_s:
@@ -86,9 +92,31 @@ def timed(fn, device: str, reps: int, warmup: int = 2, limit_s: float = float("i
     return statistics.median(times)
 
 
+def graphed(fn, device: str, reps: int) -> float:
+    """Median seconds of replaying ``fn`` captured in one CUDA graph (no host work: the device's time, as a
+    serving engine's graphs see it); NaN off CUDA or where the capture fails (the reason printed)."""
+    if device != "cuda":
+        return float("nan")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(f"  CUDA graph capture failed: {str(exc)[:200]}", flush=True)
+        return float("nan")
+    return timed(graph.replay, device, reps)
+
+
 def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int, limit_s: float = float("inf"),
             weight_only: Optional[Callable[[], object]] = None, qat_forward: bool = True) -> dict:
-    """Seconds of ``layer`` on ``x``: ``fwd`` (eval, no grad), ``fwd_w`` (the same after ``weight_only()`` disabled
+    """Seconds of ``layer`` on ``x``: ``fwd`` (eval, no grad; ``fwd_host`` its launches alone, ``fwd_graph``
+    replayed as a CUDA graph), ``fwd_w`` (the same after ``weight_only()`` disabled
     the input quantizers), ``fwd_qat`` (train mode, autograd recording; if ``qat_forward``) and ``fwd_bwd``;
     each column within ``limit_s`` (see :func:`timed`)."""
 
@@ -101,7 +129,9 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int, lim
         layer(x).float().square().mean().backward()
 
     layer.eval()
-    out = {"fwd": timed(fwd, device, reps, limit_s=limit_s)}
+    host: list = []
+    out = {"fwd": timed(fwd, device, reps, limit_s=limit_s, host=host), "fwd_host": statistics.median(host)}
+    out["fwd_graph"] = graphed(fwd, device, reps)
     layer.train()
     if qat_forward:
         out["fwd_qat"] = timed(lambda: layer(x), device, reps, limit_s=limit_s)
@@ -255,7 +285,8 @@ def dump(path: Optional[str], meta: dict, rows: list[dict]) -> None:
 
 
 #: (column, its heading): the times every row reports, in the table's order
-COLUMNS = (("fwd", "fwd W+A (cache)"), ("fwd_w", "fwd W only (cache)"), ("fwd_qat", "fwd QAT"), ("fwd_bwd", "fwd+bwd QAT"))
+COLUMNS = (("fwd", "fwd W+A (cache)"), ("fwd_host", "its host time"), ("fwd_graph", "fwd W+A (cache), CUDA graph"),
+           ("fwd_w", "fwd W only (cache)"), ("fwd_qat", "fwd QAT"), ("fwd_bwd", "fwd+bwd QAT"))
 
 
 def report(row: dict) -> None:

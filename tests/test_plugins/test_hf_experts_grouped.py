@@ -204,3 +204,42 @@ def test_nvfp4_qat_quantizes_each_projection_in_one_kernel_call(family, preset, 
     monkeypatch.undo()
     with torch.no_grad():
         assert torch.equal(m._grouped_forward(hidden, idx, w, False), m._loop_forward(hidden, idx, w, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_no_synchronising_call_on_the_gpu(family, preset):
+    """On a GPU, torch's sync debug mode raises at any synchronising call: none in the eval forward (the
+    weight cache) nor in the QAT forward + backward, after a first pass that compiles the kernels."""
+    model, experts = _quantized(family, preset)
+    model.to("cuda", torch.bfloat16)
+    m = experts[0]
+    idx, w = _routing(m.num_experts, tokens=64)
+    idx, w = idx.cuda(), w.to("cuda", torch.bfloat16)
+    hidden = torch.randn(idx.shape[0], _hidden(m), generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    assert m._grouped_refusal(hidden, False) == ""
+
+    def qat_step():
+        m.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        m(x, idx, w).float().square().sum().backward()
+
+    m.eval()
+    with torch.no_grad():
+        m(hidden, idx, w)
+    m.train()
+    qat_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m.eval()
+        with torch.no_grad():
+            m(hidden, idx, w)
+            m(hidden, idx, w)
+        m.train()
+        qat_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert m.down_proj.grad is not None
