@@ -114,9 +114,9 @@ def graphed(fn, device: str, reps: int) -> float:
 
 
 def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int, limit_s: float = float("inf"),
-            weight_only: Optional[Callable[[], object]] = None, qat_forward: bool = True) -> dict:
+            weight_only: Optional[Callable[[], object]] = None, qat_forward: bool = True, graph: bool = True) -> dict:
     """Seconds of ``layer`` on ``x``: ``fwd`` (eval, no grad; ``fwd_host`` its launches alone, ``fwd_graph``
-    replayed as a CUDA graph), ``fwd_w`` (the same after ``weight_only()`` disabled
+    replayed as a CUDA graph, if ``graph``), ``fwd_w`` (the same after ``weight_only()`` disabled
     the input quantizers), ``fwd_qat`` (train mode, autograd recording; if ``qat_forward``) and ``fwd_bwd``;
     each column within ``limit_s`` (see :func:`timed`)."""
 
@@ -131,7 +131,7 @@ def measure(layer: torch.nn.Module, x: torch.Tensor, device: str, reps: int, lim
     layer.eval()
     host: list = []
     out = {"fwd": timed(fwd, device, reps, limit_s=limit_s, host=host), "fwd_host": statistics.median(host)}
-    out["fwd_graph"] = graphed(fwd, device, reps)
+    out["fwd_graph"] = graphed(fwd, device, reps) if graph else float("nan")
     layer.train()
     if qat_forward:
         out["fwd_qat"] = timed(lambda: layer(x), device, reps, limit_s=limit_s)
@@ -212,7 +212,8 @@ def modelopt_child(args) -> None:
             layer = build_layer(*shape, args.top_k, "eager", args.dtype, args.device)
             try:
                 mtq.quantize(layer, copy.deepcopy(getattr(mtq, name)), lambda m, x=x: m(x))
-                row.update(measure(layer, x, args.device, args.reps, limit_s=args.row_limit, qat_forward=False))
+                # (no CUDA graph: a failed capture could leave the next columns' stream unusable)
+                row.update(measure(layer, x, args.device, args.reps, limit_s=args.row_limit, qat_forward=False, graph=False))
             except Exception as exc:  # report and go on: one library's failure is a result too
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             del layer
