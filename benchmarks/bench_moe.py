@@ -234,7 +234,8 @@ def layer_args(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    """Run the benchmark (``argv``: the command line's arguments) and return its rows."""
     p = layer_args(__doc__)
     p.add_argument("--baseline", choices=["grouped_mm", "batched_mm", "eager"], default=None, help="transformers' experts implementation "
                                                                                                    "of the unquantized layer")
@@ -243,13 +244,13 @@ def main() -> None:
     p.add_argument("--row-limit", type=float, default=20.0, help="seconds for each of ModelOpt's timed columns (fewer reps past it)")
     p.add_argument("--modelopt-limit", type=float, default=240.0, help="seconds for the whole ModelOpt child process")
     p.add_argument("--modelopt-child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.dtype = torch.float32 if args.small else torch.bfloat16
     args.tokens = args.tokens or (128 if args.small else 4096)
     args.reps = args.reps or (5 if args.small else 20)
     if args.modelopt_child:
         modelopt_child(args)
-        return
+        return []
     meta = {"torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "top_k": args.top_k, "tokens": args.tokens, "dtype": str(args.dtype)}
     rows = []
@@ -278,6 +279,7 @@ def main() -> None:
             r["modelopt" if "error" not in got else "modelopt_error"] = got if "error" not in got else got["error"]
         dump(args.json, meta, rows)
     print_table(rows)
+    return rows
 
 
 def dump(path: Optional[str], meta: dict, rows: list[dict]) -> None:
