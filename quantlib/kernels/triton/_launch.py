@@ -2,8 +2,12 @@
 
 CPU tensors run under Triton's interpreter with one fixed, large tile (fewer interpreted programs).
 CUDA tensors of at least :data:`TUNE_MIN_NUMEL` elements time a few candidate configs once per
-(kernel, constexprs, shape) with ``triton.testing.do_bench`` and keep the fastest; smaller ones take the
-first candidate. Every kernel is pure (writes only its outputs), so re-running it while tuning is safe.
+(kernel, constexprs, size bucket, candidates) with ``triton.testing.do_bench`` and keep the fastest; smaller ones
+take the first candidate. Sizes count by their next power of two: tuning syncs the device and launches the kernel
+about a hundred times, which a key of exact sizes would repeat for every new batch shape (each token count of an
+eval loop); any config of a bucket is valid for all its sizes (the kernels mask their tiles), and the key holds the
+candidates, so the kept config is always one of the call's own. Every kernel is pure (writes only its outputs), so
+re-running it while tuning is safe.
 Every launch passes ``enable_fp_fusion=False`` (see :mod:`._numerics`).
 """
 
@@ -47,7 +51,8 @@ def launch(kernel, grid: Callable[[dict], tuple], args: Sequence, consts: dict, 
         cfg = candidates[0]
     else:
         key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), tuple(sorted(consts.items())),
-               tuple(int(a) for a in args if isinstance(a, int)), device.index)
+               tuple(a if isinstance(a, bool) else next_pow2(a) for a in args if isinstance(a, int)), device.index,
+               tuple(tuple(sorted(c.items())) for c in candidates))
         cfg = _BEST.get(key)
         if cfg is None:
             cfg = _BEST[key] = _tune(kernel, grid, args, consts, candidates)
