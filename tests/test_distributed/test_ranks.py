@@ -56,3 +56,23 @@ def test_spawn_refuses_a_function_it_cannot_import():
 
     with pytest.raises(ValueError, match="local.*cannot be imported by a spawned rank"):
         run_on_ranks(local, 2, method="spawn")
+
+
+def test_a_port_taken_before_the_store_binds_it_is_retried(monkeypatch):
+    """Parallel test workers can take free_port's port before rank 0's store binds it (EADDRINUSE): the ranks
+    start again on another port rather than failing the test."""
+    import socket
+
+    from tests import ranks
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = ranks.free_port
+    monkeypatch.setattr(ranks, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        out = run_on_ranks(_all_reduce_and_report, 2, timeout=60)
+    finally:
+        taken.close()
+    assert [o["sum"] for o in out] == [3.0, 3.0] and not ports
