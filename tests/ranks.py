@@ -128,15 +128,15 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     if method == "spawn":
         for role, f in (("fn", fn), ("setup", setup), ("teardown", teardown)):
             _check_importable(role, f)
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return _run_once(fn, world_size, args, timeout, backend, setup, teardown, method)
         except RankFailure as exc:
             # free_port's port was taken by another process before rank 0's store bound it (parallel test workers):
             # nothing of fn ran, the store never came up; again on another port
-            if attempt == 2 or "EADDRINUSE" not in exc.errors.get(0, ""):
+            if "EADDRINUSE" not in exc.errors.get(0, ""):
                 raise
-    raise AssertionError("unreachable")
+    return _run_once(fn, world_size, args, timeout, backend, setup, teardown, method)
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, backend: str, setup: Optional[Callable[[], None]],

@@ -28,17 +28,21 @@ def start() -> bool:
     return fresh
 
 
-def skip_unless_fresh(request, fresh: bool) -> None:
+def skip_unless_fresh(request, fresh: bool, why: str = "triton was imported before this module: these tests run in a subprocess instead"
+                      ) -> None:
     """The autouse fixture's body: every test but the subprocess one skips where this process cannot run them."""
     if request.node.name != SUBPROCESS_TEST and not fresh:
-        pytest.skip("triton was imported before this module: these tests run in a subprocess instead")
+        pytest.skip(why)
 
 
-def run_in_subprocess(path: str, fresh: bool) -> None:
-    """The subprocess test's body: run the module at ``path`` in a fresh interpreter, or skip where this process runs it."""
+def run_in_subprocess(path: str, fresh: bool, interpret: bool = True) -> None:
+    """The subprocess test's body: run the module at ``path`` in a fresh interpreter (its triton interpreted, or
+    compiling where not ``interpret``), or skip where this process runs it."""
     if fresh:
         pytest.skip("the tests of this module run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-#: another module of this process switched triton to its interpreter before it was imported (tests/test_kernels/
-#: _interpreted.py): its @triton.jit functions cannot compile here, so the module runs in a subprocess instead
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from . import _interpreted
+
+#: false where another module of this process switched triton to its interpreter before it was imported
+#: (tests/test_kernels/_interpreted.py): its @triton.jit functions cannot compile here, so the module runs in a subprocess
+_FRESH = os.environ.get("TRITON_INTERPRET") != "1"
 
 triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
@@ -23,22 +22,15 @@ backends = pytest.importorskip("triton.backends.compiler")
 
 from quantlib.kernels.triton.combine import combine_kernel  # noqa: E402
 
-SUBPROCESS_TEST = "test_module_where_triton_compiles"
-
 
 @pytest.fixture(autouse=True)
 def _compiling_triton(request):
-    if _INTERPRETED and request.node.name != SUBPROCESS_TEST:
-        pytest.skip("this process's triton is interpreted: the module runs in a subprocess")
+    _interpreted.skip_unless_fresh(request, _FRESH, "this process's triton is interpreted: the module runs in a subprocess")
 
 
-def test_module_where_triton_compiles():
-    if not _INTERPRETED:
-        pytest.skip("the tests of this module run in this process")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:]
+def test_module_in_a_fresh_interpreter():
+    _interpreted.run_in_subprocess(__file__, _FRESH, interpret=False)
+
 
 #: (rows, weight, output) pointer types as combine_rows passes them on CUDA (bf16 rows read as int16), their dtype codes
 VARIANTS = {
