@@ -281,11 +281,25 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int,
-                 args: argparse.Namespace) -> tuple[list[tuple], list[str]]:
-    """The rows (label, seconds, quantlib's seconds where this is ModelOpt's) and notes of one recipe."""
+class _Shown(list):
+    """A list that hands each item to ``show`` as it is appended (a run cut short keeps what it printed)."""
+
+    def __init__(self, show: Callable[[object], None]) -> None:
+        super().__init__()
+        self.show = show
+
+    def append(self, item: object) -> None:
+        super().append(item)
+        self.show(item)
+
+
+def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int, args: argparse.Namespace,
+                 show_row: Callable[[tuple], None] = lambda row: None, show_note: Callable[[str], None] = lambda note: None,
+                 ) -> tuple[list[tuple], list[str]]:
+    """The rows (label, seconds, quantlib's seconds where this is ModelOpt's) and notes of one recipe, each handed to
+    ``show_row`` / ``show_note`` as soon as it is measured."""
     label, ql_cfg, fmt, mo_cfg = RECIPES[key.strip()]
-    dev, rows, notes = args.device, [], []
+    dev, rows, notes = args.device, _Shown(show_row), _Shown(show_note)
     ours = copy.deepcopy(base)
     ql.quantize(ours, getattr(ql, ql_cfg), lambda m: m(ids))
     ql.disable_quantizer(ours, "*lm_head*")
@@ -361,12 +375,6 @@ def main(argv: Optional[list[str]] = None) -> list[tuple]:
     weights = linear_weights(base)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     copy_s = timed(copy_all, args.runs, lambda: weights, dev)
-    rows: list[tuple] = [("bf16 copy of every packed weight (clone)", copy_s, None)]
-    notes: list[str] = []
-    for key in args.formats.split(","):
-        r, n = bench_recipe(key, base, ids, nbytes, args)
-        rows += r
-        notes += n
     gpu = f" ({torch.cuda.get_device_name()})" if dev.startswith("cuda") else ""
     what = (f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts of {args.moe_intermediate}" if args.experts else
             f"Llama hidden {args.hidden}, intermediate {args.intermediate}")
@@ -378,13 +386,22 @@ def main(argv: Optional[list[str]] = None) -> list[tuple]:
         "| what | ms | GB/s of bf16 weights | of the copy | quantlib's speed-up |",
         "|---|---|---|---|---|",
     ]
-    out = []
-    for name, t, ours_t in rows:
+    out: list[tuple] = []
+    notes: list[str] = []
+
+    def add(row: tuple) -> None:
+        # printed as soon as it is measured: a run cut short (a time limit on a lent GPU) keeps its rows
+        name, t, ours_t = row
         speedup = f"{t / ours_t:.1f}x" if ours_t else ""
         lines.append(f"| {name} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | {copy_s / t:.0%} | {speedup} |")
         out.append((name, t, nbytes / t / 1e9, copy_s / t, t / ours_t if ours_t else None))
+        print(lines[-1], flush=True)
+
+    print("\n".join(lines), flush=True)
+    add(("bf16 copy of every packed weight (clone)", copy_s, None))
+    for key in args.formats.split(","):
+        notes += bench_recipe(key, base, ids, nbytes, args, add, lambda note: print(f"- {note}", flush=True))[1]
     text = "\n".join(lines + [""] + notes)
-    print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

@@ -53,3 +53,19 @@ def test_small_moe_run_reports_the_stacked_sync(tmp_path):
 def test_llama_refuses_expert_options():
     with pytest.raises(SystemExit):
         load_benchmark("bench_export").parse(["--experts", "4"])
+
+
+def test_a_run_cut_short_has_printed_every_row_it_measured(capsys, monkeypatch):
+    """A lent GPU's time limit kills a run mid-way: the rows measured before (the first recipe's, the second
+    recipe's quantlib rows before its ModelOpt part) are on stdout already."""
+    bench = load_benchmark("bench_export")
+
+    def modelopt_is_killed(*args, **kwargs):
+        raise KeyboardInterrupt("the time limit")
+
+    monkeypatch.setattr(bench, "modelopt_quantized", modelopt_is_killed)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--device", "cpu", "--small", "--runs", "1", "--formats", "fp8_block,mxfp8"])
+    out = capsys.readouterr().out
+    assert re.search(r"^\| bf16 copy of every packed weight \(clone\) \| [\d.]+ \|", out, re.M), out
+    assert re.search(r"^\| FP8 128x128 .*: quantlib sync_pairs, scales from the weights \(memory\) \| [\d.]+ \|", out, re.M), out
