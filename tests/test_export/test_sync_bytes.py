@@ -20,11 +20,11 @@ CFG = {"hf_fp8_block": weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG), "ct_fp8
 
 
 def bf16(model: torch.nn.Module) -> torch.nn.Module:
-    """The quantized model's linear and expert weights in bf16, as a trainer holds them (quantizers kept in fp32)."""
+    """The quantized model's parameters in bf16, as a trainer holds them (quantizers kept in fp32); all of them, so that
+    the model runs (the structure probe of a copy runs it: linears in bf16 behind fp32 embeddings cannot)."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "embed" not in name and "lm_head" not in name:
-                p.data = p.data.to(torch.bfloat16)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     return model
 
 
