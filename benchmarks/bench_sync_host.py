@@ -1,0 +1,125 @@
+"""Host time and aten-op count of one RL weight sync (``sync_pairs``) on the CPU, where a structure-identical tiny model
+has the GPU model's Python and op count: the time outside the cast kernels (measured around them and subtracted)
+is the host's per-sync work, and each aten op is a launch or dispatcher call the host pays for on a GPU.
+
+    python benchmarks/bench_sync_host.py                    # tiny Qwen3-MoE: hidden 128, 4 layers, 128 experts of 128
+    python benchmarks/bench_sync_host.py --model llama      # tiny Llama (bench_export.py --small's shape)
+    options: --formats fp8_block,mxfp8 --runs 50 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import statistics
+import time
+import warnings
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import quantlib as ql
+from quantlib import kernels
+
+from bench_export import RECIPES, build, share_sibling_amax, sync_all
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _KernelClock:
+    """Seconds spent inside the cast kernels of :mod:`quantlib.kernels` while installed (the device's work on a GPU)."""
+
+    NAMES = ("fp8_blockwise_cast", "mx_cast", "nvfp4_cast", "fp8_cast")
+
+    def __init__(self) -> None:
+        self.seconds, self.saved = 0.0, {}
+
+    def __enter__(self) -> "_KernelClock":
+        for name in self.NAMES:
+            fn = self.saved[name] = getattr(kernels, name)
+
+            def timed(*a, _fn=fn, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            setattr(kernels, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(kernels, name, fn)
+
+
+def model_for(kind: str, key: str) -> torch.nn.Module:
+    """The tiny model of ``kind`` quantized with recipe ``key`` as bench_export.py quantizes its model."""
+    if kind == "moe":
+        base = build(128, 256, 4, 1, 1, 256, "cpu", experts=128, moe_intermediate=128)
+        ids = torch.randint(0, 256, (4, 256), generator=torch.Generator().manual_seed(1))
+    else:
+        base = build(256, 512, 2, 2, 2, 512, "cpu")
+        ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    _, cfg, _, _ = RECIPES[key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(base, getattr(ql, cfg), lambda m: m(ids))
+    ql.disable_quantizer(base, "*lm_head*")
+    share_sibling_amax(base)
+    return base
+
+
+def measure(model: torch.nn.Module, fmt: str, runs: int) -> tuple[float, float, int, collections.Counter]:
+    """(median ms of one sync, median ms of it outside the cast kernels, aten ops of one sync, the ops by name)."""
+    totals, hosts = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            sync_all(model, fmt)  # the plan, the layout and the kernels' first calls
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(runs):
+                with _KernelClock() as clock:
+                    t0 = time.perf_counter()
+                    sync_all(model, fmt)
+                    t = time.perf_counter() - t0
+                totals.append(t)
+                hosts.append(t - clock.seconds)
+        finally:
+            gc.enable()
+        rec = _Ops()
+        with rec:
+            sync_all(model, fmt)
+    return statistics.median(totals) * 1e3, statistics.median(hosts) * 1e3, sum(rec.ops.values()), rec.ops
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("moe", "llama"), default="moe")
+    p.add_argument("--formats", default="fp8_block,mxfp8")
+    p.add_argument("--runs", type=int, default=50, help="syncs timed per repeat (median)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats, each a median; the median of them is printed too")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    for key in args.formats.split(","):
+        model, fmt = model_for(args.model, key), RECIPES[key][2]
+        rows = [measure(model, fmt, args.runs) for _ in range(args.repeats)]
+        hosts = [r[1] for r in rows]
+        print(f"{args.model} {key}: host ms {statistics.median(hosts):.3f} (repeats {', '.join(f'{h:.3f}' for h in hosts)}); "
+              f"sync ms {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][2]}: {dict(rows[-1][3].most_common(8))}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
