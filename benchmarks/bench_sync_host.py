@@ -1,6 +1,6 @@
 """Host time and aten-op count of one RL weight sync (``sync_pairs``) on the CPU, where a structure-identical tiny model
-has the GPU model's Python and op count: the time outside the cast kernels (measured around them and subtracted)
-is the host's per-sync work, and each aten op is a launch or dispatcher call the host pays for on a GPU.
+has the GPU model's Python and op count: a sync with its cast kernels stubbed (each returns its first outputs again)
+takes the host's per-sync work, and each aten op is a launch or dispatcher call the host pays for on a GPU.
 
     python benchmarks/bench_sync_host.py                    # tiny Qwen3-MoE: hidden 128, 4 layers, 128 experts of 128
     python benchmarks/bench_sync_host.py --model llama      # tiny Llama (bench_export.py --small's shape)
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import statistics
 import time
@@ -21,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantlib as ql
-from quantlib import kernels
+from quantlib.kernels import backends
 
 from bench_export import RECIPES, build, share_sibling_amax, sync_all
 
@@ -36,31 +37,32 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _KernelClock:
-    """Seconds spent inside the cast kernels of :mod:`quantlib.kernels` while installed (the device's work on a GPU)."""
+class _StubbedCasts:
+    """While installed, each cast kernel of :mod:`quantlib.kernels` on the CPU returns the outputs its first call with the
+    same arguments made (the real kernel's, kept): a sync then costs its host work alone, the device's on a GPU."""
 
-    NAMES = ("fp8_blockwise_cast", "mx_cast", "nvfp4_cast", "fp8_cast")
+    OPS = ("fp8_blockwise_cast", "mx_cast", "nvfp4_cast", "fp8_cast")
 
     def __init__(self) -> None:
-        self.seconds, self.saved = 0.0, {}
+        self.saved: dict = {}
+        self.memo: dict = {}
 
-    def __enter__(self) -> "_KernelClock":
-        for name in self.NAMES:
-            fn = self.saved[name] = getattr(kernels, name)
+    def __enter__(self) -> "_StubbedCasts":
+        for key, fn in list(backends._SELECTED.items()):
+            if key[0] in self.OPS and key[2] == "cpu":
+                self.saved[key] = fn
 
-            def timed(*a, _fn=fn, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    self.seconds += time.perf_counter() - t0
+                def stub(x, *args, _fn=fn, _op=key[0]):
+                    k = (_op, x.data_ptr(), x.shape, x.stride(), x.dtype, repr(args))
+                    if k not in self.memo:
+                        self.memo[k] = _fn(x, *args)
+                    return self.memo[k]
 
-            setattr(kernels, name, timed)
+                backends._SELECTED[key] = stub
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self.saved.items():
-            setattr(kernels, name, fn)
+        backends._SELECTED.update(self.saved)
 
 
 def model_for(kind: str, key: str) -> torch.nn.Module:
@@ -81,27 +83,29 @@ def model_for(kind: str, key: str) -> torch.nn.Module:
 
 
 def measure(model: torch.nn.Module, fmt: str, runs: int) -> tuple[float, float, int, collections.Counter]:
-    """(median ms of one sync, median ms of it outside the cast kernels, aten ops of one sync, the ops by name)."""
-    totals, hosts = [], []
+    """(median CPU ms of one sync, median CPU ms of one with the casts stubbed: its host work, aten ops of one sync (real casts),
+    the ops by name)."""
     with torch.no_grad():
         for _ in range(3):
             sync_all(model, fmt)  # the plan, the layout and the kernels' first calls
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(runs):
-                with _KernelClock() as clock:
-                    t0 = time.perf_counter()
-                    sync_all(model, fmt)
-                    t = time.perf_counter() - t0
-                totals.append(t)
-                hosts.append(t - clock.seconds)
-        finally:
-            gc.enable()
+        times = []
+        for stub in (False, True):
+            with _StubbedCasts() if stub else contextlib.nullcontext():
+                sync_all(model, fmt)  # the stubs' outputs
+                gc.collect()
+                gc.disable()
+                try:
+                    for _ in range(runs if stub else max(1, runs // 10)):
+                        t0 = time.process_time()  # this process's CPU time: the machine may be shared
+                        sync_all(model, fmt)
+                        times.append((stub, time.process_time() - t0))
+                finally:
+                    gc.enable()
         rec = _Ops()
         with rec:
             sync_all(model, fmt)
-    return statistics.median(totals) * 1e3, statistics.median(hosts) * 1e3, sum(rec.ops.values()), rec.ops
+    real, host = ([t for s, t in times if s is stub] for stub in (False, True))
+    return statistics.median(real) * 1e3, statistics.median(host) * 1e3, sum(rec.ops.values()), rec.ops
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -117,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         rows = [measure(model, fmt, args.runs) for _ in range(args.repeats)]
         hosts = [r[1] for r in rows]
         print(f"{args.model} {key}: host ms {statistics.median(hosts):.3f} (repeats {', '.join(f'{h:.3f}' for h in hosts)}); "
-              f"sync ms {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][2]}: {dict(rows[-1][3].most_common(8))}",
+              f"sync ms (real casts) {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][2]}: {dict(rows[-1][3].most_common(8))}",
               flush=True)
 
 
