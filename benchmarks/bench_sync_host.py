@@ -19,22 +19,10 @@ import warnings
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from bench_export import RECIPES, _Traffic, build, share_sibling_amax, sync_all
 
 import quantlib as ql
 from quantlib.kernels import backends
-
-from bench_export import RECIPES, build, share_sibling_amax, sync_all
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _StubbedCasts:
@@ -101,8 +89,7 @@ def measure(model: torch.nn.Module, fmt: str, runs: int) -> tuple[float, float, 
                         times.append((stub, time.process_time() - t0))
                 finally:
                     gc.enable()
-        rec = _Ops()
-        with rec:
+        with _Traffic(1 << 62) as rec:  # its op count alone
             sync_all(model, fmt)
     real, host = ([t for s, t in times if s is stub] for stub in (False, True))
     return statistics.median(real) * 1e3, statistics.median(host) * 1e3, sum(rec.ops.values()), rec.ops
@@ -120,8 +107,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         model, fmt = model_for(args.model, key), RECIPES[key][2]
         rows = [measure(model, fmt, args.runs) for _ in range(args.repeats)]
         hosts = [r[1] for r in rows]
-        print(f"{args.model} {key}: host ms {statistics.median(hosts):.3f} (repeats {', '.join(f'{h:.3f}' for h in hosts)}); "
-              f"sync ms (real casts) {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][2]}: {dict(rows[-1][3].most_common(8))}",
+        each = ", ".join(f"{h:.3f}" for h in hosts)
+        ops = dict(rows[-1][3].most_common(8))
+        print(f"{args.model} {key}: host ms {statistics.median(hosts):.3f} (repeats {each}); "
+              f"sync ms (real casts) {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][2]}: {ops}",
               flush=True)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import operator
 from typing import Callable, Optional, TypeVar
 
-import torch
 from torch import nn
 
 from ..nn.containers import QuantizerContainer

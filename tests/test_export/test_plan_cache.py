@@ -4,7 +4,6 @@ bound by its host time), and any change of a quantizer, its amax or the module t
 
 from __future__ import annotations
 
-import collections
 import copy
 import gc
 import pickle
@@ -12,13 +11,13 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, iterate, sync_pairs  # noqa: E402
 from tests.test_export._export_models import bit_equal, llama, quantized, qwen3_moe, weight_only  # noqa: E402
+from tests.test_plugins.host_reads import OpCount  # noqa: E402
 
 FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
 #: aten ops of one steady-state sync of the 2-layer Qwen3-MoE (4 attention linears and 2 stacked expert projections a
@@ -26,16 +25,6 @@ FP8_BLOCK = weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
 #: each gate_up cast and their join. Whatever the number of experts. 2026-12-07 (0384523, the plan built every sync) these
 #: were 98 (fp8_block: the amax read back, the stacked amax, the shard checks) and 65 (mxfp8)
 BUDGET = {"hf_fp8_block": 61, "hf_mxfp8": 61}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def pairs(model: torch.nn.Module, fmt: str, **kwargs) -> dict[str, torch.Tensor]:
@@ -64,7 +53,7 @@ def test_a_steady_sync_plans_nothing_and_dispatches_its_budget_of_ops(monkeypatc
     model = quantized(qwen3_moe(), cfg)
     first = pairs(model, fmt)
     made = plans_made(monkeypatch)
-    with torch.no_grad(), _Ops() as rec:
+    with torch.no_grad(), OpCount() as rec:
         for _ in sync_pairs(model, fmt):
             pass
     assert made == []
