@@ -52,7 +52,9 @@ class _State:
                 self._quantizer(c)
 
     def _token(self) -> tuple[list, tuple]:
-        """(the objects whose ids the token holds, kept alive so that no id is reused; the token)."""
+        """(the modules whose ids the token holds, kept alive so that no id is reused; the token). Tensors are compared
+        by id, shape, dtype and device and not kept: a replaced weight is freed at once, and one that takes a freed one's
+        id in the same place packs right (items read their tensors when packed)."""
         held: list = []
         tensors: list = []
         for m in self.modules:
@@ -62,17 +64,16 @@ class _State:
         for c in self.containers:
             held += c._modules.values()
         tensors = [t for t in tensors if t is not None]
-        held += tensors
         try:
             versions = sum(map(_VERSION, self.buffers))
         except RuntimeError:  # an inference tensor has no version counter: its in-place writes cannot be seen
             versions = None
-        return held, (tuple(map(id, held)), tuple(map(_META, tensors)), tuple(map(_GEN, self.leaves)), versions)
+        return held, (tuple(map(id, held)), tuple(map(id, tensors)), tuple(map(_META, tensors)), tuple(map(_GEN, self.leaves)), versions)
 
     def current(self) -> bool:
         """Whether the model is still in the state this was taken in (the buffers of the same leaves: an added or
         replaced buffer bumped a generation)."""
-        if self.token[3] is None:
+        if self.token[4] is None:
             return False
         _, token = self._token()
         return token == self.token

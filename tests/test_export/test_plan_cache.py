@@ -121,6 +121,23 @@ def test_a_replaced_expert_quantizer_shows_in_the_next_sync():
     assert same(after, fresh(model, "hf_fp8_block", scales="calibrated"))
 
 
+def test_a_replaced_weight_is_freed_and_sent():
+    """A trainer that assigns new parameter objects (``load_state_dict(assign=True)``): the plan keeps no old weight (a
+    second copy of the model's weights on the device) and packs the new ones."""
+    model = quantized(llama(), FP8_BLOCK)
+    before = pairs(model, "hf_fp8_block")
+    proj = model.model.layers[0].mlp.down_proj
+    ref = weakref.ref(proj.weight)
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * 0.25)
+    proj._weight_cache.clear()  # the forward's fake-quant cache keeps its weight until the next forward
+    gc.collect()
+    assert ref() is None
+    after = pairs(model, "hf_fp8_block")
+    key = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    assert not bit_equal(after[key], before[key])
+    assert same(after, fresh(model, "hf_fp8_block"))
+
+
 def test_the_plan_does_not_travel_with_a_copy_and_dies_with_the_model():
     model = quantized(llama(), FP8_BLOCK)
     pairs(model, "hf_fp8_block")
