@@ -33,6 +33,7 @@ the summed device-kernel time of one iteration and of one sync (what the GPU its
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import gc
@@ -143,7 +144,8 @@ def without_pre_quant_scale(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _Traffic(TorchDispatchMode):
-    """Bytes that the aten ops (views excepted) read from and write to tensors of at least ``min_numel`` elements."""
+    """Bytes that the aten ops (views excepted) read from and write to tensors of at least ``min_numel`` elements, and
+    the aten ops by name (views included: each is a dispatcher call the host pays for)."""
 
     VIEWS = frozenset({"view", "_unsafe_view", "alias", "as_strided", "detach", "expand", "unsqueeze", "squeeze", "reshape", "t",
                        "transpose", "permute", "slice", "select"})
@@ -151,12 +153,14 @@ class _Traffic(TorchDispatchMode):
     def __init__(self, min_numel: int) -> None:
         super().__init__()
         self.min_numel, self.read, self.written = min_numel, 0, 0
+        self.ops: collections.Counter = collections.Counter()
 
     def _bytes(self, tree) -> int:
         return sum(t.nbytes for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.ops[func.__name__] += 1
         if func.overloadpacket.__name__ not in self.VIEWS:
             self.read += self._bytes((args, kwargs))
             self.written += self._bytes(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional, TypeVar, Union
 
@@ -15,8 +16,9 @@ from .items import Item
 from .layouts import ModelLayout, layout_for
 from .modules import ModuleWalk
 from .plan import Plan, make_plan
+from .plan_cache import cached_plan
 from .quantize import real_quantize, static_scales
-from .sync_scales import Scales, apply_scales, as_scales
+from .sync_scales import Scales, apply_scales, as_scales, weight_free
 from .transposed import swap_weight
 from .types import ExportError, ExportFormat, PackedWeight
 from .writers import Packer, as_format, packer as get_packer
@@ -222,16 +224,25 @@ def packed_stream(
         raise ExportError(f"tp_rank={tp_rank!r}: experts='stacked' at tp={tp} yields one rank's shard (vLLM's 3-D load does not narrow); "
                           f"pass tp_rank in [0, {tp})")
     # dynamic scales replace the calibrated sibling amax, so their differences do not matter
-    mw = ModuleWalk(model)  # one traversal for the layout and the plan
     unify = unify_siblings or source is Scales.DYNAMIC
     config = applied_config(model)
     share = bool(config is not None and config.sync_expert_weight_amax)
     # stacked experts are planned per projection (one cast each) where the scales need no per-expert comparison
     # or sharing (static scales check each expert; a shared expert amax may span one-block experts)
     whole = experts == "stacked" and source is not Scales.STATIC and not share
-    plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw,
-                     stacks=stacked_items if whole else None)
-    plan.items = apply_scales(plan.items, source, share_experts=share)
+
+    def build(mw: ModuleWalk) -> tuple[Plan, bool]:  # mw: one traversal for the layout and the plan
+        plan = make_plan(model, get_packer(fmt), layout or layout_for(model, mw), unify_siblings=unify, tp=tp, modules=mw,
+                         stacks=stacked_items if whole else None)
+        scaled = source is Scales.DYNAMIC and weight_free(plan.items, share)  # the same items for every step's weights
+        if scaled:
+            plan.items = apply_scales(plan.items, source, share_experts=share)
+        return plan, scaled
+
+    # an RL loop syncs every step through the same quantizers: the plan is built and checked once for them
+    plan, scaled = cached_plan(model, (fmt, layout, unify, tp, whole, source, share), build)
+    if not scaled:
+        plan = dataclasses.replace(plan, items=apply_scales(plan.items, source, share_experts=share))
     yield from iter_plan(plan, fmt, stacked=experts == "stacked", tp=(tp_rank or 0, tp), joined=joined)
 
 

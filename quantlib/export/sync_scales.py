@@ -79,13 +79,23 @@ def dynamic_items(items: list[Item], global_amax: Optional[dict[int, torch.Tenso
     return [_dynamic(it, shared.get(id(it))) for it in items]
 
 
+#: the kinds whose cast takes its scales from the weight in its own pass
+_IN_CAST = (Kind.MX, Kind.NVFP4, Kind.FP8_BLOCK)
+
+
+def weight_free(items: list[Item], share_experts: bool = False) -> bool:
+    """Whether :func:`dynamic_items` of ``items`` reads no weight (every scale made in the cast kernel, no amax shared
+    between items): then its items pack every step's weights, and an RL sync computes them once."""
+    return all(it.spec is None or (it.spec.kind in _IN_CAST and _share_key(it, share_experts) is None) for it in items)
+
+
 def _dynamic(it: Item, shared: Optional[torch.Tensor]) -> Item:
     spec = it.spec
     if spec is None:
         return it
     if shared is not None:
         amax = shared.reshape(it.amax.shape if it.amax is not None else ())
-    elif spec.kind in (Kind.MX, Kind.NVFP4, Kind.FP8_BLOCK):
+    elif spec.kind in _IN_CAST:
         amax = None  # the cast kernel takes each block's (and NVFP4's global) amax from the weight
     else:
         shape = tuple(it.amax.shape) if it.amax is not None else ()

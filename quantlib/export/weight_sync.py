@@ -148,7 +148,8 @@ def sync_pairs(
     """Every tensor of ``model`` to send to an inference engine, as ``(key, tensor)`` on the model's
     device: :func:`~quantlib.export.iter_packed` with dynamic weight scales by default, stacked experts
     in vLLM's fused-MoE parameters named in ``expert_names`` style ("flat" or "nested", see
-    :mod:`quantlib.export.vllm_names`; check them with :func:`check_receiver`)."""
+    :mod:`quantlib.export.vllm_names`; check them with :func:`check_receiver`). The checked plan is kept between calls
+    while the quantizers and the module tree are unchanged (:mod:`~quantlib.export.plan_cache`): a step's sync packs."""
     # the w1 / w3 shards of a stacked projection come as views of one cast, which named_pairs joins into w13 without a copy
     stream = packed_stream(model, format, layout=layout, experts=experts, tp=tp, tp_rank=tp_rank, scales=scales, joined=True)
     yield from named_pairs(stream, expert_names)

@@ -9,6 +9,7 @@ on a CPU tensor reads its memory without dispatching any op.
 
 from __future__ import annotations
 
+import collections
 import sys
 
 import torch
@@ -50,4 +51,16 @@ class HostReads(TorchDispatchMode):
             self.seen.append(str(func))
         elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())):
             self.seen.append(f"{func} with a bool mask")
+        return func(*args, **(kwargs or {}))
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched, by name: on a GPU each is a launch or dispatcher call the host pays for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__] += 1
         return func(*args, **(kwargs or {}))

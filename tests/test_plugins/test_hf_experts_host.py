@@ -5,11 +5,8 @@ benchmark (benchmarks/bench_moe.py) synchronises after every forward, so these s
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers", reason="needs transformers (pip install quantlib[transformers])")
 
@@ -17,22 +14,13 @@ import quantlib as ql  # noqa: E402
 from quantlib.plugins import huggingface as hf  # noqa: E402
 from quantlib.plugins.hf_experts import flag  # noqa: E402
 
+from .host_reads import OpCount  # noqa: E402
 from .test_hf_experts_layouts import expert_modules, input_ids, tiny_model  # noqa: E402
 
 PRESETS = {"fp8": ql.FP8_DEFAULT_CFG, "nvfp4": ql.NVFP4_DEFAULT_CFG, "int4-block": ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG}
 #: ops of one forward besides its top_k adds (the combine's): act-quantizing presets, weight-only presets.
 #: 2026-12-06 (bb68e1b) these were 42 / 38 (qwen3_moe) and 56 / 52 (gpt_oss: biases, clamped gate, transposed weights)
 BUDGET = {"qwen3_moe": (31, 27), "phimoe": (31, 27), "gpt_oss": (43, 39)}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +42,7 @@ def test_grouped_forward_dispatches_at_most_its_budget_of_ops(family, preset, to
     assert not m._grouped_refusal(hidden, False)
     with torch.no_grad():
         want = m(hidden, idx, weights)  # fills the weight cache
-        rec = _Ops()
+        rec = OpCount()
         with rec:
             got = m(hidden, idx, weights)
     assert torch.equal(got, want)
