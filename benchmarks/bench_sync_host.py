@@ -13,16 +13,22 @@ import argparse
 import collections
 import contextlib
 import gc
+import os
 import statistics
+import sys
 import time
 import warnings
 from typing import Optional
 
 import torch
-from bench_export import RECIPES, _Traffic, build, share_sibling_amax, sync_all
 
-import quantlib as ql
-from quantlib.kernels import backends
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # run from a checkout: quantlib and bench_export
+
+from bench_export import RECIPES, _Traffic, build, share_sibling_amax, sync_all  # noqa: E402
+
+import quantlib as ql  # noqa: E402
+from quantlib.kernels import backends  # noqa: E402
 
 
 class _StubbedCasts:
