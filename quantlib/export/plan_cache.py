@@ -17,21 +17,20 @@ from typing import Callable, Optional, TypeVar
 from torch import nn
 
 from ..nn.containers import QuantizerContainer
+from ..nn.quant_module import _quantizer_token
 from ..nn.tensor_quantizer import TensorQuantizer
 from .modules import ModuleWalk
 
 T = TypeVar("T")
 #: the model's attribute holding its :class:`_Entry`
 _ATTR = "_quantlib_sync_plan"
-_GEN = operator.attrgetter("_gen")
-_VERSION = operator.attrgetter("_version")
 _META = operator.attrgetter("shape", "dtype", "device")
 
 
 class _State:
     """What a plan was built from: the walked modules, the quantizer containers and leaves, and their tokens."""
 
-    __slots__ = ("modules", "containers", "leaves", "buffers", "held", "token")
+    __slots__ = ("modules", "containers", "leaves", "memo", "held", "token")
 
     def __init__(self, mw: ModuleWalk) -> None:
         self.modules = [m for _, m in mw.modules]
@@ -40,7 +39,7 @@ class _State:
         for m in self.modules:
             for c in m._modules.values():
                 self._quantizer(c)
-        self.buffers = [b for q in self.leaves for b in q._buffers.values() if b is not None]
+        self.memo: dict = {}  # _quantizer_token's: the leaves' buffers, kept while their generations are the same
         self.held, self.token = self._token()
 
     def _quantizer(self, q: Optional[nn.Module]) -> None:
@@ -64,16 +63,15 @@ class _State:
         for c in self.containers:
             held += c._modules.values()
         tensors = [t for t in tensors if t is not None]
-        try:
-            versions = sum(map(_VERSION, self.buffers))
-        except RuntimeError:  # an inference tensor has no version counter: its in-place writes cannot be seen
-            versions = None
-        return held, (tuple(map(id, held)), tuple(map(id, tensors)), tuple(map(_META, tensors)), tuple(map(_GEN, self.leaves)), versions)
+        # the leaves' generations and buffer versions; None while one calibrates or for an inference tensor's buffer
+        # (its in-place writes cannot be seen)
+        quantizers = _quantizer_token(self.leaves, self.memo)
+        return held, (tuple(map(id, held)), tuple(map(id, tensors)), tuple(map(_META, tensors)), quantizers)
 
     def current(self) -> bool:
         """Whether the model is still in the state this was taken in (the buffers of the same leaves: an added or
         replaced buffer bumped a generation)."""
-        if self.token[4] is None:
+        if self.token[3] is None:
             return False
         _, token = self._token()
         return token == self.token
