@@ -126,3 +126,35 @@ def test_cuda_combine_is_fused_and_the_torch_combine_bit_for_bit(dtypes, sentine
         assert same_bits(got.detach(), want), seed
         got.float().sum().backward()
     assert len(calls) == 6
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("num_experts", [8, 254, 255, 256, 300, 32767, 32768])
+@pytest.mark.parametrize("sentinels", [False, True])
+def test_dispatch_sorts_by_expert_then_slot_then_token_whatever_the_key_width(num_experts, sentinels, device):
+    """The sort key narrows to uint8 / int16 by the number of experts (the sentinel, E itself, must fit): the
+    sorted rows, groups and combine indices are the int64 sort's, at each width's edges (CUDA's radix sort
+    included)."""
+    g = torch.Generator().manual_seed(num_experts)
+    tokens, k = 37, 4
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)])
+    idx[:, 0] = num_experts - 1  # the largest expert id, the one the key must still hold
+    if sentinels:
+        idx[::3, 1] = num_experts  # remote experts: sort last, belong to no group
+    d = dispatch(idx.to(device), torch.rand(tokens, k, generator=g).to(device), num_experts, sentinels)
+    d = type(d)(*(None if t is None else t.cpu() for t in (d.token, d.expert, d.weight, d.offs, d.combine_index, d.valid)))
+    flat = idx.t().reshape(-1)
+    rows = sorted(range(flat.numel()), key=lambda r: (int(flat[r]), r))  # by expert, then slot-major row
+    assert d.token.tolist() == [r % tokens for r in rows]
+    assert d.expert.dtype == torch.int64
+    assert d.expert.tolist() == [min(int(flat[r]), num_experts - 1) for r in rows]
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    assert torch.equal(d.offs.long(), counts.cumsum(0))
+    place = {r: i for i, r in enumerate(rows)}
+    for t in range(tokens):
+        assert d.combine_index[t].tolist() == sorted(place[j * tokens + t] for j in range(k))
+    if sentinels:
+        assert d.valid.squeeze(-1).tolist() == [int(flat[r]) < num_experts for r in rows]
