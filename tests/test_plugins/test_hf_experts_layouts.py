@@ -69,6 +69,23 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 
+#: families whose gate runs a transcendental op over a fresh contiguous tensor (GPT-OSS: the clamped
+#: interleaved halves, then sigmoid): ATen's CPU kernel computes the last (numel mod 2 vector widths)
+#: elements with the scalar function (libm) and the rest with the vector one (Sleef), which may differ in
+#: the last ulp, so where an element falls depends on how many rows its expert got with it. The loop runs
+#: it per expert, the grouped path once: equal on CUDA, equal to a few ulps on the CPU.
+CPU_TAIL_ULPS = {"gpt_oss"}
+
+
+def assert_loop_bits(got: torch.Tensor, want: torch.Tensor, family: str) -> None:
+    """``got`` equals the per-expert loop's ``want`` bit for bit, or to a few fp32 ulps for a
+    :data:`CPU_TAIL_ULPS` family on the CPU (an error of the quantization would be ~1e-3 relative)."""
+    if family in CPU_TAIL_ULPS and got.device.type == "cpu":
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=4e-7)
+    else:
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
 def hand_reference(quantized: nn.Module, original: nn.Module) -> nn.Module:
     """A copy of the unconverted ``original`` where every weight (slice) that ``quantized`` quantizes is
     replaced by a fresh TensorQuantizer of the same attributes applied to it (its own amax, as max
@@ -118,7 +135,7 @@ def test_weight_preset_quantizes_every_expert_weight_as_by_hand(family, preset):
     with torch.no_grad():
         out = model(ids).logits
         expected = hand_reference(model, original)(ids).logits
-    assert torch.equal(out, expected)
+    assert_loop_bits(out, expected, family)
     with torch.no_grad():
         assert not torch.equal(out, original(ids).logits)  # the weights did change
 
