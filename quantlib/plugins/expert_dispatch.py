@@ -25,11 +25,21 @@ class Dispatch:
     """The sorted assignments of one forward (S = tokens * top_k rows)."""
 
     token: torch.Tensor  #: (S,) token of each sorted row
-    expert: torch.Tensor  #: (S,) expert of each sorted row (expert-parallel sentinels clamped to E - 1)
+    key: torch.Tensor  #: (S,) expert of each sorted row in the sort's narrow dtype (sentinels clamped to E - 1)
     weight: torch.Tensor  #: (S,) routing weight of each sorted row
     offs: torch.Tensor  #: (E,) int32 end row of each expert's group
     combine_index: torch.Tensor  #: (tokens, top_k) sorted row of each token's k-th smallest expert
     valid: torch.Tensor | None  #: (S, 1) False at sentinel rows (expert index == E); None: no sentinels
+
+    @property
+    def expert(self) -> torch.Tensor:
+        """(S,) int64 expert of each sorted row, an index (a uint8 index tensor would be read as a mask); made
+        where a layer indexes per-expert rows (biases, per-expert pre_quant_scale), once (not a cached_property:
+        its lock stops torch.compile)."""
+        expert = self.__dict__.get("_expert")
+        if expert is None:
+            expert = self.__dict__["_expert"] = self.key.long()
+        return expert
 
     @property
     def counts(self) -> torch.Tensor:
@@ -45,20 +55,27 @@ def dispatch(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts
     tokens, k = top_k_index.shape
     # slot-major (row j * tokens + t): within an expert, rows in the order of the loop's
     # torch.where(expert_mask[e]) over (k, tokens); a GEMM's row results depend on their place in a tile
-    flat = top_k_index.t().reshape(-1)
-    expert, order = torch.sort(flat, stable=True)
+    # the narrowest key that holds 0..E (E: the sentinel): a radix sort makes one pass per key byte; the
+    # transposing copy casts too
+    flat = top_k_index.t().to(_key_dtype(num_experts, top_k_index.dtype), memory_format=torch.contiguous_format).reshape(-1)
+    key, order = torch.sort(flat, stable=True)
     # the rows sort by expert: expert e's group ends after the rows of experts <= e (sentinels, == E, after all)
-    bounds = torch.arange(num_experts, dtype=expert.dtype, device=expert.device)
-    offs = torch.searchsorted(expert, bounds, right=True, out_int32=True)
+    bounds = torch.arange(num_experts, dtype=key.dtype, device=key.device)
+    offs = torch.searchsorted(key, bounds, right=True, out_int32=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # a token's sorted rows, ascending, are its slots in ascending expert order (equal experts, i.e.
     # sentinels, by slot): the order in which the loop adds them
     combine_index = torch.sort(inverse.view(k, tokens).t(), dim=1).values
-    valid = (expert < num_experts).unsqueeze(-1) if sentinels else None
+    valid = (key < num_experts).unsqueeze(-1) if sentinels else None
     if sentinels:
-        expert = expert.clamp(max=num_experts - 1)
+        key = key.clamp(max=num_experts - 1)
     token = order % tokens
-    return Dispatch(token, expert, top_k_weights[token, order // tokens], offs, combine_index, valid)
+    return Dispatch(token, key, top_k_weights[token, order // tokens], offs, combine_index, valid)
+
+
+def _key_dtype(num_experts: int, dtype: torch.dtype) -> torch.dtype:
+    """The sort key's dtype: uint8 up to 255 experts, int16 up to 32767, else ``dtype``."""
+    return torch.uint8 if num_experts <= 255 else torch.int16 if num_experts <= 32767 else dtype
 
 
 def combine(d: Dispatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

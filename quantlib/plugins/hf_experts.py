@@ -205,7 +205,8 @@ class QuantFusedExperts(QuantModule):
             x = up_input(hidden_states)[d.token]
         h = self._grouped_linear(up, x, d)
         h = self._apply_gate(h) if flag(self, "has_gate") else self.act_fn(h)
-        h = self._grouped_linear(down, down_input(h, row=d.expert), d)
+        per_expert = down_input.pre_quant_scale is not None and down_input.pre_quant_scale.dim() == 2
+        h = self._grouped_linear(down, down_input(h, row=d.expert if per_expert else None), d)
         if flag(self, "has_post_expert_norm"):
             h = self.post_expert_norm(h)
         return combine(d, h, hidden_states.dtype)
