@@ -8,7 +8,7 @@
 #   export PYTHONPATH=/tmp/site:DIR/stub
 #
 #   scripts/device_wheels.sh DIR
-# Versions are the ones CI's pinned line tests against; Transformer Engine and Megatron-Core come as their own bundle.
+# Versions: those CI's pinned line resolved on 2026-12-07; Transformer Engine and Megatron-Core come as their own bundle.
 set -euo pipefail
 dir=${1:?usage: scripts/device_wheels.sh DIR}
 mkdir -p "$dir/stub/pulp"

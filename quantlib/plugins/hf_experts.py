@@ -199,14 +199,13 @@ class QuantFusedExperts(QuantModule):
         count_tokens(self, d.counts if calibrating else None, up_input, calibrating)
         # one pre_quant_scale row per expert (AWQ / SmoothQuant): each row is scaled by its expert's row,
         # then quantized with the shared amax; otherwise every token is quantized once
-        if up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2:
+        if expert_rows(up_input):
             x = up_input(hidden_states[d.token], row=d.expert)
         else:
             x = up_input(hidden_states)[d.token]
         h = self._grouped_linear(up, x, d)
         h = self._apply_gate(h) if flag(self, "has_gate") else self.act_fn(h)
-        per_expert = down_input.pre_quant_scale is not None and down_input.pre_quant_scale.dim() == 2
-        h = self._grouped_linear(down, down_input(h, row=d.expert if per_expert else None), d)
+        h = self._grouped_linear(down, down_input(h, row=d.expert if expert_rows(down_input) else None), d)
         if flag(self, "has_post_expert_norm"):
             h = self.post_expert_norm(h)
         return combine(d, h, hidden_states.dtype)
@@ -244,7 +243,7 @@ class QuantFusedExperts(QuantModule):
             counts = expert_mask[:num_experts].sum(dim=(-1, -2))
         up_input, down_input = getattr(self, f"{up}_input_quantizer"), getattr(self, f"{down}_input_quantizer")
         count_tokens(self, counts, up_input, calibrating)
-        per_expert = up_input.pre_quant_scale is not None and up_input.pre_quant_scale.dim() == 2
+        per_expert = expert_rows(up_input)
         x = hidden_states if per_expert else up_input(hidden_states)
         observe = self.__dict__.get("_input_observer")
         out = torch.zeros_like(hidden_states)
@@ -263,6 +262,12 @@ class QuantFusedExperts(QuantModule):
             h = h * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, h.to(out.dtype))
         return out
+
+
+def expert_rows(q: TensorQuantizer) -> bool:
+    """Whether input quantizer ``q``'s ``pre_quant_scale`` holds one row per expert (AWQ / SmoothQuant searched each
+    expert on its own tokens): its tokens are then quantized with their expert's row (``row=``)."""
+    return q.pre_quant_scale is not None and q.pre_quant_scale.dim() == 2
 
 
 def rowwise(q: nn.Module) -> bool:
