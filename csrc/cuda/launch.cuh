@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "block2d.cuh"
 #include "qcuda.cuh"
 
 namespace quantlib {
@@ -97,16 +98,24 @@ void launch_1d(const at::Tensor& x, const Args& a) {
   }
 }
 
+template <typename T, int KIND, int OP, bool STATIC, bool POW2>
+void launch_2d_t(const Args& a, int64_t grid) {
+  constexpr int smem = block2d_smem_bytes<T>();
+  auto kernel = block2d_kernel<T, KIND, OP, STATIC, POW2>;
+  // past 48 KB (an fp32 block) a kernel must opt in to its dynamic shared memory, on every device it runs on
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<unsigned(grid), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
+}
+
 template <int KIND, int OP, bool STATIC, bool POW2>
 void launch_2d(const at::Tensor& x, const Args& a) {
   const int64_t grid = a.L * a.MB * a.KB;
   if (grid == 0) return;
   TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
-  auto stream = c10::cuda::getCurrentCUDAStream();
   switch (x.scalar_type()) {
-    case at::kFloat: block2d_kernel<float, KIND, OP, STATIC, POW2><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
-    case at::kBFloat16: block2d_kernel<__nv_bfloat16, KIND, OP, STATIC, POW2><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
-    default: block2d_kernel<__half, KIND, OP, STATIC, POW2><<<unsigned(grid), kThreads, 0, stream>>>(a); break;
+    case at::kFloat: launch_2d_t<float, KIND, OP, STATIC, POW2>(a, grid); break;
+    case at::kBFloat16: launch_2d_t<__nv_bfloat16, KIND, OP, STATIC, POW2>(a, grid); break;
+    default: launch_2d_t<__half, KIND, OP, STATIC, POW2>(a, grid); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -504,60 +504,6 @@ __global__ void __launch_bounds__(kThreads) block1d_kernel(Args args) {
   }
 }
 
-// 128 x 128 blocks over the last two dims of [L, M, K]: one CTA per block, 64 elements per thread
-// in registers (P passes of 16-byte vectors), amax by warp shuffles + shared memory. A static amax
-// other than INT's needs no block reduction (no barrier between the loads and the stores): the largest
-// |x| then only chooses the reciprocal or the division, which give the same bits, so each thread
-// chooses for its own elements. INT keeps it: a NaN anywhere in its group makes the whole group NaN.
-template <typename T, int KIND, int OP, bool STATIC, bool POW2>
-__global__ void __launch_bounds__(kThreads) block2d_kernel(Args args) {
-  using S = BlockScale<KIND, POW2, false, false>;
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int VPR = 128 / VEC;        // vectors per row
-  constexpr int RPP = kThreads / VPR;   // rows per pass
-  constexpr int P = 128 / RPP;          // passes
-  __shared__ uint32_t red[kThreads / 32];
-
-  const uint4* __restrict__ x = static_cast<const uint4*>(args.x);
-  const int64_t blk = blockIdx.x;  // ((l * MB) + mb) * KB + kb
-  const int64_t kb = blk % args.KB;
-  const int64_t lm = blk / args.KB;
-  const int64_t mb = lm % args.MB;
-  const int64_t l = lm / args.MB;
-  const int vr = threadIdx.x / VPR, vc = threadIdx.x % VPR;
-  const int64_t vrow = args.K / VEC;
-  const int64_t v = kb * VPR + vc;  // this thread's vector within its rows
-  const bool col_ok = v < vrow;
-
-  constexpr bool LOCAL = STATIC && KIND != kInt;
-  const float a_static = LOCAL ? __ldg(args.amax + blk) : 0.0f;  // in flight with the loads below
-  uint4 w[P];
-#pragma unroll
-  for (int p = 0; p < P; ++p) {
-    const int64_t row = mb * 128 + p * RPP + vr;
-    w[p] = (col_ok && row < args.M) ? x[(l * args.M + row) * vrow + v] : make_uint4(0u, 0u, 0u, 0u);
-  }
-  uint32_t m = 0;
-#pragma unroll
-  for (int p = 0; p < P; ++p) m = max(m, Elems<T>::absmax_bits(w[p]));
-  if (!LOCAL) m = warps_max(m, red, kThreads / 32);
-
-  const float a = LOCAL ? a_static : group_amax<KIND, STATIC>(args.amax, blk, m);
-  const S s(a, u2f(m), args.eps, args.lo, args.hi, Divisor{}, 1.0f);
-  if (OP == kCast && threadIdx.x == 0) static_cast<uint32_t*>(args.scale)[blk] = s.stored;
-  if (!col_ok) return;
-#pragma unroll
-  for (int p = 0; p < P; ++p) {
-    const int64_t row = mb * 128 + p * RPP + vr;
-    if (row >= args.M) continue;
-    const int64_t off = (l * args.M + row) * vrow + v;  // in vectors
-    uint32_t code[2];
-    quantize_vec<T, OP>(s, w[p], code);
-    if (OP == kCast) store_code_bytes<VEC>(static_cast<uint8_t*>(args.out) + off * VEC, code);
-    else static_cast<uint4*>(args.out)[off] = w[p];
-  }
-}
-
 // INT fake quant with one group a row of [R, C] (C = VR vectors): a static amax per row (per channel)
 // or a dynamic one. TPR threads share a row, each holding NV of its vectors (vector k * TPR + t) in
 // registers, so the row is read once: its amax is reduced across them (shuffles, then shared memory
