@@ -31,11 +31,11 @@ def llama(seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(cfg).eval()
 
 
-def qwen3_moe(seed: int = 0) -> nn.Module:
+def qwen3_moe(seed: int = 0, layers: int = 2) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, num_hidden_layers=2,
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
                          experts_implementation="eager")  # fmt: skip

@@ -1,5 +1,6 @@
-"""``iter_packed`` reads nothing back from the device per module: every check that needs amax values is
-one batched read before the first yield, and packing only queues work.
+"""``iter_packed`` and the RL sync (``sync_pairs``) read nothing back from the device per module: every check that
+needs amax values is one batched read before the first yield, and packing only queues work; the sync's kept plan
+reads nothing at all.
 
 On the CPU nothing syncs, so the test counts the Python calls that would sync on a GPU (``.item()``,
 ``.tolist()``, ``bool(t)``, ``float(t)``, ``torch.equal``, ``.cpu()``...) while it iterates over a 2-layer
@@ -11,6 +12,7 @@ yield. The kernels resolve to the torch reference, the same tensor-only path as 
 from __future__ import annotations
 
 import contextlib
+import functools
 import traceback
 
 import pytest
@@ -71,9 +73,8 @@ def llama(layers: int):
     return LlamaForCausalLM(cfg).eval()
 
 
-def reads(monkeypatch, fmt: str, layers: int) -> tuple[list[str], list[str], int]:
-    """(reads before the first yield, reads after it, modules yielded) of one iteration."""
-    model = quantized(llama(layers), CASES[fmt])
+def host_reads(monkeypatch, start) -> tuple[list[str], list[str], int]:
+    """(reads before the first item, reads after it, items) of one pass over ``start()``."""
     from quantlib import kernels
     from quantlib.kernels import ops
 
@@ -83,14 +84,20 @@ def reads(monkeypatch, fmt: str, layers: int) -> tuple[list[str], list[str], int
     monkeypatch.setattr(kernels, "select", pick)
     with counting(monkeypatch) as c:
         c.on = True
-        it = iter_packed(model, fmt)
+        it = start()
         first = next(it)
         before = list(c.calls)
         c.calls.clear()
         n = 1 + sum(1 for _ in it)
         c.on = False
-    assert first.tensors
+    assert first
     return before, c.calls, n
+
+
+def reads(monkeypatch, fmt: str, layers: int) -> tuple[list[str], list[str], int]:
+    """(reads before the first yield, reads after it, modules yielded) of one iteration."""
+    model = quantized(llama(layers), CASES[fmt])
+    return host_reads(monkeypatch, lambda: iter_packed(model, fmt))
 
 
 @pytest.mark.parametrize("fmt", sorted(CASES))
@@ -102,6 +109,27 @@ def test_no_device_read_per_module(monkeypatch, fmt):
     assert len(before6) == len(before2), f"up-front reads grow with the modules: 2 layers {before2}, 6 layers {before6}"
     # the batched amax read (plus the KV one), and the checkpoint-name probe's one read of its own host tensors
     assert len([b for b in before2 if "hf_names.py" not in b]) <= 2 and len(before2) <= 3, before2
+
+
+#: the RL sync's recipes: weight-only FP8 128x128, MXFP8 W8A8, NVFP4 W4A4 and FP8 W8A8 (their input scales in the stream)
+SYNC_CASES = {"hf_fp8_block": CASES["hf_fp8_block"], "hf_mxfp8": CASES["hf_mxfp8"], "modelopt_nvfp4": ql.NVFP4_DEFAULT_CFG,
+              "modelopt_fp8": ql.FP8_DEFAULT_CFG}
+
+
+@pytest.mark.parametrize("fmt", sorted(SYNC_CASES))
+def test_sync_pairs_reads_nothing_per_module_and_nothing_once_planned(monkeypatch, fmt):
+    """The RL sync of a MoE model (stacked experts, dynamic scales): at most one batched read before its first pair,
+    whatever the number of layers, none after it, and none at all in the next step's sync (the kept plan)."""
+    from quantlib.export import sync_pairs
+    from tests.test_export._export_models import qwen3_moe
+
+    for layers in (2, 4):
+        model = quantized(qwen3_moe(layers=layers), SYNC_CASES[fmt])
+        before, after, n = host_reads(monkeypatch, functools.partial(sync_pairs, model, fmt))
+        assert len(before) <= 1 and after == [], f"{layers} layers: before the first pair {before}, after it {after}"
+        assert n > 16 * layers
+        again = host_reads(monkeypatch, functools.partial(sync_pairs, model, fmt))
+        assert again == ([], [], n), f"{layers} layers, the next step's sync: {again}"
 
 
 @pytest.mark.gpu
