@@ -4,7 +4,7 @@
     python benchmarks/bench_export.py --device cpu --small  # smoke run: a tiny Llama on the CPU
     python benchmarks/bench_export.py --model moe           # GPU: Qwen3-MoE hidden 2048, 128 experts of 768, 4 layers (5.0 GB)
     options: --layers N --hidden H --intermediate I --experts E --moe-intermediate I --runs R
-             --formats fp8_block,mxfp8,fp8,nvfp4 --disk --profile --out FILE
+             --formats fp8_block,mxfp8,fp8,nvfp4 --disk --profile [--trace DIR] --out FILE
 
 ``--model moe`` builds a Qwen3-MoE (every layer sparse, experts as transformers keeps them: 3-D
 ``gate_up_proj`` / ``down_proj`` parameters) whose bf16 expert and attention weights are ~5 GB by default;
@@ -27,7 +27,9 @@ the model); with ``--disk`` also ``export_checkpoint`` and ModelOpt's ``export_h
 bytes of the bf16 linear weights that are packed / time (embeddings, norms and lm_head pass through
 unpacked and are not counted). On CUDA, the peak device memory above the model during the iterator
 (``max_memory_allocated``) is printed next to the largest module's packed tensors; ``--profile`` prints
-the summed device-kernel time of one iteration and of one sync (what the GPU itself spends).
+the summed device-kernel time of one iteration and of one sync (what the GPU itself spends), and with ``--trace DIR``
+writes that sync's profile as a Chrome trace and prints where the device waited in it (before its first kernel, between
+kernels).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import collections
 import copy
 import datetime
 import gc
+import json
+import os
 import platform
 import statistics
 import tempfile
@@ -217,20 +221,49 @@ def peak_of(fn: Callable[[], object], device: str) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def kernel_seconds(fn: Callable[[], object], device: str) -> Optional[float]:
-    """Summed device-kernel time of one ``fn()`` (torch profiler), None where there is no device."""
-    if not device.startswith("cuda"):
+def kernel_seconds(fn: Callable[[], object], device: str, trace: Optional[str] = None) -> Optional[float]:
+    """Summed device-kernel time of one ``fn()`` (torch profiler), None where there is no device; with ``trace``, the
+    profile is also written there as a Chrome trace (on the CPU too: its host ops alone)."""
+    if not device.startswith("cuda") and trace is None:
         return None
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
         sync(device)
+    if trace is not None:
+        prof.export_chrome_trace(trace)
+    if not cuda:
+        return None
     total = 0.0
     for e in prof.key_averages():
         total += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
     return total / 1e6
+
+
+def timeline(trace: str) -> Optional[str]:
+    """Where the device waits in a Chrome trace of one call: from the first host op to the last kernel's end, the kernels'
+    busy time, the wait before the first kernel, the gaps between kernels (their sum and the largest, with the kernel
+    after it). None where the trace holds no kernel (a CPU run)."""
+    with open(trace) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")) for e in events if e.get("cat") == "kernel")
+    host = [float(e["ts"]) for e in events if e.get("cat") == "cpu_op"]
+    if not kernels or not host:
+        return None
+    t0 = min(host)
+    busy, end, gaps = 0.0, kernels[0][0], []
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    widest = max(gaps, default=(0.0, ""))
+    return (f"{(end - t0) / 1e3:.3f} ms from the first host op to the last kernel's end: kernels busy {busy / 1e3:.3f} ms, "
+            f"{(kernels[0][0] - t0) / 1e3:.3f} ms before the first kernel, {len(gaps)} gaps between kernels of "
+            f"{sum(g for g, _ in gaps) / 1e3:.3f} ms (widest {widest[0]:.1f} us, before {widest[1][:60]})")
 
 
 def modelopt_quantized(base: torch.nn.Module, cfg_name: str, ids: torch.Tensor) -> Optional[torch.nn.Module]:
@@ -269,6 +302,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--disk", action="store_true", help="also time export_checkpoint and ModelOpt's export_hf_checkpoint")
     ap.add_argument("--no-modelopt", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the summed device-kernel time of one iteration and of one sync")
+    ap.add_argument("--trace", metavar="DIR", help="with --profile: write each format's profiled sync as DIR/sync_<format>.json (a Chrome "
+                    "trace) and print where the device waits in it")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     # hidden, intermediate, layers, heads, kv heads, experts, expert intermediate: 5.1 GB Llama; Qwen3-30B-A3B's layers (5.0 GB)
@@ -279,9 +314,13 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     names = ("hidden", "intermediate", "layers", "heads", "kv_heads", "experts", "moe_intermediate")
     if args.model == "llama" and (args.experts or args.moe_intermediate):
         ap.error("--experts / --moe-intermediate need --model moe")
+    if args.trace and not args.profile:
+        ap.error("--trace needs --profile")
     for name, default in zip(names, sizes):
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     return args
 
 
@@ -337,10 +376,14 @@ def bench_recipe(key: str, base: torch.nn.Module, ids: torch.Tensor, nbytes: int
         if k is not None:
             notes.append(f"{label}: device kernels of one iteration {k * 1e3:.3f} ms ({nbytes / k / 1e9:.0f} GB/s of bf16 weights) against "
                          f"{ours_s * 1e3:.3f} ms end to end")
-        k = kernel_seconds(lambda: sync_all(ours, fmt), dev)  # below the end-to-end time: the host's work bounds the sync
+        trace = os.path.join(args.trace, f"sync_{key.strip()}.json") if args.trace else None
+        k = kernel_seconds(lambda: sync_all(ours, fmt), dev, trace)  # below the end-to-end time: the host's work bounds the sync
         if k is not None:
             notes.append(f"{label}: device kernels of one sync_pairs {k * 1e3:.3f} ms ({nbytes / k / 1e9:.0f} GB/s of bf16 weights) "
                          f"against {sync_s * 1e3:.3f} ms end to end")
+        where = trace and timeline(trace)
+        if where:
+            notes.append(f"{label}: one sync_pairs under the profiler: {where}")
     if args.disk:
         with tempfile.TemporaryDirectory() as tmp:
             rows.append((f"{label}: quantlib export_checkpoint (disk)",

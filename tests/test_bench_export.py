@@ -69,3 +69,25 @@ def test_a_run_cut_short_has_printed_every_row_it_measured(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert re.search(r"^\| bf16 copy of every packed weight \(clone\) \| [\d.]+ \|", out, re.M), out
     assert re.search(r"^\| FP8 128x128 .*: quantlib sync_pairs, scales from the weights \(memory\) \| [\d.]+ \|", out, re.M), out
+
+
+def test_trace_writes_the_profiled_sync_and_the_timeline_finds_the_waits(tmp_path):
+    """``--profile --trace DIR`` writes one Chrome trace a format (host ops alone on the CPU); ``timeline`` reads a
+    trace's kernels: the wait before the first kernel and the gaps between kernels, overlapping kernels counted once."""
+    import json
+
+    bench = load_benchmark("bench_export")
+    with pytest.raises(SystemExit):
+        bench.parse(["--trace", str(tmp_path)])  # without --profile
+    bench.main(["--device", "cpu", "--small", "--runs", "1", "--no-modelopt", "--formats", "fp8_block", "--profile", "--trace",
+                str(tmp_path / "t")])
+    events = json.loads((tmp_path / "t" / "sync_fp8_block.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "cpu_op" for e in events)
+    assert bench.timeline(str(tmp_path / "t" / "sync_fp8_block.json")) is None  # no kernel on the CPU
+    op = {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 100.0, "dur": 5.0}
+    kernels = [("a", 150.0, 100.0), ("b", 200.0, 10.0), ("c", 300.0, 50.0)]  # b inside a; c after a 50 us gap
+    trace = tmp_path / "synthetic.json"
+    events = [op] + [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert bench.timeline(str(trace)) == ("0.250 ms from the first host op to the last kernel's end: kernels busy 0.150 ms, 0.050 ms "
+                                          "before the first kernel, 1 gaps between kernels of 0.050 ms (widest 50.0 us, before c)")
