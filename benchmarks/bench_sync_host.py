@@ -1,6 +1,8 @@
 """Host time and aten-op count of one RL weight sync (``sync_pairs``) on the CPU, where a structure-identical tiny model
 has the GPU model's Python and op count: a sync with its cast kernels stubbed (each returns its first outputs again)
-takes the host's per-sync work, and each aten op is a launch or dispatcher call the host pays for on a GPU.
+takes the host's per-sync work, and each aten op is a launch or dispatcher call the host pays for on a GPU. With expert
+stacks it also prints the host time from the call to the first stack's cast: a GPU left idle by its caller (as
+bench_export.py leaves it) waits that long before its first large kernel.
 
     python benchmarks/bench_sync_host.py                    # tiny Qwen3-MoE: hidden 128, 4 layers, 128 experts of 128
     python benchmarks/bench_sync_host.py --model llama      # tiny Llama (bench_export.py --small's shape)
@@ -40,6 +42,7 @@ class _StubbedCasts:
     def __init__(self) -> None:
         self.saved: dict = {}
         self.memo: dict = {}
+        self.first_stack: Optional[float] = None  # time.process_time() of the first cast of an expert stack (a 3-D input)
 
     def __enter__(self) -> "_StubbedCasts":
         for key, fn in list(backends._SELECTED.items()):
@@ -47,6 +50,8 @@ class _StubbedCasts:
                 self.saved[key] = fn
 
                 def stub(x, *args, _fn=fn, _op=key[0]):
+                    if self.first_stack is None and x.dim() == 3:
+                        self.first_stack = time.process_time()
                     k = (_op, x.data_ptr(), x.shape, x.stride(), x.dtype, repr(args))
                     if k not in self.memo:
                         self.memo[k] = _fn(x, *args)
@@ -76,29 +81,35 @@ def model_for(kind: str, key: str) -> torch.nn.Module:
     return base
 
 
-def measure(model: torch.nn.Module, fmt: str, runs: int) -> tuple[float, float, int, collections.Counter]:
-    """(median CPU ms of one sync, median CPU ms of one with the casts stubbed: its host work, aten ops of one sync (real casts),
-    the ops by name)."""
+def measure(model: torch.nn.Module, fmt: str, runs: int) -> tuple[float, float, Optional[float], int, collections.Counter]:
+    """(median CPU ms of one sync, median CPU ms of one with the casts stubbed: its host work, median CPU ms of that from
+    the call to its first expert stack's cast (what a GPU waits for before its first large kernel; None without
+    stacks), aten ops of one sync (real casts), the ops by name)."""
     with torch.no_grad():
         for _ in range(3):
             sync_all(model, fmt)  # the plan, the layout and the kernels' first calls
-        times = []
+        times, to_stack = [], []
         for stub in (False, True):
-            with _StubbedCasts() if stub else contextlib.nullcontext():
+            with _StubbedCasts() if stub else contextlib.nullcontext() as stubs:
                 sync_all(model, fmt)  # the stubs' outputs
                 gc.collect()
                 gc.disable()
                 try:
                     for _ in range(runs if stub else max(1, runs // 10)):
+                        if stub:
+                            stubs.first_stack = None
                         t0 = time.process_time()  # this process's CPU time: the machine may be shared
                         sync_all(model, fmt)
                         times.append((stub, time.process_time() - t0))
+                        if stub and stubs.first_stack is not None:
+                            to_stack.append(stubs.first_stack - t0)
                 finally:
                     gc.enable()
         with _Traffic(1 << 62) as rec:  # its op count alone
             sync_all(model, fmt)
     real, host = ([t for s, t in times if s is stub] for stub in (False, True))
-    return statistics.median(real) * 1e3, statistics.median(host) * 1e3, sum(rec.ops.values()), rec.ops
+    first = statistics.median(to_stack) * 1e3 if to_stack else None
+    return statistics.median(real) * 1e3, statistics.median(host) * 1e3, first, sum(rec.ops.values()), rec.ops
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -114,9 +125,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         rows = [measure(model, fmt, args.runs) for _ in range(args.repeats)]
         hosts = [r[1] for r in rows]
         each = ", ".join(f"{h:.3f}" for h in hosts)
-        ops = dict(rows[-1][3].most_common(8))
-        print(f"{args.model} {key}: host ms {statistics.median(hosts):.3f} (repeats {each}); "
-              f"sync ms (real casts) {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][2]}: {ops}",
+        firsts = [r[2] for r in rows if r[2] is not None]
+        first = f"; to the first expert stack's cast ms {statistics.median(firsts):.3f}" if firsts else ""
+        ops = dict(rows[-1][4].most_common(8))
+        print(f"{args.model} {key}: host ms {statistics.median(hosts):.3f} (repeats {each}){first}; "
+              f"sync ms (real casts) {statistics.median(r[0] for r in rows):.3f}; aten ops {rows[-1][3]}: {ops}",
               flush=True)
 
 

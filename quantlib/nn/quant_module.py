@@ -14,7 +14,7 @@ from torch import nn
 from ..config import QuantizerAttributeConfig
 from .containers import GroupedQuantizer
 from .rebind import rebind_hooks
-from .tensor_quantizer import TensorQuantizer
+from .tensor_quantizer import TensorQuantizer, latest_generation
 
 #: the weight axis that tensor parallelism splits, by ``QuantModule.parallel_role``
 _TP_WEIGHT_AXIS = {"column": 0, "row": 1}
@@ -196,17 +196,26 @@ def _quantizer_token(leaves, memo: Optional[dict] = None) -> Optional[tuple]:
     :attr:`~TensorQuantizer.generation` (config, switches, which buffers; never reused) and the sum of its
     buffers' version counters (in-place writes: with the generations equal no buffer was replaced, so
     the sum only grows); None while one calibrates or where a buffer has no version counter (an
-    inference tensor). ``memo``: a dict of the caller's where what follows from the generations alone (whether
-    one calibrates, the buffers) is kept, so that a call over many leaves is two C-level passes."""
-    gens = tuple(map(_GEN, leaves))
+    inference tensor). ``memo``: a dict of the caller's, for the same leaves at every call, where what follows from the
+    generations (whether one calibrates, the buffers) is kept: while no generation was issued since (the RL sync's
+    plan check, every step) the call reads the buffers' versions alone."""
+    latest = latest_generation()  # before the generations (see latest_generation)
     parts = None if memo is None else memo.get("token_parts")
-    if parts is None or parts[0] != gens:
-        # the switches and the buffer set are attributes: a change of either bumped a generation
-        calibrating = any(leaf._if_calib and not leaf._disabled for leaf in leaves)
-        parts = (gens, calibrating, tuple(t for leaf in leaves for t in leaf._buffers.values() if t is not None))
+    if parts is None or parts[3] != latest:
+        gens = tuple(map(_GEN, leaves))
+        if parts is None or parts[0] != gens:
+            # the switches and the buffer set are attributes: a change of either bumped a generation
+            calibrating = any(leaf._if_calib and not leaf._disabled for leaf in leaves)
+            parts = (gens, calibrating, tuple(t for leaf in leaves for t in leaf._buffers.values() if t is not None), latest)
+        else:
+            parts = parts[:3] + (latest,)
         if memo is not None:
             memo["token_parts"] = parts
     if parts[1]:
+        return None
+    try:
+        return parts[0], sum(map(_VERSION, parts[2]))
+    except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     try:
         return gens, sum(map(_VERSION, parts[2]))

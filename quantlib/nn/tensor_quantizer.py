@@ -39,6 +39,15 @@ _KEPT_ON_META = ("_amax", "_pre_quant_scale", "_bias_value", "_block_amax")
 #: the source of TensorQuantizer.generation: one counter for all quantizers, so that a generation is never
 #: reused (not by another quantizer, not by a copy: __setstate__ takes a new one)
 _GENERATIONS = itertools.count(1)
+#: the last generation issued (see latest_generation)
+_LATEST = [0]
+
+
+def latest_generation() -> int:
+    """The generation last issued to any quantizer: while it stays the same, no quantizer was made and none changed
+    state but by in-place writes into its buffers. Read it before the generations it vouches for: a quantizer bumped
+    meanwhile changes it later (a bump sets the quantizer's generation first, then this)."""
+    return _LATEST[0]
 
 
 class TensorQuantizer(nn.Module):
@@ -74,7 +83,9 @@ class TensorQuantizer(nn.Module):
         return self.__dict__["_gen"]
 
     def _bump(self) -> None:
-        self.__dict__["_gen"] = next(_GENERATIONS)  # not nn.Module.__setattr__ (which would bump again)
+        gen = next(_GENERATIONS)
+        self.__dict__["_gen"] = gen  # not nn.Module.__setattr__ (which would bump again)
+        _LATEST[0] = gen
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)  # property setters (amax, ...) run inside

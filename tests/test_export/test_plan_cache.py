@@ -96,6 +96,23 @@ def test_a_changed_quantizer_shows_in_the_next_sync(change):
     assert same(after, fresh(model, "hf_fp8_block"))
 
 
+def test_a_quantizer_changed_elsewhere_keeps_the_plan_and_one_of_the_model_changed_after_it_is_seen(monkeypatch):
+    """The plan check reads the buffers' versions alone while no quantizer generation was issued since the last sync; one
+    issued elsewhere (another model's quantizer switched, a quantizer made) makes it compare this model's generations:
+    equal, the plan is kept; a change of this model's after that is planned again."""
+    model, other = quantized(llama(), FP8_BLOCK), quantized(llama(), FP8_BLOCK)
+    pairs(model, "hf_fp8_block")
+    made = plans_made(monkeypatch)
+    other.model.layers[0].self_attn.o_proj.weight_quantizer.disable()
+    ql.nn.TensorQuantizer()
+    pairs(model, "hf_fp8_block")
+    assert made == []
+    model.model.layers[1].self_attn.o_proj.weight_quantizer.disable()
+    after = pairs(model, "hf_fp8_block")
+    assert made == [1] and "model.layers.1.self_attn.o_proj.weight_scale_inv" not in after
+    assert same(after, fresh(model, "hf_fp8_block"))
+
+
 def test_a_changed_format_is_checked_again():
     """One linear given other blocks than the rest: refused by name in the next sync (the format carries one block)."""
     model = quantized(llama(), FP8_BLOCK)
