@@ -217,10 +217,6 @@ def _quantizer_token(leaves, memo: Optional[dict] = None) -> Optional[tuple]:
         return parts[0], sum(map(_VERSION, parts[2]))
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
-    try:
-        return gens, sum(map(_VERSION, parts[2]))
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return None
 
 
 class QuantModuleRegistry:
