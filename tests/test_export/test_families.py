@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import quantlib as ql  # noqa: E402
 from quantlib.export import ExportError, export_checkpoint  # noqa: E402
+from tests.test_export import _families  # noqa: E402
 from tests.test_export._consumers import fake_and_loaded  # noqa: E402
 from tests.test_export._export_models import weight_only  # noqa: E402
 from tests.test_export._families import FAMILIES, FAMILY_GROUPS, GROUPS, E, H, I, build, gpt2, tokens  # noqa: E402
@@ -50,9 +51,15 @@ def _off(family: str) -> tuple[str, ...]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_names_are_save_pretrained_and_transformers_loads_them(tmp_path, family, tie):
     base = build(family, tie=tie)
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=_off(family)), tmp_path)
+
+
+def assert_loads_as_saved(base, model, tmp_path) -> None:
+    """``model`` (``base`` quantized) exports MXFP8 under the names of ``base.save_pretrained``, and transformers loads it
+    with no key missing, unexpected or mismatched, every quantized weight equal to quantlib's fake quantization and the
+    same logits."""
     base.save_pretrained(tmp_path / "ref")
     ref = set(load_file(tmp_path / "ref" / "model.safetensors"))
-    model = quantized(base, MXFP8, off=_off(family))
     export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
     got = load_file(tmp_path / "q" / "model.safetensors")
     assert {k for k in got if not k.endswith("weight_scale_inv")} == ref
@@ -65,6 +72,25 @@ def test_names_are_save_pretrained_and_transformers_loads_them(tmp_path, family,
         assert torch.equal(lw.float(), fake.float()), name
     with torch.no_grad():
         assert torch.equal(loaded(tokens()).logits, model(tokens()).logits)
+
+
+@pytest.mark.parametrize("family", sorted(_families.MORE_FAMILIES))
+def test_more_families_export_as_save_pretrained_names_them_and_load_to_the_same_logits(tmp_path, family):
+    """Families the rest of the export tests do not walk: loaded as saved (:func:`assert_loads_as_saved`), or refused by
+    name with nothing written."""
+    import transformers
+
+    cfg_cls, model_cls, _ = _families.MORE_FAMILIES[family]
+    if not hasattr(transformers, model_cls) or not hasattr(transformers, cfg_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    base = build(family)
+    model = quantized(base, MXFP8)
+    if family in _families.MORE_REFUSED:
+        with pytest.raises(ExportError, match=_families.MORE_REFUSED[family]):
+            export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+        assert not (tmp_path / "q").exists()
+        return
+    assert_loads_as_saved(base, model, tmp_path)
 
 
 def test_mixtral_experts_are_written_as_transformers_names_them(tmp_path):
