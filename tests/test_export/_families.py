@@ -71,6 +71,10 @@ MORE_FAMILIES = {
 }  # fmt: skip
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
 MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"}
+#: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and
+#: gate_up_proj), with their fused groups as FAMILY_GROUPS names them
+MORE_GROUPS = {"phi3": (), "olmoe": ("attn",), "ernie4_5_moe": ("attn", "shared"), "glm4_moe": ("attn", "shared"),
+               "qwen3_next": ("attn1", "shared_expert")}
 
 
 #: fused groups (what vLLM loads as one GEMM): one attention's q/k/v, the MLP's gate/up, MLA's q_a / kv_a, shared experts,
@@ -89,6 +93,14 @@ FAMILY_GROUPS = {
     "qwen2_moe": ("attn", "shared_expert"), "qwen3_moe": ("attn",), "mixtral": ("attn",), "phimoe": ("attn",), "gpt_oss": ("attn",),
     "deepseek_v2": ("mla", "shared"), "deepseek_v3": ("mla", "shared"), "qwen3_5_moe": ("gdn", "attn1", "shared_expert"),
 }  # fmt: skip
+
+
+def built_here(family: str) -> bool:
+    """Whether the installed transformers has ``family``'s config and model classes."""
+    import transformers
+
+    cfg_cls, model_cls, _ = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+    return hasattr(transformers, cfg_cls) and hasattr(transformers, model_cls)
 
 
 def build(family: str, tie: bool = False, seed: int = 0, **overrides) -> nn.Module:
