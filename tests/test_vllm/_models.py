@@ -1,5 +1,7 @@
-"""The quantize configs each export format takes in the vLLM tests, and a third MoE family (Qwen2-MoE: a shared
-expert beside the routed ones, q/k/v biases) next to tests/test_export's tiny Llama and Qwen3-MoE."""
+"""The quantize configs each export format takes in the vLLM tests, and more MoE families next to tests/test_export's
+tiny Llama and Qwen3-MoE: Qwen2-MoE (a shared expert beside the routed ones, q/k/v biases), Mixtral (experts w1 / w3 /
+w2 under block_sparse_moe), OLMoE (q/k norms over all heads), GLM-4 MoE (shared experts, a router bias, grouped top-k)
+and ERNIE 4.5 MoE (a shared expert, the router bias under moe_statics)."""
 
 from __future__ import annotations
 
@@ -47,4 +49,35 @@ def qwen2_moe(seed: int = 0) -> nn.Module:
     return scale_experts(Qwen2MoeForCausalLM(cfg).eval())
 
 
-FAMILIES = {"llama": llama, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}
+def _tiny(config: str, model: str, seed: int, **kwargs) -> nn.Module:
+    """A 2-layer transformers MoE of hidden 256 with 4 experts of 128 (expert e scaled by 2**e), from its class names."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config)(vocab_size=256, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                                        experts_implementation="eager", **kwargs)  # fmt: skip
+    return scale_experts(getattr(transformers, model)(cfg).eval())
+
+
+def mixtral(seed: int = 0) -> nn.Module:
+    return _tiny("MixtralConfig", "MixtralForCausalLM", seed, intermediate_size=MOE_INTER, num_local_experts=E, num_experts_per_tok=2)
+
+
+def olmoe(seed: int = 0) -> nn.Module:
+    return _tiny("OlmoeConfig", "OlmoeForCausalLM", seed, intermediate_size=MOE_INTER, num_experts=E, num_experts_per_tok=2,
+                 bos_token_id=None)
+
+
+def glm4_moe(seed: int = 0) -> nn.Module:
+    return _tiny("Glm4MoeConfig", "Glm4MoeForCausalLM", seed, intermediate_size=INTER, moe_intermediate_size=MOE_INTER, head_dim=64,
+                 n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=0, n_group=1, topk_group=1)
+
+
+def ernie4_5_moe(seed: int = 0) -> nn.Module:
+    return _tiny("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", seed, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
+                 moe_num_experts=E, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1)
+
+
+FAMILIES = {"llama": llama, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe,
+            "ernie4_5_moe": ernie4_5_moe}

@@ -24,7 +24,10 @@ FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "k_proj": ("qkv
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}  # fmt: skip
 #: expert leaf -> (vLLM param prefix, its shard order): w13 = [gate; up], w2 = down
-EXPERT = {"gate_proj": ("w13", ("gate_proj", "up_proj")), "up_proj": ("w13", ("gate_proj", "up_proj")), "down_proj": ("w2", ("down_proj",))}
+EXPERT = {"gate_proj": ("w13", ("gate_proj", "up_proj")), "up_proj": ("w13", ("gate_proj", "up_proj")), "down_proj": ("w2", ("down_proj",)),
+          "w1": ("w13", ("w1", "w3")), "w3": ("w13", ("w1", "w3")), "w2": ("w2", ("w2",))}  # fmt: skip  (Mixtral: w1 gate, w3 up)
+#: checkpoint module suffix -> the vLLM module its loader puts it in (ERNIE 4.5 MoE's router bias)
+RENAMED = {".mlp.moe_statics": ".mlp.gate"}
 
 
 def export(model, out_dir, fmt: str) -> None:
@@ -148,7 +151,8 @@ def expected_slices(ckpt: dict[str, torch.Tensor]) -> Iterator[tuple[str, str, t
             fused, order = FUSED[leaf]
             index, name = (), f"{parent}.{fused}.{suffix}"
         else:
-            yield key, key, ()
+            renamed = next((f"{module[: -len(a)]}{b}.{suffix}" for a, b in RENAMED.items() if module.endswith(a)), key)
+            yield key, renamed, ()
             continue
         if scalar:
             yield key, name, index + ((order.index(leaf),) if len(order) > 1 else ())

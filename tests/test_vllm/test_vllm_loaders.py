@@ -1,4 +1,4 @@
-"""vLLM's own weight loaders on every format quantlib exports, for a tiny Llama, Qwen3-MoE and Qwen2-MoE: each
+"""vLLM's own weight loaders on every format quantlib exports, for a tiny Llama and six MoE families: each
 checkpoint tensor lands in vLLM's parameters as stored (after vLLM's fusions: q/k/v -> qkv_proj, gate/up ->
 gate_up_proj, expert e -> w13[e] = [gate; up] and w2[e]; unquantized tensors rounded to the model dtype),
 E8M0 scales by their meaning, and no parameter is left unfilled; for the MoE families the RL sync's stacked experts
@@ -17,7 +17,10 @@ from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_vllm._models import CONFIGS, FAMILIES  # noqa: E402
 from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
-MOE = ("qwen3_moe", "qwen2_moe")
+MOE = tuple(f for f in FAMILIES if f != "llama")
+#: (format, family) whose MoE layer vLLM 0.32 cannot build on the CPU (its Int8 / WNA16 MoE oracles find no kernel for
+#: these families there), so its loaders never run: skipped when vLLM says so, tested when it builds
+NO_CPU_MOE_KERNEL = {(f, fam) for f in ("ct_int8", "ct_int_pack") for fam in ("glm4_moe", "ernie4_5_moe")}
 #: (format, family) -> why vLLM 0.32 does not load quantlib's export as stored (strict: a fix turns the test red)
 KNOWN: dict[tuple[str, str], str] = {}
 #: formats for another consumer: transformers' ``mxfp8`` names the scale ``weight_scale_inv``, vLLM's (ModelOpt's MXFP8
@@ -48,7 +51,12 @@ def test_vllm_loads_export_as_stored(bases, tmp_path, monkeypatch, request, fmt,
         return
     export(model, tmp_path / "c", fmt)
     pretend_kernels(monkeypatch)
-    params = load_params(tmp_path / "c")
+    try:
+        params = load_params(tmp_path / "c")
+    except NotImplementedError as exc:  # only where known: a vLLM that gains the kernel runs the test
+        if (fmt, family) not in NO_CPU_MOE_KERNEL or "MoE backend supports" not in str(exc):
+            raise
+        pytest.skip(f"vLLM has no CPU MoE kernel for {family} in {fmt}: {exc}")
     ckpt = {k: v for f in sorted((tmp_path / "c").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert mismatches(ckpt, params) == []
     if family in MOE:  # the RL sync's stacked experts, named for this vLLM, are its fused-MoE parameters as loaded
