@@ -1,7 +1,8 @@
-"""The quantize configs each export format takes in the vLLM tests, and more MoE families next to tests/test_export's
-tiny Llama and Qwen3-MoE: Qwen2-MoE (a shared expert beside the routed ones, q/k/v biases), Mixtral (experts w1 / w3 /
-w2 under block_sparse_moe), OLMoE (q/k norms over all heads), GLM-4 MoE (shared experts, a router bias, grouped top-k)
-and ERNIE 4.5 MoE (a shared expert, the router bias under moe_statics)."""
+"""The quantize configs each export format takes in the vLLM tests, and more families next to tests/test_export's tiny
+Llama and Qwen3-MoE: Phi-3 and GLM-4 (q/k/v or gate/up fused in their checkpoints), Qwen2-MoE (a shared expert beside
+the routed ones, q/k/v biases), Mixtral (experts w1 / w3 / w2 under block_sparse_moe), OLMoE (q/k norms over all
+heads), GLM-4 MoE (shared experts, a router bias, grouped top-k) and ERNIE 4.5 MoE (a shared expert, the router bias
+under moe_statics)."""
 
 from __future__ import annotations
 
@@ -50,14 +51,15 @@ def qwen2_moe(seed: int = 0) -> nn.Module:
 
 
 def _tiny(config: str, model: str, seed: int, **kwargs) -> nn.Module:
-    """A 2-layer transformers MoE of hidden 256 with 4 experts of 128 (expert e scaled by 2**e), from its class names."""
+    """A 2-layer transformers model of hidden 256 from its class names; a MoE's 4 experts scaled by 2**e (expert e)."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = getattr(transformers, config)(vocab_size=256, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
                                         experts_implementation="eager", **kwargs)  # fmt: skip
-    return scale_experts(getattr(transformers, model)(cfg).eval())
+    out = getattr(transformers, model)(cfg).eval()
+    return scale_experts(out) if hasattr(out.model.layers[0].mlp, "experts") else out
 
 
 def mixtral(seed: int = 0) -> nn.Module:
@@ -79,5 +81,15 @@ def ernie4_5_moe(seed: int = 0) -> nn.Module:
                  moe_num_experts=E, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1)
 
 
-FAMILIES = {"llama": llama, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe,
-            "ernie4_5_moe": ernie4_5_moe}
+def phi3(seed: int = 0) -> nn.Module:
+    """Phi-3: its checkpoint holds q/k/v fused in qkv_proj and gate/up in gate_up_proj."""
+    return _tiny("Phi3Config", "Phi3ForCausalLM", seed, intermediate_size=INTER)
+
+
+def glm4(seed: int = 0) -> nn.Module:
+    """GLM-4: gate/up fused in the checkpoint's gate_up_proj, four norms a layer, partial rotary."""
+    return _tiny("Glm4Config", "Glm4ForCausalLM", seed, intermediate_size=INTER, head_dim=64)
+
+
+FAMILIES = {"llama": llama, "phi3": phi3, "glm4": glm4, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "mixtral": mixtral,
+            "olmoe": olmoe, "glm4_moe": glm4_moe, "ernie4_5_moe": ernie4_5_moe}

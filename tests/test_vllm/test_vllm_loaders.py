@@ -1,4 +1,4 @@
-"""vLLM's own weight loaders on every format quantlib exports, for a tiny Llama and six MoE families: each
+"""vLLM's own weight loaders on every format quantlib exports, for a tiny Llama, Phi-3, GLM-4 and six MoE families: each
 checkpoint tensor lands in vLLM's parameters as stored (after vLLM's fusions: q/k/v -> qkv_proj, gate/up ->
 gate_up_proj, expert e -> w13[e] = [gate; up] and w2[e]; unquantized tensors rounded to the model dtype),
 E8M0 scales by their meaning, and no parameter is left unfilled; for the MoE families the RL sync's stacked experts
@@ -17,7 +17,7 @@ from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_vllm._models import CONFIGS, FAMILIES  # noqa: E402
 from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
-MOE = tuple(f for f in FAMILIES if f != "llama")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "ernie4_5_moe")
 #: (format, family) whose MoE layer vLLM 0.32 cannot build on the CPU (its Int8 / WNA16 MoE oracles find no kernel for
 #: these families there), so its loaders never run: skipped when vLLM says so, tested when it builds
 NO_CPU_MOE_KERNEL = {(f, fam) for f in ("ct_int8", "ct_int_pack") for fam in ("glm4_moe", "ernie4_5_moe")}
