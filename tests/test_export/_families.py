@@ -95,11 +95,21 @@ FAMILY_GROUPS = {
 }  # fmt: skip
 
 
+def spec(family: str) -> tuple[str, str, dict]:
+    """``family``'s (config class, model class, config kwargs), from FAMILIES or MORE_FAMILIES."""
+    return FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+
+
+def is_moe(family: str) -> bool:
+    """Whether ``family``'s tiny model has routed experts (its config names their count)."""
+    return bool({"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"} & set(spec(family)[2]))
+
+
 def built_here(family: str) -> bool:
     """Whether the installed transformers has ``family``'s config and model classes."""
     import transformers
 
-    cfg_cls, model_cls, _ = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+    cfg_cls, model_cls, _ = spec(family)
     return hasattr(transformers, cfg_cls) and hasattr(transformers, model_cls)
 
 
@@ -108,9 +118,9 @@ def build(family: str, tie: bool = False, seed: int = 0, **overrides) -> nn.Modu
     ``overrides`` replace config fields (e.g. ``hidden_size=128`` for formats with blocks of 128)."""
     import transformers
 
-    cfg_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+    cfg_cls, model_cls, extra = spec(family)
     kwargs = {**_COMMON, **extra, "tie_word_embeddings": tie, **overrides}
-    if any(k in extra for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")):
+    if is_moe(family):
         kwargs["experts_implementation"] = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).eval()

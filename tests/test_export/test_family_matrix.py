@@ -49,6 +49,7 @@ from tests.test_export._families import (  # noqa: E402
     build,
     built_here,
     gpt2,
+    is_moe,
     tokens,
 )
 
@@ -85,8 +86,7 @@ ROWS = {**{f: (f, False) for f in sorted(FAMILIES) + sorted(MORE_GROUPS)}, "llam
 FAMILY_GROUPS = {**_GROUPS, **MORE_GROUPS}
 #: rows whose (untied) lm_head is quantized too (the presets leave it unquantized; a tied one is refused: test_families)
 QUANTIZED_HEAD = {"llama_lm_head"}
-_MOE = {f for f, (_, _, extra) in {**FAMILIES, **MORE_FAMILIES}.items()
-        if {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"} & set(extra)}
+_MOE = {f for f in {**FAMILIES, **MORE_FAMILIES} if is_moe(f)}
 _EXPERTS = "*mlp.experts*"  # routed experts only (DeepSeek's mlp.shared_experts are linears)
 
 

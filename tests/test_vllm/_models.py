@@ -37,29 +37,22 @@ CONFIGS = {
 }
 
 
-def qwen2_moe(seed: int = 0) -> nn.Module:
-    """A 2-layer Qwen2-MoE, hidden 256, 4 experts of 128 and a shared expert of 256; expert e scaled by 2**e."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=H, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
-                         shared_expert_intermediate_size=INTER, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_experts=E, num_experts_per_tok=2, max_position_embeddings=64,
-                         tie_word_embeddings=False,
-                         experts_implementation="eager")  # fmt: skip
-    return scale_experts(Qwen2MoeForCausalLM(cfg).eval())
-
-
 def _tiny(config: str, model: str, seed: int, **kwargs) -> nn.Module:
     """A 2-layer transformers model of hidden 256 from its class names; a MoE's 4 experts scaled by 2**e (expert e)."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = getattr(transformers, config)(vocab_size=256, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-                                        experts_implementation="eager", **kwargs)  # fmt: skip
+                                        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None,
+                                        experts_implementation="eager", **kwargs)  # fmt: skip  (no family's special ids fit 256)
     out = getattr(transformers, model)(cfg).eval()
     return scale_experts(out) if hasattr(out.model.layers[0].mlp, "experts") else out
+
+
+def qwen2_moe(seed: int = 0) -> nn.Module:
+    """Qwen2-MoE: 4 experts of 128 and a shared expert of 256."""
+    return _tiny("Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed, intermediate_size=INTER, moe_intermediate_size=MOE_INTER,
+                 shared_expert_intermediate_size=INTER, num_experts=E, num_experts_per_tok=2)
 
 
 def mixtral(seed: int = 0) -> nn.Module:
@@ -67,8 +60,7 @@ def mixtral(seed: int = 0) -> nn.Module:
 
 
 def olmoe(seed: int = 0) -> nn.Module:
-    return _tiny("OlmoeConfig", "OlmoeForCausalLM", seed, intermediate_size=MOE_INTER, num_experts=E, num_experts_per_tok=2,
-                 bos_token_id=None)
+    return _tiny("OlmoeConfig", "OlmoeForCausalLM", seed, intermediate_size=MOE_INTER, num_experts=E, num_experts_per_tok=2)
 
 
 def glm4_moe(seed: int = 0) -> nn.Module:
