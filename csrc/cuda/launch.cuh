@@ -3,9 +3,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -102,8 +105,17 @@ template <typename T, int KIND, int OP, bool STATIC, bool POW2>
 void launch_2d_t(const Args& a, int64_t grid) {
   constexpr int smem = block2d_smem_bytes<T>();
   auto kernel = block2d_kernel<T, KIND, OP, STATIC, POW2>;
-  // past 48 KB (an fp32 block) a kernel must opt in to its dynamic shared memory, on every device it runs on
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if constexpr (smem > 48 * 1024) {
+    // past 48 KB (an fp32 block) a kernel must opt in to its dynamic shared memory, once on each device it runs on;
+    // one bit a device (this instantiation's own) keeps the call off every later launch
+    static std::atomic<uint64_t> opted{0};
+    const int dev = c10::cuda::current_device();
+    const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+    if (bit == 0 || !(opted.load(std::memory_order_acquire) & bit)) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      opted.fetch_or(bit, std::memory_order_release);
+    }
+  }
   kernel<<<unsigned(grid), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(a);
 }
 

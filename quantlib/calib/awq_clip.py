@@ -44,7 +44,7 @@ from ..nn.tensor_quantizer import CalibrationError, TensorQuantizer
 from .awq_lite import record_inputs, search
 from .registry import CalibContext, register_runner
 from .scaling import input_pre_scale, progress, store_result
-from .shards import groups_span_shards
+from .shards import groups_span_shards, output_mse, peer_mean
 
 _log = logging.getLogger("quantlib")
 
@@ -116,17 +116,10 @@ def clip_losses(module: QuantModule, q: TensorQuantizer, inputs: list[torch.Tens
         for k, r in enumerate(ratios):
             wq = _quantize(q, w, w_amax * r)
             for x, ref in zip(xs, refs):
-                err = (x @ wq.T - ref).float()
-                if role == "row":
-                    err = sync.over_shards(err, "sum", module)
-                losses[k] += err.pow(2).mean()
-        if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
-            losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
-        return losses
+                losses[k] += output_mse((x @ wq.T - ref).float(), role, module, sync)
+        return peer_mean(losses, module, sync)
     losses = block_losses(q, w, xs, w_amax, ratios, cfg, (lambda e: sync.over_shards(e, "sum", module)) if span else None)
-    if role == "replicated" and sync.peer_group(module):  # whole copies on every tensor rank: one loss
-        losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
-    return losses
+    return peer_mean(losses, module, sync) if role == "replicated" else losses  # whole copies on every tensor rank: one loss
 
 
 def block_losses(q: TensorQuantizer, w: torch.Tensor, xs: list[torch.Tensor], w_amax: torch.Tensor, ratios: list[float], cfg: AwqClipConfig,

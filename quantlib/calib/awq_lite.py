@@ -64,7 +64,7 @@ from .scaling import (
     served_linears,
     store_result,
 )
-from .shards import groups_span_shards, search_amax
+from .shards import groups_span_shards, output_mse, peer_mean, search_amax
 
 _log = logging.getLogger("quantlib")
 
@@ -145,13 +145,8 @@ def alpha_losses(module: QuantModule, inputs: list[torch.Tensor], scales: list[t
         wq = ops.fake_quant(x_w, q.spec, search_amax(q, x_w, module, sync, where), q.attrs.backend)
         inv = (1 / s).to(w.dtype)
         for x, ref in zip(inputs, actual):
-            err = (F.linear(x * inv, wq, bias) - ref).float()
-            if role == "row":
-                err = sync.over_shards(err, "sum", module)
-            losses[k] += err.pow(2).mean()
-    if sync.peer_group(module):  # the mean over the shards' output slices, or over copies of one loss
-        losses = sync.over_peers(losses, "sum", module) / sync.peers(module)
-    return losses
+            losses[k] += output_mse((F.linear(x * inv, wq, bias) - ref).float(), role, module, sync)
+    return peer_mean(losses, module, sync)
 
 
 def _block_of(q: TensorQuantizer) -> Optional[int]:

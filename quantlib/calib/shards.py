@@ -67,3 +67,17 @@ def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync
 
 
 __all__ = ["groups_span_shards", "search_amax"]
+
+
+def output_mse(err: torch.Tensor, role: Optional[str], target: Any, sync: StatSync) -> torch.Tensor:
+    """The mean squared output error of a shard's ``err``: a row-parallel shard's partial errors are added
+    over the shards before squaring (the docstring above)."""
+    if role == "row":
+        err = sync.over_shards(err, "sum", target)
+    return err.pow(2).mean()
+
+
+def peer_mean(losses: torch.Tensor, target: Any, sync: StatSync) -> torch.Tensor:
+    """``losses`` averaged over ``target``'s tensor-parallel peers (the shards' output slices, or the copies
+    of one loss that ranks holding whole copies computed); unchanged without peers."""
+    return sync.over_peers(losses, "sum", target) / sync.peers(target) if sync.peer_group(target) else losses
