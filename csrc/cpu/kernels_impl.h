@@ -100,6 +100,7 @@ QL_INLINE __m256i fp8_block_code8(__m256 x, __m256 d) {
   return _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), _mm256_castps_si256(nan));
 }
 
+#if !defined(QL_HAS_AVX512)
 // Codes of the first multiple of 32 of n elements with the block's d; returns how many were done.
 template <class T, class F>
 QL_INLINE int64_t fp8_block_codes32(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n, float d) {
@@ -114,6 +115,64 @@ QL_INLINE int64_t fp8_block_codes32(const typename T::S* __restrict x, uint8_t* 
   }
   return k;
 }
+#endif  // !QL_HAS_AVX512
+#endif
+
+#if defined(QL_HAS_AVX512)
+// The same codes sixteen lanes at a time (AVX-512 F / BW): fp8_block_code8's operations, the selects on mask
+// registers and the narrowing to bytes by one vpmovdb.
+template <class T>
+struct Lanes16 {
+  static constexpr bool kOk = false;  // F16: the generic loop
+};
+template <>
+struct Lanes16<F32> {
+  static constexpr bool kOk = true;
+  static QL_INLINE __m512 load(const float* x) { return _mm512_loadu_ps(x); }
+};
+template <>
+struct Lanes16<BF16> {
+  static constexpr bool kOk = true;
+  static QL_INLINE __m512 load(const uint16_t* x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+  }
+};
+
+template <class F>
+QL_INLINE __m128i fp8_block_code16(__m512 x, __m512 d) {
+  const __m512 y = _mm512_div_ps(x, d);
+  const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+  const __m512 yc = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-F::kMax)), _mm512_set1_ps(F::kMax));
+  const __m512i u = _mm512_castps_si512(yc);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(int(kAbsMask)));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, F::kDrop), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int((1u << (F::kDrop - 1)) - 1u))), lsb);
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(up, F::kDrop), _mm512_set1_epi32(int(F::kCodeBias)));
+  const __m512i magic = _mm512_set1_epi32(int(uint32_t(F::kDrop + F::kMinf) << 23));
+  const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic))), magic);
+  const __mmask16 below = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(F::kMinNormalBits)), a);  // a < min normal
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(below, normal, sub), sign);
+  return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(nan, code, _mm512_set1_epi32(0x7F)));
+}
+
+// Codes of the first multiple of 32 of n elements with the block's d; returns how many were done.
+template <class T, class F>
+QL_INLINE int64_t fp8_block_codes32(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n, float d) {
+  const __m512 dv = _mm512_set1_ps(d);
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    const __m128i c0 = fp8_block_code16<F>(Lanes16<T>::load(x + k), dv), c1 = fp8_block_code16<F>(Lanes16<T>::load(x + k + 16), dv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k), c0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k + 16), c1);
+  }
+  return k;
+}
+template <class T>
+using FpLanes = Lanes16<T>;
+#elif defined(QL_HAS_AVX2)
+template <class T>
+using FpLanes = Lanes8<T>;
 #endif
 
 // Whether an op is FP8-block (and its FP8 format): its codes take the AVX2 loop above where compiled.
@@ -176,7 +235,7 @@ QL_INLINE void row_apply(const BlockTask& t, const O& op, const BlockParams& p, 
   } else if constexpr (O::kCodes == Codes::FP8) {
     uint8_t* c = t.codes + row * t.K + c0;
 #if defined(QL_HAS_AVX2)
-    if constexpr (Fp8Block<O>::kYes && Lanes8<T>::kOk) {
+    if constexpr (Fp8Block<O>::kYes && FpLanes<T>::kOk) {
       const int64_t k = fp8_block_codes32<T, typename Fp8Block<O>::Format>(x, c, n, p.p0);
       if (k == n) return;
       return run_fp8_codes<T, O, 0>(x + k, c + k, n - k, op, p.p0, p.p1);
