@@ -59,132 +59,7 @@ QL_INLINE void run_fp8_codes(const typename T::S* __restrict x, uint8_t* __restr
   for (int64_t k = 0; k < n; ++k) c[k] = uint8_t(op.code(T::load(x[k]), p0, p1));
 }
 
-#if defined(QL_HAS_AVX2)
-// FP8-block codes eight lanes at a time (AVX2 intrinsics): gcc's vectorization of the element function
-// spills its masks (the clamp's NaN-passing selects, the narrowing to bytes) to the stack. The same
-// operations as Fp8BlockOp::code, lane by lane: the IEEE division x / d, the clamp (min / max: a NaN lane
-// is replaced by 0x7F at the end, so their NaN rule does not matter), the normal rounding on the bits and
-// the subnormal steps by one fp32 addition (fp8_subnormal_steps), the sign. Same bits (tests/test_kernels).
-template <class T>
-struct Lanes8 {
-  static constexpr bool kOk = false;  // F16: the generic loop
-};
-template <>
-struct Lanes8<F32> {
-  static constexpr bool kOk = true;
-  static QL_INLINE __m256 load(const float* x) { return _mm256_loadu_ps(x); }
-};
-template <>
-struct Lanes8<BF16> {
-  static constexpr bool kOk = true;
-  static QL_INLINE __m256 load(const uint16_t* x) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-  }
-};
-
-template <class F>
-QL_INLINE __m256i fp8_block_code8(__m256 x, __m256 d) {
-  const __m256 y = _mm256_div_ps(x, d);
-  const __m256 nan = _mm256_cmp_ps(y, y, _CMP_UNORD_Q);
-  const __m256 yc = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-F::kMax)), _mm256_set1_ps(F::kMax));
-  const __m256i u = _mm256_castps_si256(yc);
-  const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(int(kAbsMask)));
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, F::kDrop), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(int((1u << (F::kDrop - 1)) - 1u))), lsb);
-  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(up, F::kDrop), _mm256_set1_epi32(int(F::kCodeBias)));
-  const __m256i magic = _mm256_set1_epi32(int(uint32_t(F::kDrop + F::kMinf) << 23));
-  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic))), magic);
-  const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(F::kMinNormalBits)), a);  // a < min normal (a < 2^31)
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
-  const __m256i code = _mm256_or_si256(_mm256_blendv_epi8(normal, sub, below), sign);
-  return _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), _mm256_castps_si256(nan));
-}
-
-#if !defined(QL_HAS_AVX512)
-// Codes of the first multiple of 32 of n elements with the block's d; returns how many were done.
-template <class T, class F>
-QL_INLINE int64_t fp8_block_codes32(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n, float d) {
-  const __m256 dv = _mm256_set1_ps(d);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the packs interleave 128-bit lanes
-  int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    const __m256i c0 = fp8_block_code8<F>(Lanes8<T>::load(x + k), dv), c1 = fp8_block_code8<F>(Lanes8<T>::load(x + k + 8), dv);
-    const __m256i c2 = fp8_block_code8<F>(Lanes8<T>::load(x + k + 16), dv), c3 = fp8_block_code8<F>(Lanes8<T>::load(x + k + 24), dv);
-    const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));  // codes < 256
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + k), _mm256_permutevar8x32_epi32(bytes, order));
-  }
-  return k;
-}
-#endif  // !QL_HAS_AVX512
-#endif
-
-#if defined(QL_HAS_AVX512)
-// The same codes sixteen lanes at a time (AVX-512 F / BW): fp8_block_code8's operations, the selects on mask
-// registers and the narrowing to bytes by one vpmovdb.
-template <class T>
-struct Lanes16 {
-  static constexpr bool kOk = false;  // F16: the generic loop
-};
-template <>
-struct Lanes16<F32> {
-  static constexpr bool kOk = true;
-  static QL_INLINE __m512 load(const float* x) { return _mm512_loadu_ps(x); }
-};
-template <>
-struct Lanes16<BF16> {
-  static constexpr bool kOk = true;
-  static QL_INLINE __m512 load(const uint16_t* x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-  }
-};
-
-template <class F>
-QL_INLINE __m128i fp8_block_code16(__m512 x, __m512 d) {
-  const __m512 y = _mm512_div_ps(x, d);
-  const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-  const __m512 yc = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-F::kMax)), _mm512_set1_ps(F::kMax));
-  const __m512i u = _mm512_castps_si512(yc);
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(int(kAbsMask)));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, F::kDrop), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int((1u << (F::kDrop - 1)) - 1u))), lsb);
-  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(up, F::kDrop), _mm512_set1_epi32(int(F::kCodeBias)));
-  const __m512i magic = _mm512_set1_epi32(int(uint32_t(F::kDrop + F::kMinf) << 23));
-  const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic))), magic);
-  const __mmask16 below = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(F::kMinNormalBits)), a);  // a < min normal
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
-  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(below, normal, sub), sign);
-  return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(nan, code, _mm512_set1_epi32(0x7F)));
-}
-
-// Codes of the first multiple of 32 of n elements with the block's d; returns how many were done.
-template <class T, class F>
-QL_INLINE int64_t fp8_block_codes32(const typename T::S* __restrict x, uint8_t* __restrict c, int64_t n, float d) {
-  const __m512 dv = _mm512_set1_ps(d);
-  int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    const __m128i c0 = fp8_block_code16<F>(Lanes16<T>::load(x + k), dv), c1 = fp8_block_code16<F>(Lanes16<T>::load(x + k + 16), dv);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k), c0);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k + 16), c1);
-  }
-  return k;
-}
-template <class T>
-using FpLanes = Lanes16<T>;
-#elif defined(QL_HAS_AVX2)
-template <class T>
-using FpLanes = Lanes8<T>;
-#endif
-
-// Whether an op is FP8-block (and its FP8 format): its codes take the AVX2 loop above where compiled.
-template <class O>
-struct Fp8Block {
-  static constexpr bool kYes = false;
-};
-template <class F>
-struct Fp8Block<Fp8BlockOp<F>> {
-  static constexpr bool kYes = true;
-  using Format = F;
-};
+#include "fp8_lanes.h"
 
 // E2M1 codes as 32-bit lanes (so that the code loop vectorizes at the width of the fp32 inputs).
 template <class T, class O, int N>
@@ -235,8 +110,8 @@ QL_INLINE void row_apply(const BlockTask& t, const O& op, const BlockParams& p, 
   } else if constexpr (O::kCodes == Codes::FP8) {
     uint8_t* c = t.codes + row * t.K + c0;
 #if defined(QL_HAS_AVX2)
-    if constexpr (Fp8Block<O>::kYes && FpLanes<T>::kOk) {
-      const int64_t k = fp8_block_codes32<T, typename Fp8Block<O>::Format>(x, c, n, p.p0);
+    if constexpr (Fp8Lanes<O>::kYes && Lanes<T>::kOk) {
+      const int64_t k = fp8_codes32<T, typename Fp8Lanes<O>::Format, Fp8Lanes<O>::kNanSigned>(x, c, n, p.p0);
       if (k == n) return;
       return run_fp8_codes<T, O, 0>(x + k, c + k, n - k, op, p.p0, p.p1);
     }

@@ -1,4 +1,4 @@
-"""The FP8-block codes of every compiled variant of the C++ kernels (the AVX2 eight-lane and AVX-512
+"""The FP8-block and MXFP8 codes of every compiled variant of the C++ kernels (the AVX2 eight-lane and AVX-512
 sixteen-lane intrinsic loops, the plain loop) over every bf16 bit pattern and a million fp32 ones, bit for
 bit against the torch reference: the divisions, the clamp, the NaN rule, the subnormal steps and the
 narrowing to bytes of the vector loops, at the scales a block's own amax gives and at scales that clip."""
@@ -10,7 +10,9 @@ import torch
 
 C = pytest.importorskip("quantlib._C", reason="the C++ extension quantlib._C is not built")
 
+from quantlib.formats import Rounding  # noqa: E402
 from quantlib.formats.fp8_blockwise import fp8_blockwise_quantize  # noqa: E402
+from quantlib.kernels import reference_impl as REF  # noqa: E402
 
 from ._compare import assert_same  # noqa: E402
 
@@ -44,9 +46,14 @@ def fp32_bits(n: int = 2**20, seed: int = 0) -> torch.Tensor:
     return (sign | (exp << 23) | mant).to(torch.uint32).view(torch.int32).view(torch.float32).reshape(-1, 256)
 
 
+def raw(cast: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The codes as their bytes (a checkpoint stores a NaN's sign; float comparison would take any NaN), the rest as is."""
+    return (cast[0].view(torch.uint8), *cast[1:])
+
+
 def check(x: torch.Tensor, block: tuple[int, int], element: tuple[int, int], pow2: bool, what: str) -> None:
     got = C.cpu_fp8_blockwise_cast(x, list(block), 1e-10, pow2, list(element))
-    assert_same(got, fp8_blockwise_quantize(x, block, element, 1e-10, pow2), what)
+    assert_same(raw(got), raw(fp8_blockwise_quantize(x, block, element, 1e-10, pow2)), what)
 
 
 @pytest.mark.parametrize("element", [(4, 3), (5, 2)], ids=["e4m3", "e5m2"])
@@ -62,3 +69,16 @@ def test_random_fp32_bits(block, pow2, isa):
     x = fp32_bits()
     check(x, block, (4, 3), pow2, f"{isa} {block}")
     check(x[:, 3:250], block, (4, 3), pow2, f"{isa} {block} partial blocks")  # rows of 247: vector loops with scalar tails
+
+
+@pytest.mark.parametrize("rounding", [Rounding.RCEIL, Rounding.FLOOR], ids=lambda r: r.value)
+def test_mxfp8_codes(rounding, isa):
+    """MXFP8's codes (a power-of-two scale; a NaN's code keeps its sign) in the same loops."""
+    xs = dict(bf16_layouts(), fp32=fp32_bits(), fp32_tails=fp32_bits()[:, 3:250])
+    nan = fp32_bits().reshape(-1)  # NaN blocks: a NaN of either sign in 1 of 1001 elements
+    nan.view(torch.int32)[::1001] = 0x7FC00000
+    nan.view(torch.int32)[500::1001] = torch.tensor(0xFFC00000, dtype=torch.int64).to(torch.int32)
+    xs["fp32_nan"] = nan.reshape(-1, 256)
+    for name, x in xs.items():
+        got = C.cpu_mx_cast(x, "e4m3", 32, rounding == Rounding.FLOOR)
+        assert_same(raw(got), raw(REF.mx_cast(x, "e4m3", 32, rounding)), f"{isa} {name}")
