@@ -1,6 +1,7 @@
 """CPU microbenchmark: GB/s of every op, the C++ kernels (backend "cpu") against the torch reference.
 
-    python benchmarks/bench_cpu_kernels.py [--size 4096] [--dtypes float32 bfloat16] [--out FILE]
+    python benchmarks/bench_cpu_kernels.py [--size 4096] [--dtypes float32 bfloat16] [--isa avx2] [--cases mx_cast,nvfp4]
+                                           [--out FILE]
 
 (from the repository root, with quantlib installed or PYTHONPATH=., and quantlib._C built).
 
@@ -102,13 +103,16 @@ def baselines(x: torch.Tensor, reps: int, min_time: float) -> str:
             f"copy into a preallocated tensor {t_copy * 1e3:.1f} ms = {nbytes / t_copy / 1e9:.1f} GB/s.")
 
 
-def run(size: int, dtypes: list[torch.dtype], reps: int, min_time: float) -> tuple[list[dict], list[str]]:
+def run(size: int, dtypes: list[torch.dtype], reps: int, min_time: float, cases: str = "") -> tuple[list[dict], list[str]]:
+    wanted = [c for c in cases.split(",") if c]
     rows, notes = [], []
     for dtype in dtypes:
         torch.manual_seed(0)
         x = (torch.randn(size, size) * 3).to(dtype)
         notes.append(baselines(x, reps, min_time))
         for name, case in _cases(x):
+            if wanted and not any(w in name for w in wanted):
+                continue
             ref_out, cpu_out = case("reference"), case("cpu")
             if not _same(cpu_out, ref_out):
                 raise AssertionError(f"{name} ({dtype}): cpu and reference outputs differ")
@@ -164,10 +168,18 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--reps", type=int, default=7, help="timed runs per backend and case, at least")
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per case, at least")
+    parser.add_argument("--isa", help="the compiled variant of the kernels to run (default: the widest this CPU runs)")
+    parser.add_argument("--cases", default="", help="comma-separated substrings of the op names to time (default: all)")
     parser.add_argument("--out", help="also write the results (markdown) to this file")
     args = parser.parse_args()
+    if args.isa:
+        from quantlib import _C
+
+        if args.isa not in _C.cpu_available_isas():
+            parser.error(f"--isa {args.isa}: this CPU runs {', '.join(_C.cpu_available_isas())}")
+        _C.cpu_set_isa(args.isa)
     load_before = os.getloadavg()[0]
-    rows, notes = run(args.size, [getattr(torch, d) for d in args.dtypes], args.reps, args.min_time)
+    rows, notes = run(args.size, [getattr(torch, d) for d in args.dtypes], args.reps, args.min_time, args.cases)
     load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     header = f"{datetime.date.today().isoformat()}, {args.size}x{args.size} inputs, {load}\n{machine()}"
     text = f"{header}\n\n{table(rows)}\n\n" + "\n".join(notes)
