@@ -29,11 +29,13 @@ struct Fp8Lanes<MxOp<MxE4M3>> {
   using Format = E4M3;
 };
 
-#if defined(QL_HAS_AVX512)
+// An input type's loads into fp32 lanes (specialized below for the ISA).
 template <class T>
 struct Lanes {
   static constexpr bool kOk = false;  // F16: the generic loop
 };
+
+#if defined(QL_HAS_AVX512)
 template <>
 struct Lanes<F32> {
   static constexpr bool kOk = true;
@@ -80,10 +82,6 @@ QL_INLINE int64_t fp8_codes32(const typename T::S* __restrict x, uint8_t* __rest
   return k;
 }
 #elif defined(QL_HAS_AVX2)
-template <class T>
-struct Lanes {
-  static constexpr bool kOk = false;  // F16: the generic loop
-};
 template <>
 struct Lanes<F32> {
   static constexpr bool kOk = true;
