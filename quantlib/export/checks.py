@@ -127,3 +127,18 @@ def stored_fused(module: nn.Module, name: str, layout: ModelLayout, carried: boo
                               "(MXFP4, OpenAI's GPT-OSS checkpoint) carries quantized 3-D experts: export in it, or disable it "
                               "(quantlib.disable_quantizer(model, '*experts*'))")
     return True
+
+
+def refuse_unwritten(module: nn.Module, name: str) -> None:
+    """Refuse, by name, a quantized module whose weights the export would write unquantized: one that holds them
+    under names of its own (e.g. Llama-4's ``Llama4TextExperts``: ``gate_up_proj`` / ``down_proj``, 3-D (E, in, out))
+    with an enabled weight quantizer, which no format here lays out; its checkpoint would load with other weights
+    than the quantized model computes with."""
+    for qname in getattr(module, "weight_quantizer_names", ()):
+        q = module._modules.get(qname)
+        leaves = q.leaves() if hasattr(q, "leaves") else [q]
+        if any(isinstance(t, TensorQuantizer) and t.is_enabled for t in leaves):
+            params = ", ".join(f"{k} {tuple(p.shape)}" for k, p in module.named_parameters(recurse=False))
+            raise ExportError(f"{name}.{qname} is enabled, and the export has no layout for a quantized {type(module).__name__} "
+                              f"({params}): its weights would be written unquantized, unlike the model's. Disable its quantizers "
+                              f"(quantlib.disable_quantizer(model, '*{name.rpartition('.')[2]}*')) to export them unquantized")

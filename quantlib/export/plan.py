@@ -18,7 +18,7 @@ from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .checks import check_structure, stored_fused
+from .checks import check_structure, refuse_unwritten, stored_fused
 from .fold import plan_folds
 from .fold_experts import fused_experts_class, part_name
 from .items import Item, active_input, child, live, refuse_pre_quant_scale, row_part
@@ -92,6 +92,8 @@ def walk(
                                   shape=tuple(w.shape[::-1] if swap else w.shape), input_where=f"{name}.input_quantizer",
                                   block_amax=block_amax, chain=chain, transposed=swap))
                 continue
+        if quant and not isinstance(module, fused_cls):
+            refuse_unwritten(module, name)  # an enabled weight quantizer that no item above carries
         if direct:
             items.append(Item(renamed(name, name), "unquantized", name, extras={k: live(module, k) for k in direct},
                               parent=parent, leaf=leaf))

@@ -40,7 +40,8 @@ FAMILIES = {
 
 #: families beyond FAMILIES that only the export's name / load / logits check walks (their configs, tiny as above; classes
 #: a transformers release lacks are skipped): dense ones of many lineages and more MoE layouts. GraniteMoE's checkpoint
-#: stores its experts rearranged (``input_linear`` / ``output_linear``), which the export refuses by name.
+#: stores its experts rearranged (``input_linear`` / ``output_linear``), which the export refuses by name, as it does
+#: Llama-4's quantized experts (3-D (E, in, out) tensors: no format lays them out).
 MORE_FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
@@ -68,9 +69,27 @@ MORE_FAMILIES = {
                                                                     linear_key_head_dim=64, linear_value_head_dim=64,
                                                                     linear_num_key_heads=2, linear_num_value_heads=2)),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2,
+                                                                                       shared_intermediate_size=I)),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=E, num_experts_per_tok=1, intermediate_size_mlp=I,
+                                                                  moe_layers=[0], interleave_moe_layer_step=1, no_rope_layers=[1])),
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(num_experts=E, num_experts_per_tok=2, num_hidden_layers=2, attn_layer_period=1,
+                                                      attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=16,
+                                                      mamba_expand=2, use_mamba_kernels=False)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2, layer_types=["full_attention"])),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(_MOE, num_experts=E, moe_topk=2, num_shared_expert=1)),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+                                                      topk_group=1)),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(_MOE, num_experts=E, num_dense_layers=0, layer_types=["full_attention"])),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(_MOE, num_experts=E)),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(_MOE, num_experts=E)),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(_MOE, num_experts=E, num_dense_layers=0)),
 }  # fmt: skip
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
-MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"}
+MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged",
+                "granitemoeshared": "block_sparse_moe.output_linear.weight rearranged",
+                "llama4_text": "experts.gate_up_proj_weight_quantizer is enabled, and the export has no layout"}
 #: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and
 #: gate_up_proj), with their fused groups as FAMILY_GROUPS names them
 MORE_GROUPS = {"phi3": (), "olmoe": ("attn",), "ernie4_5_moe": ("attn", "shared"), "glm4_moe": ("attn", "shared"),

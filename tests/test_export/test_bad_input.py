@@ -171,3 +171,15 @@ def test_tensor_rows_not_the_quantizers_refused(tmp_path, cfg, fmt, scales, amax
         list(serialize_weight("0.weight", torch.randn(384, 256), model[0], fmt, scales=scales))
     model[0].weight = nn.Parameter(torch.randn(384, 256))  # resized after calibration
     refused(tmp_path, model, fmt, rf"^0.weight_quantizer: weight 0 of shape \(384, 256\) does not match its quantizer's {amax}")
+
+
+@pytest.mark.parametrize("fmt", ["modelopt_w4a8_awq", "hf_fp8_block"])
+def test_chain_with_its_first_member_off_is_refused_not_written_unquantized(tmp_path, fmt):
+    # a SequentialQuantizer reads as enabled by its first member: with that one off and the second on, the model
+    # fake-quantizes the weight while the linear's item would go out unquantized
+    model = mlp(cfg={**ql.W4A8_AWQ_BETA_CFG, "algorithm": "max"})
+    model[0].weight_quantizer[0].disable()
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        assert not torch.equal(model[0](x), nn.functional.linear(x, model[0].weight, model[0].bias))  # the second member acts
+    refused(tmp_path, model, fmt, r"^0.weight_quantizer is enabled, and the export has no layout for a quantized QuantLinear")

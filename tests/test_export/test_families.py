@@ -236,3 +236,12 @@ def test_gated_deltanet_b_a_and_every_layers_shared_expert_carry_one_scale(tmp_p
         for key in ("weight_scale", "input_scale"):
             scales = [sd[f"{parent.format(leaf)}.{key}"] for leaf in leaves]
             assert all(torch.equal(s, scales[0]) for s in scales), (parent, key, scales)
+
+
+def test_llama4_exports_with_its_experts_left_unquantized(tmp_path):
+    """Llama-4's quantized experts are refused (MORE_REFUSED); with their quantizers off the rest exports quantized and
+    loads as saved."""
+    if not _families.built_here("llama4_text"):
+        pytest.skip("this transformers has no Llama-4")
+    base = build("llama4_text")
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=("*feed_forward.experts*",)), tmp_path)
