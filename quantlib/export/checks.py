@@ -10,6 +10,7 @@ from torch import nn
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
+from .items import any_enabled
 from .layouts import ModelLayout
 from .modules import ModuleWalk
 from .types import ExportError
@@ -135,9 +136,7 @@ def refuse_unwritten(module: nn.Module, name: str) -> None:
     with an enabled weight quantizer, which no format here lays out; its checkpoint would load with other weights
     than the quantized model computes with."""
     for qname in getattr(module, "weight_quantizer_names", ()):
-        q = module._modules.get(qname)
-        leaves = q.leaves() if hasattr(q, "leaves") else [q]
-        if any(isinstance(t, TensorQuantizer) and t.is_enabled for t in leaves):
+        if any_enabled(module._modules.get(qname)):
             params = ", ".join(f"{k} {tuple(p.shape)}" for k, p in module.named_parameters(recurse=False))
             raise ExportError(f"{name}.{qname} is enabled, and the export has no layout for a quantized {type(module).__name__} "
                               f"({params}): its weights would be written unquantized, unlike the model's. Disable its quantizers "

@@ -31,12 +31,12 @@ LAYOUTS = {"tp1": (1, 1, tuple(CASES)), "tp2ep2": (4, 2, ("modelopt_nvfp4", "ct_
 
 
 class GroupedGEMMs(nn.Module):
-    """What the sync reads of TE's GroupedLinear: ``num_gemms`` weights ``weight{j}`` (this rank's shards) and the
-    parallel mode."""
+    """What the sync and the file export read of TE's GroupedLinear: ``num_gemms`` weights ``weight{j}`` (this rank's
+    shards), the parallel mode, and the global index of GEMM 0 (Megatron's TE wrapper gives it: quantlib's mixin)."""
 
-    def __init__(self, weights: list[torch.Tensor], parallel_mode: str) -> None:
+    def __init__(self, weights: list[torch.Tensor], parallel_mode: str, expert_offset: int) -> None:
         super().__init__()
-        self.num_gemms, self.parallel_mode = len(weights), parallel_mode
+        self.num_gemms, self.parallel_mode, self.expert_offset = len(weights), parallel_mode, expert_offset
         self.out_features, self.in_features = weights[0].shape
         for j, w in enumerate(weights):
             self.register_parameter(f"weight{j}", nn.Parameter(w.detach().clone()))
@@ -47,10 +47,13 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, sequential: nn.Module) -> None:
         super().__init__()
+        from megatron.core import parallel_state
+
         local = list(sequential.local_experts)
         self.num_local_experts = len(local)
-        self.linear_fc1 = GroupedGEMMs([e.linear_fc1.weight for e in local], "column")
-        self.linear_fc2 = GroupedGEMMs([e.linear_fc2.weight for e in local], "row")
+        offset = parallel_state.get_expert_model_parallel_rank() * len(local)
+        self.linear_fc1 = GroupedGEMMs([e.linear_fc1.weight for e in local], "column", offset)
+        self.linear_fc2 = GroupedGEMMs([e.linear_fc2.weight for e in local], "row", offset)
 
 
 def build(tp: int, ep: int, heads: int, grouped: bool) -> nn.Module:
@@ -106,3 +109,21 @@ def _compare(rank: int, world: int, layout: str) -> list[str]:
 def test_grouped_expert_stream_equals_the_sequential_mlp_stream(layout):
     results = shims.run_distributed(_compare, LAYOUTS[layout][0], layout, timeout=400)
     assert [b for r in results for b in r] == []
+
+
+def _first_expert_off(rank: int, world: int) -> list:
+    from quantlib.export.megatron_export import _specs
+
+    QuantModuleRegistry.register(GroupedGEMMs)(type("_QuantGroupedGEMMs", (ta.QuantTEGroupedLinearBase,), {}))
+    shims.set_layout(1, 1)
+    model = build(1, 1, 1, True)
+    ql.quantize(model, weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG), None, parallel_state=ql.ParallelState.from_megatron())
+    model.decoder.layers[0].mlp.experts.linear_fc1.weight_quantizer[0].disable()
+    return sorted(e for layer, module, e in _specs(model) if layer == 0 and module == "mlp.experts.experts.linear_fc1")
+
+
+def test_grouped_experts_with_the_first_member_off_keep_the_others_quantized():
+    # a grouped quantizer's is_enabled reads its first member alone: the file export's plan skipped every GEMM of the
+    # grouped linear, which it then wrote unquantized though the model fake-quantizes experts 1-3 (the GPU test
+    # test_megatron_sync_te_gpu.py runs the file export itself on TE's GroupedLinear)
+    assert shims.run_distributed(_first_expert_off, 1, timeout=300) == [[1, 2, 3]]
