@@ -15,8 +15,9 @@ Quantizer = Union[TensorQuantizer, "SequentialQuantizer", "GroupedQuantizer"]
 
 
 class QuantizerContainer:
-    """Mixin for an ``nn.Module`` container of quantizers: lifecycle calls go to every member; reads of
-    ``amax`` / ``is_enabled`` come from the first member."""
+    """Mixin for an ``nn.Module`` container of quantizers: lifecycle calls go to every member; ``amax`` reads
+    the first member; ``is_enabled`` is true where any member is enabled (a container whose first member is off
+    may still change the tensor: what a check of "is this quantized?" must see)."""
 
     def _broadcast(self, method: str, *args) -> None:
         for m in self.members():
@@ -59,7 +60,7 @@ class QuantizerContainer:
 
     @property
     def is_enabled(self) -> bool:
-        return next(iter(self.members())).is_enabled
+        return any(m.is_enabled for m in self.members())
 
     @property
     def amax(self) -> Optional[torch.Tensor]:
