@@ -57,15 +57,6 @@ def live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:
     return lambda: (module._parameters[key] if key in module._parameters else module._buffers[key]).detach()
 
 
-def any_enabled(q: Optional[nn.Module]) -> bool:
-    """Whether quantizer ``q`` quantizes anything: a container (grouped, sequential) where any of its leaves is enabled,
-    though its own ``is_enabled`` reads its first member alone."""
-    if q is None:
-        return False
-    leaves = q.leaves() if hasattr(q, "leaves") else [q]
-    return any(isinstance(t, TensorQuantizer) and t.is_enabled for t in leaves)
-
-
 def active_input(q: Optional[nn.Module]) -> tuple[Optional[FormatSpec], Optional[torch.Tensor]]:
     if not (type(q) is TensorQuantizer or isinstance(q, TensorQuantizer)) or not q.is_enabled:
         return None, None

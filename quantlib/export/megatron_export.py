@@ -27,7 +27,7 @@ from ..nn.containers import GroupedQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .export_checkpoint import check_arguments, parse_size, write_plan
-from .items import Item, any_enabled, module_quantizers, refuse_pre_quant_scale
+from .items import Item, module_quantizers, refuse_pre_quant_scale
 from .megatron_config import megatron_hf_config
 from .megatron_names import LINEARS, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
 from .plan import check_items
@@ -68,7 +68,7 @@ def _specs(model: nn.Module) -> dict[tuple, tuple]:
             continue
         refuse_pre_quant_scale(module_quantizers(module, name))
         q = getattr(module, "weight_quantizer", None)
-        if not any_enabled(q):  # a grouped quantizer's is_enabled reads its first member alone
+        if q is None or not q.is_enabled:  # a grouped quantizer: any member
             continue
         parts = name.split(".")
         layer, rest = (None, parts) if name == "output_layer" else (int(parts[2]), parts[3:])

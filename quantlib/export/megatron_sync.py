@@ -41,7 +41,7 @@ from ..formats import Kind
 from ..nn.containers import GroupedQuantizer
 from ..nn.tensor_quantizer import TensorQuantizer
 from ..traversal import applied_config
-from .items import Item, active_input, any_enabled, refuse_pre_quant_scale
+from .items import Item, active_input, refuse_pre_quant_scale
 from .iterate import _stack, pack_item
 from .megatron_names import COLUMN, LAYER_NAMES, MEGATRON_GPT, TOP_NAMES, hf_layer_name, hf_linear, select_rows, split_rows
 from .plan import check_items
@@ -162,7 +162,7 @@ class _Walk:
         # tied embeddings: the last pipeline stage's output_layer.weight is a copy of the embedding (HF ties them)
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
         q = None if out is None else out._modules.get("weight_quantizer")
-        if tied and any_enabled(q):
+        if tied and q is not None and q.is_enabled:
             raise ExportError("output_layer.weight_quantizer: enabled on an output layer tied to the embedding; the HF model's "
                               "lm_head is the embedding, unquantized: disable it ('*output_layer*': {'enable': False}) or untie "
                               "the output layer")  # fmt: skip
@@ -244,7 +244,7 @@ class _Walk:
         quantized = isinstance(q, TensorQuantizer) and q.is_enabled
         if quantized:
             refuse_pre_quant_scale([(wq, q), (f"{where}.input_quantizer", module._modules.get("input_quantizer"))])
-        elif not isinstance(q, TensorQuantizer) and any_enabled(q):
+        elif q is not None and not isinstance(q, TensorQuantizer) and q.is_enabled:
             raise ExportError(f"{wq} = {type(q).__name__}: the Megatron sync takes one TensorQuantizer per linear")
         ispec, iamax = active_input(module._modules.get("input_quantizer")) if quantized else (None, None)
         for leaf, idx, shard in split_rows(generic, rows, self.config, groups):
