@@ -63,8 +63,9 @@ def _loop(model) -> None:
         model(t, torch.arange(SEQ, device="cuda").expand(2, SEQ), attention_mask=None)
 
 
-@pytest.mark.parametrize("experts,grouped", [(None, False), (4, False), (4, True)], ids=["dense", "sequential_mlp", "grouped_mlp"])
-def test_te_gpt_stream_equals_the_file_export(experts, grouped, tmp_path):
+@pytest.mark.parametrize("experts,grouped,first_off", [(None, False, False), (4, False, False), (4, True, False), (4, True, True)],
+                         ids=["dense", "sequential_mlp", "grouped_mlp", "grouped_mlp_first_gemm_off"])
+def test_te_gpt_stream_equals_the_file_export(experts, grouped, first_off, tmp_path):
     from safetensors.torch import load_file
 
     from quantlib.export.megatron_export import export_megatron_checkpoint
@@ -72,12 +73,19 @@ def test_te_gpt_stream_equals_the_file_export(experts, grouped, tmp_path):
 
     model = ql.quantize(_gpt(experts, grouped), WEIGHTS, _loop)
     assert grouped == any(type(m).__name__ == "TEGroupedMLP" for m in model.modules())
+    if first_off:  # GEMM 0 of layer 1's grouped fc1 unquantized, the rest quantized: both paths must say so alike
+        fc1 = next(m for n, m in model.named_modules() if n.endswith("decoder.layers.1.mlp.experts.linear_fc1"))
+        fc1.weight_quantizer[0].disable()
     stream = {k: t.cpu() for k, t in megatron_sync_pairs(model, "modelopt_nvfp4", scales="calibrated", experts="per_expert")}
     export_megatron_checkpoint(model, str(tmp_path / "out"), "modelopt_nvfp4", hf_config={})  # (LayerNorm: no transformers family)
     files = load_file(os.path.join(tmp_path, "out", "model.safetensors"))
     assert "model.layers.0.input_layernorm.weight" in stream and not [k for k in stream if "linear_" in k]
     assert sorted(stream) == sorted(files)
     assert [k for k in files if not bit_equal(files[k], stream[k])] == []
+    if first_off:
+        gate = "model.layers.1.mlp.experts.{}.gate_proj.weight"
+        assert files[gate.format(0)].dtype == torch.bfloat16 and all(files[gate.format(e)].dtype == torch.uint8 for e in (1, 2, 3))
+        return
     if experts is None:
         return
     # stacked: expert e of w13 = its gate then up, of w2 = its down (vLLM's fused-MoE parameters)
