@@ -9,7 +9,7 @@
 // max: a NaN lane is replaced at the end, so their NaN rule does not matter), the normal rounding on the
 // bits, the subnormal steps by one fp32 addition (fp8_subnormal_steps), the sign (the clamp keeps it). A
 // NaN lane's code is 0x7F (Fp8BlockOp) or 0x7F with the NaN's sign (fp8_code, MX). Same bits:
-// tests/test_kernels/test_fp8_block_lanes.py (every bf16 pattern, each compiled variant).
+// tests/test_kernels/test_fp8_block_codes_lanes.py (every bf16 pattern, each compiled variant).
 
 // Whether an op's codes take the lane loops, its FP8 format and its NaN code.
 template <class O>
