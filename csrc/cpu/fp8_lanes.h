@@ -3,7 +3,7 @@
 // and MXFP8 E4M3 (d a power of two). gcc's vectorization of the element function spills its masks (the
 // clamp's NaN-passing selects, the narrowing to bytes) to the stack, and in the AVX-512 build was slower
 // than the AVX2 one. Included by kernels_impl.h (inside namespace quantlib::cpu::<isa>, after formats.h)
-// where the ISA's file defines QL_HAS_AVX2 / QL_HAS_AVX512.
+// where the ISA's file defines QL_HAS_AVX512 or QL_HAS_AVX2 (one of them).
 //
 // The same operations as the element functions, lane by lane: the IEEE division x / d, the clamp (min /
 // max: a NaN lane is replaced at the end, so their NaN rule does not matter), the normal rounding on the

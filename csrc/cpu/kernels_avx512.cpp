@@ -12,11 +12,9 @@ namespace cpu {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")
 namespace avx512 {
 #define QL_ISA_NAME "avx512"
-#define QL_HAS_AVX2 1  // kernels_impl.h's intrinsic loops (fp8_lanes.h), which beat gcc's vectorization here too
-#define QL_HAS_AVX512 1
+#define QL_HAS_AVX512 1  // kernels_impl.h's intrinsic loops (fp8_lanes.h), which beat gcc's vectorization here too
 #include "kernels_impl.h"
 #undef QL_HAS_AVX512
-#undef QL_HAS_AVX2
 }  // namespace avx512
 #pragma GCC pop_options
 

@@ -109,7 +109,7 @@ QL_INLINE void row_apply(const BlockTask& t, const O& op, const BlockParams& p, 
     return run_fake<T, O, 0>(x, y, n, op, p.p0, p.p1);
   } else if constexpr (O::kCodes == Codes::FP8) {
     uint8_t* c = t.codes + row * t.K + c0;
-#if defined(QL_HAS_AVX2)
+#if defined(QL_HAS_AVX2) || defined(QL_HAS_AVX512)
     if constexpr (Fp8Lanes<O>::kYes && Lanes<T>::kOk) {
       const int64_t k = fp8_codes32<T, typename Fp8Lanes<O>::Format, Fp8Lanes<O>::kNanSigned>(x, c, n, p.p0);
       if (k == n) return;

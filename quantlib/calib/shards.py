@@ -66,12 +66,9 @@ def search_amax(q: TensorQuantizer, x: torch.Tensor, target: Any, sync: StatSync
     return sync.over_shards(amax, "max", target) if dim is None else amax
 
 
-__all__ = ["groups_span_shards", "search_amax"]
-
-
 def output_mse(err: torch.Tensor, role: Optional[str], target: Any, sync: StatSync) -> torch.Tensor:
     """The mean squared output error of a shard's ``err``: a row-parallel shard's partial errors are added
-    over the shards before squaring (the docstring above)."""
+    over the shards before squaring (the module docstring)."""
     if role == "row":
         err = sync.over_shards(err, "sum", target)
     return err.pow(2).mean()
@@ -81,3 +78,6 @@ def peer_mean(losses: torch.Tensor, target: Any, sync: StatSync) -> torch.Tensor
     """``losses`` averaged over ``target``'s tensor-parallel peers (the shards' output slices, or the copies
     of one loss that ranks holding whole copies computed); unchanged without peers."""
     return sync.over_peers(losses, "sum", target) / sync.peers(target) if sync.peer_group(target) else losses
+
+
+__all__ = ["groups_span_shards", "output_mse", "peer_mean", "search_amax"]

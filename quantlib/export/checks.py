@@ -10,6 +10,7 @@ from torch import nn
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
+from .items import child
 from .layouts import ModelLayout
 from .modules import ModuleWalk
 from .types import ExportError
@@ -135,7 +136,7 @@ def refuse_unwritten(module: nn.Module, name: str) -> None:
     with an enabled weight quantizer, which no format here lays out; its checkpoint would load with other weights
     than the quantized model computes with."""
     for qname in getattr(module, "weight_quantizer_names", ()):
-        q = module._modules.get(qname)
+        q = child(module, qname)
         if q is not None and q.is_enabled:  # a container: any member
             params = ", ".join(f"{k} {tuple(p.shape)}" for k, p in module.named_parameters(recurse=False))
             raise ExportError(f"{name}.{qname} is enabled, and the export has no layout for a quantized {type(module).__name__} "
