@@ -41,7 +41,9 @@ FAMILIES = {
 #: families beyond FAMILIES that only the export's name / load / logits check walks (their configs, tiny as above; classes
 #: a transformers release lacks are skipped): dense ones of many lineages and more MoE layouts. GraniteMoE's checkpoint
 #: stores its experts rearranged (``input_linear`` / ``output_linear``), which the export refuses by name, as it does
-#: Llama-4's quantized experts (3-D (E, in, out) tensors: no format lays them out).
+#: Llama-4's quantized experts (3-D (E, in, out) tensors: no format lays them out), GraniteMoE-SWA's (kept 3-D), a
+#: checkpoint tensor renamed within its module (Param2 / Sarvam's router bias) and linears that read one input under leaf
+#: names no layout knows (the DSA indexer's wk / weights_proj, MiniCPM5-MoE's q_gate_proj beside k_proj / v_proj).
 MORE_FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
@@ -85,11 +87,60 @@ MORE_FAMILIES = {
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(_MOE, num_experts=E)),
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(_MOE, num_experts=E)),
     "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(_MOE, num_experts=E, num_dense_layers=0)),
+    # DBRX: fused Wqkv (its forward needs clip_qkv and attn_config.rope_theta; head_dim = d_model / n_heads); its experts
+    # (ffn.experts.mlp.w1 / v1 / w2, 2-D (E * ffn, d_model) parameters) have no quantized class and stay unquantized, so
+    # two layers give the four quantized linears the load check asks for
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(d_model=H, head_dim=64, num_hidden_layers=2, ffn_config=dict(moe_num_experts=E,
+                                                   moe_top_k=2, ffn_hidden_size=I), attn_config=dict(kv_n_heads=1, clip_qkv=8.0,
+                                                                                                     rope_theta=1e4))),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", dict(num_experts=E, num_experts_per_tok=2, pad_token_id=0)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1,
+                                                                          mlp_layer_types=["sparse"])),
+    # LongCat-Flash: num_hidden_layers is 2 * num_layers (one layer: two MLA sublayers, two dense MLPs, the shortcut MoE);
+    # zero experts (identity) route beside the real ones
+    "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, num_hidden_layers=2,
+                                                                            zero_expert_num=E)),
+    # DeepSeek sparse attention: the indexer's wq_b / wk / weights_proj beside MLA (index_topk below the sequence: sparse)
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1,
+                                                                    first_k_dense_replace=0, index_n_heads=1, index_head_dim=128,
+                                                                    index_topk=4)),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1,
+                                                                         first_k_dense_replace=0, n_group=1, topk_group=1,
+                                                                         index_n_heads=1, index_head_dim=128, index_topk=4)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2,
+                                                                                       shared_intermediate_size=I, num_hidden_layers=2,
+                                                                                       layer_types=["linear_attention",
+                                                                                                    "full_attention"],
+                                                                                       mamba_n_heads=4, mamba_d_state=64)),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2,
+                                                                               shared_intermediate_size=I)),
+    # Param2 and Sarvam-MoE: transformers runs them as Glm4MoeForCausalLM
+    "param2moe": ("Param2MoeConfig", "Glm4MoeForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0)),
+    "sarvam_moe": ("SarvamMoEConfig", "Glm4MoeForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0)),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1)),
+    # Nemotron-H: one mixer per layer (Mamba-2, attention, MoE with non-gated up_proj / down_proj experts)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1,
+                                                                   moe_shared_expert_intermediate_size=I,
+                                                                   layer_types=["linear_attention", "full_attention", "moe"],
+                                                                   mamba_num_heads=4, mamba_head_dim=32, n_groups=1, ssm_state_size=64)),
+    "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1,
+                                                                         mlp_layer_types=["sparse"])),
 }  # fmt: skip
+_BIAS_RENAMED = r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.mlp.gate.expert_bias \(tensor renamed\)"
+_FUSE = r"cannot tell whether consumers fuse \['model.layers.0.self_attn."
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
 MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged",
                 "granitemoeshared": "block_sparse_moe.output_linear.weight rearranged",
-                "llama4_text": "experts.gate_up_proj_weight_quantizer is enabled, and the export has no layout"}
+                "llama4_text": "experts.gate_up_proj_weight_quantizer is enabled, and the export has no layout",
+                "granitemoehybrid": "block_sparse_moe.output_linear.weight rearranged",
+                "granitemoe_swa": "granitemoe_swa checkpoint keeps model.layers.0.block_sparse_moe.experts.gate_up_proj as one 3-D tensor",
+                # the checkpoint's router bias is gate.expert_bias (and its q / k / v are one query_key_value)
+                "param2moe": _BIAS_RENAMED, "sarvam_moe": _BIAS_RENAMED,
+                # the DSA indexer's wk and weights_proj read one input (with weights_proj's quantizer off, both export and load as saved)
+                "deepseek_v32": _FUSE + r"indexer.wk', 'model.layers.0.self_attn.indexer.weights_proj'\]",
+                "glm_moe_dsa": _FUSE + r"indexer.wk', 'model.layers.0.self_attn.indexer.weights_proj'\]",
+                # q_gate_proj (the checkpoint's q_proj: the queries and their gate) reads the input of k_proj / v_proj
+                "minicpm5_moe": _FUSE + r"k_proj', 'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.q_gate_proj'\]"}
 #: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and
 #: gate_up_proj), with their fused groups as FAMILY_GROUPS names them
 MORE_GROUPS = {"phi3": (), "olmoe": ("attn",), "ernie4_5_moe": ("attn", "shared"), "glm4_moe": ("attn", "shared"),
