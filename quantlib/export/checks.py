@@ -7,6 +7,7 @@ from typing import Optional
 
 from torch import nn
 
+from ..formats import FormatSpec, Kind
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
@@ -49,6 +50,7 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
     shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
     linears = _linears(walk)
+    _refuse_indexer(linears)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
     # what the layout can name: its standalone leaves and its siblings' (a leaf in no group is known if standalone)
@@ -89,6 +91,28 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
                               f"fused siblings need one global scale, so say which are: {_HOW}")
     if walk.tied:  # else no weight has a second owner
         _refuse_tied(walk.modules)
+
+
+def _indexer_wk_loads(spec: FormatSpec) -> bool:
+    # vLLM dequantizes an indexer wk stored as E4M3 codes with per-row or 2-D block scales (bf16 or E8M0)
+    return spec.kind is Kind.FP8_BLOCK or (spec.kind is Kind.MX and spec.element == (4, 3))
+
+
+def _refuse_indexer(linears: list[tuple[str, nn.Module, bool]]) -> None:
+    """DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5): vLLM runs ``wk`` and ``weights_proj`` as one
+    unquantized GEMM (``wk_weights_proj``); it loads ``weights_proj`` in bf16 only and dequantizes ``wk`` only from
+    E4M3 codes with block scales. Anything else it would read as plain numbers or fail on, so it is refused here."""
+    for name, module, enabled in linears:
+        parent, _, leaf = name.rpartition(".")
+        if not enabled or leaf not in ("wk", "weights_proj") or parent.rpartition(".")[2] != "indexer":
+            continue
+        spec = module.weight_quantizer.spec
+        if leaf == "wk" and _indexer_wk_loads(spec):
+            continue
+        held = "only unquantized (bf16)" if leaf == "weights_proj" else "dequantized from E4M3 codes with 128x128 or MXFP8 scales only"
+        raise ExportError(f"{name}.weight_quantizer is enabled ({spec.kind.value}), but the sparse-attention indexer's {leaf} is loaded "
+                          f"{held}: vLLM fuses {parent}.wk and .weights_proj into one unquantized GEMM (wk_weights_proj); "
+                          f"disable it (quantlib.disable_quantizer(model, '*indexer.{leaf}*'))")
 
 
 def _refuse_tied(modules: list[tuple[str, nn.Module]]) -> None:

@@ -127,6 +127,7 @@ MORE_FAMILIES = {
                                                                          mlp_layer_types=["sparse"])),
 }  # fmt: skip
 _BIAS_RENAMED = r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.mlp.gate.expert_bias \(tensor renamed\)"
+_INDEXER = r"indexer.weights_proj.weight_quantizer is enabled \(mx\), but the sparse-attention indexer's weights_proj is loaded only"
 _FUSE = r"cannot tell whether consumers fuse \['model.layers.0.self_attn."
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
 MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged",
@@ -136,9 +137,8 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 "granitemoe_swa": "granitemoe_swa checkpoint keeps model.layers.0.block_sparse_moe.experts.gate_up_proj as one 3-D tensor",
                 # the checkpoint's router bias is gate.expert_bias (and its q / k / v are one query_key_value)
                 "param2moe": _BIAS_RENAMED, "sarvam_moe": _BIAS_RENAMED,
-                # the DSA indexer's wk and weights_proj read one input (with weights_proj's quantizer off, both export and load as saved)
-                "deepseek_v32": _FUSE + r"indexer.wk', 'model.layers.0.self_attn.indexer.weights_proj'\]",
-                "glm_moe_dsa": _FUSE + r"indexer.wk', 'model.layers.0.self_attn.indexer.weights_proj'\]",
+                # vLLM fuses the DSA indexer's wk and weights_proj unquantized (test_families: with weights_proj off, both load as saved)
+                "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
                 # q_gate_proj (the checkpoint's q_proj: the queries and their gate) reads the input of k_proj / v_proj
                 "minicpm5_moe": _FUSE + r"k_proj', 'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.q_gate_proj'\]"}
 #: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and

@@ -245,3 +245,22 @@ def test_llama4_exports_with_its_experts_left_unquantized(tmp_path):
         pytest.skip("this transformers has no Llama-4")
     base = build("llama4_text")
     assert_loads_as_saved(base, quantized(base, MXFP8, off=("*feed_forward.experts*",)), tmp_path)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_indexer_exports_with_weights_proj_unquantized(tmp_path, family):
+    """vLLM runs the DSA indexer's wk and weights_proj as one unquantized GEMM and dequantizes wk from E4M3 codes only:
+    with weights_proj off the model exports (wk MXFP8 or FP8 128x128) and loads as saved; a wk in INT4 is refused by
+    name, nothing written (MORE_REFUSED: weights_proj quantized)."""
+    if not _families.built_here(family):
+        pytest.skip(f"this transformers has no {family}")
+    base = build(family)
+    off = ("*indexer.weights_proj*",)
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=off), tmp_path)
+    fp8 = quantized(base, weight_only(ql.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG), off=off)
+    export_checkpoint(fp8, tmp_path / "fp8", "hf_fp8_block")
+    assert load_file(tmp_path / "fp8" / "model.safetensors")["model.layers.0.self_attn.indexer.wk.weight"].dtype == torch.float8_e4m3fn
+    int4 = quantized(base, ql.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, off=off)
+    with pytest.raises(ExportError, match=r"indexer.wk.weight_quantizer is enabled \(int\), .* dequantized from E4M3 codes"):
+        export_checkpoint(int4, tmp_path / "int4", "ct_int_pack")
+    assert not (tmp_path / "int4").exists()
