@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite on a GPU machine, in one command: every test marked `gpu` (Transformer Engine and
-# Megatron-Core tests too where they import: they skip cleanly otherwise), then the GPU benchmarks.
+# Megatron-Core tests too where they import: they skip cleanly otherwise), the C++ CPU kernel tests on this
+# machine's build (with the default --tests), then the GPU benchmarks.
 # Installs nothing from the network: build quantlib's CUDA extension first (`pip install
 # --no-build-isolation -e .` or `python setup.py build_ext --inplace`), with TE / Megatron-Core installed
 # or on PYTHONPATH. Logs, JUnit XML and benchmark JSON go to LOGDIR.
@@ -17,7 +18,7 @@
 # whatever ran before it in its process). Exit status: that of pytest, or 1 where a benchmark failed.
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,17p' "$0" >&2
+    sed -n '2,18p' "$0" >&2
     exit 2
 fi
 logdir=$1
@@ -68,6 +69,15 @@ if [ "$tests" != none ]; then
     PYTHONUNBUFFERED=1 "$py" -m pytest -m gpu $tests "${workers[@]}" -ra -q --junitxml="$logdir/pytest_gpu.xml" 2>&1 | tee "$logdir/pytest_gpu.log"
     status=${PIPESTATUS[0]}
     tail -1 "$logdir/pytest_gpu.log"
+fi
+if [ "$tests" = tests ]; then
+    # the C++ CPU kernels as this machine built them (its compiler, its CPU's vector units), which CI never sees
+    cpu_tests="tests/test_kernels/test_cpu_kernels.py tests/test_kernels/test_fp8_block_codes_lanes.py"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 "$py" -X faulthandler -m pytest $cpu_tests "${workers[@]}" -ra -q --junitxml="$logdir/pytest_cpu_kernels.xml" 2>&1 |
+        tee "$logdir/pytest_cpu_kernels.log" | tail -3
+    cpu_status=${PIPESTATUS[0]}
+    [ "$status" -eq 0 ] && status=$cpu_status
 fi
 
 for bench in $benchmarks; do
