@@ -5,6 +5,8 @@
   transformers 5.25), found by that decoration rather than by a list of names; each instance's
   parameters are checked against the layout its flags declare when it is converted.
 - Llama-4's ``Llama4TextExperts`` and GPT-2's ``Conv1D`` (:mod:`quantlib.plugins.hf_layouts`).
+- Falcon's ``FalconLinear`` (an ``nn.Linear`` subclass computing ``x @ W.T + b``): quantized as a linear, as ModelOpt does
+  (the registry matches classes exactly, so it was left unquantized).
 
 Registration never imports transformers' modeling code (seconds per model family): it looks at the
 modules already imported, which a model built from them has done. ``convert`` calls :func:`refresh`
@@ -19,6 +21,7 @@ from typing import Optional
 from torch import nn
 
 from ..model_quant import tokens_per_expert_report  # noqa: F401  (re-exported)
+from ..nn.modules.linear import _QuantLinear
 from ..nn.quant_module import QuantModuleRegistry
 from .hf_experts import QuantFusedExperts, expert_weight, fused_experts_mixin, layout_error  # noqa: F401  (re-exported)
 from .hf_layouts import QuantConv1D, QuantLlama4TextExperts
@@ -46,6 +49,10 @@ def register_fused_experts(cls: type, gated: bool = True) -> None:
         QuantModuleRegistry.register(cls, cls.__name__)(fused_experts_mixin(cls, gated))
 
 
+class QuantFalconLinear(_QuantLinear):
+    """Falcon's ``FalconLinear`` quantized: ``nn.Linear``'s math; a class of its own so that its registry name is its own."""
+
+
 def _register_module(module) -> list[str]:
     done = []
     for cls in list(vars(module).values()):
@@ -57,6 +64,8 @@ def _register_module(module) -> list[str]:
             QuantModuleRegistry.register(cls, cls.__name__)(QuantLlama4TextExperts)
         elif cls.__name__ == "Conv1D" and module.__name__ == "transformers.pytorch_utils":
             QuantModuleRegistry.register(cls, "transformers.Conv1D")(QuantConv1D)
+        elif cls.__name__ == "FalconLinear" and issubclass(cls, nn.Linear):
+            QuantModuleRegistry.register(cls, "hf.FalconLinear")(QuantFalconLinear)
         else:
             flags = _decorator_flags(cls)
             if flags is None:
@@ -81,5 +90,5 @@ def refresh() -> list[str]:
 
 refresh()
 
-__all__ = ["QuantConv1D", "QuantFusedExperts", "QuantLlama4TextExperts", "expert_weight", "layout_error", "refresh",
+__all__ = ["QuantConv1D", "QuantFalconLinear", "QuantFusedExperts", "QuantLlama4TextExperts", "expert_weight", "layout_error", "refresh",
            "register_fused_experts", "tokens_per_expert_report"]

@@ -9,6 +9,8 @@ from torch import nn
 H, I, V, E = 128, 128, 128, 4  # noqa: E741  (I: the intermediate size, as in the model configs)
 _COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                head_dim=128, max_position_embeddings=64)
+#: a config kwarg's value that drops the field from _COMMON (a config that derives it and has no setter, e.g. Falcon's head_dim)
+UNSET = object()
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=I)
 #: MLA (DeepSeek-V2/V3): q_a 128 rows, kv_a 128 + 128 (rope), kv_b's input 128: 128x128 blocks
 _MLA = dict(num_key_value_heads=2, head_dim=128, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=128, qk_nope_head_dim=64,
@@ -43,7 +45,9 @@ FAMILIES = {
 #: stores its experts rearranged (``input_linear`` / ``output_linear``), which the export refuses by name, as it does
 #: Llama-4's quantized experts (3-D (E, in, out) tensors: no format lays them out), GraniteMoE-SWA's (kept 3-D), a
 #: checkpoint tensor renamed within its module (Param2 / Sarvam's router bias) and linears that read one input under leaf
-#: names no layout knows (the DSA indexer's wk / weights_proj, MiniCPM5-MoE's q_gate_proj beside k_proj / v_proj).
+#: names no layout knows (the DSA indexer's wk / weights_proj, MiniCPM5-MoE's q_gate_proj beside k_proj / v_proj,
+#: RecurrentGemma's linear_x / linear_y), as it does quantized convolutions (3-D weights: the hybrids' mamba.conv1d, LFM2's
+#: conv.conv) and Gemma-3n's 2 x 2 AltUp coefficients (no whole MX block).
 MORE_FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
@@ -125,10 +129,54 @@ MORE_FAMILIES = {
                                                                    mamba_num_heads=4, mamba_head_dim=32, n_groups=1, ssm_state_size=64)),
     "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1,
                                                                          mlp_layer_types=["sparse"])),
+    # older lineages: fused query_key_value (GPT-NeoX / Pythia, BLOOM, Persimmon, Falcon), Wqkv (MPT), qkv_proj (CodeGen),
+    # multi-query c_attn (GPT-BigCode / StarCoder 1, nn.Linear), OPT-350m's project_in / project_out, Phi-2's dense / fc1 / fc2
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=I)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=I, word_embed_proj_dim=2 * H, do_layer_norm_before=False)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {}),
+    # Falcon-7B (multi-query, parallel attention) and Falcon-40B / 180B (new_decoder_architecture: grouped kv) layouts;
+    # its config derives head_dim (no setter)
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(ffn_hidden_size=I, head_dim=UNSET)),
+    "falcon_new_arch": ("FalconConfig", "FalconForCausalLM", dict(ffn_hidden_size=I, head_dim=UNSET, new_decoder_architecture=True,
+                                                                  num_kv_heads=1)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(expansion_ratio=1)),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_inner=I)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_inner=I, multi_query=True)),
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(head_dim=64)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # non-gated relu^2 up_proj / down_proj
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=64, num_key_value_heads=2)),  # o_proj: hidden -> hidden
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(pad_token_id=0)),  # fused mlp.gate_up_proj
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    # Mamba-2 (its mixer.conv1d the presets leave unquantized): in_proj's 2 * 128 + 2 * 32 + 64 heads rows are 3 blocks of 128
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(num_hidden_layers=2, num_heads=64, head_dim=2, expand=1, n_groups=1,
+                                                         state_size=32, chunk_size=8)),
+    # hybrids whose Mamba-2 / short convolution the presets quantize (mamba.conv1d, conv.conv: 3-D weights, refused by name);
+    # with it off they export and load as saved. Zamba2: one shared transformer block (tied across its hybrid layers, one
+    # LoRA adapter each: adapter_rank 256, so that an adapter's two linears, one of them unreached through each copy, have
+    # inputs of different widths)
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+                                                               mamba_d_state=64, mamba_expand=1, mamba_chunk_size=8)),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                                                      mamba_n_groups=1, mamba_d_state=64, mamba_expand=1, mamba_chunk_size=8)),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(num_hidden_layers=3, layers_block_type=["hybrid", "mamba", "hybrid"],
+                                                         mamba_d_state=64, n_mamba_heads=4, mamba_expand=1, use_mem_eff_path=False,
+                                                         chunk_size=8, adapter_rank=2 * H, num_mem_blocks=1)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(num_hidden_layers=2, layer_types=["conv", "full_attention"],
+                                                   block_auto_adjust_ff_dim=False)),
+    # Gemma-3n text: AltUp's correction / prediction coefficients are (n, n) and (n * n, n) linears (n = altup_num_inputs)
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(hidden_size_per_layer_input=H, vocab_size_per_layer_input=V,
+                                                               laurel_rank=H, num_kv_shared_layers=0, layer_types=["full_attention"],
+                                                               altup_num_inputs=2, activation_sparsity_pattern=[0.0])),
+    # RecurrentGemma: the recurrent block's linear_x and linear_y read one input (and its conv_1d is quantized)
+    "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(num_hidden_layers=2, lru_width=H, intermediate_size=2 * I,
+                                                                                   block_types=["recurrent", "attention"])),
 }  # fmt: skip
 _BIAS_RENAMED = r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.mlp.gate.expert_bias \(tensor renamed\)"
 _INDEXER = r"indexer.weights_proj.weight_quantizer is enabled \(mx\), but the sparse-attention indexer's weights_proj is loaded only"
 _FUSE = r"cannot tell whether consumers fuse \['model.layers.0.self_attn."
+_CONV = r"mamba.conv1d.weight_quantizer: a 3-D weight \(256, 1, 4\); export formats carry 2-D linear weights"
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
 MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged",
                 "granitemoeshared": "block_sparse_moe.output_linear.weight rearranged",
@@ -140,7 +188,14 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 # vLLM fuses the DSA indexer's wk and weights_proj unquantized (test_families: with weights_proj off, both load as saved)
                 "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
                 # q_gate_proj (the checkpoint's q_proj: the queries and their gate) reads the input of k_proj / v_proj
-                "minicpm5_moe": _FUSE + r"k_proj', 'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.q_gate_proj'\]"}
+                "minicpm5_moe": _FUSE + r"k_proj', 'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.q_gate_proj'\]",
+                # a convolution's weight is 3-D in the checkpoint (channels, 1, kernel): no format carries it quantized
+                "falcon_h1": _CONV, "bamba": _CONV, "zamba2": _CONV,
+                "lfm2": r"model.layers.0.conv.conv.weight_quantizer: a 3-D weight \(128, 1, 3\); export formats carry 2-D linear weights",
+                # a 2 x 2 linear is no whole number of MX blocks (1 x 32)
+                "gemma3n": r"model.layers.0.altup.correction_coefs.weight_quantizer: weight 2x2 is not a whole number of 1x32 blocks",
+                "recurrent_gemma": r"cannot tell whether consumers fuse \['model.layers.0.temporal_block.linear_y', "
+                                   r"'model.layers.0.temporal_block.linear_x'\]"}
 #: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and
 #: gate_up_proj), with their fused groups as FAMILY_GROUPS names them
 MORE_GROUPS = {"phi3": (), "olmoe": ("attn",), "ernie4_5_moe": ("attn", "shared"), "glm4_moe": ("attn", "shared"),
@@ -189,7 +244,7 @@ def build(family: str, tie: bool = False, seed: int = 0, **overrides) -> nn.Modu
     import transformers
 
     cfg_cls, model_cls, extra = spec(family)
-    kwargs = {**_COMMON, **extra, "tie_word_embeddings": tie, **overrides}
+    kwargs = {k: v for k, v in {**_COMMON, **extra, "tie_word_embeddings": tie, **overrides}.items() if v is not UNSET}
     if is_moe(family):
         kwargs["experts_implementation"] = "eager"
     torch.manual_seed(seed)
