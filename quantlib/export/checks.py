@@ -51,6 +51,7 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
     shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
     linears = _linears(walk)
     _refuse_indexer(linears)
+    _refuse_read_directly(walk.modules)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
     # what the layout can name: its standalone leaves and its siblings' (a leaf in no group is known if standalone)
@@ -91,6 +92,25 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
                               f"fused siblings need one global scale, so say which are: {_HOW}")
     if walk.tied:  # else no weight has a second owner
         _refuse_tied(walk.modules)
+
+
+#: transformers modules whose forward reads a child linear's weight itself, not through the child's forward (which
+#: fake-quantizes it): class name -> child. Mamba-1's mixer multiplies by dt_proj.weight (slow and kernel paths alike).
+_READ_DIRECTLY = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_proj"}
+
+
+def _refuse_read_directly(modules: list[tuple[str, nn.Module]]) -> None:
+    """A quantized linear whose parent reads its weight directly computes unquantized in the model but would be
+    written quantized: what was calibrated and evaluated is not what would be served."""
+    for name, module in modules:
+        child_name = _READ_DIRECTLY.get(type(module).__name__)
+        child = module._modules.get(child_name) if child_name is not None else None
+        q = _weight_quantizer(child) if child is not None else None
+        if q is not None and q.is_enabled:
+            raise ExportError(f"{name}.{child_name}.weight_quantizer is enabled, but {type(module).__name__} reads {child_name}.weight "
+                              f"directly, not through {child_name}'s forward: the model computes with the unquantized weight, so a "
+                              f"quantized one would not be the model you calibrated; disable it (quantlib.disable_quantizer(model, "
+                              f"'*{child_name}*'))")
 
 
 def _indexer_wk_loads(spec: FormatSpec) -> bool:

@@ -264,3 +264,13 @@ def test_sparse_attention_indexer_exports_with_weights_proj_unquantized(tmp_path
     with pytest.raises(ExportError, match=r"indexer.wk.weight_quantizer is enabled \(int\), .* dequantized from E4M3 codes"):
         export_checkpoint(int4, tmp_path / "int4", "ct_int_pack")
     assert not (tmp_path / "int4").exists()
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_mamba_exports_with_dt_proj_unquantized(tmp_path, family):
+    """Mamba-1's mixer reads dt_proj.weight directly, so the model computes it unquantized whatever its quantizer says: a
+    quantized dt_proj is refused (MORE_REFUSED); off, the model exports and loads as saved, to the same logits."""
+    if not _families.built_here(family):
+        pytest.skip(f"this transformers has no {family}")
+    base = build(family)
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=("*dt_proj*",)), tmp_path)
