@@ -95,8 +95,10 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
 
 
 #: transformers modules whose forward reads a child linear's weight itself, not through the child's forward (which
-#: fake-quantizes it): class name -> child. Mamba-1's mixer multiplies by dt_proj.weight (slow and kernel paths alike).
-_READ_DIRECTLY = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_proj"}
+#: fake-quantizes it): class name -> child. Mamba-1's mixers multiply by dt_proj.weight (Jamba's unless its config is
+#: marked quantized, which a fake-quantized model's is not); LongCat-Flash's router casts its classifier's weight to fp32.
+_READ_DIRECTLY = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_proj", "JambaMambaMixer": "dt_proj",
+                  "LongcatFlashTopkRouter": "classifier"}
 
 
 def _refuse_read_directly(modules: list[tuple[str, nn.Module]]) -> None:

@@ -169,9 +169,13 @@ MORE_FAMILIES = {
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(hidden_size_per_layer_input=H, vocab_size_per_layer_input=V,
                                                                laurel_rank=H, num_kv_shared_layers=0, layer_types=["full_attention"],
                                                                altup_num_inputs=2, activation_sparsity_pattern=[0.0])),
-    # Mamba-1: its mixer multiplies by dt_proj.weight itself (quantized, refused by name; off, the rest loads as saved)
+    # Mamba-1 (and Jamba's Mamba layer, layer 0 here): its mixer multiplies by dt_proj.weight itself (quantized, refused by
+    # name; off, the rest loads as saved)
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(num_hidden_layers=2, expand=1, state_size=16, time_step_rank=128,
                                                       use_mambapy=False)),
+    "jamba_mamba": ("JambaConfig", "JambaForCausalLM", dict(num_experts=E, num_experts_per_tok=2, num_hidden_layers=2, attn_layer_period=2,
+                                                            attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                                                            mamba_d_state=16, mamba_expand=1, mamba_dt_rank=128, use_mamba_kernels=False)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(num_hidden_layers=2, expand=1, state_size=16,
                                                                          time_step_rank=128)),
     # RecurrentGemma: the recurrent block's linear_x and linear_y read one input (and its conv_1d is quantized)
@@ -198,6 +202,7 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 "falcon_h1": _CONV, "bamba": _CONV, "zamba2": _CONV,
                 "lfm2": r"model.layers.0.conv.conv.weight_quantizer: a 3-D weight \(128, 1, 3\); export formats carry 2-D linear weights",
                 "mamba": r"backbone.layers.0.mixer.dt_proj.weight_quantizer is enabled, but MambaMixer reads dt_proj.weight directly",
+                "jamba_mamba": r"model.layers.0.mamba.dt_proj.weight_quantizer is enabled, but JambaMambaMixer reads dt_proj.weight",
                 "falcon_mamba": r"backbone.layers.0.mixer.dt_proj.weight_quantizer is enabled, but FalconMambaMixer reads dt_proj.weight",
                 # a 2 x 2 linear is no whole number of MX blocks (1 x 32)
                 "gemma3n": r"model.layers.0.altup.correction_coefs.weight_quantizer: weight 2x2 is not a whole number of 1x32 blocks",

@@ -266,11 +266,24 @@ def test_sparse_attention_indexer_exports_with_weights_proj_unquantized(tmp_path
     assert not (tmp_path / "int4").exists()
 
 
-@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba_mamba"])
 def test_mamba_exports_with_dt_proj_unquantized(tmp_path, family):
     """Mamba-1's mixer reads dt_proj.weight directly, so the model computes it unquantized whatever its quantizer says: a
     quantized dt_proj is refused (MORE_REFUSED); off, the model exports and loads as saved, to the same logits."""
     if not _families.built_here(family):
         pytest.skip(f"this transformers has no {family}")
     base = build(family)
-    assert_loads_as_saved(base, quantized(base, MXFP8, off=("*dt_proj*",)), tmp_path)
+    off = ("*dt_proj*", "*mamba.conv1d*")  # Jamba's Mamba convolution is mamba.conv1d, which no preset rule names
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=off), tmp_path)
+
+
+def test_longcat_router_read_in_fp32_is_refused_quantized(tmp_path):
+    """LongCat-Flash's router multiplies by its classifier's weight cast to fp32 (not through the classifier's forward): with
+    the presets' ``*router*`` rule dropped, its quantized classifier is refused by name, nothing written."""
+    if not _families.built_here("longcat_flash"):
+        pytest.skip("this transformers has no LongCat-Flash")
+    cfg = {**MXFP8, "quant_cfg": {k: v for k, v in MXFP8["quant_cfg"].items() if k != "*router*"}}
+    model = quantized(build("longcat_flash"), cfg)
+    with pytest.raises(ExportError, match=r"mlp.router.classifier.weight_quantizer is enabled, but LongcatFlashTopkRouter reads"):
+        export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+    assert not (tmp_path / "q").exists()
