@@ -18,6 +18,7 @@ from .collectives import StatSync
 from .config import ConfigError, QuantizeConfig, algorithm_config, turns_on
 from .coverage import report_coverage
 from .kv.presets import check_kv_reach
+from .nn import bypass
 from .nn.containers import GroupedQuantizer, QuantizerContainer, build_quantizer, fits
 from .nn.modules.modelopt_only import MODELOPT_ONLY
 from .nn.quant_module import QuantModule, QuantModuleRegistry
@@ -46,9 +47,12 @@ _log = logging.getLogger("quantlib")
 
 def convert(model: nn.Module) -> nn.Module:
     """Swap every module of a registered class for its quantized class (in place; returns the model,
-    which is new only if the root itself was swapped). Parameters are shared, never copied."""
+    which is new only if the root itself was swapped). Parameters are shared, never copied. Modules that may
+    bypass a quantized child in training are hooked to refuse it (:mod:`quantlib.nn.bypass`)."""
     QuantModuleRegistry.find()
-    return _convert(model, {})
+    model = _convert(model, {})
+    bypass.guard(model)  # modules whose training forward may read a quantized child's weight without calling it
+    return model
 
 
 def _convert(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:

@@ -1,0 +1,78 @@
+"""Modules whose training forward may hand a quantized child's weight to a fused kernel instead of calling the child.
+
+transformers' Mamba mixers, in training and with mamba_ssm's kernels (``mamba_inner_fn``,
+``mamba_split_conv1d_scan_combined``), pass ``out_proj.weight`` (Mamba-1: ``x_proj`` / ``dt_proj`` / ``out_proj``) to
+the kernel, so QAT would train those layers unquantized while the export writes them quantized. Mamba-1 and Jamba
+multiply by ``dt_proj.weight`` on every path. :func:`guard` hooks such modules: after each training forward with grad
+(a QAT step), a child with an enabled quantizer that did not run is an error naming it. The hooks hold names only (a
+deep copy keeps them right). The export refuses the eval-time cases itself (``quantlib.export.checks``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .quant_module import QuantModule
+
+#: class name (transformers) -> the children whose weights its forward may read itself
+BYPASSING: dict[str, tuple[str, ...]] = {
+    "MambaMixer": ("x_proj", "dt_proj", "out_proj"),
+    "FalconMambaMixer": ("x_proj", "dt_proj", "out_proj"),
+    "JambaMambaMixer": ("dt_proj",),
+    "Mamba2Mixer": ("out_proj",),
+    "NemotronHMamba2Mixer": ("out_proj",),
+    "BambaMixer": ("out_proj",),
+    "FalconH1Mixer": ("out_proj",),
+    "GraniteMoeHybridMambaLayer": ("out_proj",),
+    "Zamba2MambaMixer": ("out_proj",),
+}
+
+
+def _quantizing(module: nn.Module) -> bool:
+    return isinstance(module, QuantModule) and not module.quantizers_off()
+
+
+def _ran(module: nn.Module, *args) -> None:
+    module._ql_ran = True
+
+
+def _reset(children: tuple[str, ...], module: nn.Module, *args) -> None:
+    for c in children:
+        child = module._modules.get(c)
+        if child is not None:
+            child._ql_ran = False
+
+
+def _check(children: tuple[str, ...], module: nn.Module, *args) -> None:
+    if not (module.training and torch.is_grad_enabled()):  # a QAT step; calibration runs without grad
+        return
+    skipped = [c for c in children if _quantizing(module._modules.get(c)) and not getattr(module._modules[c], "_ql_ran", True)]
+    if skipped:
+        raise RuntimeError(f"{type(module).__name__}: its training forward read the weights of {skipped} without calling them (a fused "
+                           "kernel or a direct product), so their quantizers did not run and QAT would train them unquantized; "
+                           f"disable their quantizers (quantlib.disable_quantizer(model, '*{skipped[0]}*')) or train without the fused "
+                           "kernels")
+
+
+def guard(model: nn.Module) -> int:
+    """Hook every module of a :data:`BYPASSING` class in ``model`` (once each); returns how many are hooked."""
+    count = 0
+    for module in model.modules():
+        children = BYPASSING.get(type(module).__name__)
+        if children is None or getattr(module, "_ql_bypass_guard", False):
+            continue
+        module._ql_bypass_guard = True
+        module.register_forward_pre_hook(functools.partial(_reset, children))
+        module.register_forward_hook(functools.partial(_check, children))
+        for c in children:
+            child = module._modules.get(c)
+            if child is not None:
+                child.register_forward_pre_hook(_ran)
+        count += 1
+    return count
+
+
+__all__ = ["BYPASSING", "guard"]
