@@ -3,6 +3,8 @@ weight a whole number of 128x128 blocks, as FP8-block and INT4 (group 128) forma
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -15,6 +17,16 @@ _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=I)
 #: MLA (DeepSeek-V2/V3): q_a 128 rows, kv_a 128 + 128 (rope), kv_b's input 128: 128x128 blocks
 _MLA = dict(num_key_value_heads=2, head_dim=128, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=128, qk_nope_head_dim=64,
             v_head_dim=64)
+_ROPE = dict(rope_type="default", rope_theta=1e4)
+#: MiMo-V2-Flash: per-layer-type rope (its default rotary fraction, 0.334, is no whole number of dims at head_dim 128)
+_MIMO_ROPE = {t: dict(_ROPE, partial_rotary_factor=0.5) for t in ("full_attention", "sliding_attention")}
+_SWA = ["sliding_attention", "full_attention"]
+#: a Gated DeltaNet layer then an attention layer (linear attention heads of 64)
+_GDN = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=2)
+#: Qwen4-Exp: its attention layer indexed (QSA: one query head, blocks of 2 keys)
+_GDN_QSA = dict(_GDN, layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=1, indexer_kv_heads=1, indexer_head_dim=128,
+                indexer_budget=4, indexer_compress_ratio=2)
 #: family -> (config class, model class, config kwargs); names as in ``transformers``
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -181,6 +193,85 @@ MORE_FAMILIES = {
     # RecurrentGemma: the recurrent block's linear_x and linear_y read one input (and its conv_1d is quantized)
     "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(num_hidden_layers=2, lru_width=H, intermediate_size=2 * I,
                                                                                    block_types=["recurrent", "attention"])),
+    # newest lineages. Gated DeltaNet + gated attention (Qwen3.5 dense); Gemma-4's per-layer inputs and a full-attention
+    # layer whose k_proj gives the values too (attention_k_eq_v: no v_proj); MLA with MoE (Kimi-Linear's attention layer,
+    # its block_sparse_moe experts; A.X-K1; MiniCPM3 and Youtu dense); MiMo-V2-Flash's full attention (v_head_dim apart)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _GDN),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+        global_head_dim=128, hidden_size_per_layer_input=H, vocab_size_per_layer_input=V, attention_k_eq_v=True,
+        num_global_key_value_heads=1)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(_MOE, **_MLA, num_local_experts=E, n_shared_experts=1, pad_token_id=0,
+        layer_types=["full_attention"], mlp_layer_types=["sparse"])),
+    "axk1": ("AXK1Config", "AXK1ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1, n_group=1, topk_group=1,
+        mlp_layer_types=["sparse"])),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(_MLA, head_dim=UNSET)),
+    "youtu": ("YoutuConfig", "YoutuForCausalLM", dict(_MLA)),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(_MOE, n_routed_experts=E, v_head_dim=128,
+        mlp_layer_types=["sparse"], layer_types=["full_attention"], rope_parameters=_MIMO_ROPE)),
+    "beam": ("BeamConfig", "BeamForCausalLM", dict(_MOE, num_experts=E, n_group=1, topk_group=1, mlp_layer_types=["sparse"])),
+    "mellum": ("MellumConfig", "MellumForCausalLM", dict(_MOE, num_experts=E, mlp_layer_types=["sparse"])),
+    # Dory: input, recurrent (looped twice) and output stacks of one layer each
+    "dory": ("DoryConfig", "DoryForCausalLM", dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2)),
+    "cwm": ("CwmConfig", "CwmForCausalLM", dict(num_hidden_layers=2, layer_types=_SWA, sliding_window=4)),
+    "apertus1p5": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(num_hidden_layers=2, layer_types=_SWA, sliding_window=4)),
+    # its config derives head_dim (hidden / heads); its full-attention layer has no position embeddings
+    "cohere_compass": ("CohereCompassTextConfig", "CohereCompassForCausalLM", dict(num_attention_heads=1, num_hidden_layers=2,
+        sliding_window=4, layer_types=_SWA, rope_parameters={"full_attention": None, "sliding_attention": _ROPE})),
+    "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {}),
+    "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", dict(num_hidden_layers=2, layer_types=_SWA, sliding_window=4)),
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2)),
+    # JetMoE: its attention and MLP experts (JetMoeParallelExperts) have no quantized class, so only kv_proj is quantized: four
+    # layers give the four quantized linears the load check asks for
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2, kv_channels=128,
+        num_attention_heads=UNSET, head_dim=UNSET, num_hidden_layers=4)),
+    # refused (MORE_REFUSED): checkpoint tensors renamed within their module (DeepSeek-V4's hyper-connections, HY-V4's head,
+    # sinks of MiMo-V2-Flash's sliding layers and Flint's, the router bias of HY-V3 / Bailing / Kolibri, Ergo's residual gate),
+    # 3-D experts (Gemma-4 MoE, Mistral-4), one checkpoint tensor from several (HRM-Text's gate_up_proj, LaraMini's in_proj,
+    # Inkling-2's padded unembed), linears that read one input under leaf names no layout knows, and the DSA indexer
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, q_lora_rank=128,
+        o_groups=2, o_lora_rank=128, layer_types=["sliding_attention"], mlp_layer_types=["moe"], sliding_window=4)),
+    "hy_v4": ("HYV4Config", "HYV4ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1, mlp_layer_types=["sparse"],
+        index_n_heads=1, index_head_dim=128, index_topk=4, hc_mult=2, pad_token_id=0)),
+    "mimo_v2_flash_swa": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(v_head_dim=128, layer_types=["sliding_attention"],
+        sliding_window=4, mlp_layer_types=["dense"], rope_parameters=_MIMO_ROPE)),
+    "flint": ("FlintConfig", "FlintForCausalLM", dict(_MOE, num_experts=E, shared_expert_intermediate_size=I, pad_token_id=0)),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", dict(_MOE, num_experts=E, num_shared_experts=1, mlp_layer_types=["sparse"])),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM", dict(_MOE, **_MLA, num_local_experts=E, n_shared_experts=1,
+        n_group=1, topk_group=1, layer_types=["full_attention"], mlp_layer_types=["sparse"], pad_token_id=0)),
+    "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", dict(_MOE, num_experts=E, shared_expert_intermediate_size=I)),
+    "ergo": ("ErgoConfig", "ErgoForCausalLM", dict(_MOE, num_experts=E, first_dense_intermediate_size=I, shared_intermediate_size=I,
+        num_dense_blocks=0, head_dim=UNSET, num_attention_heads=1)),
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(layer_types=["full_attention"], global_head_dim=128,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=E, top_k_experts=2, moe_intermediate_size=I)),
+    # Mistral-4: MLA with qk_rope_head_dim 64 (its yarn rope needs a rotary fraction that is a whole number of dims)
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", dict(_MOE, **dict(_MLA, qk_rope_head_dim=64), n_routed_experts=E,
+        n_shared_experts=1, first_k_dense_replace=0, pad_token_id=0)),
+    "hrm_text": ("HrmTextConfig", "HrmTextForCausalLM", {}),
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", dict(_MOE, **_GDN, num_experts=E, shared_expert_intermediate_size=I)),
+    "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM", dict(_MOE, n_routed_experts=E, num_hidden_layers=2, eos_token_id=1,
+        layer_types=["hybrid_sliding", "hybrid"], swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=128,
+        sliding_window_size=4, rel_extent=16, log_scaling_n_floor=4, unpadded_vocab_size=V, n_layers_per_attn_res_block=1)),
+    "axk2": ("AXK2Config", "AXK2ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1, n_group=1, topk_group=1,
+        mlp_layer_types=["sparse"], index_n_heads=1, index_head_dim=128, index_topk=4)),
+    # Qwen4-Exp: a Gated DeltaNet layer and an indexed attention layer (QSA indexer), hyper-connections of 2 streams
+    "qwen4_exp": ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", dict(_MOE, **_GDN_QSA, num_experts=E, shared_expert_intermediate_size=I,
+        hc_count=2, hc_lowrank=128)),
+    "kimi_linear_kda": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(_MOE, **_MLA, num_local_experts=E, n_shared_experts=1,
+        pad_token_id=0, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["sparse", "sparse"],
+        linear_head_dim=64, linear_num_heads=2)),
+    "dots3_note": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1, use_dsa=False,
+        shared_experts_intermediate_size=I, mlp_layer_types=["sparse"], layer_types=["full_attention"], pad_token_id=0)),
+    "inkling": ("InklingTextConfig", "InklingForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, num_hidden_layers=2,
+        layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"], swa_num_attention_heads=2,
+        swa_num_key_value_heads=1, swa_head_dim=128, sliding_window_size=4, rel_extent=16, pad_token_id=0)),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(_GDN, pad_token_id=0)),
+    "lfm3": ("Lfm3Config", "Lfm3ForCausalLM", dict(num_hidden_layers=2, layer_types=_SWA, sliding_window=4, pad_token_id=0)),
+    "laguna": ("LagunaConfig", "LagunaForCausalLM", dict(_MOE, num_experts=E, shared_expert_intermediate_size=I, mlp_layer_types=["sparse"],
+        pad_token_id=0)),
+    "zaya": ("ZayaConfig", "ZayaForCausalLM", dict(_MOE, num_experts=E, router_hidden_size=H, num_experts_per_tok=1)),
 }  # fmt: skip
 _BIAS_RENAMED = r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.mlp.gate.expert_bias \(tensor renamed\)"
 _INDEXER = r"indexer.weights_proj.weight_quantizer is enabled \(mx\), but the sparse-attention indexer's weights_proj is loaded only"
@@ -207,7 +298,32 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 # a 2 x 2 linear is no whole number of MX blocks (1 x 32)
                 "gemma3n": r"model.layers.0.altup.correction_coefs.weight_quantizer: weight 2x2 is not a whole number of 1x32 blocks",
                 "recurrent_gemma": r"cannot tell whether consumers fuse \['model.layers.0.temporal_block.linear_y', "
-                                   r"'model.layers.0.temporal_block.linear_x'\]"}
+                                   r"'model.layers.0.temporal_block.linear_x'\]",
+                "deepseek_v4": r"transformers saves model.layers.0.attn_hc.base as model.layers.0.hc_attn_base \(tensor renamed\)",
+                "hy_v4": r"transformers saves model.hc_head.hc_base as model.hc_pre.hc_head.hc_head_base \(tensor renamed\)",
+                "mimo_v2_flash_swa": r"saves model.layers.0.self_attn.sinks as model.layers.0.self_attn.attention_sink_bias \(tensor",
+                "flint": r"saves model.layers.0.self_attn.sinks as model.layers.0.self_attn.softmax_offset \(tensor renamed\)",
+                "hy_v3": r"saves model.layers.0.mlp.e_score_correction_bias as model.layers.0.mlp.expert_bias \(tensor renamed\)",
+                "bailing_hybrid": _BIAS_RENAMED,
+                "kolibri1": r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.moe.router.expert_bias \(tensor",
+                "ergo": r"saves model.layers.0.attention_residual_gate.weight as layers.0.post_attention_residual.scale \(tensor renamed\)",
+                "gemma4_moe": r"transformers' gemma4_text checkpoint keeps model.layers.0.experts.gate_up_proj as one 3-D tensor",
+                "mistral4": r"transformers' mistral4 checkpoint keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D tensor",
+                # the checkpoint fuses what the model computes apart (Inkling-2: lm_head padded to vocab_size on save)
+                "hrm_text": r"saves model.H_module.layers.0.mlp.gate_up_proj.weight from several tensors",
+                "lara_mini": r"saves model.layers.0.linear_attn.in_proj.weight from several tensors",
+                "inkling2": r"saves model.llm.unembed.weight from several tensors",
+                "axk2": _INDEXER,
+                "qwen4_exp": r"cannot tell whether consumers fuse \['model.layers.0.attn_hyper_connection.input_mix_weight_down', "
+                             r"'model.layers.0.attn_hyper_connection.block_inject_weight'\]",
+                "kimi_linear_kda": _FUSE + r"q_proj', .*'model.layers.0.self_attn.b_proj', 'model.layers.0.self_attn.g_a_proj'\]",
+                "dots3_note": _FUSE + r"q_a_proj', 'model.layers.0.self_attn.kv_a_proj_with_mqa', 'model.layers.0.self_attn.g_proj'\]",
+                "inkling": _FUSE + r"q_proj', .*'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.r_proj'\]",
+                "olmo_hybrid": r"cannot tell whether consumers fuse \['model.layers.0.linear_attn.q_proj', .*"
+                               r"'model.layers.0.linear_attn.g_proj'\]",
+                "lfm3": _FUSE + r"q_proj', .*'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.g_proj'\]",
+                "laguna": _FUSE + r"q_proj', .*'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.g_proj'\]",
+                "zaya": _FUSE + r"qkv_proj.q_proj', .*'model.layers.0.self_attn.qkv_proj.v_proj_delayed'\]"}
 #: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and
 #: gate_up_proj), with their fused groups as FAMILY_GROUPS names them
 MORE_GROUPS = {"phi3": (), "olmoe": ("attn",), "ernie4_5_moe": ("attn", "shared"), "glm4_moe": ("attn", "shared"),
@@ -256,6 +372,7 @@ def build(family: str, tie: bool = False, seed: int = 0, **overrides) -> nn.Modu
     import transformers
 
     cfg_cls, model_cls, extra = spec(family)
+    extra = copy.deepcopy(extra, {id(UNSET): UNSET})  # a config may change the dicts it is given (rope parameters)
     kwargs = {k: v for k, v in {**_COMMON, **extra, "tie_word_embeddings": tie, **overrides}.items() if v is not UNSET}
     if is_moe(family):
         kwargs["experts_implementation"] = "eager"
