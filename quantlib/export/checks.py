@@ -8,6 +8,7 @@ from typing import Optional
 from torch import nn
 
 from ..formats import FormatSpec, Kind
+from ..nn.bypass import READ_ALWAYS
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
@@ -94,18 +95,11 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
         _refuse_tied(walk.modules)
 
 
-#: transformers modules whose forward reads a child linear's weight itself, not through the child's forward (which
-#: fake-quantizes it): class name -> child. Mamba-1's mixers multiply by dt_proj.weight (Jamba's unless its config is
-#: marked quantized, which a fake-quantized model's is not); LongCat-Flash's router casts its classifier's weight to fp32.
-_READ_DIRECTLY = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_proj", "JambaMambaMixer": "dt_proj",
-                  "LongcatFlashTopkRouter": "classifier"}
-
-
 def _refuse_read_directly(modules: list[tuple[str, nn.Module]]) -> None:
-    """A quantized linear whose parent reads its weight directly computes unquantized in the model but would be
-    written quantized: what was calibrated and evaluated is not what would be served."""
+    """A quantized linear whose parent reads its weight directly (:data:`quantlib.nn.bypass.READ_ALWAYS`) computes
+    unquantized in the model but would be written quantized: what was calibrated and evaluated is not what would be served."""
     for name, module in modules:
-        child_name = _READ_DIRECTLY.get(type(module).__name__)
+        child_name = READ_ALWAYS.get(type(module).__name__)
         child = module._modules.get(child_name) if child_name is not None else None
         q = _weight_quantizer(child) if child is not None else None
         if q is not None and q.is_enabled:

@@ -5,7 +5,8 @@ transformers' Mamba mixers, in training and with mamba_ssm's kernels (``mamba_in
 the kernel, so QAT would train those layers unquantized while the export writes them quantized. Mamba-1 and Jamba
 multiply by ``dt_proj.weight`` on every path. :func:`guard` hooks such modules: after each training forward with grad
 (a QAT step), a child with an enabled quantizer that did not run is an error naming it. The hooks hold names only (a
-deep copy keeps them right). The export refuses the eval-time cases itself (``quantlib.export.checks``).
+deep copy keeps them right). The export refuses the eval-time cases (:data:`READ_ALWAYS`) itself
+(``quantlib.export.checks``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ BYPASSING: dict[str, tuple[str, ...]] = {
     "GraniteMoeHybridMambaLayer": ("out_proj",),
     "Zamba2MambaMixer": ("out_proj",),
 }
+
+
+#: class name (transformers) -> the child whose weight its forward reads itself on every path, eval included: Mamba-1's
+#: mixers multiply by dt_proj.weight (Jamba's unless its config is marked quantized, which a fake-quantized model's is
+#: not); LongCat-Flash's router casts its classifier's weight to fp32. The export refuses these children quantized.
+READ_ALWAYS: dict[str, str] = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_proj", "JambaMambaMixer": "dt_proj",
+                               "LongcatFlashTopkRouter": "classifier"}
 
 
 def _quantizing(module: nn.Module) -> bool:
@@ -75,4 +83,4 @@ def guard(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["BYPASSING", "guard"]
+__all__ = ["BYPASSING", "READ_ALWAYS", "guard"]
