@@ -111,7 +111,7 @@ def _refuse_read_directly(modules: list[tuple[str, nn.Module]]) -> None:
 
 def _indexer_wk_loads(spec: FormatSpec) -> bool:
     # vLLM dequantizes an indexer wk stored as E4M3 codes with per-row or 2-D block scales (bf16 or E8M0)
-    return spec.kind is Kind.FP8_BLOCK or (spec.kind is Kind.MX and spec.element == (4, 3))
+    return spec.kind in (Kind.FP8_BLOCK, Kind.MX) and spec.element == (4, 3)
 
 
 def _refuse_indexer(linears: list[tuple[str, nn.Module, bool]]) -> None:

@@ -18,11 +18,11 @@ from torch import nn
 
 from .quant_module import QuantModule
 
-#: class name (transformers) -> the children whose weights its forward may read itself
-BYPASSING: dict[str, tuple[str, ...]] = {
-    "MambaMixer": ("x_proj", "dt_proj", "out_proj"),
-    "FalconMambaMixer": ("x_proj", "dt_proj", "out_proj"),
-    "JambaMambaMixer": ("dt_proj",),
+#: class name (transformers) -> the children whose weights mamba_ssm's fused training kernel takes instead of calling
+#: them (``mamba_inner_fn``: Mamba-1's x_proj / out_proj, and dt_proj, which READ_ALWAYS names; Mamba-2's
+#: ``mamba_split_conv1d_scan_combined``: out_proj). FalconMamba has no fused path.
+FUSED_IN_TRAINING: dict[str, tuple[str, ...]] = {
+    "MambaMixer": ("x_proj", "out_proj"),
     "Mamba2Mixer": ("out_proj",),
     "NemotronHMamba2Mixer": ("out_proj",),
     "BambaMixer": ("out_proj",),
@@ -31,12 +31,21 @@ BYPASSING: dict[str, tuple[str, ...]] = {
     "Zamba2MambaMixer": ("out_proj",),
 }
 
-
 #: class name (transformers) -> the child whose weight its forward reads itself on every path, eval included: Mamba-1's
 #: mixers multiply by dt_proj.weight (Jamba's unless its config is marked quantized, which a fake-quantized model's is
 #: not); LongCat-Flash's router casts its classifier's weight to fp32. The export refuses these children quantized.
 READ_ALWAYS: dict[str, str] = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_proj", "JambaMambaMixer": "dt_proj",
                                "LongcatFlashTopkRouter": "classifier"}
+
+
+def _guarded(cls_name: str) -> tuple[str, ...]:
+    """The children a training forward of ``cls_name`` may skip: both tables' (empty: not guarded)."""
+    always = READ_ALWAYS.get(cls_name)
+    return FUSED_IN_TRAINING.get(cls_name, ()) + ((always,) if always is not None else ())
+
+
+def _qat_step(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()  # calibration runs without grad
 
 
 def _quantizing(module: nn.Module) -> bool:
@@ -48,6 +57,8 @@ def _ran(module: nn.Module, *args) -> None:
 
 
 def _reset(children: tuple[str, ...], module: nn.Module, *args) -> None:
+    if not _qat_step(module):  # eval forwards: nothing to check afterwards
+        return
     for c in children:
         child = module._modules.get(c)
         if child is not None:
@@ -55,7 +66,7 @@ def _reset(children: tuple[str, ...], module: nn.Module, *args) -> None:
 
 
 def _check(children: tuple[str, ...], module: nn.Module, *args) -> None:
-    if not (module.training and torch.is_grad_enabled()):  # a QAT step; calibration runs without grad
+    if not _qat_step(module):
         return
     skipped = [c for c in children if _quantizing(module._modules.get(c)) and not getattr(module._modules[c], "_ql_ran", True)]
     if skipped:
@@ -66,11 +77,12 @@ def _check(children: tuple[str, ...], module: nn.Module, *args) -> None:
 
 
 def guard(model: nn.Module) -> int:
-    """Hook every module of a :data:`BYPASSING` class in ``model`` (once each); returns how many are hooked."""
+    """Hook every module of a class in :data:`FUSED_IN_TRAINING` or :data:`READ_ALWAYS` in ``model`` (once each); returns
+    how many are hooked."""
     count = 0
     for module in model.modules():
-        children = BYPASSING.get(type(module).__name__)
-        if children is None or getattr(module, "_ql_bypass_guard", False):
+        children = _guarded(type(module).__name__)
+        if not children or getattr(module, "_ql_bypass_guard", False):
             continue
         module._ql_bypass_guard = True
         module.register_forward_pre_hook(functools.partial(_reset, children))
@@ -83,4 +95,4 @@ def guard(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["BYPASSING", "READ_ALWAYS", "guard"]
+__all__ = ["FUSED_IN_TRAINING", "READ_ALWAYS", "guard"]
