@@ -3,16 +3,16 @@ groups quantized whole, leaves the layout can name, tied weights, experts a chec
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 
 from ..formats import FormatSpec, Kind
-from ..nn.bypass import READ_ALWAYS
+from ..nn.bypass import read_directly
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .hf_names import STORED_FUSED
-from .items import child
+from .items import child, pre_quant_scale_of
 from .layouts import ModelLayout
 from .modules import ModuleWalk
 from .types import ExportError
@@ -47,9 +47,13 @@ def _in_features(module: QuantModule) -> int:
     return next(iter(module.weight_groups()))[1][0].shape[1]
 
 
-def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
+def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str,
+                    shares_global: Optional[Callable[[FormatSpec, Optional[FormatSpec]], bool]] = None) -> None:
     """Refuse a fused sibling group quantized only in part (vLLM refuses it at load: "some but not all
-    shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module."""
+    shards are quantized"), leaves the layout cannot name, and a quantized weight tied to another module.
+    ``shares_global``: whether the format's consumers fuse siblings of a scheme under one scale
+    (:meth:`~quantlib.export.writers.base.Packer.shares_global`); linears whose fusion is unknown pass where none would
+    share one (None: refused whatever the format)."""
     linears = _linears(walk)
     _refuse_indexer(linears)
     _refuse_read_directly(walk.modules)
@@ -85,8 +89,9 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
         on = [n for n in part if n in enabled_names]
         if any(layout.sibling_group(leaf) is None and leaf not in standalone for leaf in (n.rpartition(".")[2] for n in on)):
             candidates.append(on)
+    modules = {n: m for n, m, _ in linears}
     for names in candidates:
-        if len(names) > 1:
+        if len(names) > 1 and not (shares_global is not None and _self_scaled([modules[n] for n in names], shares_global)):
             how = "read one input in the probe forward" if names[0] in seen else "read inputs of one width"
             raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (they {how}, and "
                               "quantlib does not know all their leaf names); "
@@ -95,11 +100,24 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str) -> None:
         _refuse_tied(walk.modules)
 
 
+def _self_scaled(members: list[nn.Module], shares_global: Callable[[FormatSpec, Optional[FormatSpec]], bool]) -> bool:
+    """Whether ``members`` are quantized alike in a scheme whose every scale is a member's own (MX, FP8 blocks, INT groups;
+    no static input scale, no pre_quant_scale): written whole per member, they are exact whether or not a consumer fuses them."""
+    schemes = set()
+    for m in members:
+        q, inp = _weight_quantizer(m), child(m, "input_quantizer")
+        ispec = inp.spec if isinstance(inp, TensorQuantizer) and inp.is_enabled else None
+        if q is None or pre_quant_scale_of(inp) is not None or shares_global(q.spec, ispec):
+            return False
+        schemes.add((q.spec, ispec))
+    return len(schemes) == 1
+
+
 def _refuse_read_directly(modules: list[tuple[str, nn.Module]]) -> None:
-    """A quantized linear whose parent reads its weight directly (:data:`quantlib.nn.bypass.READ_ALWAYS`) computes
+    """A quantized linear whose parent reads its weight directly (:func:`quantlib.nn.bypass.read_directly`) computes
     unquantized in the model but would be written quantized: what was calibrated and evaluated is not what would be served."""
     for name, module in modules:
-        child_name = READ_ALWAYS.get(type(module).__name__)
+        child_name = read_directly(module)
         child = module._modules.get(child_name) if child_name is not None else None
         q = _weight_quantizer(child) if child is not None else None
         if q is not None and q.is_enabled:

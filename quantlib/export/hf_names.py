@@ -6,7 +6,7 @@ transformers 5 loads checkpoints through a per-family conversion mapping (Mixtra
 on a probe: every tensor replaced by a small float64 tensor of unique ids (a fused-experts parameter's
 ids count expert and group of rows along its output axis). The probe's output keys are the
 checkpoint's names, and its ids say which module, expert and rows each one holds: no table of names is
-kept here.
+kept here. Ids start at 1, so a value transformers adds on save (padding, zeros) is told from every tensor.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def _coarse(rows: int) -> int:
 def _sources(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> list[tuple[int, str, str, str, tuple, tuple[int, ...]]]:
     """What the probe holds, without its tensors: (start id, key, module, tensor name, (experts, ids per
     expert, rows per id) or (), probe shape) per tensor of ``owners`` (:attr:`ModuleWalk.owners`): a
-    fused-experts parameter gets ids per expert and row group, any other tensor one id."""
-    sources, start = [], 0
+    fused-experts parameter gets ids per expert and row group, any other tensor ids in the shape :data:`_PLAIN` gives."""
+    sources, start = [], 1  # 0 stands for no tensor of the model (a save step's padding)
     for mname, module, direct in owners:
         for pname, t in direct.items():
             key = f"{mname}.{pname}" if mname else pname
@@ -58,15 +58,20 @@ def _sources(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> li
                 axis = _expert_axis(module, t)
                 info = (t.shape[0], shape[axis], _coarse(t.shape[axis]))
             else:
-                info, shape = (), (1,) * shape
+                info, shape = (), _PLAIN[shape]
             sources.append((start, key, mname, pname, info, shape))
             start += math.prod(shape)
     return sources
 
 
+#: the probe shape of a tensor of d axes that is no fused-experts parameter: a size per axis, so a transpose or reshape
+#: on save shows, and 60 rows, so a save that chunks it in 2, 3, 4, 5 or 6 (q / k / v, gate / up) gives every part
+_PLAIN = {d: (60, 2, 3, 4, 5)[:d] for d in range(6)}
+
+
 def _probe_shape(module: nn.Module, t: torch.Tensor) -> "int | tuple[int, int, int]":
     """The probe shape of a fused-experts parameter ``t`` of ``module`` ([experts, ids, 1] or [experts, 1, ids]
-    along its output rows), or the number of dims of any other tensor (its probe is one id)."""
+    along its output rows), or the number of dims of any other tensor."""
     d = t.dim()
     if d != 3:
         return d
@@ -94,18 +99,17 @@ def _signature(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> 
 
 def _probe(sources: list) -> dict[str, torch.Tensor]:
     """The probe state dict of :func:`_sources`: each tensor's ids, in float64 (exact up to 2^53)."""
-    probe = {}
-    for start, key, _, _, info, shape in sources:
-        n = math.prod(shape)
-        probe[key] = torch.arange(start, start + n,
-                                  dtype=torch.float64).reshape(shape) if info else torch.full(shape, float(start), dtype=torch.float64)
-    return probe
+    f64 = torch.float64
+    return {key: torch.arange(start, start + math.prod(shape), dtype=f64).reshape(shape) for start, key, _, _, _, shape in sources}
 
 
-def transformers_names(model: nn.Module, walk: Optional[ModuleWalk] = None) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
-    """(module renames, fused-experts parts) of a transformers model, as its ``save_pretrained`` writes
-    it: see :attr:`~quantlib.export.layouts.ModelLayout.renames` / ``experts``. ``walk``: the model's
-    :class:`ModuleWalk`, when the caller has one."""
+Names = tuple[dict[str, str], dict[str, dict[str, object]], dict[str, str], dict[str, tuple[tuple[str, ...], str]]]
+
+
+def transformers_names(model: nn.Module, walk: Optional[ModuleWalk] = None) -> Names:
+    """(module renames, fused-experts parts, tensor renames, keys built on save) of a transformers model, as its
+    ``save_pretrained`` writes it: see :attr:`~quantlib.export.layouts.ModelLayout.renames` / ``experts`` / ``tensors`` /
+    ``built``. ``walk``: the model's :class:`ModuleWalk`, when the caller has one."""
     if walk is not None and walk.names is not None:  # layout_for and make_plan of one export share a walk
         return walk.names
     walk = ModuleWalk(model) if walk is None else walk
@@ -113,13 +117,13 @@ def transformers_names(model: nn.Module, walk: Optional[ModuleWalk] = None) -> t
     return names
 
 
-def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> tuple[dict[str, str], dict]:
+def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> Names:
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers < 5 keeps module names as checkpoint names
-        return {}, {}
+        return {}, {}, {}, {}
     if not owners:
-        return {}, {}
+        return {}, {}, {}, {}
     signature = _signature(owners)  # cheaper than the sources: no keys built, no ids counted
     hit = _CACHE.get(model)
     if hit is not None and hit[0] == signature:  # weight sync exports the same model every step: no probe
@@ -137,6 +141,10 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
     flat = torch.cat([t.reshape(-1) for t in saved.values()]).tolist() if saved else []  # one read of the (host) probe
     renames: dict[str, str] = {}
     experts: dict[str, dict[str, object]] = {}
+    tensors: dict[str, str] = {}
+    built: dict[str, tuple[tuple[str, ...], str]] = {}
+    plain: set[str] = set()
+    placed: dict[str, dict[str, str]] = {}  # module -> tensor -> its key, for tensors saved whole
     at = 0
     for key, ids in saved.items():
         values = flat[at : at + ids.numel()]
@@ -145,15 +153,22 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
         # ids run in order within one source, so in-order ids whose ends share a source come from it alone
         ordered = values == list(range(first, first + n))
         which = sorted({bisect.bisect_right(starts, v) - 1 for v in (values if not ordered else (values[0], values[-1]))})
-        if len(which) != 1:
-            raise ExportError(f"{what}: transformers saves {key} from several tensors ({[sources[i][1] for i in which]}); quantlib cannot "
-                              "write that key")
-        start, src, mname, pname, info, _ = sources[which[0]]
+        if which[0] < 0 or len(which) != 1:
+            which = sorted({bisect.bisect_right(starts, v) - 1 for v in values})  # every source, not the ends' alone
+            held = [sources[i][1] for i in which if i >= 0]
+            why = (f"transformers saves {key} from {held or 'no tensor of the model'} and values it adds on save (padding)" if which[0] < 0
+                   else f"transformers saves {key} from several tensors ({held})")
+            if not held or any(sources[i][4] for i in which if i >= 0):  # experts: their parts are planned per expert
+                raise ExportError(f"{what}: {why}; quantlib cannot write that key")
+            built[key] = (tuple(held), why)
+            continue
+        start, src, mname, pname, info, shape = sources[which[0]]
         local = range(first - start, first - start + n) if ordered else [int(v) - start for v in values]
         module, _, suffix = key.rpartition(".")
         if info and ids.dim() == 3:
-            if key != src or not ordered or local[0] != 0:
+            if suffix != pname or not ordered or local[0] != 0 or tuple(ids.shape) != shape:
                 raise ExportError(f"{what}: transformers saves {src} as {key} rearranged; quantlib cannot write it")
+            placed.setdefault(mname, {})[pname] = key
             experts.setdefault(mname, {})[pname] = STORED_FUSED
         elif info:
             n, per, g = info
@@ -165,14 +180,43 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
             parts = experts.setdefault(mname, {}).setdefault(pname, [[] for _ in range(n)])
             parts[e.pop()].append((module, r0 * g, (r0 + len(local)) * g))
         else:
-            if suffix != pname:
-                raise ExportError(f"{what}: transformers saves {src} as {key} (tensor renamed); quantlib cannot write it")
-            if module != mname and renames.setdefault(mname, module) != module:
-                raise ExportError(f"{what}: transformers saves the tensors of {mname} under two modules ({renames[mname]}, {module})")
+            if tuple(ids.shape) != shape or not ordered:  # e.g. a router weight saved transposed: written as is, it would load wrong
+                how = "split" if ids.numel() < math.prod(shape) else "transposed or reshaped"
+                built[key] = ((src,), f"transformers saves {src} as {key} rearranged ({how} on save)")
+                continue
+            placed.setdefault(mname, {})[pname] = key
+            plain.add(src)
+    _place(placed, renames, tensors, experts, what)
+    twice = plain.intersection(x for srcs, _ in built.values() for x in srcs)
+    if twice:  # the walk writes a tensor once, under one key
+        raise ExportError(f"{what}: transformers saves {sorted(twice)[0]} under its own key and within another; quantlib cannot write both")
     for projs in experts.values():
         for parts in projs.values():
             if isinstance(parts, list):
                 for e_parts in parts:
                     e_parts.sort(key=lambda p: p[1])
-    _CACHE[model] = (signature, (renames, experts))
-    return renames, experts
+    _CACHE[model] = (signature, (renames, experts, tensors, built))
+    return renames, experts, tensors, built
+
+
+def _place(placed: dict[str, dict[str, str]], renames: dict[str, str], tensors: dict[str, str], experts: dict, what: str) -> None:
+    """Splits the keys of tensors saved whole into module renames and tensor renames: a module's home is where its weight
+    goes (else where most of its tensors keep their own name, its own name first); a tensor saved anywhere else, or under
+    another name, is a tensor rename (Laguna saves its router's bias under the experts module, its weight in place)."""
+    for mname, keys in placed.items():
+        split = {p: k.rpartition(".") for p, k in keys.items()}
+        kept = [m for p, (m, _, suffix) in split.items() if suffix == p]
+        if "weight" in split and split["weight"][2] == "weight":
+            home = split["weight"][0]
+        elif mname in kept or not kept:
+            home = mname
+        else:
+            home = max(kept, key=kept.count)
+        if home != mname:
+            renames[mname] = home
+        for p, (m, _, suffix) in split.items():
+            if m == home and suffix == p:
+                continue
+            if experts.get(mname, {}).get(p) == STORED_FUSED:
+                raise ExportError(f"{what}: transformers saves the tensors of {mname} under two modules ({home}, {m})")
+            tensors[f"{mname}.{p}" if mname else p] = keys[p]

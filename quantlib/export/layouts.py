@@ -51,6 +51,12 @@ class ModelLayout:
     expert_split: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     #: module name -> checkpoint module name, where they differ (transformers' renamings)
     renames: dict[str, str] = field(default_factory=dict)
+    #: tensor -> checkpoint key, where transformers saves a tensor under another name than its own (a router's
+    #: ``e_score_correction_bias`` as ``expert_bias``); each is written as an unquantized item of its own
+    tensors: dict[str, str] = field(default_factory=dict)
+    #: checkpoint key -> (its source tensors, how it is made of them), for keys transformers' conversion builds on save
+    #: (a concatenation, a transpose, padding): written from the sources by that conversion, unless one is quantized
+    built: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     #: fused-experts module -> projection -> per expert ((checkpoint module, r0, r1), ...), or STORED_FUSED
     experts: dict[str, dict[str, object]] = field(default_factory=dict)
     #: leaf names that no consumer fuses with a neighbour; with the siblings' leaves, what the layout can
@@ -181,10 +187,12 @@ def with_checkpoint_names(model: nn.Module, layout: ModelLayout, walk: Optional[
     layout of :func:`layout_for`). ``walk``: the model's :class:`ModuleWalk`, when the caller has one."""
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         return layout
-    renames, experts = transformers_names(model, walk)
-    if renames.keys() <= layout.renames.keys() and experts.keys() <= layout.experts.keys():
+    renames, experts, tensors, built = transformers_names(model, walk)
+    if (renames.keys() <= layout.renames.keys() and experts.keys() <= layout.experts.keys() and tensors.keys() <= layout.tensors.keys()
+            and built.keys() <= layout.built.keys()):
         return layout  # the merge below would change nothing: its own names take precedence
-    return dataclasses.replace(layout, renames={**renames, **layout.renames}, experts={**experts, **layout.experts})
+    return dataclasses.replace(layout, renames={**renames, **layout.renames}, experts={**experts, **layout.experts},
+                               tensors={**tensors, **layout.tensors}, built={**built, **layout.built})
 
 
 def with_structure(model: nn.Module, layout: ModelLayout, walk: Optional[ModuleWalk] = None) -> ModelLayout:

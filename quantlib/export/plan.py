@@ -24,6 +24,7 @@ from .fold_experts import fused_experts_class, part_name
 from .items import Item, active_input, child, live, refuse_pre_quant_scale, row_part
 from .layouts import ModelLayout, with_checkpoint_names, with_structure
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
+from .moved import Moved
 from .transposed import stored_transposed
 from .types import ExportError
 from .writers import ConfigInfo, Packer
@@ -62,6 +63,7 @@ def walk(
     items: list[Item] = []
     base_groups = QuantModule.weight_groups
     renamed, shards, tp_axis = layout.renames.get, layout.shards.get, layout.tp_axis
+    moved = Moved(model, layout) if layout.tensors or layout.built else None
     for name, module, direct, quant in mw.entries:  # containers hold nothing of their own to write or check
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls):
@@ -81,6 +83,8 @@ def walk(
             if chain is not None:
                 q = q[0]  # the item is the first member's; its second packs beside it (Packer.chain_ok)
             if isinstance(q, TensorQuantizer) and q.is_enabled:
+                if moved is not None:
+                    moved.refuse(name, direct)
                 w = direct["weight"]  # the walk's dict is shared: read, not popped
                 ispec, iamax = active_input(child(module, "input_quantizer"))
                 extras = {k: live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
@@ -94,6 +98,8 @@ def walk(
                 continue
         if quant and not isinstance(module, fused_cls):
             refuse_unwritten(module, name)  # an enabled weight quantizer that no item above carries
+        if direct and moved is not None:
+            direct = moved.split(items, module, name, direct)
         if direct:
             items.append(Item(renamed(name, name), "unquantized", name, extras={k: live(module, k) for k in direct},
                               parent=parent, leaf=leaf))
@@ -395,10 +401,11 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     mw = ModuleWalk(model) if modules is None else modules  # one traversal shared by every pass below
     layout = with_checkpoint_names(model, layout, mw)  # a layout passed by hand still gets transformers' names (cached)
     layout = with_structure(model, layout, mw)  # and is checked against the probe forward (cached)
-    check_structure(mw, layout, type(model).__name__)
+    check_structure(mw, layout, type(model).__name__, packer.shares_global)
     folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
     items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer))
+    _refuse_misread_keys(items, packer, model_type)
     folds.apply(items)
     refused = None
     try:
@@ -411,6 +418,9 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
         make_plan(model, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, modules=mw)
         raise refused
     plan.info.ignore += [layout.renames.get(n, n) for n in _tied_linears(mw)]
+    # modules whose weight the checkpoint holds under another key (:mod:`.moved`): unquantized, listed by the model's name
+    plan.info.ignore += [k[: -len(".weight")] for k in (*layout.tensors, *(s for srcs, _ in layout.built.values() for s in srcs))
+                         if k.endswith(".weight")]
     _refuse_split_inputs(plan.items, layout)
     if packer.mixed:
         _refuse_mixed_siblings(plan.items, layout)
@@ -420,6 +430,16 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
         raise ExportError(f"{next(iter(folds.carried))}.input_quantizer: pre_quant_scale folds nowhere and format {packer.fmt.value} "
                           f"cannot carry it ({why})")
     return plan
+
+
+def _refuse_misread_keys(items: list[Item], packer: Packer, model_type: Optional[str]) -> None:
+    """Refuses a checkpoint key that the format's consumer loads under another name (:meth:`Packer.key_ok`)."""
+    for it in items:
+        for k in ("weight", *it.extras) if it.spec is not None else it.extras:
+            key = f"{it.name}.{k}" if it.name else k
+            why = packer.key_ok(key, model_type, it.spec is not None and k == "weight")
+            if why is not None:
+                raise ExportError(f"{it.where}: written as {key}, but {why}; export in another format (ct_*, modelopt_*)")
 
 
 def _tied_linears(mw: ModuleWalk) -> list[str]:
@@ -510,7 +530,9 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
                               f"weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one "
                               "scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
-    ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
+    # under the checkpoint's name (vLLM matches its modules, named as the checkpoint) and the model's where they differ
+    # (transformers matches its own modules: a module it does not find listed gets quantized and misses its scales)
+    ignore = list(dict.fromkeys(n for it in items if it.spec is None and "weight" in it.extras for n in (it.name, _module(it))))
     per_tensor = first.amax is not None and first.spec.block is None and first.amax.numel() == 1
     info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version, schemes=_schemes(quantized))
     return Plan(items, info, unified)

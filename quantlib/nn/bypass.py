@@ -12,6 +12,7 @@ deep copy keeps them right). The export refuses the eval-time cases (:data:`READ
 from __future__ import annotations
 
 import functools
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -38,10 +39,30 @@ READ_ALWAYS: dict[str, str] = {"MambaMixer": "dt_proj", "FalconMambaMixer": "dt_
                                "LongcatFlashTopkRouter": "classifier"}
 
 
-def _guarded(cls_name: str) -> tuple[str, ...]:
-    """The children a training forward of ``cls_name`` may skip: both tables' (empty: not guarded)."""
+def _sliced_tp(module: nn.Module) -> bool:
+    return getattr(module, "pretraining_tp", 1) > 1 and bool(getattr(module, "slow_but_exact", False))
+
+
+#: class name (transformers) -> (child, whether this module's forward reads the child's weight itself): BLOOM with
+#: ``pretraining_tp > 1`` and ``slow_but_exact`` multiplies by slices of its output projections' weights
+READ_WHEN: dict[str, tuple[str, Callable[[nn.Module], bool]]] = {"BloomAttention": ("dense", _sliced_tp),
+                                                                 "BloomMLP": ("dense_4h_to_h", _sliced_tp)}
+
+
+def read_directly(module: nn.Module) -> Optional[str]:
+    """The child of ``module`` whose weight its forward reads itself, on every path (:data:`READ_ALWAYS`, :data:`READ_WHEN`), or None."""
+    cls_name = type(module).__name__
     always = READ_ALWAYS.get(cls_name)
-    return FUSED_IN_TRAINING.get(cls_name, ()) + ((always,) if always is not None else ())
+    if always is not None:
+        return always
+    when = READ_WHEN.get(cls_name)
+    return when[0] if when is not None and when[1](module) else None
+
+
+def _guarded(module: nn.Module) -> tuple[str, ...]:
+    """The children a training forward of ``module`` may skip (empty: not guarded)."""
+    always = read_directly(module)
+    return FUSED_IN_TRAINING.get(type(module).__name__, ()) + ((always,) if always is not None else ())
 
 
 def _qat_step(module: nn.Module) -> bool:
@@ -77,11 +98,11 @@ def _check(children: tuple[str, ...], module: nn.Module, *args) -> None:
 
 
 def guard(model: nn.Module) -> int:
-    """Hook every module of a class in :data:`FUSED_IN_TRAINING` or :data:`READ_ALWAYS` in ``model`` (once each); returns
-    how many are hooked."""
+    """Hook every module of ``model`` of a class in :data:`FUSED_IN_TRAINING`, or that reads a child directly
+    (:func:`read_directly`), once each; returns how many are hooked."""
     count = 0
     for module in model.modules():
-        children = _guarded(type(module).__name__)
+        children = _guarded(module)
         if not children or getattr(module, "_ql_bypass_guard", False):
             continue
         module._ql_bypass_guard = True
@@ -95,4 +116,4 @@ def guard(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["FUSED_IN_TRAINING", "READ_ALWAYS", "guard"]
+__all__ = ["FUSED_IN_TRAINING", "READ_ALWAYS", "READ_WHEN", "guard", "read_directly"]

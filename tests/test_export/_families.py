@@ -56,7 +56,8 @@ FAMILIES = {
 #: a transformers release lacks are skipped): dense ones of many lineages and more MoE layouts. GraniteMoE's checkpoint
 #: stores its experts rearranged (``input_linear`` / ``output_linear``), which the export refuses by name, as it does
 #: Llama-4's quantized experts (3-D (E, in, out) tensors: no format lays them out), GraniteMoE-SWA's (kept 3-D), a
-#: checkpoint tensor renamed within its module (Param2 / Sarvam's router bias) and linears that read one input under leaf
+#: quantized linear whose weight the checkpoint saves within another key (Param2 / Sarvam's q / k / v as one
+#: query_key_value; unquantized tensors saved renamed or built are written so: test_families) and linears that read one input under leaf
 #: names no layout knows (the DSA indexer's wk / weights_proj, MiniCPM5-MoE's q_gate_proj beside k_proj / v_proj,
 #: RecurrentGemma's linear_x / linear_y), as it does quantized convolutions (3-D weights: the hybrids' mamba.conv1d, LFM2's
 #: conv.conv) and Gemma-3n's 2 x 2 AltUp coefficients (no whole MX block).
@@ -227,10 +228,11 @@ MORE_FAMILIES = {
     # layers give the four quantized linears the load check asks for
     "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(num_local_experts=E, num_experts_per_tok=2, kv_channels=128,
         num_attention_heads=UNSET, head_dim=UNSET, num_hidden_layers=4)),
-    # refused (MORE_REFUSED): checkpoint tensors renamed within their module (DeepSeek-V4's hyper-connections, HY-V4's head,
-    # sinks of MiMo-V2-Flash's sliding layers and Flint's, the router bias of HY-V3 / Bailing / Kolibri, Ergo's residual gate),
-    # 3-D experts (Gemma-4 MoE, Mistral-4), one checkpoint tensor from several (HRM-Text's gate_up_proj, LaraMini's in_proj,
-    # Inkling-2's padded unembed), linears that read one input under leaf names no layout knows, and the DSA indexer
+    # checkpoint tensors renamed (DeepSeek-V4's hyper-connections, HY-V4's head, sinks of MiMo-V2-Flash's sliding layers and
+    # Flint's, the router bias of HY-V3 / Bailing / Kolibri, Ergo's residual gate): written under their keys. Refused
+    # (MORE_REFUSED): 3-D experts (Gemma-4 MoE, Mistral-4), quantized linears saved within a key built of several (HRM-Text's
+    # gqkv_proj, LaraMini's in_proj), Ergo's shared experts saved transposed, linears that read one input under leaf names no
+    # layout knows, and the DSA indexer
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(_MOE, n_routed_experts=E, n_shared_experts=1, q_lora_rank=128,
         o_groups=2, o_lora_rank=128, layer_types=["sliding_attention"], mlp_layer_types=["moe"], sliding_window=4)),
     "hy_v4": ("HYV4Config", "HYV4ForCausalLM", dict(_MOE, **_MLA, n_routed_experts=E, n_shared_experts=1, mlp_layer_types=["sparse"],
@@ -273,9 +275,9 @@ MORE_FAMILIES = {
         pad_token_id=0)),
     "zaya": ("ZayaConfig", "ZayaForCausalLM", dict(_MOE, num_experts=E, router_hidden_size=H, num_experts_per_tok=1)),
 }  # fmt: skip
-_BIAS_RENAMED = r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.mlp.gate.expert_bias \(tensor renamed\)"
+_QKV_BUILT = (r"self_attn.q_proj.weight_quantizer is enabled, but transformers saves model.layers.0.attention.query_key_value.weight from "
+              r"several tensors")
 _INDEXER = r"indexer.weights_proj.weight_quantizer is enabled \(mx\), but the sparse-attention indexer's weights_proj is loaded only"
-_FUSE = r"cannot tell whether consumers fuse \['model.layers.0.self_attn."
 _CONV = r"mamba.conv1d.weight_quantizer: a 3-D weight \(256, 1, 4\); export formats carry 2-D linear weights"
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
 MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged",
@@ -283,12 +285,8 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 "llama4_text": "experts.gate_up_proj_weight_quantizer is enabled, and the export has no layout",
                 "granitemoehybrid": "block_sparse_moe.output_linear.weight rearranged",
                 "granitemoe_swa": "granitemoe_swa checkpoint keeps model.layers.0.block_sparse_moe.experts.gate_up_proj as one 3-D tensor",
-                # the checkpoint's router bias is gate.expert_bias (and its q / k / v are one query_key_value)
-                "param2moe": _BIAS_RENAMED, "sarvam_moe": _BIAS_RENAMED,
                 # vLLM fuses the DSA indexer's wk and weights_proj unquantized (test_families: with weights_proj off, both load as saved)
                 "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
-                # q_gate_proj (the checkpoint's q_proj: the queries and their gate) reads the input of k_proj / v_proj
-                "minicpm5_moe": _FUSE + r"k_proj', 'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.q_gate_proj'\]",
                 # a convolution's weight is 3-D in the checkpoint (channels, 1, kernel): no format carries it quantized
                 "falcon_h1": _CONV, "bamba": _CONV, "zamba2": _CONV,
                 "lfm2": r"model.layers.0.conv.conv.weight_quantizer: a 3-D weight \(128, 1, 3\); export formats carry 2-D linear weights",
@@ -297,33 +295,29 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 "falcon_mamba": r"backbone.layers.0.mixer.dt_proj.weight_quantizer is enabled, but FalconMambaMixer reads dt_proj.weight",
                 # a 2 x 2 linear is no whole number of MX blocks (1 x 32)
                 "gemma3n": r"model.layers.0.altup.correction_coefs.weight_quantizer: weight 2x2 is not a whole number of 1x32 blocks",
-                "recurrent_gemma": r"cannot tell whether consumers fuse \['model.layers.0.temporal_block.linear_y', "
-                                   r"'model.layers.0.temporal_block.linear_x'\]",
-                "deepseek_v4": r"transformers saves model.layers.0.attn_hc.base as model.layers.0.hc_attn_base \(tensor renamed\)",
-                "hy_v4": r"transformers saves model.hc_head.hc_base as model.hc_pre.hc_head.hc_head_base \(tensor renamed\)",
-                "mimo_v2_flash_swa": r"saves model.layers.0.self_attn.sinks as model.layers.0.self_attn.attention_sink_bias \(tensor",
-                "flint": r"saves model.layers.0.self_attn.sinks as model.layers.0.self_attn.softmax_offset \(tensor renamed\)",
-                "hy_v3": r"saves model.layers.0.mlp.e_score_correction_bias as model.layers.0.mlp.expert_bias \(tensor renamed\)",
-                "bailing_hybrid": _BIAS_RENAMED,
-                "kolibri1": r"saves model.layers.0.mlp.gate.e_score_correction_bias as model.layers.0.moe.router.expert_bias \(tensor",
-                "ergo": r"saves model.layers.0.attention_residual_gate.weight as layers.0.post_attention_residual.scale \(tensor renamed\)",
+                "recurrent_gemma": r"model.layers.0.temporal_block.conv_1d.weight_quantizer: a 3-D weight \(128, 1, 4\)",
                 "gemma4_moe": r"transformers' gemma4_text checkpoint keeps model.layers.0.experts.gate_up_proj as one 3-D tensor",
                 "mistral4": r"transformers' mistral4 checkpoint keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D tensor",
                 # the checkpoint fuses what the model computes apart (Inkling-2: lm_head padded to vocab_size on save)
-                "hrm_text": r"saves model.H_module.layers.0.mlp.gate_up_proj.weight from several tensors",
+                "hrm_text": r"q_proj.weight_quantizer is enabled, but transformers saves model.L_module.layers.0.attn.gqkv_proj.weight "
+                            r"from several tensors",
                 "lara_mini": r"saves model.layers.0.linear_attn.in_proj.weight from several tensors",
-                "inkling2": r"saves model.llm.unembed.weight from several tensors",
+                "inkling2": r"saves model.layers.0.mlp.experts.down_proj as model.llm.layers.0.mlp.experts.w2_weight rearranged",
+                # q / k / v (q_proj / k_proj / v_proj) saved as one query_key_value (test_families: with them off, both load)
+                "param2moe": _QKV_BUILT, "sarvam_moe": _QKV_BUILT,
+                "hy_v4": _INDEXER,
+                # the shared experts' weights are saved transposed (shared_up_proj), and .scale tensors read as block scales
+                "ergo": r"shared_experts.up_proj.weight_quantizer is enabled, but transformers saves model.layers.0.mlp.shared_experts"
+                        r".up_proj.weight as layers.0.feed_forward.shared_up_proj rearranged \(transposed or reshaped on save\)",
                 "axk2": _INDEXER,
-                "qwen4_exp": r"cannot tell whether consumers fuse \['model.layers.0.attn_hyper_connection.input_mix_weight_down', "
-                             r"'model.layers.0.attn_hyper_connection.block_inject_weight'\]",
-                "kimi_linear_kda": _FUSE + r"q_proj', .*'model.layers.0.self_attn.b_proj', 'model.layers.0.self_attn.g_a_proj'\]",
-                "dots3_note": _FUSE + r"q_a_proj', 'model.layers.0.self_attn.kv_a_proj_with_mqa', 'model.layers.0.self_attn.g_proj'\]",
-                "inkling": _FUSE + r"q_proj', .*'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.r_proj'\]",
-                "olmo_hybrid": r"cannot tell whether consumers fuse \['model.layers.0.linear_attn.q_proj', .*"
-                               r"'model.layers.0.linear_attn.g_proj'\]",
-                "lfm3": _FUSE + r"q_proj', .*'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.g_proj'\]",
-                "laguna": _FUSE + r"q_proj', .*'model.layers.0.self_attn.v_proj', 'model.layers.0.self_attn.g_proj'\]",
-                "zaya": _FUSE + r"qkv_proj.q_proj', .*'model.layers.0.self_attn.qkv_proj.v_proj_delayed'\]"}
+                # transformers' fine-grained FP8 loader pairs block_inject_weight.weight with no scale (test_families: ct_mxfp8)
+                "qwen4_exp": r"block_inject_weight.weight_quantizer: written as model.layers.0.attn_hyper_connection.block_inject_weight"
+                             r".weight, but transformers' fine-grained FP8 loader pairs a weight",
+                # its q / k / v short convolutions are one conv1d, split on save
+                "kimi_linear_kda": r"self_attn.conv1d.weight_quantizer is enabled, but transformers saves model.layers.0.self_attn.conv1d"
+                                   r".weight as model.layers.0.self_attn.q_conv1d.weight rearranged \(split on save\)",
+                "inkling": r"transformers' inkling_text checkpoint keeps model.layers.1.mlp.experts.gate_up_proj as one 3-D tensor",
+                "zaya": r"transformers' zaya checkpoint keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D tensor"}
 #: MORE_FAMILIES that the family x format matrix walks too (MoE layouts of other lineages; Phi-3's fused qkv_proj and
 #: gate_up_proj), with their fused groups as FAMILY_GROUPS names them
 MORE_GROUPS = {"phi3": (), "olmoe": ("attn",), "ernie4_5_moe": ("attn", "shared"), "glm4_moe": ("attn", "shared"),

@@ -54,20 +54,20 @@ def test_names_are_save_pretrained_and_transformers_loads_them(tmp_path, family,
     assert_loads_as_saved(base, quantized(base, MXFP8, off=_off(family)), tmp_path)
 
 
-def assert_loads_as_saved(base, model, tmp_path) -> None:
-    """``model`` (``base`` quantized) exports MXFP8 under the names of ``base.save_pretrained``, and transformers loads it
-    with no key missing, unexpected or mismatched, every quantized weight equal to quantlib's fake quantization and the
-    same logits."""
+def assert_loads_as_saved(base, model, tmp_path, fmt: str = "hf_mxfp8", min_pairs: int = 4) -> None:
+    """``model`` (``base`` quantized) exports MXFP8 (format ``fmt``) under the names of ``base.save_pretrained``, and
+    transformers loads it with no key missing, unexpected or mismatched, every quantized weight (at least ``min_pairs``)
+    equal to quantlib's fake quantization and the same logits."""
     base.save_pretrained(tmp_path / "ref")
     ref = set(load_file(tmp_path / "ref" / "model.safetensors"))
-    export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+    export_checkpoint(model, tmp_path / "q", fmt)
     got = load_file(tmp_path / "q" / "model.safetensors")
-    assert {k for k in got if not k.endswith("weight_scale_inv")} == ref
+    assert {k for k in got if not k.endswith(("weight_scale_inv", "weight_scale"))} == ref
     loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, output_loading_info=True,
                                                         experts_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     pairs = fake_and_loaded(model, loaded)
-    assert len(pairs) >= 4
+    assert len(pairs) >= min_pairs
     for name, (fake, lw) in pairs.items():
         assert torch.equal(lw.float(), fake.float()), name
     with torch.no_grad():
@@ -88,6 +88,64 @@ def test_more_families_export_as_save_pretrained_names_them_and_load_to_the_same
         assert not (tmp_path / "q").exists()
         return
     assert_loads_as_saved(base, model, tmp_path)
+
+
+@pytest.mark.parametrize("family, off, fmt", [
+    ("param2moe", ("*self_attn*",), "hf_mxfp8"),  # q / k / v saved as one query_key_value, the router bias renamed
+    ("sarvam_moe", ("*self_attn*",), "hf_mxfp8"),
+    ("deepseek_v4", ("*self_attn*",), "hf_mxfp8"),  # hyper-connection bases renamed
+    ("bailing_hybrid", ("*self_attn*",), "hf_mxfp8"),
+    ("hy_v4", ("*indexer.weights_proj*", "*mlp.experts*"), "hf_mxfp8"),  # the head's hyper-connection renamed
+])  # fmt: skip
+def test_tensors_saved_under_other_keys_load_as_saved(tmp_path, family, off, fmt):
+    """Unquantized tensors that the family's save renames or concatenates are written as its save writes them
+    (transformers' own conversion, on the real tensors), and the checkpoint loads as saved; what each family refuses
+    quantized is off (MORE_REFUSED)."""
+    if not _families.built_here(family):
+        pytest.skip(f"this transformers has no {family}")
+    base = build(family)
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=off), tmp_path, fmt, min_pairs=2)
+
+
+def test_ergo_router_saved_transposed_loads_as_the_model_holds_it(tmp_path):
+    """Ergo's save transposes its router weight (gate_kernel) and its shared experts' and names residual gates '.scale': in
+    ct_mxfp8 the checkpoint has save_pretrained's keys and every unquantized tensor loads equal to the model's (transformers
+    runs its compressed-tensors MXFP8 layers in bf16 beside fp32 experts on the CPU, so logits are not compared); hf_mxfp8
+    is refused, its loader taking the .scale keys for block scales."""
+    if not _families.built_here("ergo"):
+        pytest.skip("this transformers has no ergo")
+    base = build("ergo")
+    model = quantized(base, MXFP8, off=("*shared_experts*", "*mlp.experts*"))
+    base.save_pretrained(tmp_path / "ref")
+    export_checkpoint(model, tmp_path / "q", "ct_mxfp8")
+    got = load_file(tmp_path / "q" / "model.safetensors")
+    assert {k for k in got if not k.endswith("weight_scale")} == set(load_file(tmp_path / "ref" / "model.safetensors"))
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, output_loading_info=True,
+                                                        experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    held = dict(loaded.named_parameters())
+    plain = {k: p for k, p in base.named_parameters() if "self_attn.qkv_proj" not in k and "self_attn.o_proj" not in k}
+    assert "model.layers.0.mlp.gate.linear.weight" in plain and len(plain) > 10
+    for k, p in plain.items():
+        assert torch.equal(held[k].float(), p.float()), k
+    words = r"post_expert_norm.weight: written as layers.0.feed_forward.expert_output_norm.scale, but transformers. fine-grained"
+    with pytest.raises(ExportError, match=words):
+        export_checkpoint(model, tmp_path / "hf", "hf_mxfp8")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("fmt, cfg", [("ct_nvfp4", ql.NVFP4_DEFAULT_CFG), ("modelopt_fp8", ql.FP8_DEFAULT_CFG)])
+def test_linears_of_unknown_fusion_are_refused_where_siblings_share_a_scale(tmp_path, fmt, cfg):
+    """Laguna's q / k / v / g_proj read one input under leaf names no layout knows: in MXFP8 (every scale a member's own)
+    they export and load as saved (MORE_FAMILIES); where consumers fuse siblings under one global or per-tensor scale,
+    quantlib cannot tell which to unify, so the export is refused by name, nothing written."""
+    if not _families.built_here("laguna"):
+        pytest.skip("this transformers has no Laguna")
+    model = quantized(build("laguna"), cfg)
+    words = r"cannot tell whether consumers fuse \['model.layers.0.self_attn.q_proj', .*'model.layers.0.self_attn.g_proj'\]"
+    with pytest.raises(ExportError, match=words):
+        export_checkpoint(model, tmp_path / "q", fmt)
+    assert not (tmp_path / "q").exists()
 
 
 def test_mixtral_experts_are_written_as_transformers_names_them(tmp_path):
@@ -275,6 +333,16 @@ def test_mamba_exports_with_dt_proj_unquantized(tmp_path, family):
     base = build(family)
     off = ("*dt_proj*", "*mamba.conv1d*")  # Jamba's Mamba convolution is mamba.conv1d, which no preset rule names
     assert_loads_as_saved(base, quantized(base, MXFP8, off=off), tmp_path)
+
+
+def test_bloom_with_sliced_tensor_parallel_exports_its_output_projections_unquantized(tmp_path):
+    """BLOOM with pretraining_tp > 1 and slow_but_exact multiplies by slices of its output projections' weights (not through
+    their forward): quantized, they are refused by name, nothing written; off, the model loads as saved."""
+    base = build("bloom", pretraining_tp=2, slow_but_exact=True)
+    with pytest.raises(ExportError, match=r"self_attention.dense.weight_quantizer is enabled, but BloomAttention reads dense.weight"):
+        export_checkpoint(quantized(base, MXFP8), tmp_path / "q", "hf_mxfp8")
+    assert not (tmp_path / "q").exists()
+    assert_loads_as_saved(base, quantized(base, MXFP8, off=("*self_attention.dense*", "*dense_4h_to_h*")), tmp_path, min_pairs=2)
 
 
 def test_longcat_router_read_in_fp32_is_refused_quantized(tmp_path):

@@ -71,3 +71,28 @@ def test_transformers_mamba_trains_only_without_a_quantized_dt_proj():
         m(ids)
     ql.disable_quantizer(m, "*dt_proj*")
     m(ids).logits.sum().backward()
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_transformers_bloom_with_sliced_tensor_parallel_reads_its_output_projections(sliced):
+    """BLOOM with pretraining_tp > 1 and slow_but_exact multiplies by slices of dense / dense_4h_to_h's weights: guarded
+    then (a QAT step raises naming dense), not otherwise."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2, pretraining_tp=2 if sliced else 1,
+                                   slow_but_exact=sliced)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = ql.quantize(transformers.BloomForCausalLM(cfg), W8, lambda m: m(ids))
+    m.train()
+    if not sliced:
+        m(ids).logits.sum().backward()
+        return
+    with pytest.raises(RuntimeError, match=r"BloomAttention: its training forward read the weights of \['dense'\]"):
+        m(ids)
+    ql.disable_quantizer(m, "*self_attention.dense*")
+    with pytest.raises(RuntimeError, match=r"BloomMLP: its training forward read the weights of \['dense_4h_to_h'\]"):
+        m(ids)
+    ql.disable_quantizer(m, "*dense_4h_to_h*")
+    m(ids).logits.sum().backward()

@@ -99,6 +99,11 @@ class Packer:
         """None if a consumer reads weights of ``spec`` of a module stored (in, out) in this format; else why not."""
         return self.transposed_why
 
+    def key_ok(self, key: str, model_type: Optional[str], quantized: bool) -> Optional[str]:
+        """None if the format's consumers load checkpoint key ``key`` (of a ``model_type`` model; ``quantized``: a quantized
+        module's weight) as written; else why not."""
+        return None
+
     def pre_quant_scale_ok(self, info: ConfigInfo) -> Optional[str]:
         """None if the format carries ``pre_quant_scale`` tensors in an export of ``info``; else why not."""
         return None if self.carries_pre_quant_scale else "it has no pre_quant_scale tensor"

@@ -12,6 +12,7 @@ Unquantized modules go to ``ignored_layers``: vLLM's key, which transformers rea
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -19,6 +20,27 @@ import torch
 from ...formats import FormatSpec, Kind, QuantizedTensor
 from ..types import ExportFormat
 from .base import ConfigInfo, Packer, fp8_block_weight_ok
+
+#: what transformers' fine-grained FP8 quantizer renames to ``weight_scale_inv`` on load, whatever the tensor (5.x: checkpoints
+#: that ship block scales as ``<module>.scale`` or ``.qscale_weight``); Inkling-2's own ``.scale`` tensors are spared
+_LOADER_RENAMES = re.compile(r"^(.+)\.scale(?!\w)|\.qscale_weight(?!\w)")
+_QSCALE = re.compile(r"\.qscale_weight(?!\w)")
+#: its dequantization pairs a weight with its scale by the first "weight" that ends a name in the key: in a module named
+#: ``*weight`` (Qwen4-exp's ``block_inject_weight``) that is the module's name, and the scale is left out
+_INNER_WEIGHT = re.compile(r"weight(?!\w)")
+
+
+def finegrained_key_ok(key: str, model_type: Optional[str], quantized: bool) -> Optional[str]:
+    """Why transformers' fine-grained FP8 loader (``quant_method`` fp8 / mxfp8) would not load ``key`` as written
+    (``quantized``: a quantized module's weight), or None."""
+    if quantized and _INNER_WEIGHT.search(key.rpartition(".")[0]):
+        return ("transformers' fine-grained FP8 loader pairs a weight with its weight_scale_inv by the first name ending in "
+                "'weight' in the key, here the module's own, so it would load the FP8 codes without their scales")
+    spared = model_type is not None and model_type.startswith("inkling2")
+    if (_QSCALE if spared else _LOADER_RENAMES).search(key) is None:
+        return None
+    return ("transformers' fine-grained FP8 loader renames every '<module>.scale' / '.qscale_weight' key to the module's "
+            "weight_scale_inv on load, so this tensor would be missing from the loaded model")
 
 
 class HFFP8Block(Packer):
@@ -39,6 +61,9 @@ class HFFP8Block(Packer):
 
     def pack(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
         return {"weight": q.codes, "weight_scale_inv": q.scale.float()}
+
+    def key_ok(self, key: str, model_type: Optional[str], quantized: bool) -> Optional[str]:
+        return finegrained_key_ok(key, model_type, quantized)
 
     def config(self, info: ConfigInfo) -> dict:
         cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(info.weight_spec.block),

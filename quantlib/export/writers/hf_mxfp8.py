@@ -9,8 +9,11 @@ rejects ``weight_scale_inv``; the MXFP8 formats vLLM reads are ``ct_mxfp8`` (tra
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..types import ExportFormat
 from .base import ConfigInfo, MXFP8Packer
+from .hf_fp8 import finegrained_key_ok
 
 
 class HFMXFP8(MXFP8Packer):
@@ -19,6 +22,9 @@ class HFMXFP8(MXFP8Packer):
                       "MXFP8 as ct_mxfp8 / modelopt_mxfp8 only")
     scale_key = "weight_scale_inv"
     input_why = "activations are MXFP8, quantized dynamically by the consumer"
+
+    def key_ok(self, key: str, model_type: Optional[str], quantized: bool) -> Optional[str]:
+        return finegrained_key_ok(key, model_type, quantized)
 
     def config(self, info: ConfigInfo) -> dict:
         return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",

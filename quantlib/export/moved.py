@@ -1,0 +1,79 @@
+"""Tensors that transformers' ``save_pretrained`` writes under another key than the model's own: renamed (a router's
+``e_score_correction_bias`` saved as ``expert_bias``) or built on save (q / k / v concatenated into one
+``query_key_value``, a router weight transposed, an unembedding padded). :mod:`.hf_names` finds them on its probe;
+here they become items of their own. A renamed tensor is written as it is under its key; a built key is made from its
+real sources by transformers' own conversion. Neither may hold a quantized module's tensor: its scales are written
+beside its weight under the module's name, where no loader of the moved key looks for them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .items import Item, live
+from .layouts import ModelLayout
+from .types import ExportError
+
+
+class Moved:
+    """The moved tensors of one export's walk (:func:`~quantlib.export.plan.walk`), by source tensor."""
+
+    def __init__(self, model: nn.Module, layout: ModelLayout):
+        self.model, self.renamed, self.built = model, layout.tensors, layout.built
+        self.by_source: dict[str, list[str]] = {}  # a save may build several keys of one tensor (a fused conv split in q / k / v)
+        for key, (srcs, _) in self.built.items():
+            for src in srcs:
+                self.by_source.setdefault(src, []).append(key)
+        self.emitted: set[str] = set()
+
+    def refuse(self, name: str, direct: dict) -> None:
+        """Refuses quantized module ``name`` if the checkpoint saves any of its tensors ``direct`` under another key."""
+        for k in direct:
+            full = f"{name}.{k}" if name else k
+            if full in self.renamed:
+                why = f"transformers saves {full} as {self.renamed[full]} (tensor renamed)"
+            elif full in self.by_source:
+                why = self.built[self.by_source[full][0]][1]
+            else:
+                continue
+            raise ExportError(f"{name}.weight_quantizer is enabled, but {why}; quantlib writes a quantized module's tensors as the model "
+                              "holds them, under its name: disable the quantizer")
+
+    def split(self, items: list[Item], module: nn.Module, name: str, direct: dict) -> dict:
+        """Appends to ``items`` an unquantized item per moved key that a tensor of ``module`` goes into (once per key);
+        returns the tensors left to write under the module's own name."""
+        kept = {}
+        for k, t in direct.items():
+            full = f"{name}.{k}" if name else k
+            if full in self.renamed:
+                moved = [(self.renamed[full], live(module, k))]
+            elif full in self.by_source:
+                moved = [(key, self._builder(key)) for key in self.by_source[full] if key not in self.emitted]
+                self.emitted.update(key for key, _ in moved)
+            else:
+                kept[k] = t
+                continue
+            for key, get in moved:
+                at, _, local = key.rpartition(".")
+                items.append(Item(at, "unquantized", full, extras={local: get}, parent=at.rpartition(".")[0], leaf=at.rpartition(".")[2]))
+        return kept
+
+    def _builder(self, key: str) -> Callable[[], torch.Tensor]:
+        """The getter of built key ``key``: transformers' conversion run on its sources as they are when called."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        srcs, why = self.built[key]
+        gets = [live(self.model.get_submodule(m), t) for m, _, t in (s.rpartition(".") for s in srcs)]
+        model = self.model
+
+        def get() -> torch.Tensor:
+            with torch.no_grad():
+                out = revert_weight_conversion(model, {s: g() for s, g in zip(srcs, gets)})
+            if key not in out:  # the probe found it; the real tensors must give it too
+                raise ExportError(f"{type(model).__name__}: {why}, but transformers' conversion of those tensors gave {sorted(out)}")
+            return out[key]
+
+        return get
