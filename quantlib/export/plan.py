@@ -418,7 +418,11 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
         make_plan(model, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, modules=mw)
         raise refused
     plan.info.ignore += [layout.renames.get(n, n) for n in _tied_linears(mw)]
-    # modules whose weight the checkpoint holds under another key (:mod:`.moved`): unquantized, listed by the model's name
+    # unquantized modules under the checkpoint's names (vLLM matches its modules, named as the checkpoint) and the model's
+    # where they differ (transformers matches its own: a module it does not find listed gets quantized and misses its
+    # scales), modules whose weight the checkpoint holds under another key (:mod:`.moved`) included
+    listed = set(plan.info.ignore)
+    plan.info.ignore += [m for m, ck in layout.renames.items() if ck in listed and m not in listed]
     plan.info.ignore += [k[: -len(".weight")] for k in (*layout.tensors, *(s for srcs, _ in layout.built.values() for s in srcs))
                          if k.endswith(".weight")]
     _refuse_split_inputs(plan.items, layout)
@@ -530,9 +534,7 @@ def check_items(items: list[Item], packer: Packer, layout: ModelLayout, *, unify
                               f"weight {describe(first.spec)} / input {describe(first.input_spec)}; one export of this format carries one "
                               "scheme (format ct_mixed carries several)")
     unified = _unify(quantized, unify_siblings, read)
-    # under the checkpoint's name (vLLM matches its modules, named as the checkpoint) and the model's where they differ
-    # (transformers matches its own modules: a module it does not find listed gets quantized and misses its scales)
-    ignore = list(dict.fromkeys(n for it in items if it.spec is None and "weight" in it.extras for n in (it.name, _module(it))))
+    ignore = [it.name for it in items if it.spec is None and ("weight" in it.extras)]
     per_tensor = first.amax is not None and first.spec.block is None and first.amax.numel() == 1
     info = ConfigInfo(first.spec, first.input_spec, per_tensor, ignore, version, schemes=_schemes(quantized))
     return Plan(items, info, unified)
