@@ -24,7 +24,7 @@ formats), else refused by name. Fused MoE experts (one scale per expert) are pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -101,11 +101,15 @@ class Folds:
     out: dict[str, torch.Tensor] = field(default_factory=dict)  # a producer's output channels times this
     carried: dict[str, torch.Tensor] = field(default_factory=dict)  # written as the module's pre_quant_scale
 
-    def apply(self, items: list) -> None:
-        """Rewrite the getters of the plan's items (:class:`~quantlib.export.items.Item`) by these folds."""
+    def apply(self, items: list, moved: Iterable[str] = ()) -> None:
+        """Rewrite the getters of the plan's items (:class:`~quantlib.export.items.Item`) by these folds; a fold that no
+        item takes (its module written under keys of another module's, :mod:`.moved`, takes it at its source) would be
+        lost, so it is an error."""
+        planned = set(self.out) | set(self.carried)
         for it in items:
             # an expert's part by quantlib's name (fold_experts.part_name), as its folds are planned
             name = it.part if it.expert is not None else f"{it.parent}.{it.leaf}" if it.parent else it.leaf
+            planned.discard(name)
             if name in self.weight and it.spec is not None:
                 it.pre = lambda w, p=self.weight[name]: w * p.to(w.device, w.dtype)  # the weight quantizer's own pre_scale, bit for bit
             if name in self.out:
@@ -118,6 +122,8 @@ class Folds:
             if name in self.carried:
                 p = self.carried[name]
                 it.extras["pre_quant_scale"] = lambda p=p: p.detach()
+        if planned - set(moved):
+            raise ExportError(f"{sorted(planned - set(moved))[0]}: a pre_quant_scale folds into it, but the export writes it nowhere")
 
 
 def times_rows(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -8,21 +8,28 @@ beside its weight under the module's name, where no loader of the moved key look
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from .fold import times_rows
 from .items import Item, live
 from .layouts import ModelLayout
 from .types import ExportError
 
 
+def moved_sources(layout: ModelLayout) -> list[str]:
+    """The model's tensors that the checkpoint of ``layout`` saves under other keys (renamed or built)."""
+    return [*layout.tensors, *(s for srcs, _ in layout.built.values() for s in srcs)]
+
+
 class Moved:
     """The moved tensors of one export's walk (:func:`~quantlib.export.plan.walk`), by source tensor."""
 
-    def __init__(self, model: nn.Module, layout: ModelLayout):
+    def __init__(self, model: nn.Module, layout: ModelLayout, out_folds: Optional[dict[str, torch.Tensor]] = None):
         self.model, self.renamed, self.built = model, layout.tensors, layout.built
+        self.out = out_folds or {}  # a module's output channels times a scale (:class:`~quantlib.export.fold.Folds`), read at the source
         self.by_source: dict[str, list[str]] = {}  # a save may build several keys of one tensor (a fused conv split in q / k / v)
         for key, (srcs, _) in self.built.items():
             for src in srcs:
@@ -49,7 +56,7 @@ class Moved:
         for k, t in direct.items():
             full = f"{name}.{k}" if name else k
             if full in self.renamed:
-                moved = [(self.renamed[full], live(module, k))]
+                moved = [(self.renamed[full], self._source(module, name, k))]
             elif full in self.by_source:
                 moved = [(key, self._builder(key)) for key in self.by_source[full] if key not in self.emitted]
                 self.emitted.update(key for key, _ in moved)
@@ -58,15 +65,22 @@ class Moved:
                 continue
             for key, get in moved:
                 at, _, local = key.rpartition(".")
-                items.append(Item(at, "unquantized", full, extras={local: get}, parent=at.rpartition(".")[0], leaf=at.rpartition(".")[2]))
+                # leaf: the key, which names no module, so no fold planned for a module applies twice (Folds.apply)
+                items.append(Item(at, "unquantized", full, extras={local: get}, parent="", leaf=key))
         return kept
+
+    def _source(self, module: nn.Module, name: str, k: str) -> Callable[[], torch.Tensor]:
+        """The getter of tensor ``k`` of ``module`` (named ``name``), with the fold into its output channels where one is planned."""
+        get = live(module, k)
+        p = self.out.get(name)
+        return times_rows(get, p) if p is not None and k in ("weight", "bias") else get
 
     def _builder(self, key: str) -> Callable[[], torch.Tensor]:
         """The getter of built key ``key``: transformers' conversion run on its sources as they are when called."""
         from transformers.core_model_loading import revert_weight_conversion
 
         srcs, why = self.built[key]
-        gets = [live(self.model.get_submodule(m), t) for m, _, t in (s.rpartition(".") for s in srcs)]
+        gets = [self._source(self.model.get_submodule(m), m, t) for m, _, t in (s.rpartition(".") for s in srcs)]
         model = self.model
 
         def get() -> torch.Tensor:

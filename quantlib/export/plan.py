@@ -24,7 +24,7 @@ from .fold_experts import fused_experts_class, part_name
 from .items import Item, active_input, child, live, refuse_pre_quant_scale, row_part
 from .layouts import ModelLayout, with_checkpoint_names, with_structure
 from .modules import ModuleWalk, named_modules  # noqa: F401 - named_modules: the plan's traversal, imported from here
-from .moved import Moved
+from .moved import Moved, moved_sources
 from .transposed import stored_transposed
 from .types import ExportError
 from .writers import ConfigInfo, Packer
@@ -52,18 +52,19 @@ StackItems = Callable[[nn.Module, str, ModelLayout, Packer], Optional[list["Item
 
 def walk(
     model: nn.Module, layout: ModelLayout, modules: Optional[ModuleWalk] = None, stored_experts: bool = False,
-    stacks: Optional[tuple[StackItems, Packer]] = None
+    stacks: Optional[tuple[StackItems, Packer]] = None, out_folds: Optional[dict[str, torch.Tensor]] = None
 ) -> list[Item]:
     """Every checkpoint module of ``model`` in module order (nothing checked yet; pre_quant_scales are
     :func:`~quantlib.export.fold.plan_folds`'s); ``modules``: its :class:`ModuleWalk`, when the caller has one.
     ``stored_experts``: quantized fused experts that the checkpoint keeps 3-D become one item per projection.
-    ``stacks``: (builder, packer) of an RL sync of stacked experts, whose projections are planned whole where they can be."""
+    ``stacks``: (builder, packer) of an RL sync of stacked experts, whose projections are planned whole where they can be.
+    ``out_folds``: the plan's folds into output channels, which tensors the checkpoint moves (:mod:`.moved`) take at their source."""
     fused_cls = fused_experts_class()
     mw = ModuleWalk(model) if modules is None else modules
     items: list[Item] = []
     base_groups = QuantModule.weight_groups
     renamed, shards, tp_axis = layout.renames.get, layout.shards.get, layout.tp_axis
-    moved = Moved(model, layout) if layout.tensors or layout.built else None
+    moved = Moved(model, layout, out_folds) if layout.tensors or layout.built else None
     for name, module, direct, quant in mw.entries:  # containers hold nothing of their own to write or check
         parent, _, leaf = name.rpartition(".")
         if quant and isinstance(module, fused_cls):
@@ -404,9 +405,10 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     check_structure(mw, layout, type(model).__name__, packer.shares_global)
     folds = plan_folds(model, mw.modules, packer.carries_pre_quant_scale, packer.fmt.value, [(n, m) for n, m, q in mw.linears if q])
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
-    items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer))
+    items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer), folds.out)
     _refuse_misread_keys(items, packer, model_type)
-    folds.apply(items)
+    moved = moved_sources(layout)
+    folds.apply(items, [k.rpartition(".")[0] for k in moved])  # the moved tensors took their folds at the source
     refused = None
     try:
         plan = check_items(items, packer, layout, unify_siblings=unify_siblings, tp=tp, version=version, what=type(model).__name__)
@@ -423,8 +425,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     # scales), modules whose weight the checkpoint holds under another key (:mod:`.moved`) included
     listed = set(plan.info.ignore)
     plan.info.ignore += [m for m, ck in layout.renames.items() if ck in listed and m not in listed]
-    plan.info.ignore += [k[: -len(".weight")] for k in (*layout.tensors, *(s for srcs, _ in layout.built.values() for s in srcs))
-                         if k.endswith(".weight")]
+    plan.info.ignore += [k[: -len(".weight")] for k in moved if k.endswith(".weight")]
     _refuse_split_inputs(plan.items, layout)
     if packer.mixed:
         _refuse_mixed_siblings(plan.items, layout)

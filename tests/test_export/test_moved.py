@@ -4,6 +4,8 @@ so each case is walked on a model whose every other key is plain; test_families 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -105,3 +107,33 @@ def test_keys_read_as_block_scales_are_refused_in_finegrained_fp8(tmp_path, monk
     assert not (tmp_path / "q").exists()
     export_checkpoint(model, tmp_path / "ct", "ct_mxfp8")
     assert "model.norm.scale" in load_file(tmp_path / "ct" / "model.safetensors")
+
+
+def test_folds_into_moved_tensors_are_taken_at_their_source(tmp_path, monkeypatch):
+    """SmoothQuant's scales fold into the producers' output channels: o_proj's into v_proj's rows (here saved within a
+    q / k / v concatenation) and gate / up's into post_attention_layernorm (here renamed): the moved keys hold exactly
+    what the same export writes under the model's own names."""
+    norm = "model.layers.0.post_attention_layernorm"
+
+    def save(model, sd):
+        out = {}
+        if f"{A}q_proj.weight" in sd:
+            out[f"{A}qkv.weight"] = torch.cat([sd.pop(f"{A}{p}_proj.weight") for p in "qkv"])
+        out.update({(f"{norm}.gamma" if k == f"{norm}.weight" else k): t for k, t in sd.items()})
+        return out
+
+    model = build("llama", seed=1, num_key_value_heads=2)  # a head per value channel: o_proj's scale folds into v_proj
+    cfg = {**ql.INT8_SMOOTHQUANT_CFG, "quant_cfg": {**ql.INT8_SMOOTHQUANT_CFG["quant_cfg"], "*q_proj*": {"enable": False},
+                                                    "*k_proj*": {"enable": False}, "*v_proj*": {"enable": False}}}
+    ql.quantize(model, cfg, lambda m: m(tokens(5)))
+    assert model.model.layers[0].self_attn.o_proj.input_quantizer.pre_quant_scale is not None
+    export_checkpoint(model, tmp_path / "plain", "ct_int8")
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    monkeypatch.setattr(cml, "revert_weight_conversion", save)
+    export_checkpoint(copy.deepcopy(model), tmp_path / "moved", "ct_int8")  # a copy: the names found for a model are kept
+    moved = load_file(tmp_path / "moved" / "model.safetensors")
+    qkv = torch.cat([plain[f"{A}{p}_proj.weight"] for p in "qkv"])
+    assert not torch.equal(plain[f"{A}v_proj.weight"], model.model.layers[0].self_attn.v_proj.weight)  # a fold changed it
+    assert torch.equal(moved[f"{A}qkv.weight"], qkv)
+    assert not torch.equal(plain[f"{norm}.weight"], model.model.layers[0].post_attention_layernorm.weight)
+    assert torch.equal(moved[f"{norm}.gamma"], plain[f"{norm}.weight"])
