@@ -55,18 +55,22 @@ def test_guard_hooks_once():
     assert len(m[0]._forward_hooks) == 1 and len(m[0].out_proj._forward_pre_hooks) == 1
 
 
+def _quantized_lm(model: nn.Module) -> tuple[nn.Module, torch.Tensor]:
+    """``model`` (a tiny transformers LM of vocabulary 64) quantized W8 and in training mode, and token ids to run it on."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ql.quantize(model, W8, lambda m: m(ids)).train(), ids
+
+
 def test_transformers_mamba_trains_only_without_a_quantized_dt_proj():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "MambaConfig"):
         pytest.skip("this transformers has no Mamba")
     cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8, expand=1, time_step_rank=32,
                                    use_mambapy=False)
-    torch.manual_seed(0)
-    ids = torch.randint(0, 64, (2, 8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m = ql.quantize(transformers.MambaForCausalLM(cfg), W8, lambda m: m(ids))
-    m.train()
+    m, ids = _quantized_lm(transformers.MambaForCausalLM(cfg))
     with pytest.raises(RuntimeError, match=r"MambaMixer: its training forward read the weights of \['dt_proj'\]"):
         m(ids)
     ql.disable_quantizer(m, "*dt_proj*")
@@ -80,12 +84,7 @@ def test_transformers_bloom_with_sliced_tensor_parallel_reads_its_output_project
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2, pretraining_tp=2 if sliced else 1,
                                    slow_but_exact=sliced)
-    torch.manual_seed(0)
-    ids = torch.randint(0, 64, (2, 8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m = ql.quantize(transformers.BloomForCausalLM(cfg), W8, lambda m: m(ids))
-    m.train()
+    m, ids = _quantized_lm(transformers.BloomForCausalLM(cfg))
     if not sliced:
         m(ids).logits.sum().backward()
         return
