@@ -57,11 +57,13 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str,
     linears = _linears(walk)
     _refuse_indexer(linears)
     _refuse_read_directly(walk.modules)
+    structure = layout.structure
+    if structure is not None and structure.read:
+        _refuse_read_in_probe(linears, structure.read)
     groups: dict[tuple[str, tuple], list[tuple[str, bool]]] = {}
     unknown: dict[tuple[str, int], list[str]] = {}
     # what the layout can name: its standalone leaves and its siblings' (a leaf in no group is known if standalone)
     standalone = layout.standalone
-    structure = layout.structure
     seen = structure.seen if structure is not None else frozenset()
     group_of: dict[str, Optional[tuple[str, ...]]] = {}  # a model repeats a handful of leaf names
     for name, module, enabled in linears:
@@ -125,6 +127,18 @@ def _refuse_read_directly(modules: list[tuple[str, nn.Module]]) -> None:
                               f"directly, not through {child_name}'s forward: the model computes with the unquantized weight, so a "
                               f"quantized one would not be the model you calibrated; disable it (quantlib.disable_quantizer(model, "
                               f"'*{child_name}*'))")
+
+
+def _refuse_read_in_probe(linears: list[tuple[str, nn.Module, bool]], read: dict[str, str]) -> None:
+    """A quantized linear whose weight the structure probe saw computed with outside its own forward (by any module:
+    :class:`~quantlib.export.structure.Structure` ``read``): the model runs it unquantized there."""
+    for name, _, enabled in linears:
+        reader = read.get(name)
+        if enabled and reader is not None:
+            raise ExportError(f"{name}.weight_quantizer is enabled, but {reader or 'the model'} computes with {name}.weight outside "
+                              f"{name}'s forward (found in the structure probe), so the model uses the unquantized weight there and a "
+                              f"quantized one would not be the model you calibrated; disable it (quantlib.disable_quantizer(model, "
+                              f"'*{name.rpartition('.')[2]}*'))")
 
 
 def _indexer_wk_loads(spec: FormatSpec) -> bool:

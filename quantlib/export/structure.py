@@ -7,7 +7,10 @@ is fake-quantized, no quantizer state or generation changes) and a pre-hook on e
 the identity of its input. Linears called on one tensor object are what a consumer can fuse into one GEMM;
 a layout's sibling groups (vLLM's packed modules, or a user's) are then checked against them: a declared
 group whose members read different inputs is refused, and linears of one parent reading one input whose
-leaf names no layout knows are left for :func:`~quantlib.export.checks.check_structure` to refuse.
+leaf names no layout knows are left for :func:`~quantlib.export.checks.check_structure` to refuse. The probe also
+watches each linear's weight: a model that computes with it outside the linear's own forward (a direct product, a
+slice, a cast; Mamba's ``dt_proj``, a router read in fp32) would not run its quantizer, so the export refuses it
+quantized by name, whatever the module's class.
 Models with tensors on ``meta`` (offloaded layer-by-layer calibration) are not probed: their layout stays
 the names-only one.
 """
@@ -16,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..nn.tensor_quantizer import TensorQuantizer
 from .modules import ModuleWalk
@@ -43,6 +47,8 @@ class Structure:
     fused: dict
     #: module names of one parent reading one input where some leaf is neither a declared sibling nor standalone
     unknown: tuple = ()
+    #: linear name -> the module whose forward computed with its weight outside the linear's own forward
+    read: dict = field(default_factory=dict)
 
     def group_of(self, name: str) -> Optional[tuple[str, ...]]:
         """The fused group of seen module ``name`` (None: loaded alone)."""
@@ -80,9 +86,9 @@ def shared_inputs(model: nn.Module, walk: Optional[ModuleWalk] = None,
     linears = probe_linears(walk)
     if not linears or on_meta(linears):
         return None
-    groups = _probe(model, linears, forward or transformers_forward)
+    groups, read = _probe(model, linears, forward or transformers_forward)
     if forward is None:
-        _CACHE[model] = (signature, groups, {})
+        _CACHE[model] = (signature, groups, {}, read)
     return groups
 
 
@@ -93,15 +99,17 @@ def model_structure(model: nn.Module, walk: Optional[ModuleWalk], layout_name: s
     groups = shared_inputs(model, walk)
     if groups is None:
         return None
-    memo = _CACHE[model][2]
+    _, _, memo, read = _CACHE[model]
     key = (layout_name, siblings, standalone)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = reconcile(groups, layout_name, siblings, standalone)
+        found = memo[key] = replace(reconcile(groups, layout_name, siblings, standalone), read=read)
     return found
 
 
-def _probe(model: nn.Module, linears: list[tuple[str, nn.Module]], forward: Callable[[nn.Module], Any]) -> list[tuple[str, ...]]:
+def _probe(model: nn.Module, linears: list[tuple[str, nn.Module]],
+           forward: Callable[[nn.Module], Any]) -> tuple[list[tuple[str, ...]], dict[str, str]]:
+    """(the groups of :func:`shared_inputs`, what :class:`_Watch` found read outside its linear's forward)."""
     inputs: dict[int, tuple[torch.Tensor, list[str]]] = {}  # the tensor is held so that its id is not reused
 
     def record(name: str) -> Callable:
@@ -113,8 +121,9 @@ def _probe(model: nn.Module, linears: list[tuple[str, nn.Module]], forward: Call
         return hook
 
     handles = [m.register_forward_pre_hook(record(n), with_kwargs=True) for n, m in linears]
+    watch = _Watch(model, linears)
     try:
-        with _quiet(model):
+        with _quiet(model), watch:
             forward(model)
     except Exception as exc:  # any failure of a user's model: named, with the way around it
         raise ExportError(f"{type(model).__name__}: the structure probe (one forward on a tiny input, quantizers off) failed: "
@@ -122,7 +131,64 @@ def _probe(model: nn.Module, linears: list[tuple[str, nn.Module]], forward: Call
     finally:
         for h in handles:
             h.remove()
-    return _merged([names for _, names in inputs.values()], [n for n, _ in linears])
+    return _merged([names for _, names in inputs.values()], [n for n, _ in linears]), watch.read
+
+
+#: tensor methods that read a weight's metadata, not its values
+_METADATA = frozenset({"__get__", "size", "dim", "numel", "element_size", "stride", "is_contiguous", "is_floating_point", "get_device",
+                       "data_ptr", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "detach"})
+
+
+class _Watch(TorchFunctionMode):
+    """Records, for each linear of the probe, the module whose forward computes with the linear's weight while no
+    module holding that tensor (the linear, a tied embedding) is in its forward."""
+
+    def __init__(self, model: nn.Module, linears: list[tuple[str, nn.Module]]):
+        super().__init__()
+        self.names = {id(m._parameters["weight"]): n for n, m in linears}
+        self.owners = [(m, id(p)) for m in model.modules() for p in m._parameters.values() if id(p) in self.names]
+        self.active: dict[int, int] = dict.fromkeys(self.names, 0)
+        self.stack: list[str] = []
+        self.module_names = {id(m): n for n, m in model.named_modules()}
+        self.read: dict[str, str] = {}
+        self.handles: list = []
+
+    def __enter__(self):
+        for m, w in self.owners:
+            self.handles.append(m.register_forward_pre_hook(lambda *_, w=w: self._enter(w)))
+            self.handles.append(m.register_forward_hook(lambda *_, w=w: self._leave(w), always_call=True))
+        self.handles.append(nn.modules.module.register_module_forward_pre_hook(self._push))
+        self.handles.append(nn.modules.module.register_module_forward_hook(self._pop, always_call=True))
+        return super().__enter__()
+
+    def _push(self, module: nn.Module, args: tuple) -> None:
+        self.stack.append(self.module_names.get(id(module), ""))
+
+    def _pop(self, *_) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def _enter(self, w: int) -> None:
+        self.active[w] += 1
+
+    def _leave(self, w: int) -> None:
+        self.active[w] -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in _METADATA:
+            for a in (*args, *(kwargs or {}).values()):
+                for t in a if type(a) in (list, tuple) else (a,):  # torch.cat([w, ...])
+                    self._seen(id(t))
+        return func(*args, **(kwargs or {}))
+
+    def _seen(self, key: int) -> None:
+        if key in self.names and not self.active[key] and self.names[key] not in self.read:
+            self.read[self.names[key]] = self.stack[-1] if self.stack else "the model"
 
 
 def _merged(calls: list[list[str]], order: list[str]) -> list[tuple[str, ...]]:

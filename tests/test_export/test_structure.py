@@ -19,6 +19,7 @@ from quantlib.export import ExportError, ModelLayout, export_checkpoint, layout_
 from quantlib.export.structure import shared_inputs  # noqa: E402
 from quantlib.kv.presets import FP8_KV_CFG, merge_kv_config  # noqa: E402
 from quantlib.nn.tensor_quantizer import TensorQuantizer  # noqa: E402
+from tests.test_export._export_models import weight_only  # noqa: E402
 from tests.test_export._families import FAMILIES, build, tokens  # noqa: E402
 from tests.test_export.test_families import FAMILY_GROUPS, GROUPS  # noqa: E402
 
@@ -280,3 +281,29 @@ def test_experts_the_probe_does_not_reach_keep_their_names():
     assert layout.group_of("experts.1.up_proj", "up_proj") == ("gate_proj", "up_proj")  # by vLLM's names
     assert set(share_sibling_amax(model, layout)) == {("experts.0.gate_proj", "experts.0.up_proj"),
                                                       ("experts.1.gate_proj", "experts.1.up_proj")}
+
+
+@pytest.mark.parametrize("how", ["linear", "slice", "cast"])
+def test_a_weight_computed_with_outside_its_linear_is_refused_whatever_the_class(tmp_path, how):
+    """The probe watches every linear's weight: an MLP (no class any table names) that multiplies by down_proj's weight
+    itself, slices it or casts it runs down_proj unquantized, so its quantizer is refused by name, nothing written; off,
+    the model exports. Tied heads (the embedding's forward reads the same tensor) are no such read (test_families' tie)."""
+    model = build("llama", seed=2)
+    mlp = model.model.layers[0].mlp
+    ops = {"linear": lambda h, w: nn.functional.linear(h, w),
+           "slice": lambda h, w: h[..., :16] @ w[:, :16].t() + h[..., 16:] @ w[:, 16:].t(),
+           "cast": lambda h, w: (h.float() @ w.float().t()).to(h.dtype)}
+
+    def forward(x):
+        return ops[how](mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x), mlp.down_proj.weight)
+
+    mlp.forward = forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ql.quantize(model, weight_only(ql.MXFP8_DEFAULT_CFG), lambda m: m(tokens()))  # dynamic: nothing to calibrate says so
+    with pytest.raises(ExportError, match=r"model.layers.0.mlp.down_proj.weight_quantizer is enabled, but model.layers.0.mlp computes "
+                                          r"with model.layers.0.mlp.down_proj.weight outside model.layers.0.mlp.down_proj's forward"):
+        export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
+    assert not (tmp_path / "q").exists()
+    ql.disable_quantizer(model, "*mlp.down_proj*")
+    export_checkpoint(model, tmp_path / "q", "hf_mxfp8")
