@@ -195,10 +195,9 @@ def stored_fused(module: nn.Module, name: str, layout: ModelLayout, carried: boo
         q = module._modules.get(f"{proj}_weight_quantizer")
         if q is not None and any(m.is_enabled for m in q.members()):
             raise ExportError(f"{name}.{proj}_weight_quantizer: transformers' {layout.name} checkpoint keeps {name}.{proj} as one 3-D "
-                              "tensor "
-                              "(rows as the model computes them, e.g. GPT-OSS's interleaved gate/up), and only format openai_mxfp4 "
-                              "(MXFP4, OpenAI's GPT-OSS checkpoint) carries quantized 3-D experts: export in it, or disable it "
-                              "(quantlib.disable_quantizer(model, '*experts*'))")
+                              "tensor (as the model holds it, e.g. GPT-OSS's interleaved gate/up, or rearranged on save, e.g. "
+                              "GraniteMoE's input_linear), and only format openai_mxfp4 (MXFP4, OpenAI's GPT-OSS checkpoint) carries "
+                              "quantized 3-D experts: export in it, or disable it (quantlib.disable_quantizer(model, '*experts*'))")
     return True
 
 

@@ -166,10 +166,11 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
         local = range(first - start, first - start + n) if ordered else [int(v) - start for v in values]
         module, _, suffix = key.rpartition(".")
         if info and ids.dim() == 3:
-            if suffix != pname or not ordered or local[0] != 0 or tuple(ids.shape) != shape:
-                raise ExportError(f"{what}: transformers saves {src} as {key} rearranged; quantlib cannot write it")
-            placed.setdefault(mname, {})[pname] = key
             experts.setdefault(mname, {})[pname] = STORED_FUSED
+            if not ordered or local[0] != 0 or tuple(ids.shape) != shape:  # Inkling-2's interleaved w13: unquantized, built
+                built[key] = ((src,), f"transformers saves {src} as {key} rearranged (3-D experts, in another order on save)")
+                continue
+            placed.setdefault(mname, {})[pname] = key
         elif info:
             n, per, g = info
             e = {local[0] // per, local[-1] // per} if ordered else {v // per for v in local}
@@ -186,7 +187,7 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
                 continue
             placed.setdefault(mname, {})[pname] = key
             plain.add(src)
-    _place(placed, renames, tensors, experts, what)
+    _place(placed, renames, tensors)
     twice = plain.intersection(x for srcs, _ in built.values() for x in srcs)
     if twice:  # the walk writes a tensor once, under one key
         raise ExportError(f"{what}: transformers saves {sorted(twice)[0]} under its own key and within another; quantlib cannot write both")
@@ -199,7 +200,7 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
     return renames, experts, tensors, built
 
 
-def _place(placed: dict[str, dict[str, str]], renames: dict[str, str], tensors: dict[str, str], experts: dict, what: str) -> None:
+def _place(placed: dict[str, dict[str, str]], renames: dict[str, str], tensors: dict[str, str]) -> None:
     """Splits the keys of tensors saved whole into module renames and tensor renames: a module's home is where its weight
     goes (else where most of its tensors keep their own name, its own name first); a tensor saved anywhere else, or under
     another name, is a tensor rename (Laguna saves its router's bias under the experts module, its weight in place)."""
@@ -215,8 +216,5 @@ def _place(placed: dict[str, dict[str, str]], renames: dict[str, str], tensors: 
         if home != mname:
             renames[mname] = home
         for p, (m, _, suffix) in split.items():
-            if m == home and suffix == p:
-                continue
-            if experts.get(mname, {}).get(p) == STORED_FUSED:
-                raise ExportError(f"{what}: transformers saves the tensors of {mname} under two modules ({home}, {m})")
-            tensors[f"{mname}.{p}" if mname else p] = keys[p]
+            if m != home or suffix != p:
+                tensors[f"{mname}.{p}" if mname else p] = keys[p]

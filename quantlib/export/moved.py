@@ -8,7 +8,7 @@ beside its weight under the module's name, where no loader of the moved key look
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -36,8 +36,9 @@ class Moved:
                 self.by_source.setdefault(src, []).append(key)
         self.emitted: set[str] = set()
 
-    def refuse(self, name: str, direct: dict) -> None:
-        """Refuses quantized module ``name`` if the checkpoint saves any of its tensors ``direct`` under another key."""
+    def refuse(self, name: str, direct: Iterable[str], where: str = "") -> None:
+        """Refuses quantized module ``name`` (its quantizer ``where``, default its weight quantizer) if the checkpoint saves
+        any of its tensors ``direct`` under another key."""
         for k in direct:
             full = f"{name}.{k}" if name else k
             if full in self.renamed:
@@ -46,8 +47,8 @@ class Moved:
                 why = self.built[self.by_source[full][0]][1]
             else:
                 continue
-            raise ExportError(f"{name}.weight_quantizer is enabled, but {why}; quantlib writes a quantized module's tensors as the model "
-                              "holds them, under its name: disable the quantizer")
+            raise ExportError(f"{where or name + '.weight_quantizer'} is enabled, but {why}; quantlib writes a quantized module's "
+                              "tensors as the model holds them, under its name: disable the quantizer")
 
     def split(self, items: list[Item], module: nn.Module, name: str, direct: dict) -> dict:
         """Appends to ``items`` an unquantized item per moved key that a tensor of ``module`` goes into (once per key);

@@ -73,6 +73,8 @@ def walk(
                 items += _fused_items(module, name, layout, direct) if whole is None else whole
                 direct = {k: t for k, t in direct.items() if k not in module.projections and not k.endswith("_bias")}
             elif stored_experts:
+                if moved is not None:  # the format writes each projection under the module's name
+                    moved.refuse(name, module.projections, f"{name}'s experts quantizer")
                 items += _stored_items(module, name, layout)
                 direct = {k: t for k, t in direct.items() if k not in module.projections}
         elif quant and "weight" in direct:

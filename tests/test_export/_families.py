@@ -275,15 +275,17 @@ MORE_FAMILIES = {
         pad_token_id=0)),
     "zaya": ("ZayaConfig", "ZayaForCausalLM", dict(_MOE, num_experts=E, router_hidden_size=H, num_experts_per_tok=1)),
 }  # fmt: skip
+#: the words of a refusal of quantized experts that a family's checkpoint keeps 3-D (as they are, or rearranged on save)
+_KEPT_3D = "transformers' {} checkpoint keeps model.layers.0.block_sparse_moe.experts.gate_up_proj as one 3-D tensor"
 _QKV_BUILT = (r"self_attn.q_proj.weight_quantizer is enabled, but transformers saves model.layers.0.attention.query_key_value.weight from "
               r"several tensors")
 _INDEXER = r"indexer.weights_proj.weight_quantizer is enabled \(mx\), but the sparse-attention indexer's weights_proj is loaded only"
 _CONV = r"mamba.conv1d.weight_quantizer: a 3-D weight \(256, 1, 4\); export formats carry 2-D linear weights"
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
-MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged",
-                "granitemoeshared": "block_sparse_moe.output_linear.weight rearranged",
+MORE_REFUSED = {"granitemoe": _KEPT_3D.format("granitemoe"),
+                "granitemoeshared": _KEPT_3D.format("granitemoeshared"),
                 "llama4_text": "experts.gate_up_proj_weight_quantizer is enabled, and the export has no layout",
-                "granitemoehybrid": "block_sparse_moe.output_linear.weight rearranged",
+                "granitemoehybrid": _KEPT_3D.format("granitemoehybrid"),
                 "granitemoe_swa": "granitemoe_swa checkpoint keeps model.layers.0.block_sparse_moe.experts.gate_up_proj as one 3-D tensor",
                 # vLLM fuses the DSA indexer's wk and weights_proj unquantized (test_families: with weights_proj off, both load as saved)
                 "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
@@ -302,7 +304,7 @@ MORE_REFUSED = {"granitemoe": "block_sparse_moe.output_linear.weight rearranged"
                 "hrm_text": r"q_proj.weight_quantizer is enabled, but transformers saves model.L_module.layers.0.attn.gqkv_proj.weight "
                             r"from several tensors",
                 "lara_mini": r"saves model.layers.0.linear_attn.in_proj.weight from several tensors",
-                "inkling2": r"saves model.layers.0.mlp.experts.down_proj as model.llm.layers.0.mlp.experts.w2_weight rearranged",
+                "inkling2": r"transformers' inkling2_text checkpoint keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D tensor",
                 # q / k / v (q_proj / k_proj / v_proj) saved as one query_key_value (test_families: with them off, both load)
                 "param2moe": _QKV_BUILT, "sarvam_moe": _QKV_BUILT,
                 "hy_v4": _INDEXER,

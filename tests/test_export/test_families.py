@@ -96,10 +96,16 @@ def test_more_families_export_as_save_pretrained_names_them_and_load_to_the_same
     ("deepseek_v4", ("*self_attn*",), "hf_mxfp8"),  # hyper-connection bases renamed
     ("bailing_hybrid", ("*self_attn*",), "hf_mxfp8"),
     ("hy_v4", ("*indexer.weights_proj*", "*mlp.experts*"), "hf_mxfp8"),  # the head's hyper-connection renamed
+    # 3-D experts unquantized: GraniteMoE's rearranged on save, Inkling-2's renamed (w2_weight) and its lm_head padded
+    ("granitemoe", ("*experts*",), "hf_mxfp8"),
+    ("granitemoeshared", ("*experts*",), "hf_mxfp8"),
+    ("inkling2", ("*mlp.experts*", "*sconv*", "*conv1d*"), "hf_mxfp8"),
+    ("inkling", ("*mlp.experts*", "*sconv*"), "hf_mxfp8"),
+    ("zaya", ("*mlp.experts*", "*conv_qk*"), "hf_mxfp8"),
 ])  # fmt: skip
 def test_tensors_saved_under_other_keys_load_as_saved(tmp_path, family, off, fmt):
-    """Unquantized tensors that the family's save renames or concatenates are written as its save writes them
-    (transformers' own conversion, on the real tensors), and the checkpoint loads as saved; what each family refuses
+    """Unquantized tensors that the family's save renames, concatenates, rearranges or pads are written as its save writes
+    them (transformers' own conversion, on the real tensors), and the checkpoint loads as saved; what each family refuses
     quantized is off (MORE_REFUSED)."""
     if not _families.built_here(family):
         pytest.skip(f"this transformers has no {family}")
