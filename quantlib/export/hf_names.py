@@ -167,10 +167,11 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
         module, _, suffix = key.rpartition(".")
         if info and ids.dim() == 3:
             experts.setdefault(mname, {})[pname] = STORED_FUSED
-            if not ordered or local[0] != 0 or tuple(ids.shape) != shape:  # Inkling-2's interleaved w13: unquantized, built
+            if not ordered or local[0] != 0 or tuple(ids.shape) != shape:  # GraniteMoE's input_linear: written unquantized only
                 built[key] = ((src,), f"transformers saves {src} as {key} rearranged (3-D experts, in another order on save)")
                 continue
             placed.setdefault(mname, {})[pname] = key
+            plain.add(src)
         elif info:
             n, per, g = info
             e = {local[0] // per, local[-1] // per} if ordered else {v // per for v in local}
