@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "../check.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -33,12 +35,12 @@ const IsaKernels& kernels() {
 }
 
 DType dtype_of(const at::Tensor& x, const char* op) {
-  TORCH_CHECK_VALUE(x.device().is_cpu(), op, ": the cpu backend needs a CPU tensor, got ", x.device());
+  QL_CHECK_VALUE(x.device().is_cpu(), op, ": the cpu backend needs a CPU tensor, got ", x.device());
   switch (x.scalar_type()) {
     case at::kFloat: return DType::F32;
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::F16;
-    default: TORCH_CHECK_TYPE(false, op, ": input must be float32, bfloat16 or float16, got ", x.scalar_type());
+    default: QL_CHECK_TYPE(false, op, ": input must be float32, bfloat16 or float16, got ", x.scalar_type());
   }
 }
 
@@ -66,9 +68,9 @@ struct Layout {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 Layout block_layout(const at::Tensor& x, const std::vector<int64_t>& block, const char* op) {
-  TORCH_CHECK_VALUE((block.size() == 1 || block.size() == 2) && std::all_of(block.begin(), block.end(), [](int64_t b) { return b > 0; }),
+  QL_CHECK_VALUE((block.size() == 1 || block.size() == 2) && std::all_of(block.begin(), block.end(), [](int64_t b) { return b > 0; }),
                     op, ": block must be (B,) or (BM, BK) of positive sizes, got ", at::IntArrayRef(block));
-  TORCH_CHECK_VALUE(x.dim() >= int64_t(block.size()), op, ": a ", block.size(), "-D block needs an input of rank >= ",
+  QL_CHECK_VALUE(x.dim() >= int64_t(block.size()), op, ": a ", block.size(), "-D block needs an input of rank >= ",
                     block.size(), ", got ", x.sizes());
   const auto sizes = x.sizes();
   const int64_t lead_dims = x.dim() - int64_t(block.size());
@@ -128,7 +130,7 @@ void run(const BlockTask& t) {
 }
 
 at::Tensor static_block_amax(const at::Tensor& amax, const Layout& g, const char* op) {
-  TORCH_CHECK_VALUE(amax.sizes() == at::IntArrayRef(g.blocked), op, ": static block amax of shape ", amax.sizes(),
+  QL_CHECK_VALUE(amax.sizes() == at::IntArrayRef(g.blocked), op, ": static block amax of shape ", amax.sizes(),
                     " does not fit the input: expected ", at::IntArrayRef(g.blocked));
   return amax.to(at::kFloat).contiguous();
 }
@@ -154,7 +156,7 @@ at::Tensor fake_blocks(const at::Tensor& x, DType dt, Op op, const Ctx& ctx, con
 // Fake quant of x whose amax broadcasts against it (per tensor, per channel, any kept axes).
 at::Tensor fake_broadcast(const at::Tensor& x, DType dt, Op op, const Ctx& ctx, const at::Tensor& amax) {
   const at::Tensor a = amax.to(at::kFloat).contiguous();
-  TORCH_CHECK_VALUE(a.dim() <= x.dim(), "amax of shape ", a.sizes(), " does not broadcast against the input ", x.sizes());
+  QL_CHECK_VALUE(a.dim() <= x.dim(), "amax of shape ", a.sizes(), " does not broadcast against the input ", x.sizes());
   const at::Tensor ex = a.expand(x.sizes());  // raises where a does not broadcast
   at::Tensor out = at::empty_like(x);
   if (x.numel() == 0) return out;
@@ -223,7 +225,7 @@ at::Tensor fake_broadcast(const at::Tensor& x, DType dt, Op op, const Ctx& ctx, 
 Op fp8_op(const std::vector<int64_t>& element, bool blockwise, const char* name) {
   if (element == std::vector<int64_t>{4, 3}) return blockwise ? Op::FP8BLK_E4M3 : Op::FP8_E4M3;
   if (element == std::vector<int64_t>{5, 2}) return blockwise ? Op::FP8BLK_E5M2 : Op::FP8_E5M2;
-  TORCH_CHECK_VALUE(false, name, ": FP8 element format must be (4, 3) or (5, 2), got ", at::IntArrayRef(element));
+  QL_CHECK_VALUE(false, name, ": FP8 element format must be (4, 3) or (5, 2), got ", at::IntArrayRef(element));
 }
 
 Op mx_op(const std::string& elem, const char* name) {
@@ -232,7 +234,7 @@ Op mx_op(const std::string& elem, const char* name) {
   if (elem == "e3m2") return Op::MX_E3M2;
   if (elem == "e2m3") return Op::MX_E2M3;
   if (elem == "int8") return Op::MX_INT8;
-  TORCH_CHECK_VALUE(false, name, ": MX element format must be 'e4m3', 'e2m1', 'e3m2', 'e2m3' or 'int8', got '", elem, "'");
+  QL_CHECK_VALUE(false, name, ": MX element format must be 'e4m3', 'e2m1', 'e3m2', 'e2m3' or 'int8', got '", elem, "'");
 }
 
 // NVFP4 global scale s2 from the global amax A (formats.nvfp4.nvfp4_global_scale).
@@ -255,7 +257,7 @@ RowScales nvfp4_row_scales(const at::Tensor& x, const at::Tensor& global_amax, c
   const int64_t pad = int64_t(rows.size()) - global_amax.dim();
   bool fits = pad >= 0;
   for (int64_t d = 0; fits && d < global_amax.dim(); ++d) fits = global_amax.size(d) == 1 || global_amax.size(d) == rows[pad + d];
-  TORCH_CHECK_VALUE(fits, op, ": global amax of shape ", global_amax.sizes(), " is neither one value nor one per row of input ",
+  QL_CHECK_VALUE(fits, op, ": global amax of shape ", global_amax.sizes(), " is neither one value nor one per row of input ",
                     x.sizes(), " (broadcasting to ", at::IntArrayRef(rows), ")");
   const at::Tensor a = global_amax.to(at::kFloat).contiguous();
   RowScales r;
@@ -274,7 +276,7 @@ bool per_row(const std::optional<at::Tensor>& global_amax) { return global_amax.
 float nvfp4_global_amax(const at::Tensor& x, DType dt, const Layout& g, const std::optional<at::Tensor>& global_amax,
                         at::Tensor& amax) {
   if (global_amax.has_value()) {
-    TORCH_CHECK_VALUE(global_amax->numel() == 1, "nvfp4: global amax must have one element, got shape ", global_amax->sizes());
+    QL_CHECK_VALUE(global_amax->numel() == 1, "nvfp4: global amax must have one element, got shape ", global_amax->sizes());
     return global_amax->to(at::kFloat).item<float>();
   }
   amax = at::empty(g.blocked, x.options().dtype(at::kFloat));
@@ -308,8 +310,8 @@ at::Tensor fake_quant_int(const at::Tensor& x_, const std::optional<at::Tensor>&
                           bool dynamic, int64_t num_bits, bool is_unsigned, bool narrow_range) {
   const at::Tensor x = x_.contiguous();
   const DType dt = dtype_of(x, "fake_quant(int)");
-  TORCH_CHECK_VALUE(num_bits >= 1 && num_bits <= 31, "fake_quant(int): num_bits must be in [1, 31] (int32 codes), got ", num_bits);
-  TORCH_CHECK_VALUE(dynamic || amax.has_value(), "fake_quant(int): a static format needs an amax");
+  QL_CHECK_VALUE(num_bits >= 1 && num_bits <= 31, "fake_quant(int): num_bits must be in [1, 31] (int32 codes), got ", num_bits);
+  QL_CHECK_VALUE(dynamic || amax.has_value(), "fake_quant(int): a static format needs an amax");
   const double q = is_unsigned ? std::ldexp(1.0, int(num_bits)) - 1.0 : std::ldexp(1.0, int(num_bits) - 1) - 1.0;
   Ctx ctx;
   ctx.hi = float(q);
@@ -328,7 +330,7 @@ at::Tensor fake_quant_fp8(const at::Tensor& x_, const std::optional<at::Tensor>&
   const at::Tensor x = x_.contiguous();
   const DType dt = dtype_of(x, "fake_quant(fp8)");
   const Op op = fp8_op(element, false, "fake_quant(fp8)");
-  TORCH_CHECK_VALUE(dynamic || amax.has_value(), "fake_quant(fp8): a static format needs an amax");
+  QL_CHECK_VALUE(dynamic || amax.has_value(), "fake_quant(fp8): a static format needs an amax");
   if (!dynamic) return fake_broadcast(x, dt, op, Ctx{}, *amax);
   return fake_blocks(x, dt, op, Ctx{}, row_layout(x), at::Tensor(), false);
 }
@@ -361,7 +363,7 @@ at::Tensor fake_quant_mx(const at::Tensor& x_, const std::string& elem, int64_t 
 at::Tensor nvfp4_static_blocks(const std::optional<at::Tensor>& global_amax, const std::optional<at::Tensor>& block_amax,
                                const Layout& g, const char* op) {
   if (!block_amax.has_value()) return at::Tensor();
-  TORCH_CHECK_VALUE(global_amax.has_value(), op, ": a static block amax needs the static global amax");
+  QL_CHECK_VALUE(global_amax.has_value(), op, ": a static block amax needs the static global amax");
   return static_block_amax(*block_amax, g, op);
 }
 
@@ -403,7 +405,7 @@ at::Tensor fp8_cast(const at::Tensor& x_, const at::Tensor& scale, const std::ve
   const Op op = fp8_op(element, false, "fp8_cast");
   const Layout g = row_layout(x);
   const at::Tensor s = scale.to(at::kFloat).contiguous();
-  TORCH_CHECK_VALUE(s.device().is_cpu() && (s.numel() == 1 || s.numel() == g.M), "fp8_cast: scale must be one value or one per row (",
+  QL_CHECK_VALUE(s.device().is_cpu() && (s.numel() == 1 || s.numel() == g.M), "fp8_cast: scale must be one value or one per row (",
                     g.M, ") on the CPU, got shape ", s.sizes(), " on ", s.device());
   at::Tensor codes = at::empty(x.sizes(), x.options().dtype(op == Op::FP8_E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2));
   BlockTask t = block_task(x, dt, op, Mode::CODES, Ctx{}, g);
@@ -421,7 +423,7 @@ std::tuple<at::Tensor, at::Tensor> mx_cast(const at::Tensor& x_, const std::stri
   const Layout g = block_layout(x, {block}, "mx_cast");
   at::Tensor codes;
   if (op == Op::MX_E2M1) {
-    TORCH_CHECK_VALUE(block % 2 == 0, "mx_cast: packed E2M1 needs an even block, got ", block);
+    QL_CHECK_VALUE(block % 2 == 0, "mx_cast: packed E2M1 needs an even block, got ", block);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = (shape.back() + 1) / 2;
     codes = at::empty(shape, x.options().dtype(at::kByte));
@@ -444,7 +446,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nvfp4_cast(const at::Tensor& x_, 
   const at::Tensor x = x_.contiguous();
   const DType dt = dtype_of(x, "nvfp4_cast");
   const Layout g = block_layout(x, {block}, "nvfp4_cast");
-  TORCH_CHECK_VALUE(block % 2 == 0, "nvfp4_cast: packed E2M1 needs an even block, got ", block);
+  QL_CHECK_VALUE(block % 2 == 0, "nvfp4_cast: packed E2M1 needs an even block, got ", block);
   at::Tensor amax = nvfp4_static_blocks(global_amax, block_amax, g, "nvfp4_cast");
   const bool fixed = amax.defined();
   RowScales rs;
@@ -479,7 +481,7 @@ void set_isa(const std::string& name) {
       return;
     }
   }
-  TORCH_CHECK_VALUE(false, "set_isa: '", name, "' is not compiled in or not supported by this CPU; available: ",
+  QL_CHECK_VALUE(false, "set_isa: '", name, "' is not compiled in or not supported by this CPU; available: ",
                     c10::Join(", ", available_isas()));
 }
 

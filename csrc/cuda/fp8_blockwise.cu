@@ -9,7 +9,7 @@ namespace {
 bool is_2d(const std::vector<int64_t>& block) {
   if (block.size() == 1 && block[0] == 128) return false;
   if (block.size() == 2 && block[0] == 1 && block[1] == 128) return false;
-  TORCH_CHECK(block.size() == 2 && block[0] == 128 && block[1] == 128,
+  QL_CHECK(block.size() == 2 && block[0] == 128 && block[1] == 128,
               "fp8_blockwise (CUDA): block must be (128,) or (128, 128), got ", at::IntArrayRef(block));
   return true;
 }

@@ -43,9 +43,9 @@ at::Tensor fake_quant_int_block(const at::Tensor& x_, const std::optional<at::Te
   std::vector<int64_t> b = block;
   if (b.size() == 2 && b[0] == 1) b = {b[1]};
   const bool two_d = b.size() == 2;
-  TORCH_CHECK((two_d && b[0] == 128 && b[1] == 128) || (!two_d && b.size() == 1 && (b[0] == 16 || b[0] == 32 || b[0] == 64 || b[0] == 128)),
+  QL_CHECK((two_d && b[0] == 128 && b[1] == 128) || (!two_d && b.size() == 1 && (b[0] == 16 || b[0] == 32 || b[0] == 64 || b[0] == 128)),
               "fake_quant int (CUDA): block must be (16|32|64|128,) or (128, 128), got ", at::IntArrayRef(block));
-  TORCH_CHECK(two_d || b[0] % vec_of(x) == 0, "fake_quant int (CUDA): block ", b[0], " is smaller than a vector");
+  QL_CHECK(two_d || b[0] % vec_of(x) == 0, "fake_quant int (CUDA): block ", b[0], " is smaller than a vector");
   Args a = two_d ? args_2d(x) : args_1d(x, b[0]);
   at::Tensor keep;
   a.amax = static_amax(amax, two_d ? blocked_sizes(x, 128, 128) : blocked_sizes(x, 0, b[0]), keep);
@@ -62,7 +62,7 @@ at::Tensor fake_quant_int_row(const at::Tensor& x_, const std::optional<at::Tens
   const at::Tensor x = checked_input(x_, "fake_quant int (per row)");
   c10::cuda::CUDAGuard guard(x.device());
   Args a = args_1d(x, x.size(-1));
-  TORCH_CHECK(a.VR <= kMaxRowVectors, "fake_quant int (per row, CUDA): rows of ", a.C, " elements are longer than ",
+  QL_CHECK(a.VR <= kMaxRowVectors, "fake_quant int (per row, CUDA): rows of ", a.C, " elements are longer than ",
               kMaxRowVectors * vec_of(x), "; the Triton backend takes them");
   at::Tensor keep;
   a.amax = static_amax(amax, {a.R}, keep);
@@ -79,7 +79,7 @@ at::Tensor fake_quant_int_row(const at::Tensor& x_, const std::optional<at::Tens
     while (a.TPR < a.VR) a.TPR *= 2;
   }
   const int64_t grid = (a.R + kThreads / a.TPR - 1) / (kThreads / a.TPR);
-  TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
+  QL_CHECK(grid < (int64_t(1) << 31), "input too large");
   auto stream = c10::cuda::getCurrentCUDAStream();
   switch (x.scalar_type()) {
     case at::kFloat: launch_row<float>(a, nv, grid, stream); break;

@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "../check.h"
+
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -22,14 +24,14 @@ inline int vec_of(const at::Tensor& x) { return 16 / int(x.element_size()); }
 
 // The contiguous input, checked: CUDA, fp32/bf16/fp16, last dim a whole number of 16-byte vectors.
 inline at::Tensor checked_input(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.is_cuda(), op, ": expected a CUDA tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
+  QL_CHECK(x.is_cuda(), op, ": expected a CUDA tensor");
+  QL_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
               ": input must be float32, bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, op, ": input must have rank >= 1");
+  QL_CHECK(x.dim() >= 1, op, ": input must have rank >= 1");
   at::Tensor xc = x.contiguous();
-  TORCH_CHECK(xc.size(-1) % vec_of(xc) == 0, op, ": the last dim (", xc.size(-1), ") must be a multiple of ",
+  QL_CHECK(xc.size(-1) % vec_of(xc) == 0, op, ": the last dim (", xc.size(-1), ") must be a multiple of ",
               vec_of(xc), " for the CUDA kernels (16-byte vectors); the Triton backend takes any shape");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0, op, ": input must be 16-byte aligned");
+  QL_CHECK(reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 == 0, op, ": input must be 16-byte aligned");
   return xc;
 }
 
@@ -59,7 +61,7 @@ inline Args args_1d(const at::Tensor& x, int64_t B) {
 }
 
 inline Args args_2d(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 2, "a 2-D block needs an input of rank >= 2");
+  QL_CHECK(x.dim() >= 2, "a 2-D block needs an input of rank >= 2");
   Args a{};
   a.x = x.data_ptr();
   a.M = x.size(-2);
@@ -73,8 +75,8 @@ inline Args args_2d(const at::Tensor& x) {
 inline const float* static_amax(const std::optional<at::Tensor>& amax, const std::vector<int64_t>& expect, at::Tensor& keep) {
   if (!amax.has_value()) return nullptr;
   keep = amax->to(at::kFloat).contiguous();
-  TORCH_CHECK(keep.is_cuda(), "static amax must be on the input's device");
-  TORCH_CHECK(keep.sizes().vec() == expect, "static block amax of shape ", keep.sizes(), " does not fit the input: expected ",
+  QL_CHECK(keep.is_cuda(), "static amax must be on the input's device");
+  QL_CHECK(keep.sizes().vec() == expect, "static block amax of shape ", keep.sizes(), " does not fit the input: expected ",
               at::IntArrayRef(expect));
   return keep.data_ptr<float>();
 }
@@ -85,7 +87,7 @@ void launch_1d_t(const Args& a) {
   const int64_t total = a.R * a.NB;
   if (total == 0) return;
   const int64_t grid = (total + per_cta - 1) / per_cta;
-  TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
+  QL_CHECK(grid < (int64_t(1) << 31), "input too large");
   auto stream = c10::cuda::getCurrentCUDAStream();
   if (a.C % B == 0) block1d_kernel<T, KIND, OP, B, STATIC, POW2, E2M1, FLOOR, true><<<unsigned(grid), kThreads, 0, stream>>>(a);
   else block1d_kernel<T, KIND, OP, B, STATIC, POW2, E2M1, FLOOR, false><<<unsigned(grid), kThreads, 0, stream>>>(a);
@@ -123,7 +125,7 @@ template <int KIND, int OP, bool STATIC, bool POW2>
 void launch_2d(const at::Tensor& x, const Args& a) {
   const int64_t grid = a.L * a.MB * a.KB;
   if (grid == 0) return;
-  TORCH_CHECK(grid < (int64_t(1) << 31), "input too large");
+  QL_CHECK(grid < (int64_t(1) << 31), "input too large");
   switch (x.scalar_type()) {
     case at::kFloat: launch_2d_t<float, KIND, OP, STATIC, POW2>(a, grid); break;
     case at::kBFloat16: launch_2d_t<__nv_bfloat16, KIND, OP, STATIC, POW2>(a, grid); break;
