@@ -91,9 +91,9 @@ def check_structure(walk: ModuleWalk, layout: ModelLayout, what: str,
         on = [n for n in part if n in enabled_names]
         if any(layout.sibling_group(leaf) is None and leaf not in standalone for leaf in (n.rpartition(".")[2] for n in on)):
             candidates.append(on)
-    modules = {n: m for n, m, _ in linears}
+    modules = {n: m for n, m, _ in linears} if shares_global is not None and any(len(names) > 1 for names in candidates) else {}
     for names in candidates:
-        if len(names) > 1 and not (shares_global is not None and _self_scaled([modules[n] for n in names], shares_global)):
+        if len(names) > 1 and not (modules and _self_scaled([modules[n] for n in names], shares_global)):
             how = "read one input in the probe forward" if names[0] in seen else "read inputs of one width"
             raise ExportError(f"{what} (layout {layout.name}): quantlib cannot tell whether consumers fuse {names} (they {how}, and "
                               "quantlib does not know all their leaf names); "

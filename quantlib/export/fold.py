@@ -122,8 +122,9 @@ class Folds:
             if name in self.carried:
                 p = self.carried[name]
                 it.extras["pre_quant_scale"] = lambda p=p: p.detach()
-        if planned - set(moved):
-            raise ExportError(f"{sorted(planned - set(moved))[0]}: a pre_quant_scale folds into it, but the export writes it nowhere")
+        lost = planned.difference(moved)
+        if lost:
+            raise ExportError(f"{min(lost)}: a pre_quant_scale folds into it, but the export writes it nowhere")
 
 
 def times_rows(get: Callable[[], torch.Tensor], p: torch.Tensor) -> Callable[[], torch.Tensor]:

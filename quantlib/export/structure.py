@@ -47,7 +47,7 @@ class Structure:
     fused: dict
     #: module names of one parent reading one input where some leaf is neither a declared sibling nor standalone
     unknown: tuple = ()
-    #: linear name -> the module whose forward computed with its weight outside the linear's own forward
+    #: linear name -> the module whose forward computed with its weight outside the linear's own forward ("": the model)
     read: dict = field(default_factory=dict)
 
     def group_of(self, name: str) -> Optional[tuple[str, ...]]:
@@ -188,7 +188,7 @@ class _Watch(TorchFunctionMode):
 
     def _seen(self, key: int) -> None:
         if key in self.names and not self.active[key] and self.names[key] not in self.read:
-            self.read[self.names[key]] = self.stack[-1] if self.stack else "the model"
+            self.read[self.names[key]] = self.stack[-1] if self.stack else ""  # "": the root module, or no module's forward
 
 
 def _merged(calls: list[list[str]], order: list[str]) -> list[tuple[str, ...]]:

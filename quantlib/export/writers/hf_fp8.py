@@ -23,7 +23,7 @@ from .base import ConfigInfo, Packer, fp8_block_weight_ok
 
 #: what transformers' fine-grained FP8 quantizer renames to ``weight_scale_inv`` on load, whatever the tensor (5.x: checkpoints
 #: that ship block scales as ``<module>.scale`` or ``.qscale_weight``); Inkling-2's own ``.scale`` tensors are spared
-_LOADER_RENAMES = re.compile(r"^(.+)\.scale(?!\w)|\.qscale_weight(?!\w)")
+_SCALE = re.compile(r"^(.+)\.scale(?!\w)")
 _QSCALE = re.compile(r"\.qscale_weight(?!\w)")
 #: its dequantization pairs a weight with its scale by the first "weight" that ends a name in the key: in a module named
 #: ``*weight`` (Qwen4-exp's ``block_inject_weight``) that is the module's name, and the scale is left out
@@ -37,7 +37,7 @@ def finegrained_key_ok(key: str, model_type: Optional[str], quantized: bool) -> 
         return ("transformers' fine-grained FP8 loader pairs a weight with its weight_scale_inv by the first name ending in "
                 "'weight' in the key, here the module's own, so it would load the FP8 codes without their scales")
     spared = model_type is not None and model_type.startswith("inkling2")
-    if (_QSCALE if spared else _LOADER_RENAMES).search(key) is None:
+    if _QSCALE.search(key) is None and (spared or _SCALE.search(key) is None):
         return None
     return ("transformers' fine-grained FP8 loader renames every '<module>.scale' / '.qscale_weight' key to the module's "
             "weight_scale_inv on load, so this tensor would be missing from the loaded model")
