@@ -201,6 +201,24 @@ def stored_fused(module: nn.Module, name: str, layout: ModelLayout, carried: boo
     return True
 
 
+def whole_experts_off(modules: ModuleWalk, layout: ModelLayout) -> list[str]:
+    """Experts modules left unquantized that the checkpoint holds whole, 3-D (Llama-4's, GPT-OSS's kept, GraniteMoE's
+    rearranged), not per expert: consumers build one MoE layer of them under the module's name and look for that name, or
+    its experts' (vLLM's compressed-tensors: ``<m>.0.gate_proj``), in the ignore list; unlisted, they load as quantized."""
+    from .fold_experts import fused_experts_class
+
+    fused_cls, out = fused_experts_class(), []
+    for name, module, _, quant in modules.entries:
+        qnames = getattr(module, "weight_quantizer_names", ())
+        if not quant or qnames in ((), ("weight_quantizer",)):
+            continue
+        if isinstance(module, fused_cls) and STORED_FUSED not in layout.experts.get(name, {}).values():
+            continue  # written per expert, each expert's modules listed under its checkpoint names
+        if not any(q is not None and q.is_enabled for q in (child(module, n) for n in qnames)):
+            out.append(name)
+    return out
+
+
 def refuse_unwritten(module: nn.Module, name: str) -> None:
     """Refuse, by name, a quantized module whose weights the export would write unquantized: one that holds them
     under names of its own (e.g. Llama-4's ``Llama4TextExperts``: ``gate_up_proj`` / ``down_proj``, 3-D (E, in, out))

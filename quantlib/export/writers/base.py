@@ -31,6 +31,7 @@ class ConfigInfo:
     input_spec: Optional[FormatSpec]  # None: activations not quantized
     weight_per_tensor: bool = False  # one amax per weight (no channels, no blocks)
     ignore: list[str] = field(default_factory=list)  # full names of modules left unquantized
+    experts_off: list[str] = field(default_factory=list)  # those of ``ignore`` that are experts modules written whole (3-D)
     producer_version: str = ""
     kv_spec: Optional[FormatSpec] = None  # the KV-cache quantizers' spec; None: KV cache not quantized
     pre_quant_scale: bool = False  # some module carries a pre_quant_scale tensor (one that folds nowhere)

@@ -3,6 +3,7 @@ activation arguments it can carry; shared by the ``ct_*`` format modules."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
@@ -64,7 +65,8 @@ def ct_config(fmt: str, weights: dict, info: ConfigInfo) -> dict:
         "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
-        "ignore": list(info.ignore),
+        # vLLM tests an experts module's first expert, "<m>.0.gate_proj", whose checkpoint holds the experts whole
+        "ignore": [*info.ignore, *(f"re:^{re.escape(m)}\\." for m in info.experts_off)],
         "kv_cache_scheme": ct_kv_scheme(info.kv_spec),
         "global_compression_ratio": None,
         "moe_sparsity_config": None,
