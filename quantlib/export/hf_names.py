@@ -93,7 +93,8 @@ def _signature(owners: list[tuple[str, nn.Module, dict[str, torch.Tensor]]]) -> 
         for pname, t in direct.items():
             append(pname)
             d = t.ndim
-            append(d if d != 3 else _probe_shape(module, t))  # only 3-D tensors may be fused experts
+            # only 3-D tensors may be fused experts; a save may cut one in a key per row (_as_saved): its size counts
+            append(d if d != 3 else (_probe_shape(module, t), tuple(t.shape)))
     return sig
 
 
@@ -189,6 +190,7 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
             placed.setdefault(mname, {})[pname] = key
             plain.add(src)
     _place(placed, renames, tensors)
+    built = _as_saved(model, owners, built)
     twice = plain.intersection(x for srcs, _ in built.values() for x in srcs)
     if twice:  # the walk writes a tensor once, under one key
         raise ExportError(f"{what}: transformers saves {sorted(twice)[0]} under its own key and within another; quantlib cannot write both")
@@ -199,6 +201,34 @@ def _names(model: nn.Module, owners: list[tuple[str, nn.Module, dict[str, torch.
                     e_parts.sort(key=lambda p: p[1])
     _CACHE[model] = (signature, (renames, experts, tensors, built))
     return renames, experts, tensors, built
+
+
+def _as_saved(model: nn.Module, owners: list, built: dict[str, tuple[tuple[str, ...], str]]) -> dict[str, tuple[tuple[str, ...], str]]:
+    """``built`` with the keys the save makes of the model's own shapes: the probe's sizes are not the model's, and a save
+    that cuts a tensor in a key per row (LongCat's experts on transformers 5.19, not taken for experts: its zero experts
+    count in ``num_experts``) makes as many keys as the probe has rows. The conversion runs again on meta tensors of the
+    real shapes, one group of sources at a time."""
+    if not built:
+        return built
+    from transformers.core_model_loading import revert_weight_conversion
+
+    real = {f"{m}.{k}" if m else k: t for m, _, direct in owners for k, t in direct.items()}
+    groups: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+    for key, (srcs, why) in built.items():
+        groups.setdefault(srcs, []).append((key, why))
+    out = {}
+    for srcs, keys in groups.items():
+        try:
+            with torch.no_grad():
+                made = revert_weight_conversion(model, {s: torch.empty(real[s].shape, dtype=real[s].dtype, device="meta") for s in srcs})
+        except Exception:  # noqa: BLE001 - a conversion that reads values: the probe's keys stand, and the builder checks them
+            made = None
+        if made is None or set(made) == {k for k, _ in keys}:
+            out.update((k, (srcs, why)) for k, why in keys)
+            continue
+        key0, why0 = keys[0]
+        out.update((k, (srcs, why0.replace(key0, k))) for k in made)
+    return out
 
 
 def _place(placed: dict[str, dict[str, str]], renames: dict[str, str], tensors: dict[str, str]) -> None:
