@@ -137,3 +137,24 @@ def test_folds_into_moved_tensors_are_taken_at_their_source(tmp_path, monkeypatc
     assert torch.equal(moved[f"{A}qkv.weight"], qkv)
     assert not torch.equal(plain[f"{norm}.weight"], model.model.layers[0].post_attention_layernorm.weight)
     assert torch.equal(moved[f"{norm}.gamma"], plain[f"{norm}.weight"])
+
+
+def test_weight_sync_after_a_step_sends_moved_tensors_as_they_are_now(fake_save):
+    """An RL sync plans once and reads the live tensors each step: after the weights move, every moved key (renamed,
+    transposed, concatenated, padded) holds the save of the new tensors, and the quantized ones their new codes."""
+    from quantlib.export import sync_pairs
+
+    model = _quantized(OFF)
+    before = dict(sync_pairs(model, "hf_mxfp8"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+    after = dict(sync_pairs(model, "hf_mxfp8"))
+    sd = model.state_dict()
+    a = torch.cat([sd[f"{A}{p}_proj.weight"] for p in "qkv"])
+    head = sd["lm_head.weight"]
+    assert torch.equal(after[f"{A}qkv.weight"], a)
+    assert torch.equal(after["model.layers.0.mlp.down_kernel"], sd["model.layers.0.mlp.down_proj.weight"].t())
+    assert torch.equal(after["model.norm.gamma"], sd["model.norm.weight"])
+    assert torch.equal(after["lm_head.weight"], torch.cat([head, head.new_zeros(PAD, head.shape[1])]))
+    assert sorted(after) == sorted(before) and not torch.equal(after[f"{A}o_proj.weight"], before[f"{A}o_proj.weight"])
