@@ -158,3 +158,17 @@ def test_weight_sync_after_a_step_sends_moved_tensors_as_they_are_now(fake_save)
     assert torch.equal(after["model.norm.gamma"], sd["model.norm.weight"])
     assert torch.equal(after["lm_head.weight"], torch.cat([head, head.new_zeros(PAD, head.shape[1])]))
     assert sorted(after) == sorted(before) and not torch.equal(after[f"{A}o_proj.weight"], before[f"{A}o_proj.weight"])
+
+
+def test_a_tensor_saved_under_its_own_key_and_within_another_is_refused(tmp_path, monkeypatch):
+    """A save that writes a tensor whole and also inside a key built of several: the walk writes each tensor once, so the
+    export says which and writes nothing."""
+
+    def save(model, sd):
+        return {**sd, "model.norms": torch.cat([sd["model.norm.weight"], sd["model.layers.0.input_layernorm.weight"]])}
+
+    monkeypatch.setattr(cml, "revert_weight_conversion", save)
+    with pytest.raises(ExportError, match=r"transformers saves model.(norm|layers.0.input_layernorm).weight under its own key and within "
+                                          r"another; quantlib cannot write both"):
+        export_checkpoint(_quantized(("*lm_head*",)), tmp_path / "q", "hf_mxfp8")
+    assert not (tmp_path / "q").exists()
