@@ -22,14 +22,15 @@ from tests.test_vllm._vllm import load_params, pretend_kernels  # noqa: E402
 
 #: what each family refuses quantized (tests/test_export/_families.py MORE_REFUSED) or vLLM builds unquantized, left off
 OFF = {
-    "gpt_oss": ("*experts*",), "granitemoe": ("*experts*",), "granitemoeshared": ("*experts*",), "granitemoehybrid": ("*experts*", "*conv1d*"),
-    "granitemoe_swa": ("*experts*",), "llama4_text": ("*experts*",), "gemma4_moe": ("*experts*",), "inkling": ("*experts*", "*sconv*"),
-    "deepseek_v32": ("*indexer.weights_proj*",), "glm_moe_dsa": ("*indexer.weights_proj*",), "hy_v4": ("*indexer.weights_proj*", "*experts*"),
+    "gpt_oss": ("*experts*",), "granitemoe": ("*experts*",), "granitemoeshared": ("*experts*",), "granitemoe_swa": ("*experts*",),
+    "granitemoehybrid": ("*experts*", "*conv1d*"), "llama4_text": ("*experts*",), "gemma4_moe": ("*experts*",),
+    "inkling": ("*experts*", "*sconv*"), "longcat_flash": ("*experts*", "*router*"),
+    "deepseek_v32": ("*indexer.weights_proj*",), "glm_moe_dsa": ("*indexer.weights_proj*",),
+    "hy_v4": ("*indexer.weights_proj*", "*experts*"),
     # vLLM builds Mamba-1's mixer linears without its quantization config (and refuses their scales by name)
-    "jamba_mamba": ("*mamba*",), "falcon_h1": ("*conv1d*",),
-    "zamba2": ("*conv1d*",), "lfm2": ("*conv.conv*",), "lfm2_moe": ("*conv.conv*",), "kimi_linear_kda": ("*conv1d*",),
-    "gemma3n": ("*altup*",), "hrm_text": ("*q_proj*", "*k_proj*", "*v_proj*", "*gate_proj*", "*up_proj*"),
-    "longcat_flash": ("*experts*", "*router*"),
+    "jamba_mamba": ("*mamba*",), "falcon_h1": ("*conv1d*",), "zamba2": ("*conv1d*",), "lfm2": ("*conv.conv*",),
+    "lfm2_moe": ("*conv.conv*",), "kimi_linear_kda": ("*conv1d*",), "gemma3n": ("*altup*",),
+    "hrm_text": ("*q_proj*", "*k_proj*", "*v_proj*", "*gate_proj*", "*up_proj*"),
 }  # fmt: skip
 #: families vLLM builds with no quantized linear at all (Mamba-1's mixer and its lm_head take no quantization config)
 NOTHING = {"mamba", "falcon_mamba"}
