@@ -11,6 +11,7 @@ from ..formats import FormatSpec, Kind
 from ..nn.bypass import read_directly
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .fold_experts import fused_experts_class
 from .hf_names import STORED_FUSED
 from .items import child, pre_quant_scale_of
 from .layouts import ModelLayout
@@ -205,8 +206,6 @@ def whole_experts_off(modules: ModuleWalk, layout: ModelLayout) -> list[str]:
     """Experts modules left unquantized that the checkpoint holds whole, 3-D (Llama-4's, GPT-OSS's kept, GraniteMoE's
     rearranged), not per expert: consumers build one MoE layer of them under the module's name and look for that name, or
     its experts' (vLLM's compressed-tensors: ``<m>.0.gate_proj``), in the ignore list; unlisted, they load as quantized."""
-    from .fold_experts import fused_experts_class
-
     fused_cls, out = fused_experts_class(), []
     for name, module, _, quant in modules.entries:
         qnames = getattr(module, "weight_quantizer_names", ())
