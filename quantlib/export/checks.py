@@ -211,7 +211,7 @@ def whole_experts_off(modules: ModuleWalk, layout: ModelLayout) -> list[str]:
         qnames = getattr(module, "weight_quantizer_names", ())
         if not quant or qnames in ((), ("weight_quantizer",)):
             continue
-        if isinstance(module, fused_cls) and STORED_FUSED not in layout.experts.get(name, {}).values():
+        if isinstance(module, fused_cls) and not stored_fused(module, name, layout, carried=True):
             continue  # written per expert, each expert's modules listed under its checkpoint names
         if not any(q is not None and q.is_enabled for q in (child(module, n) for n in qnames)):
             out.append(name)

@@ -429,6 +429,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     plan.info.ignore += [m for m, ck in layout.renames.items() if ck in listed and m not in listed]
     plan.info.ignore += [k[: -len(".weight")] for k in moved if k.endswith(".weight")]
     plan.info.experts_off = whole_experts_off(mw, layout)
+    listed = set(plan.info.ignore)  # with the names added above
     plan.info.ignore += [n for n in plan.info.experts_off if n not in listed]
     _refuse_split_inputs(plan.items, layout)
     if packer.mixed:
