@@ -258,8 +258,9 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
         bad = "NaN" if bool(torch.isnan(it.amax).any()) else "Inf"
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
-    if it.role == "expert" and packer.experts_why is not None:
-        raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({packer.experts_why})")
+    why = packer.experts_refused(spec) if it.role == "expert" else None
+    if why is not None:
+        raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({why})")
     if packer.roles is not None and it.role not in packer.roles:
         raise ExportError(f"{where}: format {packer.fmt.value} quantizes no {it.role} weight ({packer.roles_why}); disable this quantizer")
     if it.transposed:

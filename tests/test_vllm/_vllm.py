@@ -80,6 +80,11 @@ def pretend_kernels(monkeypatch) -> None:
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(ops, "_supports_cpu_fp8_w8a16", True)
     monkeypatch.setattr(EmulationMxfp4LinearKernel, "can_implement", classmethod(lambda cls, config: (True, None)))  # it wants amd-quark
+    # weight-only FP8 (compressed-tensors W8A16) and NVFP4 (ModelOpt W4A16_NVFP4) have Marlin kernels alone, on CUDA
+    monkeypatch.setitem(linear._POSSIBLE_WFP8A16_KERNELS, PlatformEnum.CPU, [linear.MarlinFP8ScaledMMLinearKernel])
+    for kernel in (linear.MarlinFP8ScaledMMLinearKernel, linear.MarlinNvFp4LinearKernel):
+        monkeypatch.setattr(kernel, "is_supported", classmethod(lambda cls, *a, **k: (True, None)))
+    monkeypatch.setattr(linear.MarlinFP8ScaledMMLinearKernel, "can_implement", classmethod(lambda cls, config: (True, None)))
     for table, kernel in ((linear._POSSIBLE_MXFP8_KERNELS, EmulationMxfp8LinearKernel), (linear._POSSIBLE_MXFP4_KERNELS,
                                                                                          EmulationMxfp4LinearKernel),
                           (linear._POSSIBLE_NVFP4_KERNELS, EmulationNvFp4LinearKernel)):  # fmt: skip

