@@ -69,7 +69,9 @@ def half_range(model):
     return model
 
 
-INT8_CASES = {"static": (ql.INT8_DEFAULT_CFG, True), "dynamic": (INT8_DYNAMIC, True), "static_full_range": (ql.INT8_DEFAULT_CFG, False)}
+#: case -> (config, halve the weight range); SmoothQuant's scales are folded into the norms and v / up rows (quantlib.export.fold)
+INT8_CASES = {"static": (ql.INT8_DEFAULT_CFG, True), "dynamic": (INT8_DYNAMIC, True), "static_full_range": (ql.INT8_DEFAULT_CFG, False),
+              "smoothquant": (ql.INT8_SMOOTHQUANT_CFG, True)}
 
 
 @pytest.mark.slow
@@ -79,6 +81,12 @@ def test_w8a8_int8_fp32_matches_fake_quant(base, tmp_path, case):
     if not halve and not int8_gemm_exact():
         pytest.skip("vLLM's oneDNN int8 GEMM saturates on this CPU (int16 pair sums without VNNI): full-range codes give wrong products")
     model = quantized(base, cfg)
+    if case == "smoothquant":  # o_proj's scales made one per value channel (GQA), inputs recalibrated: all of it folds
+        from quantlib.export import share_pre_quant_scale
+        from tests.test_export._export_models import tokens
+
+        share_pre_quant_scale(model, lambda m: m(tokens(5)))
+        assert model.model.layers[0].self_attn.o_proj.input_quantizer.pre_quant_scale is not None
     if halve:
         half_range(model)
     want_lp, want_tokens = reference(model)
