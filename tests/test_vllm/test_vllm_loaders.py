@@ -130,3 +130,28 @@ def test_vllm_refuses_transformers_mxfp8(bases, tmp_path, monkeypatch, family):
     pretend_kernels(monkeypatch)
     with pytest.raises((ValueError, AttributeError, KeyError), match="weight_scale_inv"):
         load_params(tmp_path / "c")
+
+
+#: (format, KV preset) for the KV-cache scales: compressed-tensors ``<attn>.k_scale``, ModelOpt ``<attn>.k_proj.k_scale``
+KV_CASES = {"ct_fp8_block": "FP8_KV_CFG", "ct_int8": "FP8_KV_CFG", "modelopt_fp8": "FP8_KV_CFG", "modelopt_nvfp4": "NVFP4_KV_CFG"}
+
+
+@pytest.mark.parametrize("fmt", sorted(KV_CASES))
+@pytest.mark.parametrize("family", ["llama", "phi3", "qwen3_moe"])
+def test_kv_cache_scales_reach_vllm_attention(bases, tmp_path, monkeypatch, fmt, family):
+    """Every layer's K and V scale lands in vLLM's attention (``attn.k_scale`` / ``v_scale``), whose default (-1: none
+    loaded) makes vLLM run the FP8 KV cache with a scale of 1, silently; ModelOpt's scales vLLM keeps in bf16."""
+    if family not in bases:
+        bases[family] = FAMILIES[family]()
+    model = quantized(bases[family], ql.merge_kv_config(CONFIGS[fmt], getattr(ql, KV_CASES[fmt])))
+    export(model, tmp_path / "c", fmt)
+    pretend_kernels(monkeypatch)
+    params = load_params(tmp_path / "c")
+    ckpt = {k: v for f in sorted((tmp_path / "c").glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = {k: v for k, v in ckpt.items() if k.endswith(("k_scale", "v_scale"))}
+    loaded = {k: v for k, v in params.items() if k.endswith((".attn.k_scale", ".attn.v_scale"))}
+    assert len(stored) == len(loaded) == 4, (sorted(stored), sorted(loaded))
+    for key, t in stored.items():
+        layer, kv = key.split(".self_attn.")[0], key.rpartition(".")[2]
+        got = loaded[f"{layer}.self_attn.attn.{kv}"]
+        assert float(t) > 0 and torch.allclose(got.float(), t.float(), rtol=2**-8, atol=0), (key, float(t), float(got))
