@@ -110,6 +110,11 @@ class Folds:
             # an expert's part by quantlib's name (fold_experts.part_name), as its folds are planned
             name = it.part if it.expert is not None else f"{it.parent}.{it.leaf}" if it.parent else it.leaf
             planned.discard(name)
+            for m in it.members:  # a fold changes one member's rows or columns alone: not written into a key of several
+                if m in self.weight or m in self.out or m in self.carried:
+                    raise ExportError(f"{m}.input_quantizer: a pre_quant_scale (SmoothQuant / AWQ) folds into {m}, which the checkpoint "
+                                      f"saves within {it.name} of several modules; quantlib folds no scale into such a key: calibrate it "
+                                      "with 'max' or 'mse'")
             if name in self.weight and it.spec is not None:
                 it.pre = lambda w, p=self.weight[name]: w * p.to(w.device, w.dtype)  # the weight quantizer's own pre_scale, bit for bit
             if name in self.out:

@@ -49,6 +49,7 @@ class Item:
     # a stacked projection of ``experts`` experts (:mod:`~quantlib.export.expert_stacks`): its vLLM shards (leaf, shard id, r0, r1)
     parts: tuple[tuple[str, Shard, int, int], ...] = ()
     experts: int = 0
+    members: tuple[str, ...] = ()  # the quantized modules whose weights the checkpoint saves as this key's rows (:mod:`.built_rows`)
 
 
 def live(module: nn.Module, key: str) -> Callable[[], torch.Tensor]:

@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from .built_rows import fused_item, row_order
 from .fold import times_rows
 from .items import Item, live
 from .layouts import ModelLayout
@@ -35,6 +36,8 @@ class Moved:
             for src in srcs:
                 self.by_source.setdefault(src, []).append(key)
         self.emitted: set[str] = set()
+        self.pending: dict[str, dict[str, Item]] = {}  # built key -> its quantized members' items so far, by source tensor
+        self._orders: dict[str, Optional[tuple[str, ...]]] = {}
 
     def refuse(self, name: str, direct: Iterable[str], where: str = "") -> None:
         """Refuses quantized module ``name`` (its quantizer ``where``, default its weight quantizer) if the checkpoint saves
@@ -49,6 +52,57 @@ class Moved:
                 continue
             raise ExportError(f"{where or name + '.weight_quantizer'} is enabled, but {why}; quantlib writes a quantized module's "
                               "tensors as the model holds them, under its name: disable the quantizer")
+
+    def rows_of(self, name: str, direct: Iterable[str]) -> Optional[str]:
+        """The key whose rows hold quantized module ``name``'s weight with the rows of other quantized modules alone
+        (:mod:`.built_rows`); None where the checkpoint keeps its tensors under its own name. Any other move is refused."""
+        full = f"{name}.weight" if name else "weight"
+        keys = self.by_source.get(full, [])
+        if len(keys) == 1 and self._order(keys[0]) is not None and not any(f"{name}.{k}" in self.renamed for k in direct):
+            return keys[0]
+        off = [s for s in self.built[keys[0]][0] if not self._quantized(s)] if len(keys) == 1 else []
+        if off:
+            raise ExportError(f"{name}.weight_quantizer is enabled, but transformers saves {full} within {keys[0]} with {off}, which are "
+                              "not quantized: one key is quantized whole; quantize them alike or disable this quantizer")
+        self.refuse(name, direct)
+        return None
+
+    def _quantized(self, src: str) -> bool:
+        """Whether source tensor ``src`` is the weight of a module with an enabled weight quantizer."""
+        module = self.model.get_submodule(src.rpartition(".")[0])
+        return src.endswith(".weight") and bool(getattr(getattr(module, "weight_quantizer", None), "is_enabled", False))
+
+    def _order(self, key: str) -> Optional[tuple[str, ...]]:
+        if key not in self._orders:
+            srcs = self.built[key][0]
+            rows = {s: self.model.get_submodule(s.rpartition(".")[0]).weight.shape[0] for s in srcs}
+            self._orders[key] = row_order(self.model, key, srcs, rows) if all(map(self._quantized, srcs)) else None
+        return self._orders[key]
+
+    def add_rows(self, key: str, item: Item, name: str) -> Optional[Item]:
+        """Collects ``item`` (quantized module ``name``'s) for built key ``key``; returns the key's item once every member is in."""
+        got = self.pending.setdefault(key, {})
+        got[f"{name}.weight"] = item
+        order = self._orders[key]
+        if len(got) < len(order):
+            return None
+        del self.pending[key]
+        members = [got[s] for s in order]
+        module = key.rpartition(".")[0]
+        extras = {}
+        for k in members[0].extras:  # a bias of every member, saved as one key beside the weight
+            built = f"{module}.{k}"
+            if built not in self.built or set(self.built[built][0]) != {f"{m.rpartition('.')[0]}.{k}" for m in order}:
+                raise ExportError(f"{members[0].where}: its {k} is not saved as {built}, beside the weight saved within {key}")
+            extras[k] = self._builder(built)
+            self.emitted.add(built)
+        self.emitted.add(key)
+        return fused_item(module, members, self._builder(key), extras)
+
+    def unfinished(self) -> None:
+        """Refuses a key whose quantized members the walk did not all meet (none so far: every source is checked quantized)."""
+        for key, got in self.pending.items():
+            raise ExportError(f"{key}: saved of {list(self._orders[key])}, but the export met only {sorted(got)}")
 
     def split(self, items: list[Item], module: nn.Module, name: str, direct: dict) -> dict:
         """Appends to ``items`` an unquantized item per moved key that a tensor of ``module`` goes into (once per key);

@@ -18,6 +18,7 @@ from ..kv.export_plan import KVItem, plan_kv
 from ..nn.containers import SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
+from .built_rows import refuse_unread_rows
 from .checks import check_structure, refuse_unwritten, stored_fused, whole_experts_off
 from .fold import plan_folds
 from .fold_experts import fused_experts_class, part_name
@@ -86,18 +87,21 @@ def walk(
             if chain is not None:
                 q = q[0]  # the item is the first member's; its second packs beside it (Packer.chain_ok)
             if isinstance(q, TensorQuantizer) and q.is_enabled:
-                if moved is not None:
-                    moved.refuse(name, direct)
+                rows_key = None if moved is None else moved.rows_of(name, direct)
                 w = direct["weight"]  # the walk's dict is shared: read, not popped
                 ispec, iamax = active_input(child(module, "input_quantizer"))
                 extras = {k: live(module, k) for k in direct if k != "weight"} if len(direct) > 1 else {}  # most linears: no bias
                 spec = q.spec
                 block_amax = q.block_amax if spec.two_level else None  # only NVFP4 keeps one: skip the lookup
                 get = live(module, "weight")
-                items.append(Item(renamed(name, name), "linear", f"{name}.weight_quantizer", (lambda g=get: g().t()) if swap else get, spec,
-                                  q.amax, ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
-                                  shape=tuple(w.shape[::-1] if swap else w.shape), input_where=f"{name}.input_quantizer",
-                                  block_amax=block_amax, chain=chain, transposed=swap))
+                item = Item(renamed(name, name), "linear", f"{name}.weight_quantizer", (lambda g=get: g().t()) if swap else get, spec,
+                            q.amax, ispec, iamax, extras, shard=shards(leaf), parent=parent, leaf=leaf, tp_axis=tp_axis(leaf),
+                            shape=tuple(w.shape[::-1] if swap else w.shape), input_where=f"{name}.input_quantizer",
+                            block_amax=block_amax, chain=chain, transposed=swap)
+                if rows_key is not None:  # saved as rows of one key with other quantized modules: one item, once all are met
+                    item = moved.add_rows(rows_key, item, name)
+                if item is not None:
+                    items.append(item)
                 continue
         if quant and not isinstance(module, fused_cls):
             refuse_unwritten(module, name)  # an enabled weight quantizer that no item above carries
@@ -106,6 +110,8 @@ def walk(
         if direct:
             items.append(Item(renamed(name, name), "unquantized", name, extras={k: live(module, k) for k in direct},
                               parent=parent, leaf=leaf))
+    if moved is not None:
+        moved.unfinished()
     return items
 
 
@@ -258,9 +264,10 @@ def _check_item(it: Item, packer: Packer, tp: int, finite_known: bool = False, p
     if not finite_known and it.amax is not None and not it.amax.is_meta and not bool(torch.isfinite(it.amax).all()):
         bad = "NaN" if bool(torch.isnan(it.amax).any()) else "Inf"
         raise ExportError(f"{where}: amax holds {bad} ({it.amax.flatten()[:4].tolist()}...); recalibrate")
-    why = packer.experts_refused(spec) if it.role == "expert" else None
-    if why is not None:
-        raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({why})")
+    member = packer.member_for(spec) if it.role == "expert" else None
+    if member is not None and member.experts_why is not None:
+        via = "" if member is packer else f"its member {member.fmt.value}: "
+        raise ExportError(f"{where}: expert {it.expert}: format {packer.fmt.value} cannot carry MoE experts ({via}{member.experts_why})")
     if packer.roles is not None and it.role not in packer.roles:
         raise ExportError(f"{where}: format {packer.fmt.value} quantizes no {it.role} weight ({packer.roles_why}); disable this quantizer")
     if it.transposed:
@@ -410,6 +417,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     kv, kv_spec = plan_kv(model, packer, layout, mw.attention)
     items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer), folds.out)
     _refuse_misread_keys(items, packer, model_type)
+    refuse_unread_rows(items, packer)
     moved = moved_sources(layout)
     folds.apply(items, [k.rpartition(".")[0] for k in moved])  # the moved tensors took their folds at the source
     refused = None
@@ -428,7 +436,8 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     # scales), modules whose weight the checkpoint holds under another key (:mod:`.moved`) included
     listed = set(plan.info.ignore)
     plan.info.ignore += [m for m, ck in layout.renames.items() if ck in listed and m not in listed]
-    plan.info.ignore += [k[: -len(".weight")] for k in moved if k.endswith(".weight")]
+    within = {m for it in plan.items for m in it.members}  # quantized, saved as rows of one key (:mod:`.built_rows`)
+    plan.info.ignore += [k[: -len(".weight")] for k in moved if k.endswith(".weight") and k[: -len(".weight")] not in within]
     plan.info.experts_off = whole_experts_off(mw, layout)
     listed = set(plan.info.ignore)  # with the names added above
     plan.info.ignore += [n for n in plan.info.experts_off if n not in listed]

@@ -277,8 +277,8 @@ MORE_FAMILIES = {
 }  # fmt: skip
 #: the words of a refusal of quantized experts that a family's checkpoint keeps 3-D (as they are, or rearranged on save)
 _KEPT_3D = "transformers' {} checkpoint keeps model.layers.0.block_sparse_moe.experts.gate_up_proj as one 3-D tensor"
-_QKV_BUILT = (r"self_attn.q_proj.weight_quantizer is enabled, but transformers saves model.layers.0.attention.query_key_value.weight from "
-              r"several tensors")
+_QKV_BUILT = (r"self_attn.v_proj.weight_quantizer\): transformers saves these weights as one key, model.layers.0.attention.query_key_value"
+              r"\.weight, and format hf_mxfp8 has no consumer that reads it quantized \(transformers 5.25 loads")
 _INDEXER = r"indexer.weights_proj.weight_quantizer is enabled \(mx\), but the sparse-attention indexer's weights_proj is loaded only"
 _CONV = r"mamba.conv1d.weight_quantizer: a 3-D weight \(256, 1, 4\); export formats carry 2-D linear weights"
 #: MORE_FAMILIES whose export is refused, and the words of the refusal
@@ -301,9 +301,11 @@ MORE_REFUSED = {"granitemoe": _KEPT_3D.format("granitemoe"),
                 "gemma4_moe": r"transformers' gemma4_text checkpoint keeps model.layers.0.experts.gate_up_proj as one 3-D tensor",
                 "mistral4": r"transformers' mistral4 checkpoint keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D tensor",
                 # the checkpoint fuses what the model computes apart (Inkling-2: lm_head padded to vocab_size on save)
-                "hrm_text": r"q_proj.weight_quantizer is enabled, but transformers saves model.L_module.layers.0.attn.gqkv_proj.weight "
-                            r"from several tensors",
-                "lara_mini": r"saves model.layers.0.linear_attn.in_proj.weight from several tensors",
+                "hrm_text": r"v_proj.weight_quantizer\): transformers saves these weights as one key, model.L_module.layers.0.attn"
+                            r"\.gqkv_proj\.weight, and format hf_mxfp8 has no consumer",
+                "lara_mini": r"saves model.layers.0.linear_attn.in_proj_qkv.weight within model.layers.0.linear_attn.in_proj.weight with "
+                             r"\['model.layers.0.linear_attn.in_proj_b.weight', 'model.layers.0.linear_attn.in_proj_a.weight'\], "
+                             r"which are not quantized",
                 "inkling2": r"transformers' inkling2_text checkpoint keeps model.layers.0.mlp.experts.gate_up_proj as one 3-D tensor",
                 # q / k / v (q_proj / k_proj / v_proj) saved as one query_key_value (test_families: with them off, both load)
                 "param2moe": _QKV_BUILT, "sarvam_moe": _QKV_BUILT,

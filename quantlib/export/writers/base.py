@@ -42,6 +42,9 @@ class Packer:
     """Base of the format modules. ``weight_ok`` / ``input_ok`` say what the format carries."""
 
     fmt: ExportFormat
+    #: why no consumer reads a quantized key saved of several modules (q / k / v as one query_key_value); None: vLLM does
+    rows_within_why: Optional[str] = ("transformers 5.25 loads such a key's codes as the split weights and drops its scales as "
+                                      "unexpected keys; no other consumer of this format was checked")
     #: True where the consumer fuses siblings (q/k/v, gate/up) under one per-tensor (global) scale
     siblings_share_global: bool = False
     #: where the consumer needs a static input scale: the message that says which input quantizer to enable
@@ -66,9 +69,9 @@ class Packer:
     #: None: vLLM's GPT-2 loader does, :mod:`quantlib.export.transposed`)
     transposed_why: Optional[str] = None
 
-    def experts_refused(self, spec: FormatSpec) -> Optional[str]:
-        """Why no consumer loads MoE experts of ``spec`` in this format (None: one does)."""
-        return self.experts_why
+    def member_for(self, spec: FormatSpec) -> "Packer":
+        """The single-scheme packer whose consumer reads weights of ``spec`` in this format: itself, or a mixed format's member."""
+        return self
 
     def weight_ok(self, spec: FormatSpec, amax_shape: tuple[int, ...]) -> Optional[str]:
         """None if the format carries a weight quantizer of ``spec``; else why not."""

@@ -58,10 +58,8 @@ class MixedPacker(Packer):
         m = self.member(spec, (), inp)
         return m is not None and m.shares_global(spec, inp)
 
-    def experts_refused(self, spec: FormatSpec) -> Optional[str]:
-        m = self._packing(spec)  # the member's consumer reads the experts, as in a single-scheme export
-        why = None if m is None else m.experts_refused(spec)
-        return None if why is None else f"its member {m.fmt.value}: {why}"
+    def member_for(self, spec: FormatSpec) -> Packer:
+        return self._packing(spec) or self  # the member's consumer reads those weights, as in a single-scheme export
 
     def transposed_ok(self, spec: FormatSpec) -> Optional[str]:
         m = self._packing(spec)

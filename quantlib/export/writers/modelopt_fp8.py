@@ -29,6 +29,7 @@ def fp8_tensor_scale(spec: FormatSpec, amax: torch.Tensor) -> torch.Tensor:
 
 class ModelOptFP8(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_FP8
+    rows_within_why = None  # vLLM's classes of those families load the key whole (test_vllm_rows_within.py)
     siblings_share_global = True
     input_required = "a calibrated FP8 E4M3 per-tensor input quantizer (e.g. FP8_DEFAULT_CFG)"
 

