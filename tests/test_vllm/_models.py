@@ -83,6 +83,16 @@ def glm4(seed: int = 0) -> nn.Module:
     return _tiny("Glm4Config", "Glm4ForCausalLM", seed, intermediate_size=INTER, head_dim=64)
 
 
+def qwen2(seed: int = 0) -> nn.Module:
+    """Qwen2: q / k / v with biases (random here: transformers initialises them to zero)."""
+    model = _tiny("Qwen2Config", "Qwen2ForCausalLM", seed, intermediate_size=INTER)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
 def granitemoe(seed: int = 0) -> nn.Module:
     """GraniteMoE: its checkpoint holds the experts 3-D, rearranged (``input_linear`` / ``output_linear``)."""
     return _tiny("GraniteMoeConfig", "GraniteMoeForCausalLM", seed, intermediate_size=MOE_INTER, num_local_experts=E, num_experts_per_tok=2)

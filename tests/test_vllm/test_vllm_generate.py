@@ -69,9 +69,10 @@ def half_range(model):
     return model
 
 
-#: case -> (config, halve the weight range); SmoothQuant's scales are folded into the norms and v / up rows (quantlib.export.fold)
+#: case -> (config, halve the weight range); SmoothQuant's scales are folded into the norms and v / up rows (quantlib.export.fold),
+#: v_proj's bias with its rows in Qwen2
 INT8_CASES = {"static": (ql.INT8_DEFAULT_CFG, True), "dynamic": (INT8_DYNAMIC, True), "static_full_range": (ql.INT8_DEFAULT_CFG, False),
-              "smoothquant": (ql.INT8_SMOOTHQUANT_CFG, True)}
+              "smoothquant": (ql.INT8_SMOOTHQUANT_CFG, True), "smoothquant_qwen2": (ql.INT8_SMOOTHQUANT_CFG, True)}
 
 
 @pytest.mark.slow
@@ -80,8 +81,12 @@ def test_w8a8_int8_fp32_matches_fake_quant(base, tmp_path, case):
     cfg, halve = INT8_CASES[case]
     if not halve and not int8_gemm_exact():
         pytest.skip("vLLM's oneDNN int8 GEMM saturates on this CPU (int16 pair sums without VNNI): full-range codes give wrong products")
+    if case.endswith("_qwen2"):
+        from tests.test_vllm._models import qwen2
+
+        base = qwen2()
     model = quantized(base, cfg)
-    if case == "smoothquant":  # o_proj's scales made one per value channel (GQA), inputs recalibrated: all of it folds
+    if case.startswith("smoothquant"):  # o_proj's scales made one per value channel (GQA), inputs recalibrated: all of it folds
         from quantlib.export import share_pre_quant_scale
         from tests.test_export._export_models import tokens
 
@@ -92,8 +97,13 @@ def test_w8a8_int8_fp32_matches_fake_quant(base, tmp_path, case):
     want_lp, want_tokens = reference(model)
     export(model, tmp_path / "c", "ct_int8")
     got_lp, got_tokens = run_vllm(tmp_path / "c", "float32")
-    for got, want in zip(got_lp, want_lp):
-        assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    err = torch.cat([(got - want).abs() for got, want in zip(got_lp, want_lp)])
+    if case.startswith("smoothquant"):
+        # a folded scale multiplies in another order (norm weight * p, not x * p): now and then a static INT8 activation
+        # code lands one step over (2e-4 / 8e-4 in 1 / 4 of 22 log-probs here); a fold left out is 0.25 off
+        assert float((err < 1e-5).float().mean()) >= 0.75 and err.max() < 2e-3, err
+    else:
+        assert err.max() < 1e-4, err.max()
     assert got_tokens == want_tokens
 
 
