@@ -1,5 +1,5 @@
 """The quantize configs each export format takes in the vLLM tests, and more families next to tests/test_export's tiny
-Llama and Qwen3-MoE: Phi-3 and GLM-4 (q/k/v or gate/up fused in their checkpoints), Qwen2-MoE (a shared expert beside
+Llama and Qwen3-MoE: Qwen2 (q / k / v biases), Phi-3 and GLM-4 (q/k/v or gate/up fused in their checkpoints), Qwen2-MoE (a shared expert beside
 the routed ones, q/k/v biases), Mixtral (experts w1 / w3 / w2 under block_sparse_moe), OLMoE (q/k norms over all
 heads), GLM-4 MoE (shared experts, a router bias, grouped top-k) and ERNIE 4.5 MoE (a shared expert, the router bias
 under moe_statics)."""
@@ -117,5 +117,5 @@ def gpt_oss(seed: int = 0) -> nn.Module:
 
 #: families whose checkpoints hold their experts whole (3-D), not per expert
 WHOLE_EXPERTS = {"granitemoe": granitemoe, "granitemoeshared": granitemoeshared, "llama4": llama4, "gpt_oss": gpt_oss}
-FAMILIES = {"llama": llama, "phi3": phi3, "glm4": glm4, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "mixtral": mixtral,
+FAMILIES = {"llama": llama, "qwen2": qwen2, "phi3": phi3, "glm4": glm4, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe, "mixtral": mixtral,
             "olmoe": olmoe, "glm4_moe": glm4_moe, "ernie4_5_moe": ernie4_5_moe}
