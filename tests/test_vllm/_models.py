@@ -1,8 +1,8 @@
 """The quantize configs each export format takes in the vLLM tests, and more families next to tests/test_export's tiny
 Llama and Qwen3-MoE: Qwen2 (q / k / v biases), Phi-3 and GLM-4 (q/k/v or gate/up fused in their checkpoints),
-Qwen2-MoE (a shared expert beside the routed ones, q/k/v biases), Mixtral (experts w1 / w3 / w2 under block_sparse_moe), OLMoE (q/k norms over all
-heads), GLM-4 MoE (shared experts, a router bias, grouped top-k) and ERNIE 4.5 MoE (a shared expert, the router bias
-under moe_statics)."""
+Qwen2-MoE (a shared expert beside the routed ones, q/k/v biases), Mixtral (experts w1 / w3 / w2 under
+block_sparse_moe), OLMoE (q/k norms over all heads), GLM-4 MoE (shared experts, a router bias, grouped top-k) and
+ERNIE 4.5 MoE (a shared expert, the router bias under moe_statics)."""
 
 from __future__ import annotations
 
