@@ -18,6 +18,7 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file
 
+import quantlib as ql
 from quantlib.export import ExportError, export_checkpoint
 from tests.test_export._export_models import fake_quant_weights, llama, quantized, qwen3_moe, tokens
 
@@ -146,3 +147,15 @@ def test_siblings_of_other_schemes_refused(tmp_path, fmt, rules, member, first):
                                           r"one GEMM need one scheme, but .* is weight (fp8_block|int) .* and .* weight (int|nvfp4)"):
         export_checkpoint(model, tmp_path / "c", fmt)
     assert not (tmp_path / "c").exists()
+
+
+def test_modelopt_mixed_refuses_an_nvfp4_kv_cache(tmp_path):
+    """vLLM reads a MIXED_PRECISION config's NVFP4 KV cache as none and runs it at scales of 1
+    (tests/test_vllm/test_vllm_mixed.py); one scheme for all layers is the plain config, which it reads."""
+    model = quantized(llama(), ql.merge_kv_config(_cfg(mlp=NVFP4, self_attn=FP8_BLOCK), ql.NVFP4_KV_CFG))
+    with pytest.raises(ExportError, match=r"^format modelopt_mixed: the KV cache is NVFP4 \(NVFP4_KV_CFG\), which vLLM 0.32 reads"):
+        export_checkpoint(model, tmp_path / "c", "modelopt_mixed")
+    assert not (tmp_path / "c").exists()
+    export_checkpoint(quantized(llama(), ql.merge_kv_config(_cfg(mlp=NVFP4, self_attn=NVFP4), ql.NVFP4_KV_CFG)), tmp_path / "o",
+                      "modelopt_mixed")
+    assert json.loads((tmp_path / "o" / "hf_quant_config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "NVFP4"

@@ -78,3 +78,33 @@ def test_block_fp8_experts_in_modelopt_mixed_are_refused(tmp_path):
                                           r"modelopt_mixed cannot carry MoE experts \(its member modelopt_fp8_pb: vLLM's ModelOpt FP8 MoE"):
         export(model, tmp_path / "c", "modelopt_mixed")
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("fmt, family, rules", [("ct_mixed", "llama", dict(mlp=INT4, self_attn=FP8_BLOCK)),
+                                                ("modelopt_mixed", "qwen3_moe", dict(experts=NVFP4, self_attn=FP8_BLOCK))])
+def test_fp8_kv_cache_scales_of_a_mixed_export_reach_vllm_attention(bases, tmp_path, monkeypatch, fmt, family, rules):
+    import quantlib as ql
+
+    if family not in bases:
+        bases[family] = FAMILIES[family]()
+    export(quantized(bases[family], ql.merge_kv_config(_cfg(**rules), ql.FP8_KV_CFG)), tmp_path / "c", fmt)
+    pretend_kernels(monkeypatch)
+    params = load_params(tmp_path / "c")
+    ckpt = load_file(tmp_path / "c" / "model.safetensors")
+    stored = {k.split(".self_attn.")[0] + k[-8:]: t for k, t in ckpt.items() if k.endswith(("k_scale", "v_scale"))}
+    loaded = {k.split(".self_attn.")[0] + k[-8:]: t for k, t in params.items() if k.endswith((".attn.k_scale", ".attn.v_scale"))}
+    assert len(stored) == 4 and stored.keys() == loaded.keys()
+    assert all(float(t) > 0 and abs(float(loaded[k]) - float(t)) <= 2**-8 * float(t) for k, t in stored.items())
+
+
+def test_vllm_reads_no_nvfp4_kv_cache_from_a_mixed_config():
+    """Why modelopt_mixed refuses NVFP4_KV_CFG (tests/test_export/test_mixed.py): vLLM 0.32 parses config.json's
+    ``kv_cache_scheme`` of a MIXED_PRECISION config as FP8 only, so ModelOpt's ``"NVFP4"`` comes out as no KV method (its
+    attention then loads no scales). A vLLM that reads it fails this test: then lift the refusal."""
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMixedPrecisionConfig
+
+    config = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_scheme": "NVFP4", "ignore": ["lm_head"],
+              "quantized_layers": {"model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 16}}}
+    assert ModelOptMixedPrecisionConfig.from_config(config).kv_cache_quant_method is None
+    fp8 = dict(config, kv_cache_scheme={"dynamic": False, "num_bits": 8, "type": "float"})
+    assert ModelOptMixedPrecisionConfig.from_config(fp8).kv_cache_quant_method == "FP8"

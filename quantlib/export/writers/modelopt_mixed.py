@@ -4,8 +4,9 @@ single-algorithm ``modelopt_*`` formats write them. One scheme in all gives that
 
 from __future__ import annotations
 
+from ...formats.spec import is_nvfp4
 from ...kv.scales import ModelOptKVCache
-from ..types import ExportFormat
+from ..types import ExportError, ExportFormat
 from . import modelopt_common
 from .base import ConfigInfo
 from .mixed import MixedPacker
@@ -34,6 +35,12 @@ class ModelOptMixed(ModelOptKVCache, MixedPacker):
         for (_, scheme, _), single in zip(parts, singles):
             layer = {k: single["quantization"][k] for k in _LAYER_KEYS if k in single["quantization"]}
             layers.update({name: layer for name in scheme.modules})
+        if info.kv_spec is not None and is_nvfp4(info.kv_spec):
+            # vLLM 0.32 reads a MIXED_PRECISION config from config.json, where ModelOpt's form names an NVFP4 KV cache by a
+            # string its parser drops: it builds the attention without KV scales and runs the NVFP4 cache at scales of 1
+            raise ExportError("format modelopt_mixed: the KV cache is NVFP4 (NVFP4_KV_CFG), which vLLM 0.32 reads from a "
+                              "MIXED_PRECISION config as no KV quantization and runs with scales of 1.0: use FP8_KV_CFG, or one "
+                              "scheme for every layer (then the plain modelopt_* config, which vLLM reads)")
         out = modelopt_common.hf_quant_config("MIXED_PRECISION", info)
         out["quantization"] = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": out["quantization"]["kv_cache_quant_algo"],
                                "quantized_layers": layers, "exclude_modules": list(info.ignore)}  # fmt: skip
