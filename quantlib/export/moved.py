@@ -2,8 +2,9 @@
 ``e_score_correction_bias`` saved as ``expert_bias``) or built on save (q / k / v concatenated into one
 ``query_key_value``, a router weight transposed, an unembedding padded). :mod:`.hf_names` finds them on its probe;
 here they become items of their own. A renamed tensor is written as it is under its key; a built key is made from its
-real sources by transformers' own conversion. Neither may hold a quantized module's tensor: its scales are written
-beside its weight under the module's name, where no loader of the moved key looks for them.
+real sources by transformers' own conversion. Neither may hold a quantized module's tensor (its scales are written
+beside its weight under the module's name, where no loader of the moved key looks for them), except the weights of
+quantized linears that the key holds as whole rows, which become one quantized item of the key (:mod:`.built_rows`).
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ class Moved:
         members = [got[s] for s in order]
         module = key.rpartition(".")[0]
         extras = {}
-        for k in members[0].extras:  # a bias of every member, saved as one key beside the weight
+        for k in dict.fromkeys(k for m in members for k in m.extras):  # a bias of every member, saved as one key beside the weight
             built = f"{module}.{k}"
             if built not in self.built or set(self.built[built][0]) != {f"{m.rpartition('.')[0]}.{k}" for m in order}:
-                raise ExportError(f"{members[0].where}: its {k} is not saved as {built}, beside the weight saved within {key}")
+                raise ExportError(f"{', '.join(m.where for m in members)}: their {k} is not saved as {built} of all of them, beside the "
+                                  f"weight saved within {key}")
             extras[k] = self._builder(built)
             self.emitted.add(built)
         self.emitted.add(key)

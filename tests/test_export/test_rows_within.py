@@ -120,3 +120,16 @@ def test_a_pre_quant_scale_of_a_member_is_refused(tmp_path):
                                           r"model.layers.0.self_attn.q_proj, which the checkpoint saves within "
                                           r"model.layers.0.attention.query_key_value"):
         export_checkpoint(model, tmp_path / "c", "modelopt_nvfp4")
+
+
+def test_a_bias_of_some_members_only_is_refused(tmp_path):
+    """q and k with biases, v without: the key's bias is not every member's, so none is written rather than a wrong one."""
+    import copy
+
+    base = copy.deepcopy(_base("param2moe"))
+    base.model.layers[0].self_attn.v_proj.bias = None
+    model = quantized(base, weight_only(ql.MXFP8_DEFAULT_CFG))
+    with pytest.raises(ExportError, match=r"q_proj.weight_quantizer, .*v_proj.weight_quantizer: their bias is not saved as "
+                                          r"model.layers.0.attention.query_key_value.bias of all of them"):
+        export_checkpoint(model, tmp_path / "c", "modelopt_mxfp8")
+    assert not (tmp_path / "c").exists()
