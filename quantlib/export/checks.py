@@ -8,6 +8,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from ..formats import FormatSpec, Kind
+from ..formats.spec import describe
 from ..nn.bypass import read_directly
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
@@ -230,3 +231,33 @@ def refuse_unwritten(module: nn.Module, name: str) -> None:
             raise ExportError(f"{name}.{qname} is enabled, and the export has no layout for a quantized {type(module).__name__} "
                               f"({params}): its weights would be written unquantized, unlike the model's. Disable its quantizers "
                               f"(quantlib.disable_quantizer(model, '*{name.rpartition('.')[2]}*')) to export them unquantized")
+
+
+#: config.model_type -> the projections whose rows vLLM's loader interleaves within each head for its rotary embedding
+#: (its Llama-4 ``permute_qk_weight_for_rotary``: the weight's rows, and a ``weight_scale`` with one row per weight row)
+ROTARY_PERMUTED = {"llama4": ("q_proj", "k_proj"), "llama4_text": ("q_proj", "k_proj")}
+#: formats whose 2-D block scale vLLM tries to permute as if it had a row per weight row (it fails at load)
+_SCALE_PERMUTED = ("ct_fp8_block", "modelopt_fp8_pb")
+
+
+def refuse_permuted_blocks(items: list, packer, model: nn.Module) -> None:
+    """Refuses q / k weights of a family whose vLLM loader interleaves each head's rows (Llama-4) in 2-D block scales it
+    cannot follow: a head wider than a block moves rows into another block's scale (silently wrong), and the formats
+    whose block scale it permutes too fail at load."""
+    cfg = getattr(model, "config", None)
+    leaves = ROTARY_PERMUTED.get(getattr(cfg, "model_type", None), ())
+    for it in items:
+        spec = it.spec
+        if it.leaf not in leaves or spec is None or spec.block is None or len(spec.block) != 2:
+            continue
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        fmt = packer.member_for(spec).fmt.value
+        if spec.block[0] % head_dim:
+            why = f"a head of {head_dim} rows spans {spec.block[0]}-row blocks, so rows would move under another block's scale"
+        elif fmt in _SCALE_PERMUTED:
+            why = f"it permutes {fmt}'s block scale as if it had a row per weight row, and fails at load"
+        else:
+            continue
+        raise ExportError(f"{it.where} = {describe(spec)}: vLLM's loader of config.model_type {cfg.model_type!r} interleaves the rows "
+                          f"of each head of {'/'.join(leaves)} for its rotary embedding, and {why}; quantize {it.leaf} per row (MX, NVFP4, "
+                          "INT, FP8 per channel) or in hf_fp8_block with blocks a whole number of heads, or disable it")

@@ -19,7 +19,7 @@ from ..nn.containers import SequentialQuantizer
 from ..nn.quant_module import QuantModule
 from ..nn.tensor_quantizer import TensorQuantizer
 from .built_rows import refuse_unread_rows
-from .checks import check_structure, refuse_unwritten, stored_fused, whole_experts_off
+from .checks import check_structure, refuse_permuted_blocks, refuse_unwritten, stored_fused, whole_experts_off
 from .fold import plan_folds
 from .fold_experts import fused_experts_class, part_name
 from .items import Item, active_input, child, live, refuse_pre_quant_scale, row_part
@@ -418,6 +418,7 @@ def make_plan(model: nn.Module, packer: Packer, layout: ModelLayout, *, unify_si
     items = walk(model, layout, mw, packer.stores_fused_experts, None if stacks is None else (stacks, packer), folds.out)
     _refuse_misread_keys(items, packer, model_type)
     refuse_unread_rows(items, packer)
+    refuse_permuted_blocks(items, packer, model)
     moved = moved_sources(layout)
     folds.apply(items, [k.rpartition(".")[0] for k in moved])  # the moved tensors took their folds at the source
     refused = None
