@@ -246,11 +246,13 @@ def refuse_permuted_blocks(items: list, packer, model: nn.Module) -> None:
     whose block scale it permutes too fail at load."""
     cfg = getattr(model, "config", None)
     leaves = ROTARY_PERMUTED.get(getattr(cfg, "model_type", None), ())
+    if not leaves:
+        return
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for it in items:
         spec = it.spec
         if it.leaf not in leaves or spec is None or spec.block is None or len(spec.block) != 2:
             continue
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         fmt = packer.member_for(spec).fmt.value
         if spec.block[0] % head_dim:
             why = f"a head of {head_dim} rows spans {spec.block[0]}-row blocks, so rows would move under another block's scale"

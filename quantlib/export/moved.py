@@ -76,8 +76,10 @@ class Moved:
     def _order(self, key: str) -> Optional[tuple[str, ...]]:
         if key not in self._orders:
             srcs = self.built[key][0]
-            rows = {s: self.model.get_submodule(s.rpartition(".")[0]).weight.shape[0] for s in srcs}
-            self._orders[key] = row_order(self.model, key, srcs, rows) if all(map(self._quantized, srcs)) else None
+            self._orders[key] = None
+            if all(map(self._quantized, srcs)):  # only then is every source a module's weight, with rows to count
+                rows = {s: self.model.get_submodule(s.rpartition(".")[0]).weight.shape[0] for s in srcs}
+                self._orders[key] = row_order(self.model, key, srcs, rows)
         return self._orders[key]
 
     def add_rows(self, key: str, item: Item, name: str) -> Optional[Item]:
