@@ -224,6 +224,21 @@ MOVED = ((".mlp.gate.", ".mlp.experts.gate."), (".experts.", ".experts.routed_ex
 A16_UNFED = re.compile(r"^vLLM \S+\.(w13_|w2_)?input(_global)?_scale: \d+/\d+ entries filled by no checkpoint tensor$")
 
 
+def kv_scales(ckpt: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> tuple[int, int, list[str]]:
+    """(K / V scales stored, K / V scales vLLM's attention layers hold, the stored ones vLLM does not hold as written): each
+    ``<layer>.self_attn[.k_proj].k_scale`` against vLLM's ``<layer>.self_attn.attn.k_scale``, positive, equal up to vLLM's
+    bf16 rounding of ModelOpt's (2^-8 relative)."""
+    stored = {k: t for k, t in ckpt.items() if k.endswith(("k_scale", "v_scale"))}
+    loaded = {k: t for k, t in params.items() if k.endswith((".attn.k_scale", ".attn.v_scale"))}
+    bad = []
+    for key, t in stored.items():
+        name = f"{key.split('.self_attn.')[0]}.self_attn.attn.{key.rpartition('.')[2]}"
+        got = loaded.get(name)
+        if got is None or not (float(t) > 0 and torch.allclose(got.float(), t.float(), rtol=2**-8, atol=0)):
+            bad.append(f"{key} = {float(t)}: vLLM {name} = {None if got is None else float(got)}")
+    return len(stored), len(loaded), bad
+
+
 def mismatches(ckpt: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> list[str]:
     """Every checkpoint tensor that vLLM's parameters do not hold as stored (by meaning: E8M0 bytes are
     powers of two), and every parameter part that no checkpoint tensor filled, as readable lines."""

@@ -17,7 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 from quantlib.export import sync_pairs  # noqa: E402
 from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_vllm._models import CONFIGS, FAMILIES, WHOLE_EXPERTS  # noqa: E402
-from tests.test_vllm._vllm import export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
+from tests.test_vllm._vllm import export, kv_scales, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
 
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "ernie4_5_moe")
 #: (format, family) whose MoE layer vLLM 0.32 cannot build on the CPU (its Int8 / WNA16 MoE oracles find no kernel for
@@ -148,10 +148,5 @@ def test_kv_cache_scales_reach_vllm_attention(bases, tmp_path, monkeypatch, fmt,
     pretend_kernels(monkeypatch)
     params = load_params(tmp_path / "c")
     ckpt = {k: v for f in sorted((tmp_path / "c").glob("*.safetensors")) for k, v in load_file(f).items()}
-    stored = {k: v for k, v in ckpt.items() if k.endswith(("k_scale", "v_scale"))}
-    loaded = {k: v for k, v in params.items() if k.endswith((".attn.k_scale", ".attn.v_scale"))}
-    assert len(stored) == len(loaded) == 4, (sorted(stored), sorted(loaded))
-    for key, t in stored.items():
-        layer, kv = key.split(".self_attn.")[0], key.rpartition(".")[2]
-        got = loaded[f"{layer}.self_attn.attn.{kv}"]
-        assert float(t) > 0 and torch.allclose(got.float(), t.float(), rtol=2**-8, atol=0), (key, float(t), float(got))
+    stored, loaded, bad = kv_scales(ckpt, params)
+    assert stored == loaded == 4 and bad == [], (stored, loaded, bad)

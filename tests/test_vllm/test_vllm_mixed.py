@@ -15,7 +15,15 @@ from quantlib.export import ExportError, sync_pairs  # noqa: E402
 from tests.test_export._export_models import quantized  # noqa: E402
 from tests.test_export.test_mixed import FP8_BLOCK, INT4, NVFP4, _cfg  # noqa: E402
 from tests.test_vllm._models import FAMILIES  # noqa: E402
-from tests.test_vllm._vllm import A16_UNFED, export, load_params, mismatches, pretend_kernels, unequal_params  # noqa: E402
+from tests.test_vllm._vllm import (  # noqa: E402
+    A16_UNFED,
+    export,
+    kv_scales,
+    load_params,
+    mismatches,
+    pretend_kernels,
+    unequal_params,
+)
 
 MXFP8 = {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}}
 FP8 = {"num_bits": (4, 3), "axis": None}
@@ -91,10 +99,8 @@ def test_fp8_kv_cache_scales_of_a_mixed_export_reach_vllm_attention(bases, tmp_p
     pretend_kernels(monkeypatch)
     params = load_params(tmp_path / "c")
     ckpt = load_file(tmp_path / "c" / "model.safetensors")
-    stored = {k.split(".self_attn.")[0] + k[-8:]: t for k, t in ckpt.items() if k.endswith(("k_scale", "v_scale"))}
-    loaded = {k.split(".self_attn.")[0] + k[-8:]: t for k, t in params.items() if k.endswith((".attn.k_scale", ".attn.v_scale"))}
-    assert len(stored) == 4 and stored.keys() == loaded.keys()
-    assert all(float(t) > 0 and abs(float(loaded[k]) - float(t)) <= 2**-8 * float(t) for k, t in stored.items())
+    stored, loaded, bad = kv_scales(ckpt, params)
+    assert stored == loaded == 4 and bad == [], (stored, loaded, bad)
 
 
 def test_vllm_reads_no_nvfp4_kv_cache_from_a_mixed_config():
