@@ -11,6 +11,10 @@ import torch
 
 pytest.importorskip("transformers")
 import transformers.core_model_loading as cml  # noqa: E402
+
+# save_pretrained binds revert_weight_conversion when modeling_utils is first imported: imported here, before the fixture
+# patches it, so the fake save never leaks into a later test's save_pretrained
+import transformers.modeling_utils  # noqa: E402, F401
 from safetensors.torch import load_file  # noqa: E402
 
 import quantlib as ql  # noqa: E402
